@@ -1,0 +1,22 @@
+# Installs the header, both libraries, a pkg-config file and a CMake package so that an engine can
+# `find_package(kvalloc)` and link `kvalloc::kvalloc`, or use `pkg-config --libs kvalloc`.
+include(CMakePackageConfigHelpers)
+
+install(TARGETS kvalloc kvalloc_static EXPORT kvallocTargets
+  LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+  INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES libkvalloc/include/kvalloc.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(EXPORT kvallocTargets NAMESPACE kvalloc:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
+
+configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/kvallocConfig.cmake.in
+  ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfig.cmake
+  INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/kvallocConfigVersion.cmake
+  COMPATIBILITY SameMajorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfig.cmake
+              ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfigVersion.cmake
+        DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
+
+configure_file(${CMAKE_CURRENT_LIST_DIR}/kvalloc.pc.in ${CMAKE_CURRENT_BINARY_DIR}/kvalloc.pc @ONLY)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvalloc.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

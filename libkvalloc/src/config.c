@@ -1,0 +1,66 @@
+/*
+ * config.c — defaults and validation of kva_config.
+ */
+#include <string.h>
+
+#include "config.h"
+
+#define MIN_BLOCK_LOW ((size_t)256)
+#define MIN_BLOCK_HIGH ((size_t)1 << 30)
+#define CHUNK_LOW ((size_t)64 << 10)
+#define CHUNK_HIGH ((size_t)64 << 20) /* the slab reciprocal is exact below 2^26 bytes */
+
+void kva_config_init(kva_config *cfg) {
+    if (!cfg) return;
+    *cfg = (kva_config){
+        .capacity = (size_t)64 << 20,
+        .min_block = 4096,
+        .slab_chunk = (size_t)2 << 20,
+        .name = NULL,
+        .pages = KVA_PAGES_AUTO,
+        .prefault = 0,
+    };
+}
+
+static int valid_name(const char *name) {
+    size_t len = strnlen(name, KVA_NAME_MAX + 1);
+    if (len == 0 || len > KVA_NAME_MAX) return 0;
+    for (size_t i = 0; i < len; i++) {
+        char ch = name[i];
+        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
+                 ch == '_' || ch == '-' || ch == '.';
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
+    if (!cfg) return kva_fail(KVA_ERR_INVALID, "config is NULL");
+    if (!kva_is_pow2(cfg->min_block) || cfg->min_block < MIN_BLOCK_LOW || cfg->min_block > MIN_BLOCK_HIGH)
+        return kva_fail(KVA_ERR_INVALID, "min_block %zu is not a power of two in [%zu, %zu]",
+                        cfg->min_block, MIN_BLOCK_LOW, MIN_BLOCK_HIGH);
+    if (!kva_is_pow2(cfg->slab_chunk) || cfg->slab_chunk < CHUNK_LOW || cfg->slab_chunk > CHUNK_HIGH)
+        return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is not a power of two in [%zu, %zu]",
+                        cfg->slab_chunk, CHUNK_LOW, CHUNK_HIGH);
+    if (cfg->slab_chunk < cfg->min_block)
+        return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is smaller than min_block %zu", cfg->slab_chunk,
+                        cfg->min_block);
+    if (cfg->capacity < cfg->min_block)
+        return kva_fail(KVA_ERR_INVALID, "capacity %zu is below one block of %zu bytes", cfg->capacity,
+                        cfg->min_block);
+    unsigned min_shift = kva_log2(cfg->min_block);
+    size_t nblocks = cfg->capacity >> min_shift;
+    /* Block indices are u32 with UINT32_MAX reserved as "none". */
+    if (nblocks >= KVA_NIL)
+        return kva_fail(KVA_ERR_INVALID, "capacity %zu needs %zu blocks of %zu bytes; at most %u fit",
+                        cfg->capacity, nblocks, cfg->min_block, KVA_NIL - 1);
+    if (cfg->pages < KVA_PAGES_AUTO || cfg->pages > KVA_PAGES_SMALL)
+        return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
+    if (cfg->name && !valid_name(cfg->name))
+        return kva_fail(KVA_ERR_INVALID, "pool name must be 1..%d characters of [A-Za-z0-9_.-]", KVA_NAME_MAX);
+    out->min_shift = min_shift;
+    out->nblocks = (uint32_t)nblocks;
+    out->capacity = nblocks << min_shift;
+    out->chunk_shift = kva_log2(cfg->slab_chunk);
+    return KVA_OK;
+}

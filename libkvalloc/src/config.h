@@ -1,0 +1,19 @@
+/*
+ * config.h — validation of a kva_config into the derived geometry a pool is built from.
+ */
+#ifndef KVA_CONFIG_H
+#define KVA_CONFIG_H
+
+#include "internal.h"
+
+typedef struct kva_geometry {
+    size_t capacity;       /* bytes managed: config capacity rounded down to min_block */
+    uint32_t nblocks;      /* minimum blocks */
+    unsigned min_shift;
+    unsigned chunk_shift;
+} kva_geometry;
+
+/* Checks every field of cfg; KVA_ERR_INVALID naming the first bad one, else fills *out. */
+kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out);
+
+#endif

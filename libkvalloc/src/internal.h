@@ -1,0 +1,32 @@
+/*
+ * internal.h — small helpers shared by every file of the library. Nothing here is public.
+ */
+#ifndef KVA_INTERNAL_H
+#define KVA_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvalloc.h"
+
+#define kva_likely(x) __builtin_expect(!!(x), 1)
+#define kva_unlikely(x) __builtin_expect(!!(x), 0)
+#define KVA_NOINLINE __attribute__((noinline))
+#define KVA_INLINE static inline __attribute__((always_inline))
+
+/* The "no index" value of every u32 index list. */
+#define KVA_NIL UINT32_MAX
+
+KVA_INLINE int kva_is_pow2(size_t x) { return x != 0 && (x & (x - 1)) == 0; }
+KVA_INLINE unsigned kva_log2(size_t x) { return 63u - (unsigned)__builtin_clzll((unsigned long long)x); }
+KVA_INLINE unsigned kva_ctz64(uint64_t x) { return (unsigned)__builtin_ctzll(x); }
+
+/*
+ * Records why the calling thread's current call failed (kva_last_error) and returns status,
+ * so error paths read `return kva_fail(KVA_ERR_INVALID, "min_block %zu ...", v);`.
+ * Cold by construction: only error paths call it.
+ */
+kva_status kva_fail(kva_status status, const char *fmt, ...)
+    __attribute__((format(printf, 2, 3), cold, noinline));
+
+#endif

@@ -1,0 +1,213 @@
+/*
+ * pool.c — the front door: create and destroy, kva_alloc routes by size, kva_free finds the
+ * owner of an address.
+ *
+ * Routing: sizes 1 .. KVA_SLAB_MAX_SIZE go to their slab class; larger ones to a buddy block.
+ * To free, the address's chunk descriptor says whether it is a slab (one shift and one load);
+ * otherwise the minimum block's record must be the head of a live buddy block.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "config.h"
+#include "pool.h"
+
+void kva_pool_destroy(kva_pool *pool) {
+    if (!pool) return;
+    kva_slabs_fini(&pool->slabs);
+    kva_buddy_fini(&pool->buddy);
+    kva_region_unmap(&pool->region);
+    free(pool);
+}
+
+kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
+    kva_geometry geo;
+    kva_status st = kva_config_validate(cfg, &geo);
+    if (st != KVA_OK) return st;
+    if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
+
+    kva_pool *pool = calloc(1, sizeof *pool);
+    if (!pool) return kva_fail(KVA_ERR_NOMEM, "no host memory for the pool descriptor");
+    pool->capacity = geo.capacity;
+    pool->config = *cfg;
+    pool->config.name = NULL;
+    if (cfg->name) {
+        memcpy(pool->name, cfg->name, strlen(cfg->name) + 1);
+        pool->config.name = pool->name;
+    }
+
+    st = kva_buddy_init(&pool->buddy, geo.nblocks, geo.min_shift);
+    if (st != KVA_OK) goto fail_pool;
+    st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift);
+    if (st != KVA_OK) goto fail_buddy;
+
+    pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
+    size_t alignment = pool->max_alloc_size > cfg->slab_chunk ? pool->max_alloc_size : cfg->slab_chunk;
+    st = kva_region_map(geo.capacity, alignment, cfg->pages, cfg->prefault, &pool->region);
+    if (st != KVA_OK) goto fail_slabs;
+    pool->base = pool->region.base;
+    *out = pool;
+    return KVA_OK;
+
+fail_slabs:
+    kva_slabs_fini(&pool->slabs);
+fail_buddy:
+    kva_buddy_fini(&pool->buddy);
+fail_pool:
+    free(pool);
+    return st;
+}
+
+/* ---- allocation ---------------------------------------------------------------------------- */
+
+static kva_status reject(kva_pool *pool, kva_status status) {
+    pool->rejected_calls++;
+    return status;
+}
+
+/* A buddy block for size bytes (size already validated against max_alloc_size). */
+static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
+    unsigned order = kva_buddy_order_for(&pool->buddy, size);
+    uint32_t head = kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
+    if (head == KVA_NIL) {
+        pool->alloc_failures++;
+        return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for a request of %zu (%zu bytes free)",
+                        (size_t)1 << (order + pool->buddy.min_shift), size,
+                        (size_t)pool->buddy.free_units << pool->buddy.min_shift);
+    }
+    pool->alloc_count++;
+    *out = pool->base + ((size_t)head << pool->buddy.min_shift);
+    return KVA_OK;
+}
+
+/* An object of class c; when no chunk is left for a new slab, a buddy block serves the request
+ * so that it fails only if the pool as a whole cannot hold it. */
+static kva_status alloc_object(kva_pool *pool, unsigned c, size_t size, void **out) {
+    uint64_t offset;
+    if (kva_likely(kva_slab_alloc(&pool->slabs, &pool->buddy, c, &offset))) {
+        pool->alloc_count++;
+        *out = pool->base + offset;
+        return KVA_OK;
+    }
+    return alloc_block(pool, size, out);
+}
+
+static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void **out) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    if (!out) return reject(pool, kva_fail(KVA_ERR_INVALID, "out is NULL"));
+    if (size == 0) return reject(pool, kva_fail(KVA_ERR_INVALID, "size 0"));
+    if (size > pool->max_alloc_size)
+        return reject(pool, kva_fail(KVA_ERR_INVALID, "size %zu exceeds the largest block this pool can hold (%zu)",
+                                     size, pool->max_alloc_size));
+    if (size <= KVA_SLAB_MAX_SIZE) return alloc_object(pool, kva_class_index(size), size, out);
+    return alloc_block(pool, size, out);
+}
+
+kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
+    /* Hot path: a valid small request. size - 1 wraps for 0, which then takes the checked path. */
+    if (kva_likely(pool != NULL && out != NULL && size - 1 < KVA_SLAB_MAX_SIZE))
+        return alloc_object(pool, kva_class_index(size), size, out);
+    return alloc_checked(pool, size, out);
+}
+
+kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    if (!kva_is_pow2(alignment) || alignment > pool->max_alloc_size)
+        return reject(pool, kva_fail(KVA_ERR_INVALID, "alignment %zu is not a power of two up to %zu",
+                                     alignment, pool->max_alloc_size));
+    if (!out || size == 0 || size > pool->max_alloc_size) return alloc_checked(pool, size, out);
+    if (size <= KVA_SLAB_MAX_SIZE) {
+        /* The smallest class at least as large whose size is a multiple of the alignment: slabs
+         * start chunk-aligned, so each of its objects is aligned too. */
+        for (unsigned c = kva_class_index(size); c < KVA_NUM_SIZE_CLASSES; c++)
+            if (kva_class_size(c) % alignment == 0) return alloc_object(pool, c, kva_class_size(c), out);
+    }
+    size_t need = size > alignment ? size : alignment;
+    if (need > pool->max_alloc_size)
+        return reject(pool, kva_fail(KVA_ERR_INVALID, "size %zu at alignment %zu exceeds the largest block (%zu)",
+                                     size, alignment, pool->max_alloc_size));
+    return alloc_block(pool, need, out);
+}
+
+/* ---- free ---------------------------------------------------------------------------------- */
+
+/* Why a non-slab address cannot be freed: it lies in free memory or inside a live block. */
+static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t offset) {
+    uint32_t head = kva_buddy_block_of(&pool->buddy, (uint32_t)(offset >> pool->buddy.min_shift));
+    if (head == KVA_NIL) return kva_fail(KVA_ERR_CORRUPT, "no block contains offset %llu", (unsigned long long)offset);
+    uint64_t head_offset = (uint64_t)head << pool->buddy.min_shift;
+    if (pool->buddy.pages[head].state == KVA_BLOCK_FREE)
+        return kva_fail(KVA_ERR_DOUBLE_FREE, "%p (offset %llu) lies in a free block at offset %llu", ptr,
+                        (unsigned long long)offset, (unsigned long long)head_offset);
+    return kva_fail(KVA_ERR_BAD_POINTER, "%p (offset %llu) is inside the live block at offset %llu", ptr,
+                    (unsigned long long)offset, (unsigned long long)head_offset);
+}
+
+static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr, kva_status slab_status) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    if (!ptr) return reject(pool, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
+    uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+    if (offset >= pool->capacity)
+        return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is outside the pool [%p, %p)", ptr,
+                                     (void *)pool->base, (void *)(pool->base + pool->capacity)));
+    if (slab_status == KVA_ERR_DOUBLE_FREE)
+        return reject(pool, kva_fail(KVA_ERR_DOUBLE_FREE, "slab object %p is already free", ptr));
+    if (slab_status == KVA_ERR_BAD_POINTER)
+        return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is not the start of a slab object", ptr));
+    uint32_t index = (uint32_t)(offset >> pool->buddy.min_shift);
+    int aligned = (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) == 0;
+    if (aligned && pool->buddy.pages[index].state == KVA_BLOCK_USED) {
+        kva_buddy_free(&pool->buddy, index);
+        pool->free_count++;
+        return KVA_OK;
+    }
+    return reject(pool, classify_bad_free(pool, ptr, offset));
+}
+
+kva_status kva_free(kva_pool *pool, void *ptr) {
+    if (kva_likely(pool != NULL)) {
+        uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+        if (kva_likely(offset < pool->capacity)) {
+            uint32_t s = (uint32_t)(offset >> pool->slabs.chunk_shift);
+            if (kva_likely(pool->slabs.slabs[s].cls != KVA_SLAB_NONE)) {
+                uint64_t rel = offset & (((uint64_t)1 << pool->slabs.chunk_shift) - 1);
+                kva_status st = kva_slab_free(&pool->slabs, &pool->buddy, s, rel);
+                if (kva_likely(st == KVA_OK)) {
+                    pool->free_count++;
+                    return KVA_OK;
+                }
+                return free_checked(pool, ptr, st);
+            }
+        }
+    }
+    return free_checked(pool, ptr, KVA_OK);
+}
+
+size_t kva_usable_size(kva_pool *pool, const void *ptr) {
+    if (!pool || !ptr) return 0;
+    uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+    if (offset >= pool->capacity) return 0;
+    uint32_t s = (uint32_t)(offset >> pool->slabs.chunk_shift);
+    const kva_slab *slab = &pool->slabs.slabs[s];
+    if (slab->cls != KVA_SLAB_NONE) {
+        int64_t object = kva_slab_object(&pool->slabs, s, offset & (((uint64_t)1 << pool->slabs.chunk_shift) - 1));
+        if (object < 0 || !kva_slab_is_live(&pool->slabs, s, (uint64_t)object)) return 0;
+        return pool->slabs.classes[slab->cls].size;
+    }
+    if (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) return 0;
+    const kva_page *page = &pool->buddy.pages[offset >> pool->buddy.min_shift];
+    if (page->state != KVA_BLOCK_USED) return 0;
+    return (size_t)1 << (page->order + pool->buddy.min_shift);
+}
+
+kva_status kva_trim(kva_pool *pool) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    kva_slab_trim(&pool->slabs, &pool->buddy);
+    return KVA_OK;
+}
+
+kva_status kva_pool_base(kva_pool *pool, void **base) {
+    if (!pool || !base) return kva_fail(KVA_ERR_INVALID, "pool or base is NULL");
+    *base = pool->base;
+    return KVA_OK;
+}

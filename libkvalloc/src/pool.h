@@ -1,0 +1,33 @@
+/*
+ * pool.h — the pool: a region, the buddy over it and the slabs over the buddy.
+ *
+ * Invariants beyond those of buddy.h and slab.h:
+ *  P1  region.base is aligned to the largest block, so a block of order k is aligned to
+ *      min_block << k in absolute addresses too.
+ *  P2  capacity == buddy.nblocks << buddy.min_shift <= region.length.
+ *  P3  alloc_count - free_count == live slab objects + USED buddy blocks.
+ */
+#ifndef KVA_POOL_H
+#define KVA_POOL_H
+
+#include "buddy.h"
+#include "region.h"
+#include "slab.h"
+
+struct kva_pool {
+    /* Read on every call: kept together at the front. */
+    unsigned char *base;
+    size_t capacity;
+    kva_slabs slabs;
+    kva_buddy buddy;
+    uint64_t alloc_count;
+    uint64_t free_count;
+    uint64_t alloc_failures;
+    uint64_t rejected_calls;
+    size_t max_alloc_size;
+    kva_region region;
+    kva_config config; /* as created; config.name points at name below */
+    char name[KVA_NAME_MAX + 1];
+};
+
+#endif

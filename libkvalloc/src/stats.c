@@ -1,0 +1,54 @@
+/*
+ * stats.c — the stats query. Everything is derived from counters the hot paths already keep,
+ * so asking costs O(orders + classes) and the hot paths pay nothing extra for it.
+ */
+#include "pool.h"
+
+kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
+    if (!pool || !out) return kva_fail(KVA_ERR_INVALID, "pool or out is NULL");
+    const kva_buddy *buddy = &pool->buddy;
+    const kva_slabs *sl = &pool->slabs;
+    kva_stats st = {0};
+    st.capacity = pool->capacity;
+    st.min_block = (size_t)1 << buddy->min_shift;
+    st.slab_chunk = (size_t)1 << sl->chunk_shift;
+    st.max_alloc_size = pool->max_alloc_size;
+    st.num_orders = buddy->num_orders;
+    for (unsigned k = 0; k < buddy->num_orders; k++) st.free_blocks[k] = buddy->free_count[k];
+    st.bytes_free = (size_t)buddy->free_units << buddy->min_shift;
+    st.largest_free = buddy->nonempty ? (size_t)1 << (kva_log2(buddy->nonempty) + buddy->min_shift) : 0;
+    st.fragmentation = st.bytes_free ? 1.0 - (double)st.largest_free / (double)st.bytes_free : 0.0;
+
+    size_t slab_object_bytes = 0, slab_capacity_bytes = 0, bitmap_bytes = 0;
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        const kva_size_class *cls = &sl->classes[c];
+        slab_object_bytes += (size_t)cls->live * cls->size;
+        slab_capacity_bytes += (size_t)cls->slabs * cls->nobj * cls->size;
+        bitmap_bytes += (size_t)cls->slabs * (cls->l0_words + cls->l1_words) * sizeof(uint64_t);
+    }
+    st.slab_count = sl->live_slabs;
+    st.slab_bytes = (size_t)sl->live_slabs << sl->chunk_shift;
+    st.slab_free_bytes = slab_capacity_bytes - slab_object_bytes;
+    size_t block_bytes = (size_t)buddy->used_units << buddy->min_shift;
+    st.bytes_in_use = slab_object_bytes + (block_bytes - st.slab_bytes);
+    st.live_allocations = pool->alloc_count - pool->free_count;
+    st.alloc_count = pool->alloc_count;
+    st.free_count = pool->free_count;
+    st.alloc_failures = pool->alloc_failures;
+    st.rejected_calls = pool->rejected_calls;
+    st.page_kind = pool->region.page_kind;
+    st.page_size = pool->region.page_size;
+    st.metadata_bytes = sizeof *pool + buddy->pages_bytes + sl->slabs_bytes + bitmap_bytes;
+    *out = st;
+    return KVA_OK;
+}
+
+kva_status kva_get_class_stats(kva_pool *pool, unsigned index, kva_class_stats *out) {
+    if (!pool || !out) return kva_fail(KVA_ERR_INVALID, "pool or out is NULL");
+    if (index >= KVA_NUM_SIZE_CLASSES)
+        return kva_fail(KVA_ERR_INVALID, "size class %u out of range (0..%d)", index, KVA_NUM_SIZE_CLASSES - 1);
+    const kva_size_class *cls = &pool->slabs.classes[index];
+    *out = (kva_class_stats){
+        .object_size = cls->size, .objects_per_slab = cls->nobj, .live_objects = cls->live, .slabs = cls->slabs};
+    return KVA_OK;
+}

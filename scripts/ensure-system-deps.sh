@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs the system packages the build and the tests need, when they are missing and we may
+# (root, apt-get present). A fresh machine has python3, gcc and cmake; this adds the rest.
+set -euo pipefail
+missing=()
+command -v pkg-config >/dev/null || missing+=(pkg-config)
+command -v make >/dev/null || missing+=(make)
+python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+[ ${#missing[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
+else
+  echo "missing system packages: ${missing[*]} (install them, or run as root with apt-get)" >&2
+  exit 1
+fi

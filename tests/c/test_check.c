@@ -1,0 +1,101 @@
+/*
+ * test_check.c — kva_check names the first broken invariant. The test reaches into the pool's
+ * metadata through the internal headers (the test-only hook), breaks one invariant at a time,
+ * and restores it: check must report exactly that invariant, then pass again.
+ */
+#include <string.h>
+
+#include "check.h"
+#include "kvalloc.h"
+#include "pool.h"
+
+static kva_pool *pool;
+
+/* Runs kva_check and verifies it names the invariant `code` ("B3", "S2", ...). */
+static void expect_broken(const char *code, int line) {
+    kva_status st = kva_check(pool);
+    const char *msg = kva_last_error();
+    if (st != KVA_ERR_CORRUPT || strncmp(msg, code, strlen(code)) != 0) {
+        fprintf(stderr, "line %d: expected %s broken, got status %d: %s\n", line, code, st, msg);
+        check_failures++;
+    }
+}
+
+#define CORRUPT(code, lvalue, bad)                      \
+    do {                                                \
+        __typeof__(lvalue) saved_ = (lvalue);           \
+        (lvalue) = (bad);                               \
+        expect_broken(code, __LINE__);                  \
+        (lvalue) = saved_;                              \
+        CHECK_STATUS(kva_check(pool), KVA_OK);          \
+    } while (0)
+
+int main(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)16 << 20;
+    cfg.pages = KVA_PAGES_SMALL;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    void *objs[100], *blocks[4];
+    for (int i = 0; i < 100; i++) REQUIRE(kva_alloc(pool, 64, &objs[i]) == KVA_OK);
+    for (int i = 0; i < 4; i++) REQUIRE(kva_alloc(pool, 100000 * (i + 1), &blocks[i]) == KVA_OK);
+    REQUIRE(kva_free(pool, blocks[1]) == KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+
+    kva_buddy *b = &pool->buddy;
+    kva_slabs *sl = &pool->slabs;
+    uint32_t used = (uint32_t)(((unsigned char *)blocks[0] - pool->base) >> b->min_shift);
+    uint32_t slab_chunk = (uint32_t)(((unsigned char *)objs[0] - pool->base) >> sl->chunk_shift);
+    kva_slab *slab = &sl->slabs[slab_chunk];
+    unsigned c = slab->cls;
+    uint64_t *l0 = kva_slab_bitmap(sl, slab_chunk) + sl->classes[c].l1_words;
+    unsigned free_order = kva_ctz64(b->nonempty);
+    uint32_t free_head = b->free_head[free_order];
+
+    CORRUPT("B1", b->pages[used + 1].state, KVA_BLOCK_USED);      /* a stray head inside a block */
+    CORRUPT("B1", b->pages[used].state, KVA_BLOCK_NONE);          /* a block without a head */
+    CORRUPT("B1", b->pages[used].order, (uint8_t)(b->num_orders + 1));
+    CORRUPT("B3", b->pages[free_head].prev, 7);                   /* a broken back link */
+    CORRUPT("B3", b->free_count[free_order], b->free_count[free_order] + 1);
+    CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
+    CORRUPT("B6", b->free_units, b->free_units + 1);
+    CORRUPT("S1", slab->cls, KVA_SLAB_NONE);                      /* the buddy says slab, the slab says no */
+    CORRUPT("S2", l0[0], l0[0] | 1);                              /* a live object marked free */
+    CORRUPT("S2", slab->l2, 0);                                   /* summary disagrees with l1 */
+    CORRUPT("S2", slab->inuse, slab->inuse + 1);
+    CORRUPT("S3", sl->classes[c].partial_head, KVA_NIL);          /* a partial slab on no list */
+    CORRUPT("S4", sl->classes[c].empty_slab, 3);
+    CORRUPT("S5", sl->classes[c].live, sl->classes[c].live + 1);
+    CORRUPT("P2", pool->capacity, pool->capacity + 4096);
+    CORRUPT("P3", pool->alloc_count, pool->alloc_count + 1);
+
+    /* B2: re-tile the 128 KiB block (order 5) at `used` as orders 0, 1, 0 at used, used+1,
+     * used+3: still a tiling, but the order-1 head at an odd index is misaligned. */
+    kva_page saved[4];
+    memcpy(saved, &b->pages[used], sizeof saved);
+    b->pages[used].order = 0;
+    b->pages[used + 1] = (kva_page){.state = KVA_BLOCK_USED, .order = 1};
+    b->pages[used + 3] = (kva_page){.state = KVA_BLOCK_USED, .order = 0};
+    expect_broken("B2", __LINE__);
+    memcpy(&b->pages[used], saved, sizeof saved);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+
+    /* B5: split a free block of order >= 1 into two free halves that were never merged. */
+    uint64_t high = b->nonempty & ~(uint64_t)1;
+    REQUIRE(high != 0);
+    unsigned k = kva_ctz64(high);
+    uint32_t f = b->free_head[k], half = (uint32_t)1 << (k - 1);
+    kva_page saved_f = b->pages[f], saved_h = b->pages[f + half];
+    b->pages[f].order = (uint8_t)(k - 1);
+    b->pages[f + half] = (kva_page){.state = KVA_BLOCK_FREE, .order = (uint8_t)(k - 1)};
+    expect_broken("B5", __LINE__);
+    b->pages[f] = saved_f;
+    b->pages[f + half] = saved_h;
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+
+    /* Everything restored: the pool still works and checks clean. */
+    for (int i = 0; i < 100; i++) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    return CHECK_DONE();
+}

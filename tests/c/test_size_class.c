@@ -1,0 +1,43 @@
+/*
+ * test_size_class.c — the size-class table: range, spacing, the sizes the KV cache needs, and
+ * that every request maps to the smallest class that holds it.
+ */
+#include "check.h"
+#include "kvalloc.h"
+#include "size_class.h"
+
+int main(void) {
+    CHECK(kva_size_class_size(0) == KVA_SLAB_MIN_SIZE);
+    CHECK(kva_size_class_size(KVA_NUM_SIZE_CLASSES - 1) == KVA_SLAB_MAX_SIZE);
+    CHECK(kva_size_class_size(KVA_NUM_SIZE_CLASSES) == 0);
+
+    int has64 = 0, has4k = 0, has64k = 0;
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        size_t size = kva_size_class_size(c);
+        has64 |= size == 64;
+        has4k |= size == 4096;
+        has64k |= size == 65536;
+        if (c > 0) {
+            size_t prev = kva_size_class_size(c - 1);
+            CHECK(size > prev);
+            /* At most 25% apart: size <= 1.25 * prev. */
+            CHECK(size * 4 <= prev * 5);
+        }
+        CHECK(size % 4 == 0);
+    }
+    CHECK(has64 && has4k && has64k);
+
+    /* Every request size maps to the smallest class holding it. */
+    unsigned expected = 0;
+    for (size_t size = 1; size <= KVA_SLAB_MAX_SIZE; size++) {
+        while (kva_size_class_size(expected) < size) expected++;
+        if (kva_size_class_of(size) != (int)expected) {
+            fprintf(stderr, "size %zu -> class %d, expected %u\n", size, kva_size_class_of(size), expected);
+            check_failures++;
+            break;
+        }
+    }
+    CHECK(kva_size_class_of(0) == -1);
+    CHECK(kva_size_class_of(KVA_SLAB_MAX_SIZE + 1) == -1);
+    return CHECK_DONE();
+}
