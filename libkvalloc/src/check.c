@@ -87,7 +87,8 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_size_c
     uint64_t free_bits = 0;
     for (uint32_t w = 0; w < cls->l0_words; w++) {
         free_bits += (uint64_t)__builtin_popcountll(l0[w]);
-        if ((l0[w] != 0) != ((l1[w >> 6] >> (w & 63)) & 1))
+        int listed = (l1[w >> 6] >> (w & 63)) & 1, claimed = &l0[w] == cls->cur_l0;
+        if ((l0[w] != 0 && !claimed) != listed)
             return BROKEN("S2: slab %u l1 bit %u disagrees with its l0 word", s, w);
     }
     uint32_t tail = cls->nobj % 64;
@@ -120,6 +121,8 @@ static kva_status check_slabs(const kva_pool *pool) {
         if (b->pages[head].order != sl->chunk_order)
             return BROKEN("S1: slab %u sits in a block of order %u, not %u", s, b->pages[head].order, sl->chunk_order);
         const kva_size_class *cls = &sl->classes[slab->cls];
+        if (slab->l0 != kva_slab_bitmap(sl, s) + cls->l1_words)
+            return BROKEN("S1: slab %u's l0 pointer is not inside its own bitmap slot", s);
         if (slab->inuse > cls->nobj) return BROKEN("S2: slab %u has %u of %u objects in use", s, slab->inuse, cls->nobj);
         kva_status st = check_bitmap(sl, s, cls);
         if (st != KVA_OK) return st;
@@ -139,29 +142,44 @@ static kva_status check_slabs(const kva_pool *pool) {
             if (at >= sl->nchunks || sl->slabs[at].cls != c)
                 return BROKEN("S3: partial list of class %u links to %u, not a slab of that class", c, at);
             if (sl->slabs[at].prev != prev) return BROKEN("S3: slab %u on class %u's list has a wrong prev link", at, c);
-            if (sl->slabs[at].inuse >= cls->nobj) return BROKEN("S3: full slab %u is on class %u's partial list", at, c);
+            if (!sl->slabs[at].listed) return BROKEN("S3: slab %u is on class %u's list but not flagged listed", at, c);
             if (++listed[c] > slabs[c]) return BROKEN("S3: class %u's partial list loops", c);
             prev = at;
         }
-        if (cls->partial_tail != prev) return BROKEN("S3: class %u's partial tail is %u, the list ends at %u", c, cls->partial_tail, prev);
+        if (cls->partial_tail != prev)
+            return BROKEN("S3: class %u's partial tail is %u, the list ends at %u", c, cls->partial_tail, prev);
+        if (cls->cur_slab == KVA_NIL ? cls->cur_l0 != &sl->no_word || cls->cur_inuse != &sl->no_inuse
+                                     : (cls->cur_slab >= sl->nchunks || sl->slabs[cls->cur_slab].cls != c ||
+                                        cls->cur_word >= cls->l0_words ||
+                                        cls->cur_l0 != kva_slab_bitmap(sl, cls->cur_slab) + cls->l1_words + cls->cur_word ||
+                                        cls->cur_inuse != &sl->slabs[cls->cur_slab].inuse ||
+                                        cls->cur_offset != ((uint64_t)cls->cur_slab << sl->chunk_shift) +
+                                                               (uint64_t)cls->cur_word * 64 * cls->size))
+            return BROKEN("S6: class %u's current word (slab %u, word %u) is not one of its own", c, cls->cur_slab,
+                          cls->cur_word);
+        if (sl->no_word != 0) return BROKEN("S6: the no_word sentinel was written");
         if (empties[c] > 1) return BROKEN("S4: class %u keeps %u empty slabs", c, empties[c]);
-        if (empties[c] == 0 && cls->empty_slab != KVA_NIL)
-            return BROKEN("S4: class %u names spare %u but has no empty slab", c, cls->empty_slab);
-        if (cls->live != live[c] || cls->slabs != slabs[c])
+        if (cls->empty_slab != KVA_NIL && (cls->empty_slab >= sl->nchunks || sl->slabs[cls->empty_slab].cls != c))
+            return BROKEN("S4: class %u names spare %u, which is not one of its slabs", c, cls->empty_slab);
+        if (cls->allocs - cls->frees != live[c] || cls->slabs != slabs[c])
             return BROKEN("S5: class %u counts %llu live in %u slabs; the slabs hold %llu in %llu", c,
-                          (unsigned long long)cls->live, cls->slabs, (unsigned long long)live[c],
+                          (unsigned long long)(cls->allocs - cls->frees), cls->slabs, (unsigned long long)live[c],
                           (unsigned long long)slabs[c]);
     }
-    /* Every slab that is not full must be listed: count them against the lists. */
+    /* The listed flags must match list membership exactly, and every slab with a free object
+     * must be listed. */
     for (uint32_t s = 0; s < sl->nchunks; s++) {
         const kva_slab *slab = &sl->slabs[s];
-        if (slab->cls != KVA_SLAB_NONE && slab->inuse < sl->classes[slab->cls].nobj) {
-            if (listed[slab->cls] == 0) return BROKEN("S3: slab %u has free objects but is on no partial list", s);
+        if (slab->cls == KVA_SLAB_NONE) continue;
+        if (slab->inuse < sl->classes[slab->cls].nobj && !slab->listed)
+            return BROKEN("S3: slab %u has free objects but is on no partial list", s);
+        if (slab->listed) {
+            if (listed[slab->cls] == 0) return BROKEN("S3: slab %u is flagged listed but is on no list", s);
             listed[slab->cls]--;
         }
     }
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-        if (listed[c]) return BROKEN("S3: class %u's partial list holds a slab with no free object", c);
+        if (listed[c]) return BROKEN("S3: class %u's partial list holds a slab not flagged listed", c);
     if (total != sl->live_slabs) return BROKEN("S5: %u slabs exist, the counter says %u", total, sl->live_slabs);
     return KVA_OK;
 }
@@ -178,11 +196,9 @@ kva_status kva_check(kva_pool *pool) {
     if (st != KVA_OK) return st;
     st = check_slabs(pool);
     if (st != KVA_OK) return st;
-    uint64_t live = used_blocks;
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) live += pool->slabs.classes[c].live;
-    if (pool->alloc_count - pool->free_count != live)
-        return BROKEN("P3: %llu allocations less %llu frees, but %llu allocations are live",
-                      (unsigned long long)pool->alloc_count, (unsigned long long)pool->free_count,
-                      (unsigned long long)live);
+    if (pool->block_allocs - pool->block_frees != used_blocks)
+        return BROKEN("P3: %llu block allocations less %llu frees, but %llu blocks are live",
+                      (unsigned long long)pool->block_allocs, (unsigned long long)pool->block_frees,
+                      (unsigned long long)used_blocks);
     return KVA_OK;
 }

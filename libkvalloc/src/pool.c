@@ -75,7 +75,7 @@ static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
                         (size_t)1 << (order + pool->buddy.min_shift), size,
                         (size_t)pool->buddy.free_units << pool->buddy.min_shift);
     }
-    pool->alloc_count++;
+    pool->block_allocs++;
     *out = pool->base + ((size_t)head << pool->buddy.min_shift);
     return KVA_OK;
 }
@@ -84,8 +84,7 @@ static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
  * so that it fails only if the pool as a whole cannot hold it. */
 static kva_status alloc_object(kva_pool *pool, unsigned c, size_t size, void **out) {
     uint64_t offset;
-    if (kva_likely(kva_slab_alloc(&pool->slabs, &pool->buddy, c, &offset))) {
-        pool->alloc_count++;
+    if (kva_slab_alloc_slow(&pool->slabs, &pool->buddy, c, &offset)) {
         *out = pool->base + offset;
         return KVA_OK;
     }
@@ -104,9 +103,14 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
 }
 
 kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
-    /* Hot path: a valid small request. size - 1 wraps for 0, which then takes the checked path. */
-    if (kva_likely(pool != NULL && out != NULL && size - 1 < KVA_SLAB_MAX_SIZE))
-        return alloc_object(pool, kva_class_index(size), size, out);
+    /* Hot path: a valid small request and a current word with a free object. size - 1 wraps for
+     * 0, which then takes the checked path with everything else. */
+    uint64_t offset;
+    if (kva_likely(pool != NULL && out != NULL && size - 1 < KVA_SLAB_MAX_SIZE &&
+                   kva_slab_alloc_fast(&pool->slabs, kva_class_index(size), &offset))) {
+        *out = pool->base + offset;
+        return KVA_OK;
+    }
     return alloc_checked(pool, size, out);
 }
 
@@ -143,56 +147,48 @@ static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t of
                     (unsigned long long)offset, (unsigned long long)head_offset);
 }
 
-static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr, kva_status slab_status) {
+static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     if (!ptr) return reject(pool, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (offset >= pool->capacity)
         return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is outside the pool [%p, %p)", ptr,
                                      (void *)pool->base, (void *)(pool->base + pool->capacity)));
-    if (slab_status == KVA_ERR_DOUBLE_FREE)
-        return reject(pool, kva_fail(KVA_ERR_DOUBLE_FREE, "slab object %p is already free", ptr));
-    if (slab_status == KVA_ERR_BAD_POINTER)
-        return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is not the start of a slab object", ptr));
+    if (pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)].cls != KVA_SLAB_NONE) {
+        kva_status st = kva_slab_free_slow(&pool->slabs, &pool->buddy, offset);
+        if (st == KVA_ERR_DOUBLE_FREE) return reject(pool, kva_fail(st, "slab object %p is already free", ptr));
+        if (st != KVA_OK) return reject(pool, kva_fail(st, "%p is not the start of a slab object", ptr));
+        return KVA_OK;
+    }
     uint32_t index = (uint32_t)(offset >> pool->buddy.min_shift);
     int aligned = (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) == 0;
     if (aligned && pool->buddy.pages[index].state == KVA_BLOCK_USED) {
         kva_buddy_free(&pool->buddy, index);
-        pool->free_count++;
+        pool->block_frees++;
         return KVA_OK;
     }
     return reject(pool, classify_bad_free(pool, ptr, offset));
 }
 
 kva_status kva_free(kva_pool *pool, void *ptr) {
+    /* Hot path: a live slab object whose slab stays partial. Everything else, errors included,
+     * goes to free_checked, which starts over. */
     if (kva_likely(pool != NULL)) {
         uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
-        if (kva_likely(offset < pool->capacity)) {
-            uint32_t s = (uint32_t)(offset >> pool->slabs.chunk_shift);
-            if (kva_likely(pool->slabs.slabs[s].cls != KVA_SLAB_NONE)) {
-                uint64_t rel = offset & (((uint64_t)1 << pool->slabs.chunk_shift) - 1);
-                kva_status st = kva_slab_free(&pool->slabs, &pool->buddy, s, rel);
-                if (kva_likely(st == KVA_OK)) {
-                    pool->free_count++;
-                    return KVA_OK;
-                }
-                return free_checked(pool, ptr, st);
-            }
-        }
+        if (kva_likely(offset < pool->capacity && kva_slab_free_fast(&pool->slabs, offset))) return KVA_OK;
     }
-    return free_checked(pool, ptr, KVA_OK);
+    return free_checked(pool, ptr);
 }
 
 size_t kva_usable_size(kva_pool *pool, const void *ptr) {
     if (!pool || !ptr) return 0;
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (offset >= pool->capacity) return 0;
-    uint32_t s = (uint32_t)(offset >> pool->slabs.chunk_shift);
-    const kva_slab *slab = &pool->slabs.slabs[s];
+    const kva_slab *slab = &pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)];
     if (slab->cls != KVA_SLAB_NONE) {
-        int64_t object = kva_slab_object(&pool->slabs, s, offset & (((uint64_t)1 << pool->slabs.chunk_shift) - 1));
-        if (object < 0 || !kva_slab_is_live(&pool->slabs, s, (uint64_t)object)) return 0;
-        return pool->slabs.classes[slab->cls].size;
+        kva_object_ref ref;
+        if (!kva_slab_locate(&pool->slabs, offset, &ref) || !kva_slab_is_live(&ref)) return 0;
+        return ref.cls->size;
     }
     if (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) return 0;
     const kva_page *page = &pool->buddy.pages[offset >> pool->buddy.min_shift];

@@ -5,7 +5,7 @@
  *  P1  region.base is aligned to the largest block, so a block of order k is aligned to
  *      min_block << k in absolute addresses too.
  *  P2  capacity == buddy.nblocks << buddy.min_shift <= region.length.
- *  P3  alloc_count - free_count == live slab objects + USED buddy blocks.
+ *  P3  block_allocs - block_frees == the number of USED buddy blocks.
  */
 #ifndef KVA_POOL_H
 #define KVA_POOL_H
@@ -20,8 +20,8 @@ struct kva_pool {
     size_t capacity;
     kva_slabs slabs;
     kva_buddy buddy;
-    uint64_t alloc_count;
-    uint64_t free_count;
+    uint64_t block_allocs;   /* buddy blocks handed out (slab objects count per class) */
+    uint64_t block_frees;
     uint64_t alloc_failures;
     uint64_t rejected_calls;
     size_t max_alloc_size;

@@ -6,8 +6,17 @@
 
 static uint32_t words_for(uint64_t bits) { return (uint32_t)((bits + 63) / 64); }
 
+/* The class has no current word: its fast path then sees a zero word and takes the slow path. */
+static void forget_claim(kva_slabs *sl, kva_size_class *cls) {
+    cls->cur_slab = KVA_NIL;
+    cls->cur_l0 = &sl->no_word;
+    cls->cur_inuse = &sl->no_inuse;
+}
+
 kva_status kva_slabs_init(kva_slabs *sl, const kva_buddy *buddy, size_t capacity, unsigned chunk_shift) {
-    *sl = (kva_slabs){.chunk_shift = chunk_shift, .chunk_order = chunk_shift - buddy->min_shift};
+    *sl = (kva_slabs){.chunk_shift = chunk_shift,
+                      .chunk_mask = ((uint64_t)1 << chunk_shift) - 1,
+                      .chunk_order = chunk_shift - buddy->min_shift};
     sl->nchunks = (uint32_t)((capacity + ((size_t)1 << chunk_shift) - 1) >> chunk_shift);
     size_t chunk = (size_t)1 << chunk_shift;
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
@@ -19,6 +28,7 @@ kva_status kva_slabs_init(kva_slabs *sl, const kva_buddy *buddy, size_t capacity
         cls->l0_words = words_for(cls->nobj);
         cls->l1_words = words_for(cls->l0_words);
         cls->partial_head = cls->partial_tail = cls->empty_slab = KVA_NIL;
+        forget_claim(sl, cls);
         size_t words = (size_t)cls->l0_words + cls->l1_words;
         if (words > sl->slot_words) sl->slot_words = words;
     }
@@ -52,7 +62,8 @@ static void fill_bits(uint64_t *words, uint64_t n) {
     if (n % 64) words[full] = ((uint64_t)1 << (n % 64)) - 1;
 }
 
-uint32_t kva_slab_grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
+/* A new slab for class c at the head of its partial list; KVA_NIL if the buddy has no chunk. */
+static uint32_t grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     uint32_t head = kva_buddy_alloc(buddy, sl->chunk_order, KVA_BLOCK_SLAB);
     if (head == KVA_NIL) return KVA_NIL;
     uint32_t s = head >> sl->chunk_order;
@@ -62,54 +73,125 @@ uint32_t kva_slab_grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     fill_bits(slot + cls->l1_words, cls->nobj);
     fill_bits(slot, cls->l0_words);
     slab->l2 = cls->l1_words == 64 ? ~(uint64_t)0 : ((uint64_t)1 << cls->l1_words) - 1;
+    slab->l0 = slot + cls->l1_words;
     slab->inuse = 0;
     slab->cls = (uint8_t)c;
-    /* A fresh slab goes to the head: the class had no partial slab, so it is the only one. */
     slab->prev = KVA_NIL;
     slab->next = cls->partial_head;
     if (cls->partial_head != KVA_NIL) sl->slabs[cls->partial_head].prev = s;
     else cls->partial_tail = s;
     cls->partial_head = s;
+    slab->listed = 1;
     cls->slabs++;
     sl->live_slabs++;
     return s;
 }
 
+/* Gives up the class's current word: if it still has free objects, l1 and l2 list it again. */
+static void unclaim(kva_slabs *sl, kva_size_class *cls) {
+    if (cls->cur_slab == KVA_NIL) return;
+    if (*cls->cur_l0 != 0) {
+        uint64_t *slot = kva_slab_bitmap(sl, cls->cur_slab);
+        slot[cls->cur_word >> 6] |= (uint64_t)1 << (cls->cur_word & 63);
+        sl->slabs[cls->cur_slab].l2 |= (uint64_t)1 << (cls->cur_word >> 6);
+    }
+    forget_claim(sl, cls);
+}
+
+static void list_push_tail(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
+    kva_slab *slab = &sl->slabs[s];
+    slab->next = KVA_NIL;
+    slab->prev = cls->partial_tail;
+    if (cls->partial_tail != KVA_NIL) sl->slabs[cls->partial_tail].next = s;
+    else cls->partial_head = s;
+    cls->partial_tail = s;
+    slab->listed = 1;
+}
+
+static void list_unlink(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
+    kva_slab *slab = &sl->slabs[s];
+    if (slab->prev != KVA_NIL) sl->slabs[slab->prev].next = slab->next;
+    else cls->partial_head = slab->next;
+    if (slab->next != KVA_NIL) sl->slabs[slab->next].prev = slab->prev;
+    else cls->partial_tail = slab->prev;
+    slab->listed = 0;
+}
+
+/* Claims a word with a free object for class c from the first listed slab that has one. Full
+ * slabs met at the head leave the list here, once each, so the fast path never unlinks. */
+static int claim(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
+    kva_size_class *cls = &sl->classes[c];
+    unclaim(sl, cls);
+    uint32_t s;
+    for (;;) {
+        s = cls->partial_head;
+        if (s == KVA_NIL) {
+            s = grow(sl, buddy, c);
+            if (s == KVA_NIL) return 0;
+        }
+        if (sl->slabs[s].l2 != 0) break;
+        list_unlink(sl, cls, s); /* full: with no word claimed, every free object is listed */
+    }
+    kva_slab *slab = &sl->slabs[s];
+    uint64_t *slot = kva_slab_bitmap(sl, s);
+    unsigned i = kva_ctz64(slab->l2);
+    uint64_t w1 = slot[i];
+    uint32_t word = i * 64 + kva_ctz64(w1);
+    slot[i] = w1 &= w1 - 1;
+    if (w1 == 0) slab->l2 &= slab->l2 - 1;
+    cls->cur_slab = s;
+    cls->cur_word = word;
+    cls->cur_l0 = slab->l0 + word;
+    cls->cur_inuse = &slab->inuse;
+    cls->cur_offset = ((uint64_t)s << sl->chunk_shift) + (uint64_t)word * 64 * cls->size;
+    return 1;
+}
+
+int kva_slab_alloc_slow(kva_slabs *sl, kva_buddy *buddy, unsigned c, uint64_t *offset) {
+    if (!kva_slab_alloc_fast(sl, c, offset)) {
+        if (!claim(sl, buddy, c)) return 0;
+        kva_slab_alloc_fast(sl, c, offset); /* cannot fail: the claimed word has a free object */
+    }
+    return 1;
+}
+
 static void release(kva_slabs *sl, kva_buddy *buddy, uint32_t s) {
     kva_size_class *cls = &sl->classes[sl->slabs[s].cls];
-    kva_partial_unlink(sl, cls, s);
+    if (cls->cur_slab == s) forget_claim(sl, cls);
+    if (sl->slabs[s].listed) list_unlink(sl, cls, s);
     sl->slabs[s].cls = KVA_SLAB_NONE;
     cls->slabs--;
     sl->live_slabs--;
     kva_buddy_free(buddy, s << sl->chunk_order);
 }
 
-void kva_slab_settle(kva_slabs *sl, kva_buddy *buddy, uint32_t s) {
-    kva_slab *slab = &sl->slabs[s];
-    kva_size_class *cls = &sl->classes[slab->cls];
-    if (slab->inuse + 1 == cls->nobj) {
-        /* It was full, so on no list. The tail, not the head: allocation keeps filling the
-         * slabs it is already in, and this one gets the chance to drain. */
-        slab->next = KVA_NIL;
-        slab->prev = cls->partial_tail;
-        if (cls->partial_tail != KVA_NIL) sl->slabs[cls->partial_tail].next = s;
-        else cls->partial_head = s;
-        cls->partial_tail = s;
-    }
+kva_status kva_slab_free_slow(kva_slabs *sl, kva_buddy *buddy, uint64_t offset) {
+    kva_object_ref ref;
+    if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
+    if (!kva_slab_is_live(&ref)) return KVA_ERR_DOUBLE_FREE;
+    kva_slab_mark_free(sl, &ref);
+    kva_slab *slab = &sl->slabs[ref.slab];
+    kva_size_class *cls = ref.cls;
+    slab->inuse--;
+    /* It had no free object, so it may have left the list. The tail, not the head: allocation
+     * keeps filling the slabs it is in, and this one gets the chance to drain. */
+    if (!slab->listed) list_push_tail(sl, cls, ref.slab);
     if (slab->inuse == 0) {
         /* Keep one empty slab per class so a batch that frees everything and allocates again
-         * does not bounce a chunk through the buddy every round. */
-        if (cls->empty_slab == KVA_NIL) cls->empty_slab = s;
-        else release(sl, buddy, s);
+         * does not bounce a chunk through the buddy every round. The spare named may have
+         * filled up since; then this slab becomes the spare instead. */
+        uint32_t spare = cls->empty_slab;
+        if (spare != KVA_NIL && spare != ref.slab && sl->slabs[spare].inuse == 0) release(sl, buddy, ref.slab);
+        else cls->empty_slab = ref.slab;
     }
+    return KVA_OK;
 }
 
 void kva_slab_trim(kva_slabs *sl, kva_buddy *buddy) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_size_class *cls = &sl->classes[c];
-        if (cls->empty_slab == KVA_NIL) continue;
-        uint32_t s = cls->empty_slab;
+        uint32_t spare = cls->empty_slab;
         cls->empty_slab = KVA_NIL;
-        release(sl, buddy, s);
+        if (spare != KVA_NIL && sl->slabs[spare].inuse == 0) release(sl, buddy, spare);
     }
 }

@@ -8,13 +8,24 @@
  *   l2: one bit per l1 word that has a set bit (one word: at most 2^18 objects per slab).
  * so the first free object is three ctz away whatever the slab's size.
  *
+ * Each class claims one l0 word at a time (its "current word") and takes that word's bit out of
+ * l1, so no other search finds it. Allocation then pops the lowest set bit of the current word:
+ * a load, a ctz and a store. The three levels are walked only to claim the next word, once per
+ * 64 objects at most. The l0 bits stay the truth about every object, claimed or not, so a
+ * double free is caught the same way everywhere.
+ *
  * Invariants (kva_check verifies each):
  *  S1  slabs[c].cls != KVA_SLAB_NONE iff the buddy block at chunk c is a SLAB head of chunk order.
- *  S2  popcount(l0) == nobj - inuse; no bit at or beyond nobj is set; every l1 and l2 bit is set
- *      iff the word below it is nonzero.
- *  S3  A slab is on its class's partial list iff inuse < nobj; the list is doubly linked.
- *  S4  At most one slab per class is empty (inuse == 0), and it is that class's empty_slab.
- *  S5  A class's live count equals the sum of inuse over its slabs, and slabs its slab count.
+ *  S2  popcount(l0) == nobj - inuse; no bit at or beyond nobj is set; an l1 bit is set iff its l0
+ *      word is nonzero and not a class's current word; an l2 bit iff its l1 word is nonzero.
+ *  S3  A slab is on its class's partial list iff its listed flag is set; every slab with a free
+ *      object is listed; the list is doubly linked. (A full slab leaves the list lazily, when a
+ *      claim finds it at the head, so the allocation fast path never touches the list.)
+ *  S4  At most one slab per class is empty (inuse == 0), and then it is the class's empty_slab;
+ *      empty_slab is KVA_NIL or a slab of the class (possibly no longer empty: checked lazily).
+ *  S5  A class's allocs - frees equals the sum of inuse over its slabs; slabs is its slab count.
+ *  S6  A class's current word lies in one of its own slabs and cur_offset is that word's first
+ *      object; with no current word, cur_l0 points at the always-zero no_word.
  */
 #ifndef KVA_SLAB_H
 #define KVA_SLAB_H
@@ -29,24 +40,33 @@
 #define KVA_RECIP_SHIFT 42
 
 typedef struct kva_slab {
+    uint64_t *l0;         /* this slab's l0 words (inside its bitmap slot) */
     uint64_t l2;          /* bit i: l1 word i is nonzero */
     uint32_t prev, next;  /* links of the class's partial list */
     uint32_t inuse;       /* live objects */
     uint8_t cls;          /* size class, or KVA_SLAB_NONE if the chunk is not a slab */
-    uint8_t reserved[3];
+    uint8_t listed;       /* on the class's partial list */
+    uint8_t reserved[2];
 } kva_slab;
 
 typedef struct kva_size_class {
+    /* The allocation fast path reads only the first cache line. */
+    uint64_t *cur_l0;       /* the claimed l0 word, or &kva_slabs.no_word */
+    uint32_t *cur_inuse;    /* inuse of the slab holding it (or of a dummy) */
+    uint64_t cur_offset;    /* pool offset of the claimed word's first object */
     uint32_t size;
+    uint32_t cur_slab;      /* the slab holding the claimed word, or KVA_NIL */
     uint32_t nobj;          /* objects per slab */
-    uint64_t recip;         /* ceil-ish reciprocal of size, see KVA_RECIP_SHIFT */
+    uint32_t cur_word;      /* index of the claimed word in its slab's l0 */
+    uint64_t allocs;        /* objects handed out since creation */
+    uint64_t frees;         /* objects returned since creation */
+    uint64_t recip;         /* reciprocal of size, see KVA_RECIP_SHIFT */
     uint32_t l1_words;      /* l1 comes first in a slab's bitmap slot, l0 after it */
     uint32_t l0_words;
-    uint32_t partial_head;  /* slabs with a free object; the head is where allocation goes */
+    uint32_t partial_head;  /* slabs with a free object; claims come from the head */
     uint32_t partial_tail;
-    uint32_t empty_slab;    /* the one empty slab kept as a spare, or KVA_NIL */
+    uint32_t empty_slab;    /* the empty slab kept as a spare, or KVA_NIL (see S4) */
     uint32_t slabs;
-    uint64_t live;          /* live objects in this class */
 } kva_size_class;
 
 typedef struct kva_slabs {
@@ -55,19 +75,24 @@ typedef struct kva_slabs {
     size_t slot_words;
     uint32_t nchunks;       /* descriptors */
     unsigned chunk_shift;
+    uint64_t chunk_mask;    /* chunk size - 1 */
     unsigned chunk_order;   /* the buddy order of one chunk */
     uint32_t live_slabs;
     size_t slabs_bytes, bitmaps_bytes;
+    uint64_t no_word;       /* always 0: the current word of a class that has none */
+    uint32_t no_inuse;      /* what cur_inuse points at then; never read */
     kva_size_class classes[KVA_NUM_SIZE_CLASSES];
 } kva_slabs;
 
 kva_status kva_slabs_init(kva_slabs *sl, const kva_buddy *buddy, size_t capacity, unsigned chunk_shift);
 void kva_slabs_fini(kva_slabs *sl);
 
-/* Slow paths, out of line. grow: a new slab for class c (KVA_NIL if the buddy is exhausted).
- * settle: after a free made slab s partial or empty, fix its list membership. */
-KVA_NOINLINE uint32_t kva_slab_grow(kva_slabs *sl, kva_buddy *buddy, unsigned c);
-KVA_NOINLINE void kva_slab_settle(kva_slabs *sl, kva_buddy *buddy, uint32_t s);
+/* The slow allocation path: claims a new current word for class c (growing a slab if needed),
+ * then allocates from it. 0 if the buddy has no chunk left for a new slab. */
+KVA_NOINLINE int kva_slab_alloc_slow(kva_slabs *sl, kva_buddy *buddy, unsigned c, uint64_t *offset);
+/* The complete free of an object at pool offset `offset` inside slab chunk s: validates, frees,
+ * and keeps the lists right. KVA_ERR_BAD_POINTER or KVA_ERR_DOUBLE_FREE change nothing. */
+KVA_NOINLINE kva_status kva_slab_free_slow(kva_slabs *sl, kva_buddy *buddy, uint64_t offset);
 /* Returns every empty slab to the buddy. */
 void kva_slab_trim(kva_slabs *sl, kva_buddy *buddy);
 
@@ -75,80 +100,76 @@ KVA_INLINE uint64_t *kva_slab_bitmap(const kva_slabs *sl, uint32_t s) {
     return sl->bitmaps + (size_t)s * sl->slot_words;
 }
 
-KVA_INLINE void kva_partial_unlink(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
-    kva_slab *slab = &sl->slabs[s];
-    if (slab->prev != KVA_NIL) sl->slabs[slab->prev].next = slab->next;
-    else cls->partial_head = slab->next;
-    if (slab->next != KVA_NIL) sl->slabs[slab->next].prev = slab->prev;
-    else cls->partial_tail = slab->prev;
+KVA_INLINE uint32_t kva_slab_chunk(const kva_slabs *sl, uint64_t offset) {
+    return (uint32_t)(offset >> sl->chunk_shift);
 }
 
-/* Takes one object of class c; its offset from the pool base goes to *offset. Returns 0 when the
- * buddy has no chunk left. About 30 instructions when the class has a partial slab. */
-KVA_INLINE int kva_slab_alloc(kva_slabs *sl, kva_buddy *buddy, unsigned c, uint64_t *offset) {
-    kva_size_class *cls = &sl->classes[c];
-    uint32_t s = cls->partial_head;
-    if (kva_unlikely(s == KVA_NIL)) {
-        s = kva_slab_grow(sl, buddy, c);
-        if (s == KVA_NIL) return 0;
-    }
-    kva_slab *slab = &sl->slabs[s];
-    uint64_t *slot = kva_slab_bitmap(sl, s);
-    unsigned i = kva_ctz64(slab->l2);
-    uint64_t w1 = slot[i];
-    unsigned word = i * 64 + kva_ctz64(w1);
-    uint64_t *l0 = slot + cls->l1_words + word;
-    uint64_t w0 = *l0;
-    unsigned object = word * 64 + kva_ctz64(w0);
-    *l0 = w0 &= w0 - 1;
-    if (w0 == 0) {
-        slot[i] = w1 &= w1 - 1; /* the lowest set bit of w1 is this word's */
-        if (w1 == 0) slab->l2 &= slab->l2 - 1;
-    }
-    if (s == cls->empty_slab) cls->empty_slab = KVA_NIL;
-    if (++slab->inuse == cls->nobj) kva_partial_unlink(sl, cls, s);
-    cls->live++;
-    *offset = ((uint64_t)s << sl->chunk_shift) + (uint64_t)object * cls->size;
+/* Where an object lives: found from its pool offset. */
+typedef struct kva_object_ref {
+    uint32_t slab;
+    kva_size_class *cls;
+    uint64_t *l0;   /* its l0 word */
+    uint64_t bit;   /* its bit in that word */
+} kva_object_ref;
+
+/* Finds the object that starts at pool offset `offset`, which lies in slab chunk ref->slab (the
+ * caller checked the chunk is a slab). 0 if the offset is not an object's first byte. */
+KVA_INLINE int kva_slab_locate(const kva_slabs *sl, uint64_t offset, kva_object_ref *ref) {
+    uint32_t s = kva_slab_chunk(sl, offset);
+    kva_size_class *cls = (kva_size_class *)&sl->classes[sl->slabs[s].cls];
+    uint64_t rel = offset & sl->chunk_mask;
+    uint64_t object = (rel * cls->recip) >> KVA_RECIP_SHIFT;
+    if (kva_unlikely(object * cls->size != rel || object >= cls->nobj)) return 0;
+    ref->slab = s;
+    ref->cls = cls;
+    ref->l0 = sl->slabs[s].l0 + (object >> 6);
+    ref->bit = (uint64_t)1 << (object & 63);
     return 1;
 }
 
-/* The object index of byte rel of slab s, or -1 if rel is not an object's first byte. */
-KVA_INLINE int64_t kva_slab_object(const kva_slabs *sl, uint32_t s, uint64_t rel) {
-    const kva_size_class *cls = &sl->classes[sl->slabs[s].cls];
-    uint64_t object = (rel * cls->recip) >> KVA_RECIP_SHIFT;
-    if (kva_unlikely(object * cls->size != rel || object >= cls->nobj)) return -1;
-    return (int64_t)object;
-}
+KVA_INLINE int kva_slab_is_live(const kva_object_ref *ref) { return !(*ref->l0 & ref->bit); }
 
-KVA_INLINE int kva_slab_is_live(const kva_slabs *sl, uint32_t s, uint64_t object) {
-    const uint64_t *slot = kva_slab_bitmap(sl, s);
-    uint32_t l1_words = sl->classes[sl->slabs[s].cls].l1_words;
-    return !(slot[l1_words + (object >> 6)] >> (object & 63) & 1);
-}
-
-/* Frees byte rel of slab s (the caller found s from the address). KVA_ERR_BAD_POINTER if rel is
- * not an object's start, KVA_ERR_DOUBLE_FREE if that object is already free; nothing changes
- * then. */
-KVA_INLINE kva_status kva_slab_free(kva_slabs *sl, kva_buddy *buddy, uint32_t s, uint64_t rel) {
-    int64_t found = kva_slab_object(sl, s, rel);
-    if (kva_unlikely(found < 0)) return KVA_ERR_BAD_POINTER;
-    uint64_t object = (uint64_t)found;
-    kva_slab *slab = &sl->slabs[s];
-    kva_size_class *cls = &sl->classes[slab->cls];
-    uint64_t *slot = kva_slab_bitmap(sl, s);
-    uint64_t word = object >> 6, bit = (uint64_t)1 << (object & 63);
-    uint64_t *l0 = slot + cls->l1_words + word;
-    uint64_t w0 = *l0;
-    if (kva_unlikely(w0 & bit)) return KVA_ERR_DOUBLE_FREE;
-    *l0 = w0 | bit;
-    if (w0 == 0) {
+/* Marks a located, live object free in the bitmaps; the caller fixes inuse and the lists. */
+KVA_INLINE void kva_slab_mark_free(kva_slabs *sl, const kva_object_ref *ref) {
+    uint64_t w0 = *ref->l0;
+    *ref->l0 = w0 | ref->bit;
+    if (kva_unlikely(w0 == 0) && ref->l0 != ref->cls->cur_l0) {
+        /* The word has a free object again and is nobody's current word: list it. */
+        uint64_t *slot = kva_slab_bitmap(sl, ref->slab);
+        uint64_t word = (uint64_t)(ref->l0 - sl->slabs[ref->slab].l0);
         slot[word >> 6] |= (uint64_t)1 << (word & 63);
-        slab->l2 |= (uint64_t)1 << (word >> 6);
+        sl->slabs[ref->slab].l2 |= (uint64_t)1 << (word >> 6);
     }
-    cls->live--;
-    uint32_t before = slab->inuse--;
-    if (kva_unlikely(before == cls->nobj || before == 1)) kva_slab_settle(sl, buddy, s);
-    return KVA_OK;
+    ref->cls->frees++;
+}
+
+/* The allocation fast path: pops the lowest free object of class c's current word. 0 when that
+ * word is exhausted (the caller then takes kva_slab_alloc_slow). About 15 instructions. */
+KVA_INLINE int kva_slab_alloc_fast(kva_slabs *sl, unsigned c, uint64_t *offset) {
+    kva_size_class *cls = &sl->classes[c];
+    uint64_t bits = *cls->cur_l0;
+    if (kva_unlikely(bits == 0)) return 0;
+    *cls->cur_l0 = bits & (bits - 1);
+    ++*cls->cur_inuse;
+    cls->allocs++;
+    *offset = cls->cur_offset + (uint64_t)kva_ctz64(bits) * cls->size;
+    return 1;
+}
+
+/* The free fast path for a pool offset known to lie inside the pool: 1 if it freed a slab object
+ * whose slab neither was full nor becomes empty; 0, with nothing changed, in every other case
+ * (not a slab, a bad pointer, a double free, a list transition), for the slow path to sort out. */
+KVA_INLINE int kva_slab_free_fast(kva_slabs *sl, uint64_t offset) {
+    kva_slab *slab = &sl->slabs[kva_slab_chunk(sl, offset)];
+    if (kva_unlikely(slab->cls == KVA_SLAB_NONE)) return 0;
+    kva_object_ref ref;
+    if (kva_unlikely(!kva_slab_locate(sl, offset, &ref))) return 0;
+    /* Fast only while inuse stays within [1, nobj - 1] before and after: 2 <= inuse < nobj. */
+    uint32_t inuse = slab->inuse;
+    if (kva_unlikely(inuse - 2 >= ref.cls->nobj - 2 || !kva_slab_is_live(&ref))) return 0;
+    kva_slab_mark_free(sl, &ref);
+    slab->inuse = inuse - 1;
+    return 1;
 }
 
 #endif

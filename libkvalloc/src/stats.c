@@ -20,9 +20,12 @@ kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
     st.fragmentation = st.bytes_free ? 1.0 - (double)st.largest_free / (double)st.bytes_free : 0.0;
 
     size_t slab_object_bytes = 0, slab_capacity_bytes = 0, bitmap_bytes = 0;
+    uint64_t allocs = pool->block_allocs, frees = pool->block_frees;
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         const kva_size_class *cls = &sl->classes[c];
-        slab_object_bytes += (size_t)cls->live * cls->size;
+        allocs += cls->allocs;
+        frees += cls->frees;
+        slab_object_bytes += (size_t)(cls->allocs - cls->frees) * cls->size;
         slab_capacity_bytes += (size_t)cls->slabs * cls->nobj * cls->size;
         bitmap_bytes += (size_t)cls->slabs * (cls->l0_words + cls->l1_words) * sizeof(uint64_t);
     }
@@ -31,9 +34,9 @@ kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
     st.slab_free_bytes = slab_capacity_bytes - slab_object_bytes;
     size_t block_bytes = (size_t)buddy->used_units << buddy->min_shift;
     st.bytes_in_use = slab_object_bytes + (block_bytes - st.slab_bytes);
-    st.live_allocations = pool->alloc_count - pool->free_count;
-    st.alloc_count = pool->alloc_count;
-    st.free_count = pool->free_count;
+    st.live_allocations = allocs - frees;
+    st.alloc_count = allocs;
+    st.free_count = frees;
     st.alloc_failures = pool->alloc_failures;
     st.rejected_calls = pool->rejected_calls;
     st.page_kind = pool->region.page_kind;
@@ -49,6 +52,6 @@ kva_status kva_get_class_stats(kva_pool *pool, unsigned index, kva_class_stats *
         return kva_fail(KVA_ERR_INVALID, "size class %u out of range (0..%d)", index, KVA_NUM_SIZE_CLASSES - 1);
     const kva_size_class *cls = &pool->slabs.classes[index];
     *out = (kva_class_stats){
-        .object_size = cls->size, .objects_per_slab = cls->nobj, .live_objects = cls->live, .slabs = cls->slabs};
+        .object_size = cls->size, .objects_per_slab = cls->nobj, .live_objects = cls->allocs - cls->frees, .slabs = cls->slabs};
     return KVA_OK;
 }

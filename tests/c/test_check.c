@@ -65,9 +65,9 @@ int main(void) {
     CORRUPT("S2", slab->inuse, slab->inuse + 1);
     CORRUPT("S3", sl->classes[c].partial_head, KVA_NIL);          /* a partial slab on no list */
     CORRUPT("S4", sl->classes[c].empty_slab, 3);
-    CORRUPT("S5", sl->classes[c].live, sl->classes[c].live + 1);
+    CORRUPT("S5", sl->classes[c].allocs, sl->classes[c].allocs + 1);
     CORRUPT("P2", pool->capacity, pool->capacity + 4096);
-    CORRUPT("P3", pool->alloc_count, pool->alloc_count + 1);
+    CORRUPT("P3", pool->block_allocs, pool->block_allocs + 1);
 
     /* B2: re-tile the 128 KiB block (order 5) at `used` as orders 0, 1, 0 at used, used+1,
      * used+3: still a tiling, but the order-1 head at an odd index is misaligned. */
