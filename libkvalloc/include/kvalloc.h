@@ -120,6 +120,13 @@ KVA_API kva_status kva_alloc(kva_pool *pool, size_t size, void **out);
  * slab_chunk). */
 KVA_API kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out);
 
+/* A contiguous range of size bytes rounded up only to min_block (not to a power of two): the
+ * buddy block that holds it is split and the unused tail is free at once (Linux's
+ * alloc_pages_exact). For large regions whose size is not a power of two, such as one layer of a
+ * KV cache. The start is aligned to the power of two above size. Freed with kva_free; its usable
+ * size is the rounded size. Errors as kva_alloc. */
+KVA_API kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out);
+
 /* Frees an allocation; no size is needed. Errors: KVA_ERR_INVALID (NULL pool or ptr),
  * KVA_ERR_DOUBLE_FREE, KVA_ERR_BAD_POINTER. On error nothing changes. */
 KVA_API kva_status kva_free(kva_pool *pool, void *ptr);

@@ -68,15 +68,45 @@ uint32_t kva_buddy_alloc(kva_buddy *buddy, unsigned order, uint8_t state) {
     kva_page *page = &buddy->pages[index];
     page->state = state;
     page->order = (uint8_t)order;
+    page->next = (uint32_t)1 << order;
     uint64_t units = (uint64_t)1 << order;
     buddy->free_units -= units;
     buddy->used_units += units;
     return index;
 }
 
+/* Frees [at, end) as the largest aligned blocks that fit, each merging as far as it can. */
+static void free_range(kva_buddy *buddy, uint32_t at, uint32_t end) {
+    while (at < end) {
+        unsigned fit = kva_log2(end - at), align = kva_ctz64(at | ((uint64_t)1 << 63));
+        unsigned order = fit < align ? fit : align;
+        kva_page *page = &buddy->pages[at];
+        page->state = KVA_BLOCK_USED;
+        page->order = (uint8_t)order;
+        page->next = (uint32_t)1 << order;
+        kva_buddy_free(buddy, at);
+        at += (uint32_t)1 << order;
+    }
+}
+
+uint32_t kva_buddy_alloc_exact(kva_buddy *buddy, unsigned order, uint32_t units) {
+    uint32_t index = kva_buddy_alloc(buddy, order, KVA_BLOCK_USED);
+    if (index == KVA_NIL) return KVA_NIL;
+    uint32_t end = index + ((uint32_t)1 << order);
+    buddy->pages[index].next = units;
+    free_range(buddy, index + units, end);
+    return index;
+}
+
 void kva_buddy_free(kva_buddy *buddy, uint32_t index) {
     kva_page *pages = buddy->pages;
     unsigned order = pages[index].order;
+    uint32_t length = pages[index].next;
+    if (length != (uint32_t)1 << order) {
+        /* An exact allocation: not a buddy block, so free it as the blocks it is made of. */
+        free_range(buddy, index, index + length);
+        return;
+    }
     uint64_t units = (uint64_t)1 << order;
     buddy->used_units -= units;
     buddy->free_units += units;
@@ -101,7 +131,7 @@ uint32_t kva_buddy_block_of(const kva_buddy *buddy, uint32_t index) {
     for (unsigned k = 0; k < buddy->num_orders; k++) {
         uint32_t head = index & ~(((uint32_t)1 << k) - 1);
         const kva_page *page = &buddy->pages[head];
-        if (page->state != KVA_BLOCK_NONE && index - head < ((uint64_t)1 << page->order)) return head;
+        if (page->state != KVA_BLOCK_NONE && index - head < kva_buddy_length(page)) return head;
     }
     return KVA_NIL; /* only reachable when the metadata is corrupt */
 }

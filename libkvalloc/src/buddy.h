@@ -5,9 +5,11 @@
  * array is the model), indexed by offset >> min_shift. The managed memory is never touched.
  *
  * Invariants (kva_check verifies each):
- *  B1  The heads tile [0, nblocks): walking head -> head + (1 << order) from 0 visits every
- *      block exactly once and ends at nblocks. A head is the record of a block's first minimum
- *      block; every other record is KVA_BLOCK_NONE.
+ *  B1  The heads tile [0, nblocks): walking head -> head + length from 0 visits every block
+ *      exactly once and ends at nblocks. A head is the record of a block's first minimum block;
+ *      every other record is KVA_BLOCK_NONE. A free block's length is 1 << order; a USED or
+ *      SLAB block's length is in its `next` field, at most 1 << order (an exact allocation
+ *      keeps the front of its power-of-two block and has given the tail back).
  *  B2  A block of order k starts at an index that is a multiple of 1 << k.
  *  B3  A FREE block of order k is on free list k and on no other; list k is doubly linked
  *      (next->prev == self) and holds exactly free_count[k] blocks.
@@ -28,7 +30,8 @@ enum {
 };
 
 typedef struct kva_page {
-    uint32_t prev, next; /* free-list links, meaningful while state == KVA_BLOCK_FREE */
+    uint32_t prev;       /* free-list link, meaningful while state == KVA_BLOCK_FREE */
+    uint32_t next;       /* FREE: free-list link; USED or SLAB: the length in minimum blocks */
     uint8_t state;
     uint8_t order;
     uint16_t reserved;
@@ -56,9 +59,18 @@ void kva_buddy_fini(kva_buddy *buddy);
  * head index, or KVA_NIL if no free block of that order or above exists. */
 uint32_t kva_buddy_alloc(kva_buddy *buddy, unsigned order, uint8_t state);
 
+/* As kva_buddy_alloc(order, USED), then keeps only the first `units` minimum blocks
+ * (1 <= units <= 1 << order) and frees the rest at once. */
+uint32_t kva_buddy_alloc_exact(kva_buddy *buddy, unsigned order, uint32_t units);
+
 /* Returns the block headed at index (state USED or SLAB, checked by the caller), merging it
  * with free buddies as far as possible. */
 void kva_buddy_free(kva_buddy *buddy, uint32_t index);
+
+/* The length of a block in minimum blocks. */
+KVA_INLINE uint32_t kva_buddy_length(const kva_page *page) {
+    return page->state == KVA_BLOCK_FREE ? (uint32_t)1 << page->order : page->next;
+}
 
 /* The head of the block containing minimum block index (index < nblocks). O(num_orders); for
  * error paths and introspection, not for the hot path. */

@@ -15,8 +15,11 @@ static kva_status check_tiling(const kva_buddy *b, uint64_t *free_units, uint64_
             return BROKEN("B1: minimum block %u should head a block but has state %u", index, page->state);
         if (page->order >= b->num_orders)
             return BROKEN("B1: block %u has order %u, beyond the %u orders", index, page->order, b->num_orders);
-        uint32_t size = (uint32_t)1 << page->order;
-        if (index & (size - 1)) return BROKEN("B2: block %u of order %u is misaligned", index, page->order);
+        uint32_t size = kva_buddy_length(page);
+        if (index & (((uint32_t)1 << page->order) - 1))
+            return BROKEN("B2: block %u of order %u is misaligned", index, page->order);
+        if (size == 0 || size > (uint32_t)1 << page->order)
+            return BROKEN("B1: block %u of order %u has length %u", index, page->order, size);
         if (size > b->nblocks - index) return BROKEN("B1: block %u of order %u runs past the end", index, page->order);
         for (uint32_t inner = index + 1; inner < index + size; inner++)
             if (b->pages[inner].state != KVA_BLOCK_NONE)

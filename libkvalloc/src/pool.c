@@ -133,6 +133,21 @@ kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void
     return alloc_block(pool, need, out);
 }
 
+kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
+    if (!pool || !out || size == 0 || size > pool->max_alloc_size) return alloc_checked(pool, size, out);
+    unsigned order = kva_buddy_order_for(&pool->buddy, size);
+    size_t unit = (size_t)1 << pool->buddy.min_shift;
+    uint32_t units = (uint32_t)((size + unit - 1) / unit);
+    uint32_t head = kva_buddy_alloc_exact(&pool->buddy, order, units);
+    if (head == KVA_NIL) {
+        pool->alloc_failures++;
+        return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for an exact request of %zu", unit << order, size);
+    }
+    pool->block_allocs++;
+    *out = pool->base + ((size_t)head << pool->buddy.min_shift);
+    return KVA_OK;
+}
+
 /* ---- free ---------------------------------------------------------------------------------- */
 
 /* Why a non-slab address cannot be freed: it lies in free memory or inside a live block. */
@@ -193,7 +208,7 @@ size_t kva_usable_size(kva_pool *pool, const void *ptr) {
     if (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) return 0;
     const kva_page *page = &pool->buddy.pages[offset >> pool->buddy.min_shift];
     if (page->state != KVA_BLOCK_USED) return 0;
-    return (size_t)1 << (page->order + pool->buddy.min_shift);
+    return (size_t)page->next << pool->buddy.min_shift;
 }
 
 kva_status kva_trim(kva_pool *pool) {

@@ -48,7 +48,7 @@ kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx) {
     for (uint32_t index = 0; index < buddy->nblocks;) {
         const kva_page *page = &buddy->pages[index];
         uint64_t offset = (uint64_t)index << buddy->min_shift;
-        uint64_t size = (uint64_t)1 << (page->order + buddy->min_shift);
+        uint64_t size = (uint64_t)kva_buddy_length(page) << buddy->min_shift;
         int stop = 0;
         switch (page->state) {
         case KVA_BLOCK_FREE: stop = fn(offset, size, KVA_WALK_FREE, ctx); break;
@@ -57,7 +57,7 @@ kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx) {
         default: return kva_fail(KVA_ERR_CORRUPT, "minimum block %u is not a block head; run kva_check", index);
         }
         if (stop) break;
-        index += (uint32_t)1 << page->order;
+        index += kva_buddy_length(page);
     }
     return KVA_OK;
 }

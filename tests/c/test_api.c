@@ -203,6 +203,39 @@ static void test_no_false_oom(void) {
     kva_pool_destroy(pool);
 }
 
+/* Exact allocations give their tail back at once and take no more than they asked for. */
+static void test_exact(void) {
+    kva_pool *pool = make_pool((size_t)64 << 20, 4096);
+    void *a, *b, *c;
+    size_t three_mib = (size_t)3 << 20;
+    CHECK_STATUS(kva_alloc_exact(pool, three_mib - 100, &a), KVA_OK);
+    CHECK(kva_usable_size(pool, a) == three_mib);
+    CHECK((uintptr_t)a % ((size_t)4 << 20) == 0);
+    kva_stats st;
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.bytes_in_use == three_mib && st.bytes_free == ((size_t)64 << 20) - three_mib);
+    /* The freed tail is the 1 MiB right after it. */
+    CHECK_STATUS(kva_alloc(pool, (size_t)1 << 20, &b), KVA_OK);
+    CHECK((char *)b == (char *)a + three_mib);
+    CHECK_STATUS(kva_free(pool, (char *)a + 4096), KVA_ERR_BAD_POINTER);
+    CHECK_STATUS(kva_free(pool, (char *)a + three_mib - 4096), KVA_ERR_BAD_POINTER);
+    CHECK_STATUS(kva_alloc_exact(pool, 4096 * 5, &c), KVA_OK); /* 5 blocks out of 8 */
+    CHECK(kva_usable_size(pool, c) == 4096 * 5);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK_STATUS(kva_free(pool, a), KVA_OK);
+    CHECK_STATUS(kva_free(pool, a), KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_free(pool, b), KVA_OK);
+    CHECK_STATUS(kva_free(pool, c), KVA_OK);
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.bytes_free == st.capacity && st.largest_free == st.capacity && st.live_allocations == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    void *out = (void *)0x1;
+    CHECK_STATUS(kva_alloc_exact(pool, 0, &out), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_alloc_exact(pool, ((size_t)64 << 20) + 1, &out), KVA_ERR_INVALID);
+    CHECK(out == (void *)0x1);
+    kva_pool_destroy(pool);
+}
+
 typedef struct walk_total {
     uint64_t next_offset, live, free_bytes, objects;
     int gap;
@@ -281,6 +314,7 @@ int main(void) {
     test_fragmentation_stats();
     test_spare_and_trim();
     test_no_false_oom();
+    test_exact();
     test_walk();
     test_config_variants();
     return CHECK_DONE();

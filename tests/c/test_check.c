@@ -55,6 +55,7 @@ int main(void) {
     CORRUPT("B1", b->pages[used + 1].state, KVA_BLOCK_USED);      /* a stray head inside a block */
     CORRUPT("B1", b->pages[used].state, KVA_BLOCK_NONE);          /* a block without a head */
     CORRUPT("B1", b->pages[used].order, (uint8_t)(b->num_orders + 1));
+    CORRUPT("B1", b->pages[used].next, b->pages[used].next * 2); /* longer than its block */
     CORRUPT("B3", b->pages[free_head].prev, 7);                   /* a broken back link */
     CORRUPT("B3", b->free_count[free_order], b->free_count[free_order] + 1);
     CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
@@ -74,8 +75,9 @@ int main(void) {
     kva_page saved[4];
     memcpy(saved, &b->pages[used], sizeof saved);
     b->pages[used].order = 0;
-    b->pages[used + 1] = (kva_page){.state = KVA_BLOCK_USED, .order = 1};
-    b->pages[used + 3] = (kva_page){.state = KVA_BLOCK_USED, .order = 0};
+    b->pages[used].next = 1;
+    b->pages[used + 1] = (kva_page){.state = KVA_BLOCK_USED, .order = 1, .next = 2};
+    b->pages[used + 3] = (kva_page){.state = KVA_BLOCK_USED, .order = 0, .next = 1};
     expect_broken("B2", __LINE__);
     memcpy(&b->pages[used], saved, sizeof saved);
     CHECK_STATUS(kva_check(pool), KVA_OK);

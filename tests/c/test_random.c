@@ -140,9 +140,11 @@ int main(int argc, char **argv) {
         if (do_alloc) {
             size_t size = random_size();
             void *p;
-            int aligned = next_random() % 50 == 0;
+            int aligned = next_random() % 50 == 0, exact = !aligned && size > 65536 && next_random() % 4 == 0;
             size_t alignment = (size_t)1 << random_between(4, 16);
-            kva_status st = aligned ? kva_alloc_aligned(pool, size, alignment, &p) : kva_alloc(pool, size, &p);
+            kva_status st = aligned ? kva_alloc_aligned(pool, size, alignment, &p)
+                            : exact ? kva_alloc_exact(pool, size, &p)
+                                    : kva_alloc(pool, size, &p);
             if (st == KVA_ERR_NOMEM) {
                 /* Justified only if no free block could have held it. */
                 kva_stats s;
