@@ -22,7 +22,8 @@ test-c: build
 
 # The virtual environment holds the package installed in editable mode (scikit-build-core
 # builds libkvalloc into it) and pytest.
-$(VENV)/.installed: pyproject.toml CMakeLists.txt | deps
+# The editable install carries its own build of the library: rebuild it when the C changes.
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard libkvalloc/src/* libkvalloc/include/*) | deps
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e '.[test]'

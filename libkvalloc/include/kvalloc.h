@@ -87,14 +87,40 @@ typedef struct kva_config {
     size_t min_block;    /* smallest buddy block, a power of two in [256 B, 1 GiB].
                             Default 4 KiB. */
     size_t slab_chunk;   /* bytes of one slab, taken from the buddy: a power of two in
-                            [64 KiB, 64 MiB] and at least min_block. Default 2 MiB. */
-    const char *name;    /* optional pool name (copied); NULL for an anonymous pool */
+                            [64 KiB, 64 MiB] and at least min_block. Default 0: automatic,
+                            2 MiB, or less in a pool under 64 MiB (capacity / 32, at least
+                            64 KiB) so that a small pool still holds slabs of many classes. */
+    const char *name;    /* optional pool name (copied); NULL for an anonymous pool. A named
+                            pool publishes live statistics in shared memory (kvalloc_stats.h) */
     kva_page_mode pages; /* default KVA_PAGES_AUTO */
     int prefault;        /* nonzero: take every first-touch page fault at creation */
+    int trace;           /* nonzero (named pools): time every call and record it in the trace
+                            ring. Off by default: then only failed and rejected calls are
+                            recorded, and the fast paths cost nothing extra */
+    unsigned publish_interval_ms; /* named pools: at most this long between publishes while the
+                                     pool is used (default 200); see kva_stats_publish */
 } kva_config;
 
 /* Fills every field of *cfg with its default. */
 KVA_API void kva_config_init(kva_config *cfg);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Version and ABI                                                                            */
+/* ------------------------------------------------------------------------------------------ */
+
+/* "MAJOR.MINOR.PATCH" of the library actually loaded. */
+KVA_API const char *kva_version(void);
+
+typedef enum kva_struct_id {
+    KVA_STRUCT_CONFIG = 1,
+    KVA_STRUCT_STATS = 2,
+    KVA_STRUCT_CLASS_STATS = 3
+} kva_struct_id;
+
+/* sizeof the public struct as this library was built, 0 for an unknown id: a binding that
+ * mirrors the structs checks them before the first call, instead of corrupting memory when it
+ * loads a library of another version. */
+KVA_API size_t kva_struct_size(kva_struct_id which);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Pools                                                                                      */
@@ -116,8 +142,8 @@ KVA_API void kva_pool_destroy(kva_pool *pool);
  * pool can ever hold), KVA_ERR_NOMEM (fits in principle, not now). */
 KVA_API kva_status kva_alloc(kva_pool *pool, size_t size, void **out);
 
-/* As kva_alloc, with the address a multiple of alignment (a power of two no larger than
- * slab_chunk). */
+/* As kva_alloc, with the address a multiple of alignment (a power of two no larger than the
+ * largest block, kva_stats.max_alloc_size). */
 KVA_API kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out);
 
 /* A contiguous range of size bytes rounded up only to min_block (not to a power of two): the
@@ -179,6 +205,15 @@ typedef struct kva_stats {
 } kva_stats;
 
 KVA_API kva_status kva_get_stats(kva_pool *pool, kva_stats *out);
+
+/* Publishes the pool's state to its shared-memory segment now (named pools; a no-op for an
+ * anonymous pool). Publishing also happens by itself from the pool's slow paths, at most every
+ * publish_interval_ms; an engine whose calls all take fast paths calls this now and then (for
+ * example once per scheduler step) to keep the inspector current. */
+KVA_API kva_status kva_stats_publish(kva_pool *pool);
+
+/* The shared-memory name of a named pool's segment ("/kvalloc.<pid>.<name>"), or NULL. */
+KVA_API const char *kva_stats_segment_name(kva_pool *pool);
 
 /* Per size class figures. */
 typedef struct kva_class_stats {

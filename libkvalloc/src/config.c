@@ -9,17 +9,28 @@
 #define MIN_BLOCK_HIGH ((size_t)1 << 30)
 #define CHUNK_LOW ((size_t)64 << 10)
 #define CHUNK_HIGH ((size_t)64 << 20) /* the slab reciprocal is exact below 2^26 bytes */
+#define DEFAULT_CHUNK ((size_t)2 << 20)
 
 void kva_config_init(kva_config *cfg) {
     if (!cfg) return;
     *cfg = (kva_config){
         .capacity = (size_t)64 << 20,
         .min_block = 4096,
-        .slab_chunk = (size_t)2 << 20,
+        .slab_chunk = 0,
         .name = NULL,
         .pages = KVA_PAGES_AUTO,
         .prefault = 0,
+        .trace = 0,
+        .publish_interval_ms = 200,
     };
+}
+
+/* The default slab size: 2 MiB, or capacity / 32 in a small pool so that it can hold slabs of
+ * many size classes at once; never below 64 KiB nor below min_block. */
+static size_t auto_chunk(size_t capacity, size_t min_block) {
+    size_t chunk = DEFAULT_CHUNK;
+    while (chunk > CHUNK_LOW && chunk > capacity / 32) chunk /= 2;
+    return chunk < min_block ? min_block : chunk;
 }
 
 static int valid_name(const char *name) {
@@ -39,12 +50,12 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     if (!kva_is_pow2(cfg->min_block) || cfg->min_block < MIN_BLOCK_LOW || cfg->min_block > MIN_BLOCK_HIGH)
         return kva_fail(KVA_ERR_INVALID, "min_block %zu is not a power of two in [%zu, %zu]",
                         cfg->min_block, MIN_BLOCK_LOW, MIN_BLOCK_HIGH);
-    if (!kva_is_pow2(cfg->slab_chunk) || cfg->slab_chunk < CHUNK_LOW || cfg->slab_chunk > CHUNK_HIGH)
-        return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is not a power of two in [%zu, %zu]",
-                        cfg->slab_chunk, CHUNK_LOW, CHUNK_HIGH);
-    if (cfg->slab_chunk < cfg->min_block)
-        return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is smaller than min_block %zu", cfg->slab_chunk,
-                        cfg->min_block);
+    size_t chunk = cfg->slab_chunk ? cfg->slab_chunk : auto_chunk(cfg->capacity, cfg->min_block);
+    if (!kva_is_pow2(chunk) || chunk < CHUNK_LOW || chunk > CHUNK_HIGH)
+        return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is not a power of two in [%zu, %zu]", chunk, CHUNK_LOW,
+                        CHUNK_HIGH);
+    if (chunk < cfg->min_block)
+        return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is smaller than min_block %zu", chunk, cfg->min_block);
     if (cfg->capacity < cfg->min_block)
         return kva_fail(KVA_ERR_INVALID, "capacity %zu is below one block of %zu bytes", cfg->capacity,
                         cfg->min_block);
@@ -61,6 +72,6 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     out->min_shift = min_shift;
     out->nblocks = (uint32_t)nblocks;
     out->capacity = nblocks << min_shift;
-    out->chunk_shift = kva_log2(cfg->slab_chunk);
+    out->chunk_shift = kva_log2(chunk);
     return KVA_OK;
 }

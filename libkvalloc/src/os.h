@@ -37,4 +37,15 @@ void kva_os_unmap(void *addr, size_t length);
 /* The system's base page size. */
 size_t kva_os_page_size(void);
 
+/* Creates the shared-memory object `name` ("/..."), mode 0600, of length bytes, maps it
+ * read-write and returns the mapping; an object of that name that already exists is replaced
+ * (it can only be a leftover of a dead process with our pid). On failure nothing is left. */
+kva_status kva_os_shm_create(const char *name, size_t length, void **out);
+void kva_os_shm_unlink(const char *name);
+
+uint64_t kva_os_realtime_ns(void);
+uint64_t kva_os_monotonic_ns(void);
+unsigned kva_os_thread_id(void);
+unsigned kva_os_pid(void);
+
 #endif

@@ -2,8 +2,12 @@
  * os_linux.c — the Linux implementation of os.h.
  */
 #include <errno.h>
+#include <fcntl.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "os.h"
@@ -80,3 +84,42 @@ kva_status kva_os_map_metadata(size_t length, void **out) {
 void kva_os_unmap(void *addr, size_t length) {
     if (addr && length) munmap(addr, length);
 }
+
+kva_status kva_os_shm_create(const char *name, size_t length, void **out) {
+    shm_unlink(name);
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    if (fd < 0) return kva_fail(KVA_ERR_BACKEND, "shm_open(%s): %s", name, strerror(errno));
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0) {
+        int err = errno;
+        close(fd);
+        shm_unlink(name);
+        return kva_fail(KVA_ERR_BACKEND, "sizing %s to %zu bytes: %s", name, length, strerror(err));
+    }
+    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int err = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+        shm_unlink(name);
+        return kva_fail(KVA_ERR_BACKEND, "mmap of %s: %s", name, strerror(err));
+    }
+    *out = p;
+    return KVA_OK;
+}
+
+void kva_os_shm_unlink(const char *name) { shm_unlink(name); }
+
+static uint64_t clock_ns(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+uint64_t kva_os_realtime_ns(void) { return clock_ns(CLOCK_REALTIME); }
+uint64_t kva_os_monotonic_ns(void) { return clock_ns(CLOCK_MONOTONIC); }
+/* Cached per thread: the trace path must not make a system call per record. */
+unsigned kva_os_thread_id(void) {
+    static _Thread_local unsigned tid;
+    if (tid == 0) tid = (unsigned)syscall(SYS_gettid);
+    return tid;
+}
+unsigned kva_os_pid(void) { return (unsigned)getpid(); }

@@ -10,10 +10,12 @@
 #include <string.h>
 
 #include "config.h"
+#include "os.h"
 #include "pool.h"
 
 void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
+    kva_segment_close(pool->segment);
     kva_slabs_fini(&pool->slabs);
     kva_buddy_fini(&pool->buddy);
     kva_region_unmap(&pool->region);
@@ -42,19 +44,53 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (st != KVA_OK) goto fail_buddy;
 
     pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
-    size_t alignment = pool->max_alloc_size > cfg->slab_chunk ? pool->max_alloc_size : cfg->slab_chunk;
+    size_t chunk = (size_t)1 << geo.chunk_shift;
+    size_t alignment = pool->max_alloc_size > chunk ? pool->max_alloc_size : chunk;
     st = kva_region_map(geo.capacity, alignment, cfg->pages, cfg->prefault, &pool->region);
     if (st != KVA_OK) goto fail_slabs;
     pool->base = pool->region.base;
+    pool->fast_limit = KVA_SLAB_MAX_SIZE;
+    pool->fast_capacity = pool->capacity;
+    if (cfg->name) {
+        kva_segment_geometry sg = {.nblocks = geo.nblocks, .nchunks = pool->slabs.nchunks};
+        st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pool->segment);
+        if (st != KVA_OK) goto fail_region;
+        if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
+        kva_publish(pool);
+    }
     *out = pool;
     return KVA_OK;
 
+fail_region:
+    kva_region_unmap(&pool->region);
 fail_slabs:
     kva_slabs_fini(&pool->slabs);
 fail_buddy:
     kva_buddy_fini(&pool->buddy);
 fail_pool:
     free(pool);
+    return st;
+}
+
+/* ---- observation: the trace ring, latency histograms and periodic publishing --------------- */
+
+/* A start time when this call is to be timed, UINT64_MAX otherwise. */
+static uint64_t observe_start(const kva_pool *pool) {
+    return pool->segment && pool->segment->trace_all ? kva_os_monotonic_ns() : UINT64_MAX;
+}
+
+/* Records a checked call (every call when tracing; failed and rejected ones always) and
+ * publishes when the interval has passed. Returns st. */
+static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const void *addr, uint64_t size,
+                              uint64_t start) {
+    kva_segment *seg = pool->segment;
+    if (!seg) return st;
+    if (seg->trace_all || st != KVA_OK) {
+        uint64_t latency = start == UINT64_MAX ? UINT64_MAX : kva_os_monotonic_ns() - start;
+        uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;
+        kva_segment_record(seg, op, st, offset, size, latency);
+    }
+    if (kva_segment_due(seg)) kva_publish(pool);
     return st;
 }
 
@@ -65,10 +101,19 @@ static kva_status reject(kva_pool *pool, kva_status status) {
     return status;
 }
 
+/* Empty spare slabs are free memory the buddy cannot see: before a request fails for want of a
+ * block, they go back and the buddy is asked again. Returns whether any went back. */
+static int reclaim_spares(kva_pool *pool) {
+    uint32_t before = pool->slabs.live_slabs;
+    kva_slab_trim(&pool->slabs, &pool->buddy);
+    return pool->slabs.live_slabs != before;
+}
+
 /* A buddy block for size bytes (size already validated against max_alloc_size). */
 static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
     unsigned order = kva_buddy_order_for(&pool->buddy, size);
     uint32_t head = kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
+    if (head == KVA_NIL && reclaim_spares(pool)) head = kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
     if (head == KVA_NIL) {
         pool->alloc_failures++;
         return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for a request of %zu (%zu bytes free)",
@@ -91,8 +136,7 @@ static kva_status alloc_object(kva_pool *pool, unsigned c, size_t size, void **o
     return alloc_block(pool, size, out);
 }
 
-static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void **out) {
-    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+static kva_status alloc_any(kva_pool *pool, size_t size, void **out) {
     if (!out) return reject(pool, kva_fail(KVA_ERR_INVALID, "out is NULL"));
     if (size == 0) return reject(pool, kva_fail(KVA_ERR_INVALID, "size 0"));
     if (size > pool->max_alloc_size)
@@ -102,11 +146,18 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
     return alloc_block(pool, size, out);
 }
 
+static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void **out) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    uint64_t start = observe_start(pool);
+    kva_status st = alloc_any(pool, size, out);
+    return observe_end(pool, KVA_SHM_OP_ALLOC, st, st == KVA_OK ? *out : NULL, size, start);
+}
+
 kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
     /* Hot path: a valid small request and a current word with a free object. size - 1 wraps for
      * 0, which then takes the checked path with everything else. */
     uint64_t offset;
-    if (kva_likely(pool != NULL && out != NULL && size - 1 < KVA_SLAB_MAX_SIZE &&
+    if (kva_likely(pool != NULL && out != NULL && size - 1 < pool->fast_limit &&
                    kva_slab_alloc_fast(&pool->slabs, kva_class_index(size), &offset))) {
         *out = pool->base + offset;
         return KVA_OK;
@@ -114,12 +165,11 @@ kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
     return alloc_checked(pool, size, out);
 }
 
-kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out) {
-    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+static kva_status alloc_aligned_any(kva_pool *pool, size_t size, size_t alignment, void **out) {
     if (!kva_is_pow2(alignment) || alignment > pool->max_alloc_size)
         return reject(pool, kva_fail(KVA_ERR_INVALID, "alignment %zu is not a power of two up to %zu",
                                      alignment, pool->max_alloc_size));
-    if (!out || size == 0 || size > pool->max_alloc_size) return alloc_checked(pool, size, out);
+    if (!out || size == 0 || size > pool->max_alloc_size) return alloc_any(pool, size, out);
     if (size <= KVA_SLAB_MAX_SIZE) {
         /* The smallest class at least as large whose size is a multiple of the alignment: slabs
          * start chunk-aligned, so each of its objects is aligned too. */
@@ -133,12 +183,20 @@ kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void
     return alloc_block(pool, need, out);
 }
 
-kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
-    if (!pool || !out || size == 0 || size > pool->max_alloc_size) return alloc_checked(pool, size, out);
+kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    uint64_t start = observe_start(pool);
+    kva_status st = alloc_aligned_any(pool, size, alignment, out);
+    return observe_end(pool, KVA_SHM_OP_ALLOC_ALIGNED, st, st == KVA_OK ? *out : NULL, size, start);
+}
+
+static kva_status alloc_exact_any(kva_pool *pool, size_t size, void **out) {
+    if (!out || size == 0 || size > pool->max_alloc_size) return alloc_any(pool, size, out);
     unsigned order = kva_buddy_order_for(&pool->buddy, size);
     size_t unit = (size_t)1 << pool->buddy.min_shift;
     uint32_t units = (uint32_t)((size + unit - 1) / unit);
     uint32_t head = kva_buddy_alloc_exact(&pool->buddy, order, units);
+    if (head == KVA_NIL && reclaim_spares(pool)) head = kva_buddy_alloc_exact(&pool->buddy, order, units);
     if (head == KVA_NIL) {
         pool->alloc_failures++;
         return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for an exact request of %zu", unit << order, size);
@@ -146,6 +204,13 @@ kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
     pool->block_allocs++;
     *out = pool->base + ((size_t)head << pool->buddy.min_shift);
     return KVA_OK;
+}
+
+kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    uint64_t start = observe_start(pool);
+    kva_status st = alloc_exact_any(pool, size, out);
+    return observe_end(pool, KVA_SHM_OP_ALLOC_EXACT, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
 /* ---- free ---------------------------------------------------------------------------------- */
@@ -162,8 +227,7 @@ static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t of
                     (unsigned long long)offset, (unsigned long long)head_offset);
 }
 
-static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
-    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+static kva_status free_any(kva_pool *pool, void *ptr) {
     if (!ptr) return reject(pool, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (offset >= pool->capacity)
@@ -185,12 +249,18 @@ static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
     return reject(pool, classify_bad_free(pool, ptr, offset));
 }
 
+static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    uint64_t start = observe_start(pool);
+    return observe_end(pool, KVA_SHM_OP_FREE, free_any(pool, ptr), ptr, 0, start);
+}
+
 kva_status kva_free(kva_pool *pool, void *ptr) {
     /* Hot path: a live slab object whose slab stays partial. Everything else, errors included,
      * goes to free_checked, which starts over. */
     if (kva_likely(pool != NULL)) {
         uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
-        if (kva_likely(offset < pool->capacity && kva_slab_free_fast(&pool->slabs, offset))) return KVA_OK;
+        if (kva_likely(offset < pool->fast_capacity && kva_slab_free_fast(&pool->slabs, offset))) return KVA_OK;
     }
     return free_checked(pool, ptr);
 }
@@ -214,7 +284,7 @@ size_t kva_usable_size(kva_pool *pool, const void *ptr) {
 kva_status kva_trim(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     kva_slab_trim(&pool->slabs, &pool->buddy);
-    return KVA_OK;
+    return observe_end(pool, KVA_SHM_OP_TRIM, KVA_OK, NULL, 0, UINT64_MAX);
 }
 
 kva_status kva_pool_base(kva_pool *pool, void **base) {

@@ -11,13 +11,21 @@
 #define KVA_POOL_H
 
 #include "buddy.h"
+#include "publish.h"
 #include "region.h"
+#include "segment.h"
 #include "slab.h"
 
 struct kva_pool {
     /* Read on every call: kept together at the front. */
     unsigned char *base;
     size_t capacity;
+    /* The fast paths take requests below fast_limit and frees below fast_capacity: normally
+     * KVA_SLAB_MAX_SIZE and capacity, both 0 in a traced pool so that every call reaches the
+     * checked path, which times and records it. The switch costs the fast paths nothing: they
+     * compare with a field instead of a constant. */
+    size_t fast_limit;
+    size_t fast_capacity;
     kva_slabs slabs;
     kva_buddy buddy;
     uint64_t block_allocs;   /* buddy blocks handed out (slab objects count per class) */
@@ -26,6 +34,8 @@ struct kva_pool {
     uint64_t rejected_calls;
     size_t max_alloc_size;
     kva_region region;
+    kva_segment *segment;            /* NULL for an anonymous pool */
+    kva_kv_publisher kv_publisher;   /* set by a KV cache built on this pool */
     kva_config config; /* as created; config.name points at name below */
     char name[KVA_NAME_MAX + 1];
 };

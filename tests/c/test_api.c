@@ -13,6 +13,7 @@ static kva_pool *make_pool(size_t capacity, size_t min_block) {
     kva_config_init(&cfg);
     cfg.capacity = capacity;
     cfg.min_block = min_block;
+    cfg.slab_chunk = (size_t)2 << 20; /* the tests below count in 2 MiB slabs */
     cfg.pages = KVA_PAGES_SMALL;
     kva_pool *pool = NULL;
     REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
@@ -25,7 +26,7 @@ static void test_defaults(void) {
     kva_config_init(&cfg);
     CHECK(cfg.capacity == (size_t)64 << 20);
     CHECK(cfg.min_block == 4096);
-    CHECK(cfg.slab_chunk == (size_t)2 << 20);
+    CHECK(cfg.slab_chunk == 0); /* automatic */
     CHECK(cfg.name == NULL);
     CHECK(cfg.pages == KVA_PAGES_AUTO);
     CHECK(cfg.prefault == 0);
@@ -236,6 +237,43 @@ static void test_exact(void) {
     kva_pool_destroy(pool);
 }
 
+/* The automatic slab size: 2 MiB from 64 MiB up, capacity / 32 below, never under 64 KiB. */
+static void test_auto_slab_chunk(void) {
+    size_t capacities[] = {(size_t)1 << 30, (size_t)64 << 20, (size_t)16 << 20, (size_t)1 << 20, 300 << 10};
+    size_t expected[] = {(size_t)2 << 20, (size_t)2 << 20, (size_t)512 << 10, 64 << 10, 64 << 10};
+    for (size_t i = 0; i < 5; i++) {
+        kva_config cfg;
+        kva_config_init(&cfg);
+        cfg.capacity = capacities[i];
+        cfg.pages = KVA_PAGES_SMALL;
+        kva_pool *pool;
+        REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+        kva_stats st;
+        kva_get_stats(pool, &st);
+        CHECK(st.slab_chunk == expected[i]);
+        kva_pool_destroy(pool);
+    }
+}
+
+/* Spare slabs of many classes may hold every chunk; a request that needs a block then gets the
+ * spares back instead of failing while the pool is all but empty. */
+static void test_spares_do_not_cause_oom(void) {
+    kva_pool *pool = make_pool((size_t)16 << 20, 4096); /* 8 chunks of 2 MiB */
+    for (unsigned c = 0; c < 8; c++) {
+        void *p;
+        CHECK_STATUS(kva_alloc(pool, kva_size_class_size(c * 4 + 4), &p), KVA_OK);
+        CHECK_STATUS(kva_free(pool, p), KVA_OK); /* each class keeps its slab as a spare */
+    }
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    CHECK(st.slab_count == 8 && st.bytes_free == 0 && st.bytes_in_use == 0);
+    void *big, *small;
+    CHECK_STATUS(kva_alloc(pool, (size_t)8 << 20, &big), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 645, &small), KVA_OK); /* a ninth class */
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 typedef struct walk_total {
     uint64_t next_offset, live, free_bytes, objects;
     int gap;
@@ -315,6 +353,8 @@ int main(void) {
     test_spare_and_trim();
     test_no_false_oom();
     test_exact();
+    test_auto_slab_chunk();
+    test_spares_do_not_cause_oom();
     test_walk();
     test_config_variants();
     return CHECK_DONE();

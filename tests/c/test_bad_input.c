@@ -44,6 +44,7 @@ static kva_pool *make_pool(size_t capacity) {
     kva_config cfg;
     kva_config_init(&cfg);
     cfg.capacity = capacity;
+    cfg.slab_chunk = (size_t)2 << 20; /* the slack case below counts in 2 MiB slabs */
     cfg.pages = KVA_PAGES_SMALL;
     kva_pool *pool = NULL;
     REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);

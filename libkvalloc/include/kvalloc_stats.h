@@ -1,0 +1,203 @@
+/*
+ * kvalloc_stats.h — the layout of the live statistics segment a named pool publishes.
+ *
+ * A pool created with a name publishes its state in a POSIX shared-memory object
+ * "/kvalloc.<pid>.<name>" (on Linux the file /dev/shm/kvalloc.<pid>.<name>), mode 0600, removed
+ * when the pool is destroyed and at normal process exit. Any process of the same user can map it
+ * read-only and watch the pool live; the engine never waits for a reader.
+ *
+ * Layout rules, so a reader in any language can parse it without trusting it:
+ *  - Little-endian, every field naturally aligned, no pointers: sections are found through the
+ *    section table by (offset, size) from the start of the segment. A reader bounds-checks
+ *    every offset and size against the segment's real size before using it.
+ *  - A reader accepts the same abi_major; a newer abi_minor only adds fields at the end of a
+ *    struct or new section kinds, which an older reader ignores.
+ *  - Consistency is a sequence lock: the writer makes `sequence` odd, writes, makes it even.
+ *    A reader copies the segment between two reads of `sequence` and keeps the copy only if
+ *    both reads are equal and even; otherwise it retries (a bounded number of times).
+ */
+#ifndef KVALLOC_STATS_H
+#define KVALLOC_STATS_H
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVA_SHM_MAGIC 0x315441545341564bull /* "KVASTAT1" read as a little-endian u64 */
+#define KVA_SHM_ABI_MAJOR 1
+#define KVA_SHM_ABI_MINOR 0
+#define KVA_SHM_MAX_SECTIONS 16
+#define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
+
+/* Capability bits: which sections this writer publishes. */
+enum {
+    KVA_SHM_CAP_SUMMARY = 1u << 0,
+    KVA_SHM_CAP_HEAPMAP = 1u << 1,
+    KVA_SHM_CAP_CLASSES = 1u << 2,
+    KVA_SHM_CAP_SLABS = 1u << 3,
+    KVA_SHM_CAP_ARENAS = 1u << 4,
+    KVA_SHM_CAP_LATENCY = 1u << 5,
+    KVA_SHM_CAP_KV = 1u << 6,
+    KVA_SHM_CAP_TRACE = 1u << 7
+};
+
+/* Section kinds, in the section table. */
+enum {
+    KVA_SHM_SECTION_SUMMARY = 1,
+    KVA_SHM_SECTION_HEAPMAP = 2,
+    KVA_SHM_SECTION_CLASSES = 3,
+    KVA_SHM_SECTION_SLABS = 4,
+    KVA_SHM_SECTION_ARENAS = 5,
+    KVA_SHM_SECTION_LATENCY = 6,
+    KVA_SHM_SECTION_KV = 7,
+    KVA_SHM_SECTION_TRACE = 8
+};
+
+typedef struct kva_shm_section {
+    uint32_t kind;     /* KVA_SHM_SECTION_* ; 0 marks an unused entry */
+    uint32_t reserved;
+    uint64_t offset;   /* bytes from the start of the segment */
+    uint64_t size;     /* bytes */
+} kva_shm_section;
+
+typedef struct kva_shm_header {
+    uint64_t magic;           /* KVA_SHM_MAGIC */
+    uint16_t abi_major;
+    uint16_t abi_minor;
+    uint32_t header_size;     /* sizeof(kva_shm_header) as written */
+    uint64_t capabilities;    /* KVA_SHM_CAP_* */
+    uint64_t sequence;        /* odd while the writer is publishing */
+    uint64_t segment_size;    /* bytes of the whole segment */
+    uint32_t writer_pid;
+    uint32_t section_count;   /* entries used in sections[] */
+    uint64_t start_time_ns;   /* CLOCK_REALTIME when the pool was created */
+    uint64_t heartbeat_ns;    /* CLOCK_REALTIME of the latest publish */
+    uint64_t publish_count;   /* publishes so far */
+    char pool_name[64];       /* NUL-terminated */
+    kva_shm_section sections[KVA_SHM_MAX_SECTIONS];
+} kva_shm_header;
+
+/* KVA_SHM_SECTION_SUMMARY: the pool at a glance (the same figures as kva_stats). */
+typedef struct kva_shm_summary {
+    uint64_t capacity, min_block, slab_chunk, max_alloc_size;
+    uint64_t bytes_in_use, bytes_free, slab_bytes, slab_free_bytes, largest_free;
+    uint64_t live_allocations, alloc_count, free_count, alloc_failures, rejected_calls;
+    uint64_t slab_count, metadata_bytes, page_size;
+    uint32_t page_kind;       /* kva_page_kind */
+    uint32_t num_orders;
+    double fragmentation;     /* 1 - largest free / total free */
+    uint64_t free_blocks[48]; /* per buddy order */
+    /* The kernel's unusable-free-space index per order k: the fraction of free memory in blocks
+     * too small to serve an order-k request (0 = all usable, 1 = none). */
+    double unusable_index[48];
+} kva_shm_summary;
+
+/* KVA_SHM_SECTION_HEAPMAP: the pool as `cells` equal cells in address order, each
+ * cell_blocks minimum blocks (cell_bytes bytes). state[] then fill[] follow the header. */
+enum {
+    KVA_SHM_CELL_FREE = 0,     /* all free */
+    KVA_SHM_CELL_BLOCK = 1,    /* mostly a live buddy allocation */
+    KVA_SHM_CELL_SLAB = 2,     /* a slab chunk */
+    KVA_SHM_CELL_MIXED = 3,    /* partly free, partly in use */
+    KVA_SHM_CELL_KV_USED = 4,  /* KV blocks referenced by sequences */
+    KVA_SHM_CELL_KV_CACHED = 5 /* KV blocks kept only by the prefix cache */
+};
+typedef struct kva_shm_heapmap {
+    uint32_t cells;
+    uint32_t cell_blocks;
+    uint64_t cell_bytes;
+    /* uint8_t state[cells]; uint8_t fill[cells];  fill: in-use share of the cell, 0..255 */
+} kva_shm_heapmap;
+
+/* KVA_SHM_SECTION_CLASSES: count entries follow. */
+typedef struct kva_shm_class {
+    uint32_t object_size;
+    uint32_t objects_per_slab;
+    uint64_t live_objects;
+    uint64_t slabs;
+    uint64_t allocs;
+    uint64_t frees;
+} kva_shm_class;
+typedef struct kva_shm_classes {
+    uint32_t count;
+    uint32_t reserved;
+    /* kva_shm_class classes[count]; */
+} kva_shm_classes;
+
+/* KVA_SHM_SECTION_SLABS: one entry per live slab (count of capacity entries are valid). Each
+ * slab's occupancy is a strip of strip_cells cells, each the in-use share of its objects 0..255. */
+#define KVA_SHM_STRIP_CELLS 64
+typedef struct kva_shm_slab {
+    uint32_t chunk;           /* chunk index: offset = chunk * slab_chunk */
+    uint16_t size_class;
+    uint16_t reserved;
+    uint32_t inuse;
+    uint32_t objects;
+    uint8_t strip[KVA_SHM_STRIP_CELLS];
+} kva_shm_slab;
+typedef struct kva_shm_slabs {
+    uint32_t count;
+    uint32_t capacity;
+    /* kva_shm_slab slabs[capacity]; */
+} kva_shm_slabs;
+
+/* KVA_SHM_SECTION_ARENAS: per-arena counters (one arena per pool for now). */
+typedef struct kva_shm_arena {
+    uint64_t allocs, frees, alloc_failures, bytes_in_use;
+} kva_shm_arena;
+typedef struct kva_shm_arenas {
+    uint32_t count;
+    uint32_t reserved;
+    /* kva_shm_arena arenas[count]; */
+} kva_shm_arenas;
+
+/* KVA_SHM_SECTION_LATENCY: log2 histograms of call latency; bucket i counts calls that took
+ * [2^i, 2^(i+1)) nanoseconds (bucket 0 also counts 0 ns). Every call is timed in a pool created
+ * with trace on; otherwise only the calls that reach a slow path are. */
+#define KVA_SHM_LATENCY_BUCKETS 40
+typedef struct kva_shm_latency {
+    uint64_t alloc[KVA_SHM_LATENCY_BUCKETS];
+    uint64_t free[KVA_SHM_LATENCY_BUCKETS];
+} kva_shm_latency;
+
+/* KVA_SHM_SECTION_KV: the KV-cache manager attached to the pool, if any. */
+typedef struct kva_shm_kv {
+    uint32_t present;         /* 0: no KV cache attached; the rest is zero */
+    uint32_t block_tokens;
+    uint64_t total_blocks, free_blocks, used_blocks, cached_blocks;
+    uint64_t hit_tokens, query_tokens, evictions, cow_copies, forks, live_sequences;
+    uint64_t block_bytes;
+} kva_shm_kv;
+
+/* KVA_SHM_SECTION_TRACE: a ring of the latest calls. Record i of the ring is at index
+ * i % capacity; `written` counts all records ever written, so the newest is (written - 1). */
+enum {
+    KVA_SHM_OP_ALLOC = 1,
+    KVA_SHM_OP_FREE = 2,
+    KVA_SHM_OP_ALLOC_ALIGNED = 3,
+    KVA_SHM_OP_ALLOC_EXACT = 4,
+    KVA_SHM_OP_TRIM = 5
+};
+typedef struct kva_shm_trace_record {
+    uint64_t time_ns;   /* CLOCK_REALTIME */
+    uint64_t offset;    /* offset of the result or of the freed address; UINT64_MAX if none */
+    uint64_t size;      /* bytes asked for (0 for a free) */
+    uint32_t thread;    /* the kernel thread id */
+    uint8_t op;         /* KVA_SHM_OP_* */
+    uint8_t status;     /* kva_status */
+    uint16_t reserved;
+} kva_shm_trace_record;
+typedef struct kva_shm_trace {
+    uint32_t capacity;
+    uint32_t reserved;
+    uint64_t written;
+    /* kva_shm_trace_record records[capacity]; */
+} kva_shm_trace;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVALLOC_STATS_H */

@@ -1,0 +1,144 @@
+/*
+ * publish.c — copies the pool's state into its statistics segment.
+ *
+ * Cost: O(orders + classes + live slabs × strip cells + blocks in the tiling). It runs from
+ * slow paths at most once per publish interval, or when the engine asks (kva_stats_publish).
+ */
+#include <string.h>
+
+#include "os.h"
+#include "pool.h"
+#include "publish.h"
+#include "segment.h"
+
+static void publish_summary(kva_pool *pool, kva_shm_summary *out) {
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    *out = (kva_shm_summary){
+        .capacity = st.capacity, .min_block = st.min_block, .slab_chunk = st.slab_chunk,
+        .max_alloc_size = st.max_alloc_size, .bytes_in_use = st.bytes_in_use, .bytes_free = st.bytes_free,
+        .slab_bytes = st.slab_bytes, .slab_free_bytes = st.slab_free_bytes, .largest_free = st.largest_free,
+        .live_allocations = st.live_allocations, .alloc_count = st.alloc_count, .free_count = st.free_count,
+        .alloc_failures = st.alloc_failures, .rejected_calls = st.rejected_calls, .slab_count = st.slab_count,
+        .metadata_bytes = st.metadata_bytes, .page_size = st.page_size, .page_kind = (uint32_t)st.page_kind,
+        .num_orders = st.num_orders, .fragmentation = st.fragmentation};
+    /* Unusable free space index (Gorman): the share of free memory in blocks smaller than 2^k. */
+    uint64_t usable = 0;
+    for (int k = (int)st.num_orders - 1; k >= 0; k--) {
+        out->free_blocks[k] = st.free_blocks[k];
+        usable += st.free_blocks[k] * (st.min_block << k);
+        out->unusable_index[k] = st.bytes_free ? 1.0 - (double)usable / (double)st.bytes_free : 0.0;
+    }
+}
+
+/* Each cell gets the state that covers most of it and the share of it in use. */
+static void publish_heapmap(kva_pool *pool, kva_segment *seg) {
+    const kva_buddy *b = &pool->buddy;
+    uint32_t per = seg->heapmap->cell_blocks, cells = seg->heapmap->cells;
+    seg->heapmap->cell_bytes = (uint64_t)per << b->min_shift;
+    /* Per cell: blocks free, in buddy allocations, in slabs. */
+    uint32_t counts[3] = {0};
+    uint32_t cell = 0, in_cell = 0;
+    for (uint32_t index = 0; index < b->nblocks;) {
+        const kva_page *page = &b->pages[index];
+        uint32_t length = kva_buddy_length(page);
+        int kind = page->state == KVA_BLOCK_FREE ? 0 : page->state == KVA_BLOCK_USED ? 1 : 2;
+        for (uint32_t left = length; left;) {
+            uint32_t take = per - in_cell < left ? per - in_cell : left;
+            counts[kind] += take;
+            in_cell += take;
+            left -= take;
+            if (in_cell == per || index + length - left == b->nblocks) {
+                uint32_t used = counts[1] + counts[2];
+                uint8_t state = counts[0] == in_cell ? KVA_SHM_CELL_FREE
+                                : counts[0] > 0      ? KVA_SHM_CELL_MIXED
+                                : counts[1] >= counts[2] ? KVA_SHM_CELL_BLOCK
+                                                         : KVA_SHM_CELL_SLAB;
+                if (cell < cells) {
+                    seg->cell_state[cell] = state;
+                    seg->cell_fill[cell] = (uint8_t)(255u * used / in_cell);
+                }
+                cell++;
+                in_cell = 0;
+                memset(counts, 0, sizeof counts);
+            }
+        }
+        index += length;
+    }
+}
+
+static void publish_classes(kva_pool *pool, kva_segment *seg) {
+    kva_shm_class *out = (kva_shm_class *)(seg->classes + 1);
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        const kva_size_class *cls = &pool->slabs.classes[c];
+        out[c] = (kva_shm_class){.object_size = cls->size, .objects_per_slab = cls->nobj,
+                                 .live_objects = cls->allocs - cls->frees, .slabs = cls->slabs,
+                                 .allocs = cls->allocs, .frees = cls->frees};
+    }
+}
+
+/* Free objects among [first, last) of an l0 bitmap, a word at a time. */
+static uint64_t count_free(const uint64_t *l0, uint64_t first, uint64_t last) {
+    uint64_t count = 0;
+    while (first < last) {
+        uint64_t word = first >> 6, lo = first & 63, hi = last - (word << 6) < 64 ? last - (word << 6) : 64;
+        uint64_t mask = (hi == 64 ? ~(uint64_t)0 : (((uint64_t)1 << hi) - 1)) & (~(uint64_t)0 << lo);
+        count += (uint64_t)__builtin_popcountll(l0[word] & mask);
+        first = (word << 6) + hi;
+    }
+    return count;
+}
+
+/* Each slab's occupancy as KVA_SHM_STRIP_CELLS cells: the in-use share of each cell's objects. */
+static void publish_slabs(kva_pool *pool, kva_segment *seg) {
+    const kva_slabs *sl = &pool->slabs;
+    kva_shm_slab *out = (kva_shm_slab *)(seg->slabs + 1);
+    uint32_t n = 0;
+    for (uint32_t s = 0; s < sl->nchunks && n < seg->slabs->capacity; s++) {
+        const kva_slab *slab = &sl->slabs[s];
+        if (slab->cls == KVA_SLAB_NONE) continue;
+        const kva_size_class *cls = &sl->classes[slab->cls];
+        kva_shm_slab *o = &out[n++];
+        *o = (kva_shm_slab){.chunk = s, .size_class = slab->cls, .inuse = slab->inuse, .objects = cls->nobj};
+        for (uint32_t cell = 0; cell < KVA_SHM_STRIP_CELLS; cell++) {
+            uint64_t first = (uint64_t)cls->nobj * cell / KVA_SHM_STRIP_CELLS;
+            uint64_t last = (uint64_t)cls->nobj * (cell + 1) / KVA_SHM_STRIP_CELLS;
+            uint64_t live = (last - first) - count_free(slab->l0, first, last);
+            o->strip[cell] = last > first ? (uint8_t)(255u * live / (last - first)) : 0;
+        }
+    }
+    seg->slabs->count = n;
+}
+
+void kva_publish(kva_pool *pool) {
+    kva_segment *seg = pool->segment;
+    if (!seg) return;
+    kva_segment_begin(seg);
+    publish_summary(pool, seg->summary);
+    publish_heapmap(pool, seg);
+    publish_classes(pool, seg);
+    publish_slabs(pool, seg);
+    kva_shm_arena *arena = (kva_shm_arena *)(seg->arenas + 1);
+    *arena = (kva_shm_arena){.allocs = seg->summary->alloc_count, .frees = seg->summary->free_count,
+                             .alloc_failures = seg->summary->alloc_failures,
+                             .bytes_in_use = seg->summary->bytes_in_use};
+    memset(seg->kv, 0, sizeof *seg->kv);
+    if (pool->kv_publisher.publish)
+        pool->kv_publisher.publish(pool->kv_publisher.ctx, seg->kv, seg->heapmap, seg->cell_state, seg->cell_fill);
+    seg->header->heartbeat_ns = kva_os_realtime_ns();
+    seg->header->publish_count++;
+    kva_segment_end(seg);
+}
+
+void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
+    if (publisher) pool->kv_publisher = *publisher;
+    else memset(&pool->kv_publisher, 0, sizeof pool->kv_publisher);
+}
+
+kva_status kva_stats_publish(kva_pool *pool) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    kva_publish(pool);
+    return KVA_OK;
+}
+
+const char *kva_stats_segment_name(kva_pool *pool) { return pool && pool->segment ? pool->segment->name : NULL; }

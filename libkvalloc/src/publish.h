@@ -1,0 +1,24 @@
+/*
+ * publish.h — filling a pool's statistics segment, and the hook through which a KV-cache
+ * manager built on the pool adds its own section and paints its blocks into the heap map.
+ */
+#ifndef KVA_PUBLISH_H
+#define KVA_PUBLISH_H
+
+#include "internal.h"
+#include "kvalloc_stats.h"
+
+typedef struct kva_kv_publisher {
+    /* Fills *kv and may repaint heap-map cells (state[i], fill[i] for i < map->cells) that its
+     * blocks cover. Called with the segment's sequence lock held; must not call into the pool. */
+    void (*publish)(void *ctx, kva_shm_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill);
+    void *ctx;
+} kva_kv_publisher;
+
+/* Attaches (or with NULL detaches) the KV manager's publisher. */
+void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
+
+/* Writes every periodic section of the pool's segment under the sequence lock. */
+void kva_publish(kva_pool *pool);
+
+#endif

@@ -1,0 +1,60 @@
+/*
+ * segment.h — a named pool's live statistics segment (layout in kvalloc_stats.h).
+ *
+ * The segment is written only by the thread that owns the pool (pools are single-threaded), so
+ * one sequence lock suffices: every write to the segment, the periodic publish as much as one
+ * trace record, happens between segment_begin and segment_end.
+ */
+#ifndef KVA_SEGMENT_H
+#define KVA_SEGMENT_H
+
+#include "internal.h"
+#include "kvalloc_stats.h"
+
+#define KVA_TRACE_RECORDS 1024
+
+typedef struct kva_segment {
+    char name[KVA_NAME_MAX + 32];  /* "/kvalloc.<pid>.<name>" */
+    unsigned char *base;
+    size_t size;
+    kva_shm_header *header;
+    kva_shm_summary *summary;
+    kva_shm_heapmap *heapmap;
+    uint8_t *cell_state, *cell_fill;
+    kva_shm_classes *classes;
+    kva_shm_slabs *slabs;
+    kva_shm_arenas *arenas;
+    kva_shm_latency *latency;
+    kva_shm_kv *kv;
+    kva_shm_trace *trace;
+    uint64_t interval_ns;
+    uint64_t next_publish_ns;     /* monotonic */
+    unsigned countdown;           /* slow-path calls until the clock is read again */
+    int trace_all;                /* every call is timed and recorded */
+    struct kva_segment *next_live; /* the process-wide list removed at exit */
+} kva_segment;
+
+/* The geometry the segment is sized for. */
+typedef struct kva_segment_geometry {
+    uint32_t nblocks;   /* minimum blocks of the pool */
+    uint32_t nchunks;   /* slab descriptors */
+} kva_segment_geometry;
+
+/* Creates, maps and registers the segment of pool `pool_name`. */
+kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all,
+                            unsigned interval_ms, kva_segment **out);
+/* Unlinks and unmaps it. NULL is ignored. */
+void kva_segment_close(kva_segment *seg);
+
+void kva_segment_begin(kva_segment *seg);
+void kva_segment_end(kva_segment *seg);
+
+/* Appends one record to the trace ring and, when latency_ns is not UINT64_MAX, to the
+ * latency histogram of its kind. */
+void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_t offset, uint64_t size,
+                        uint64_t latency_ns);
+
+/* Whether the publish interval has passed; reads the clock once every 16 calls. */
+int kva_segment_due(kva_segment *seg);
+
+#endif

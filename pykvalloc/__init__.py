@@ -1,0 +1,64 @@
+"""pykvalloc: Python bindings (ctypes) for libkvalloc, a KV-cache memory allocator.
+
+    >>> import pykvalloc
+    >>> with pykvalloc.Pool(64 << 20, name="kv") as pool:
+    ...     page = pool.alloc(4096)
+    ...     keys = page.view("float16")   # a numpy array over the pool's memory
+    ...     keys[:] = 1.0
+    ...     del keys                      # a live view pins its allocation
+    ...     pool.free(page)
+
+The shared library is loaded on first use; ``$PYKVALLOC_LIB`` overrides where it comes from.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata as _metadata
+
+from .errors import (
+    AllocationFreedError,
+    AllocationInUseError,
+    BackendError,
+    CorruptionError,
+    DoubleFree,
+    InvalidArgument,
+    InvalidPointer,
+    KvallocError,
+    LibraryNotFoundError,
+    OutOfMemory,
+    PoolClosedError,
+)
+from .pool import Allocation, ClassStats, HeapRegion, PageKind, PageMode, Pool, Stats, WalkKind
+from .sizes import format_size, parse_size, size_class_of, size_classes
+
+try:
+    __version__: str = _metadata.version("pykvalloc")
+except _metadata.PackageNotFoundError:  # imported from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = [
+    "Pool",
+    "Allocation",
+    "Stats",
+    "ClassStats",
+    "HeapRegion",
+    "PageMode",
+    "PageKind",
+    "WalkKind",
+    "KvallocError",
+    "OutOfMemory",
+    "InvalidArgument",
+    "DoubleFree",
+    "InvalidPointer",
+    "BackendError",
+    "CorruptionError",
+    "PoolClosedError",
+    "AllocationFreedError",
+    "AllocationInUseError",
+    "LibraryNotFoundError",
+    "size_classes",
+    "size_class_of",
+    "parse_size",
+    "format_size",
+    "__version__",
+]

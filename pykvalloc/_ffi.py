@@ -1,0 +1,255 @@
+"""The one place that knows libkvalloc's C ABI.
+
+It finds the shared library once, mirrors the public structs of ``kvalloc.h`` field for field,
+and declares every C function exactly once with its argument types, result type and error
+check. Everything else in the package calls through ``load()``.
+
+Where the library comes from, first match wins:
+
+1. ``$PYKVALLOC_LIB``, the path of a library file. When it is set nothing else is tried: an
+   explicit choice that silently fell back to another copy would hide the mistake.
+2. A ``libkvalloc.so*`` inside the package directory, where the wheel puts it. Every entry of
+   the package ``__path__`` is searched, because an editable install splits the package between
+   the source tree (the .py files) and site-packages (the library CMake installed).
+3. ``<repository>/build/libkvalloc.so``, for a run straight from a source checkout after
+   ``cmake --build build``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import sys
+from ctypes import (
+    POINTER,
+    Structure,
+    c_char_p,
+    c_double,
+    c_int,
+    c_size_t,
+    c_uint,
+    c_uint32,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import LibraryNotFoundError, error_for_status
+
+ENV_VAR = "PYKVALLOC_LIB"
+
+# Constants of kvalloc.h that shape the structs below.
+KVA_MAX_ORDERS = 48
+KVA_NUM_SIZE_CLASSES = 49
+KVA_NAME_MAX = 63
+KVA_SLAB_MIN_SIZE = 16
+KVA_SLAB_MAX_SIZE = 65536
+
+# The C enums are plain ints on every ABI the library targets (System V x86-64 and AArch64).
+c_enum = c_int
+
+
+class KvaConfig(Structure):
+    """struct kva_config."""
+
+    _fields_ = [
+        ("capacity", c_size_t),
+        ("min_block", c_size_t),
+        ("slab_chunk", c_size_t),
+        ("name", c_char_p),
+        ("pages", c_enum),
+        ("prefault", c_int),
+        ("trace", c_int),
+        ("publish_interval_ms", c_uint),
+    ]
+
+
+class KvaStats(Structure):
+    """struct kva_stats."""
+
+    _fields_ = [
+        ("capacity", c_size_t),
+        ("min_block", c_size_t),
+        ("slab_chunk", c_size_t),
+        ("max_alloc_size", c_size_t),
+        ("bytes_in_use", c_size_t),
+        ("bytes_free", c_size_t),
+        ("slab_bytes", c_size_t),
+        ("slab_free_bytes", c_size_t),
+        ("largest_free", c_size_t),
+        ("fragmentation", c_double),
+        ("num_orders", c_uint32),
+        ("free_blocks", c_uint64 * KVA_MAX_ORDERS),
+        ("live_allocations", c_uint64),
+        ("alloc_count", c_uint64),
+        ("free_count", c_uint64),
+        ("alloc_failures", c_uint64),
+        ("rejected_calls", c_uint64),
+        ("slab_count", c_uint64),
+        ("page_kind", c_enum),
+        ("page_size", c_size_t),
+        ("metadata_bytes", c_size_t),
+    ]
+
+
+class KvaClassStats(Structure):
+    """struct kva_class_stats."""
+
+    _fields_ = [
+        ("object_size", c_uint32),
+        ("objects_per_slab", c_uint32),
+        ("live_objects", c_uint64),
+        ("slabs", c_uint64),
+    ]
+
+
+# C name of each mirrored struct, for the ABI test that compiles a probe against the header.
+STRUCTS = {"kva_config": KvaConfig, "kva_stats": KvaStats, "kva_class_stats": KvaClassStats}
+
+# int (*kva_walk_fn)(uint64_t offset, uint64_t size, kva_walk_kind kind, void *ctx)
+WALK_FN = ctypes.CFUNCTYPE(c_int, c_uint64, c_uint64, c_enum, c_void_p)
+
+# A C function as ctypes exposes it; their exact signatures live in KvaLib.__init__.
+CFunction = Callable[..., Any]
+
+
+class KvaLib:
+    """The loaded library with every public function declared.
+
+    Functions that return a ``kva_status`` raise the matching ``KvallocError`` subclass instead
+    of returning it, so callers never look at status codes.
+    """
+
+    kva_strerror: CFunction
+    kva_last_error: CFunction
+    kva_config_init: CFunction
+    kva_pool_create: CFunction
+    kva_pool_destroy: CFunction
+    kva_alloc: CFunction
+    kva_alloc_aligned: CFunction
+    kva_alloc_exact: CFunction
+    kva_free: CFunction
+    kva_usable_size: CFunction
+    kva_trim: CFunction
+    kva_check: CFunction
+    kva_pool_base: CFunction
+    kva_get_stats: CFunction
+    kva_size_class_size: CFunction
+    kva_size_class_of: CFunction
+    kva_get_class_stats: CFunction
+    kva_walk: CFunction
+    kva_version: CFunction
+    kva_struct_size: CFunction
+    kva_stats_publish: CFunction
+    kva_stats_segment_name: CFunction
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._dll = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise LibraryNotFoundError(f"cannot load libkvalloc from {path}: {exc}") from exc
+
+        pool_p = c_void_p  # kva_pool * is opaque: only ever passed back to the library
+        status = self._declare_status
+        plain = self._declare
+
+        plain("kva_strerror", c_char_p, [c_enum])
+        plain("kva_last_error", c_char_p, [])
+        plain("kva_config_init", None, [POINTER(KvaConfig)])
+        status("kva_pool_create", [POINTER(KvaConfig), POINTER(pool_p)])
+        plain("kva_pool_destroy", None, [pool_p])
+        status("kva_alloc", [pool_p, c_size_t, POINTER(c_void_p)])
+        status("kva_alloc_aligned", [pool_p, c_size_t, c_size_t, POINTER(c_void_p)])
+        status("kva_alloc_exact", [pool_p, c_size_t, POINTER(c_void_p)])
+        status("kva_free", [pool_p, c_void_p])
+        plain("kva_usable_size", c_size_t, [pool_p, c_void_p])
+        status("kva_trim", [pool_p])
+        status("kva_check", [pool_p])
+        status("kva_pool_base", [pool_p, POINTER(c_void_p)])
+        status("kva_get_stats", [pool_p, POINTER(KvaStats)])
+        plain("kva_size_class_size", c_size_t, [c_uint])
+        plain("kva_size_class_of", c_int, [c_size_t])
+        status("kva_get_class_stats", [pool_p, c_uint, POINTER(KvaClassStats)])
+        status("kva_walk", [pool_p, WALK_FN, c_void_p])
+        plain("kva_version", c_char_p, [])
+        plain("kva_struct_size", c_size_t, [c_enum])
+        status("kva_stats_publish", [pool_p])
+        plain("kva_stats_segment_name", c_char_p, [pool_p])
+        self._check_struct_sizes()
+
+    def _check_struct_sizes(self) -> None:
+        # The structs above are copies of the header's; a library of another version would read
+        # or write past them. Refuse it before the first call instead.
+        for which, struct in ((1, KvaConfig), (2, KvaStats), (3, KvaClassStats)):
+            native = self.kva_struct_size(which)
+            if native != ctypes.sizeof(struct):
+                raise LibraryNotFoundError(
+                    f"{self.path} (version {self.kva_version().decode()}) has a "
+                    f"{struct.__name__} of {native} bytes, this package expects "
+                    f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
+
+    def _declare(self, name: str, restype: Any, argtypes: list[Any]) -> Any:
+        try:
+            function = getattr(self._dll, name)
+        except AttributeError as exc:
+            raise LibraryNotFoundError(
+                f"{self.path} does not export {name}: it is not a libkvalloc this package "
+                f"matches (set {ENV_VAR} to the right build)") from exc
+        function.restype = restype
+        function.argtypes = argtypes
+        setattr(self, name, function)
+        return function
+
+    def _declare_status(self, name: str, argtypes: list[Any]) -> None:
+        self._declare(name, c_enum, argtypes).errcheck = self._raise_on_failure
+
+    def _raise_on_failure(self, status: int, function: Any, _args: Any) -> int:
+        # ctypes calls this on the thread that made the call, right after it, so
+        # kva_last_error() still describes this very failure (it is per thread in C).
+        if status != 0:
+            name = self.kva_strerror(status).decode("utf-8", "replace")
+            detail = self.kva_last_error().decode("utf-8", "replace")
+            raise error_for_status(status, name, detail, function.__name__)
+        return status
+
+
+def candidate_paths() -> list[Path]:
+    """Where ``load()`` looks, in order; see the module docstring."""
+    override = os.environ.get(ENV_VAR)
+    if override:
+        return [Path(override)]
+    candidates: list[Path] = []
+    package = sys.modules[__package__]
+    for directory in getattr(package, "__path__", [str(Path(__file__).parent)]):
+        found = sorted(Path(directory).glob("libkvalloc.so*"), key=_prefer_plain_name)
+        candidates.extend(found or [Path(directory) / "libkvalloc.so"])
+    candidates.append(Path(__file__).resolve().parent.parent / "build" / "libkvalloc.so")
+    return candidates
+
+
+def _prefer_plain_name(path: Path) -> tuple[int, str]:
+    # libkvalloc.so before libkvalloc.so.0 before libkvalloc.so.0.1.0: every name is the same
+    # library, and the shortest is the one a symlinked install would point users at.
+    return (len(path.name), path.name)
+
+
+def find_library() -> Path:
+    """The path ``load()`` would use; LibraryNotFoundError naming every path tried if none."""
+    candidates = candidate_paths()
+    for path in candidates:
+        if path.is_file():
+            return path
+    tried = "\n  ".join(str(path) for path in candidates)
+    hint = (f"{ENV_VAR} is set, so only that path is used"
+            if os.environ.get(ENV_VAR) else
+            f"install pykvalloc with pip, build with cmake, or set {ENV_VAR}")
+    raise LibraryNotFoundError(f"libkvalloc not found; tried:\n  {tried}\n({hint})")
+
+
+@functools.cache
+def load() -> KvaLib:
+    """The process-wide library handle, loaded on first use."""
+    return KvaLib(find_library())

@@ -1,0 +1,70 @@
+"""The ``kvalloc`` command.
+
+Each subcommand is one module of this package with ``register(subparsers)``, which adds its
+parser and sets ``run``: a function taking the parsed arguments and returning the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .. import __version__, _ffi
+from ..errors import KvallocError
+from . import demo
+
+_COMMANDS = (demo,)
+
+
+def version_text() -> str:
+    """``kvalloc --version``: the package version and which library file it loads."""
+    try:
+        library = str(_ffi.load().path)
+    except KvallocError as exc:
+        library = f"not loadable: {exc}"
+    return f"kvalloc (pykvalloc) {__version__}\nlibrary: {library}"
+
+
+class _VersionAction(argparse.Action):
+    # argparse's own "version" action formats its text when the parser is built; this one
+    # looks for the library only when --version is actually asked for.
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS,
+                         nargs=0, help="show the version and the library file in use, then exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvalloc",
+        description="Exercise and inspect libkvalloc KV-cache memory pools.")
+    parser.add_argument("--version", action=_VersionAction)
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in _COMMANDS:
+        command.register(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvalloc`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except KvallocError as exc:
+        print(f"kvalloc {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # The reader of our output went away (`kvalloc demo | head`). Point stdout at
+        # /dev/null so that the interpreter's final flush does not raise a second time.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1

@@ -1,0 +1,607 @@
+"""Pools and allocations: the Python face of ``kva_pool``.
+
+Lifetime rules. Each one exists because the alternative can crash the interpreter or hand the
+same bytes to two owners:
+
+* A ``Pool`` owns one C pool. ``close()`` is idempotent; afterwards every method raises
+  ``PoolClosedError`` instead of passing a destroyed handle to C.
+* The memory stays mapped while any numpy view of it exists. Every view's base object holds a
+  strong reference to its pool, so ``close()`` with live views closes the pool to all calls at
+  once but defers the unmap until the last view is garbage. A view can never point at
+  unmapped memory.
+* ``free()`` refuses (``AllocationInUseError``) while numpy views of that allocation are alive:
+  the next allocation would get the same bytes while the old view could still write them.
+  ``mmap.close()`` refuses exported buffers for the same reason.
+* A forgotten pool is destroyed by ``weakref.finalize`` when it becomes garbage (no
+  ``__del__``, so nothing runs against half torn-down modules). At interpreter exit, pools
+  without live views are closed; a pool with live views is left to the operating system,
+  because module teardown cannot promise that nothing touches a view after the unmap.
+* The C pool is not thread safe; each ``Pool`` serializes its calls with its own lock, so
+  sharing a pool between threads is safe, not parallel.
+* ``Pool`` and ``Allocation`` cannot be copied or pickled: a copy would share the C handle or
+  the address without sharing the bookkeeping above. Only a ``Pool`` creates an ``Allocation``:
+  one made up by hand could view any address.
+* Freeing a freed allocation, or one of another pool, is caught here and never reaches C (its
+  address may belong to a newer allocation by now), so ``Stats.rejected_calls`` counts only
+  what C itself rejected.
+"""
+
+from __future__ import annotations
+
+import atexit
+import enum
+import math
+import operator
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from ctypes import byref, c_size_t, c_void_p, sizeof
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
+
+from . import _ffi
+from .errors import (
+    AllocationFreedError,
+    AllocationInUseError,
+    DoubleFree,
+    InvalidArgument,
+    InvalidPointer,
+    KvallocError,
+    PoolClosedError,
+)
+from .sizes import format_size
+
+__all__ = [
+    "Pool",
+    "Allocation",
+    "Stats",
+    "ClassStats",
+    "HeapRegion",
+    "PageMode",
+    "PageKind",
+    "WalkKind",
+]
+
+_SIZE_MAX = (1 << (8 * sizeof(c_size_t))) - 1
+_ALLOCATION_KEY = object()  # proves to Allocation.__init__ that a Pool is calling
+
+
+class PageMode(enum.IntEnum):
+    """How the host region is backed (``kva_page_mode``)."""
+
+    AUTO = 0     # 2 MiB hugetlb, else transparent huge pages, else 4 KiB pages
+    HUGETLB = 1  # hugetlb only; BackendError when the machine has none reserved
+    THP = 2      # normal mapping advised MADV_HUGEPAGE
+    SMALL = 3    # normal pages, no advice
+
+
+class PageKind(enum.IntEnum):
+    """What actually backs a pool (``kva_page_kind``)."""
+
+    HUGETLB = 1
+    THP = 2
+    SMALL = 3
+
+    @property
+    def label(self) -> str:
+        return {PageKind.HUGETLB: "hugetlb", PageKind.THP: "transparent huge pages",
+                PageKind.SMALL: "small pages"}[self]
+
+
+class WalkKind(enum.IntEnum):
+    """The kind of one region of a heap walk (``kva_walk_kind``)."""
+
+    FREE = 0         # a free buddy block
+    BLOCK = 1        # a live buddy allocation
+    SLAB_OBJECT = 2  # a live slab object
+    SLAB_FREE = 3    # a run of free objects inside a slab
+
+    @property
+    def is_live(self) -> bool:
+        return self in (WalkKind.BLOCK, WalkKind.SLAB_OBJECT)
+
+
+class HeapRegion(NamedTuple):
+    """One region of ``Pool.walk()``: bytes ``[offset, offset + size)`` from the pool base."""
+
+    offset: int
+    size: int
+    kind: WalkKind
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.size
+
+
+@dataclass(frozen=True)
+class Stats:
+    """A snapshot of ``kva_stats``; see kvalloc.h for the exact meaning of each figure."""
+
+    capacity: int
+    min_block: int
+    slab_chunk: int
+    max_alloc_size: int
+    bytes_in_use: int
+    bytes_free: int
+    slab_bytes: int
+    slab_free_bytes: int
+    largest_free: int
+    fragmentation: float
+    free_blocks: tuple[int, ...]  # free buddy blocks per order; block size = min_block << order
+    live_allocations: int
+    alloc_count: int
+    free_count: int
+    alloc_failures: int
+    rejected_calls: int
+    slab_count: int
+    page_kind: PageKind
+    page_size: int
+    metadata_bytes: int
+
+    @property
+    def num_orders(self) -> int:
+        return len(self.free_blocks)
+
+    def block_size(self, order: int) -> int:
+        """Bytes of one buddy block of ``order``."""
+        return self.min_block << order
+
+    @classmethod
+    def _from_c(cls, raw: _ffi.KvaStats) -> Stats:
+        names = (field[0] for field in raw._fields_)
+        scalars: dict[str, Any] = {
+            name: getattr(raw, name) for name in names
+            if name not in ("free_blocks", "num_orders", "page_kind")
+        }
+        orders = min(raw.num_orders, _ffi.KVA_MAX_ORDERS)
+        return cls(free_blocks=tuple(raw.free_blocks[:orders]),
+                   page_kind=PageKind(raw.page_kind), **scalars)
+
+
+@dataclass(frozen=True)
+class ClassStats:
+    """Figures of one slab size class (``kva_class_stats``)."""
+
+    index: int
+    object_size: int
+    objects_per_slab: int
+    live_objects: int
+    slabs: int
+
+
+def _size_arg(what: str, value: int) -> int:
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
+    if not 0 <= number <= _SIZE_MAX:
+        # ctypes would silently wrap a negative number into a huge size_t.
+        raise InvalidArgument(f"{what} {number} is outside [0, {_SIZE_MAX}]")
+    return number
+
+
+def _page_mode_arg(pages: str | PageMode) -> PageMode:
+    if isinstance(pages, PageMode):
+        return pages
+    if isinstance(pages, str) and pages.upper() in PageMode.__members__:
+        return PageMode[pages.upper()]
+    choices = ", ".join(repr(mode.name.lower()) for mode in PageMode)
+    raise InvalidArgument(f"pages must be one of {choices}, not {pages!r}")
+
+
+def _name_arg(name: str | None) -> bytes | None:
+    if name is None:
+        return None
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, not {type(name).__name__}")
+    if "\0" in name:
+        # C would see only the part before the NUL; the library checks everything else.
+        raise InvalidArgument(f"pool name {name!r} contains a NUL character")
+    return name.encode("utf-8")
+
+
+def _shape_arg(shape: int | Sequence[int]) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    try:
+        dims = tuple(operator.index(dim) for dim in dims)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None
+    if any(dim < 0 for dim in dims):
+        raise InvalidArgument(f"shape {dims} has a negative dimension")
+    return dims
+
+
+def _returned_address(out: c_void_p, function: str) -> int:
+    # ctypes reads a NULL void * as None. The library sets the out-parameter on success;
+    # should it ever not, raise rather than build an object around address None.
+    if out.value is None:
+        raise KvallocError(f"{function} succeeded but returned a NULL address")
+    return out.value
+
+
+def _refuse_copy(obj: object) -> None:
+    raise TypeError(f"{type(obj).__name__} objects cannot be copied or pickled: a copy would "
+                    "share the C resource without sharing its bookkeeping")
+
+
+class Allocation:
+    """A block handed out by ``Pool.alloc``.
+
+    ``address`` and ``size`` (the bytes requested) stay readable after the free, for logs and
+    debugging; every use of the memory (``view``, ``Pool.usable_size``, ``Pool.free``) raises
+    once it is freed.
+    """
+
+    __slots__ = ("_pool", "_address", "_size", "_live", "_views")
+
+    def __init__(self, pool: Pool, address: int, size: int, *, _key: object = None) -> None:
+        if _key is not _ALLOCATION_KEY:
+            # An Allocation made up by hand could view any address, and reading it could
+            # crash the interpreter; only a Pool creates them.
+            raise TypeError("Allocation objects come from Pool.alloc, not from a constructor")
+        self._pool = pool
+        self._address = address
+        self._size = size
+        self._live = True
+        self._views = 0  # numpy views alive; maintained by Pool under its lock
+
+    @property
+    def address(self) -> int:
+        return self._address
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def pool(self) -> Pool:
+        return self._pool
+
+    @property
+    def offset(self) -> int:
+        """Bytes from the pool base, the coordinates of ``Pool.walk()``."""
+        return self._address - self._pool.base
+
+    @property
+    def freed(self) -> bool:
+        return not self._live
+
+    def view(self, dtype: npt.DTypeLike = np.uint8,
+             shape: int | Sequence[int] | None = None) -> np.ndarray:
+        """A writable numpy array over this allocation's memory.
+
+        Without ``shape`` the array is one-dimensional and as long as ``size`` allows. The array
+        keeps the pool mapped; while it (or anything derived from it) is alive, the allocation
+        cannot be freed. dtypes holding Python objects are refused: raw memory would be read as
+        object pointers.
+        """
+        return self._pool._view(self, dtype, shape)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _refuse_copy(self)
+
+    def __repr__(self) -> str:
+        state = "freed" if not self._live else f"{self._views} views" if self._views else "live"
+        return (f"<pykvalloc.Allocation {format_size(self._size)} at {self._address:#x} "
+                f"(offset {self.offset}) {state}>")
+
+
+class _ViewAnchor:
+    """The numpy base object of every view: it keeps its pool, and so the mapping, alive."""
+
+    __slots__ = ("pool", "_interface", "__weakref__")
+
+    def __init__(self, pool: Pool, address: int, nbytes: int) -> None:
+        self.pool = pool
+        self._interface = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
+                           "data": (address, False)}
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self._interface
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _refuse_copy(self)
+
+
+class Pool:
+    """One region of memory managed by libkvalloc.
+
+    ``capacity`` is the number of bytes to manage. ``min_block`` (smallest buddy block, a power
+    of two, default 4 KiB), ``slab_chunk`` (bytes of one slab; default automatic: 2 MiB, less in pools under 64 MiB) and ``pages``
+    (``"auto"``, ``"hugetlb"``, ``"thp"`` or ``"small"``) are passed to the library, which
+    validates them and raises ``InvalidArgument`` with its reason. ``name`` labels the pool
+    (``[A-Za-z0-9_.-]``, at most 63 bytes); ``prefault`` takes every page fault up front.
+    A named pool publishes live statistics in shared memory for ``kvalloc top``:
+    ``publish_interval_ms`` bounds the time between publishes (library default 200) and
+    ``trace`` records the timing of every call in the segment's trace ring.
+
+    Use it as a context manager or call ``close()``; see the module docstring for what happens
+    to views that outlive the pool.
+    """
+
+    __slots__ = ("_lib", "_handle", "_lock", "_closed", "_views", "_finalizer", "_base",
+                 "_capacity", "_min_block", "_slab_chunk", "_name", "__weakref__")
+
+    def __init__(self, capacity: int, *, min_block: int | None = None,
+                 slab_chunk: int | None = None, name: str | None = None,
+                 pages: str | PageMode = "auto", prefault: bool = False, trace: bool = False,
+                 publish_interval_ms: int | None = None) -> None:
+        lib = _ffi.load()
+        config = _ffi.KvaConfig()
+        lib.kva_config_init(byref(config))
+        config.capacity = _size_arg("capacity", capacity)
+        if min_block is not None:
+            config.min_block = _size_arg("min_block", min_block)
+        if slab_chunk is not None:
+            config.slab_chunk = _size_arg("slab_chunk", slab_chunk)
+        config.name = _name_arg(name)
+        config.pages = _page_mode_arg(pages)
+        config.prefault = 1 if prefault else 0
+        config.trace = 1 if trace else 0
+        if publish_interval_ms is not None:
+            interval = _size_arg("publish_interval_ms", publish_interval_ms)
+            if interval > 0xFFFFFFFF:  # an unsigned int in C
+                raise InvalidArgument(f"publish_interval_ms {interval} does not fit 32 bits")
+            config.publish_interval_ms = interval
+
+        handle = c_void_p()
+        lib.kva_pool_create(byref(config), byref(handle))
+        self._lib = lib
+        self._handle = _returned_address(handle, "kva_pool_create")
+        # Destroys a forgotten pool when it becomes garbage. Registered before anything else
+        # can fail, so that a half-built Pool is released too. atexit=False: interpreter exit
+        # is handled by _close_idle_pools below.
+        self._finalizer = weakref.finalize(self, lib.kva_pool_destroy, self._handle)
+        self._finalizer.atexit = False
+        self._lock = threading.RLock()
+        self._closed = False
+        self._views = 0
+        self._name = name
+
+        base = c_void_p()
+        lib.kva_pool_base(self._handle, byref(base))
+        self._base = _returned_address(base, "kva_pool_base")
+        stats = self.stats()
+        self._capacity = stats.capacity
+        self._min_block = stats.min_block
+        self._slab_chunk = stats.slab_chunk
+        _open_pools.add(self)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Closes the pool; idempotent. The memory is unmapped now, or when the last numpy
+        view of it is garbage if any is alive."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            _open_pools.discard(self)
+            if self._views == 0:
+                self._release()
+
+    def _release(self) -> None:
+        """Destroys the C pool, once. Callers hold the lock and have made sure no view lives."""
+        # detach() rather than calling the finalizer: after weakref's own exit hook has run,
+        # calling a finalizer silently does nothing, and _close_idle_pools may run after it.
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, destroy, args, _ = detached
+            destroy(*args)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> Pool:
+        self._open_handle()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _refuse_copy(self)
+
+    def _open_handle(self) -> int:
+        if self._closed:
+            raise PoolClosedError(f"{self!r} is closed")
+        return self._handle
+
+    def _owned_live(self, allocation: Allocation,
+                    freed_error: type[KvallocError] = AllocationFreedError) -> None:
+        if not isinstance(allocation, Allocation):
+            raise TypeError(f"expected an Allocation, not {type(allocation).__name__}")
+        if allocation._pool is not self:
+            raise InvalidPointer(f"{allocation!r} belongs to {allocation._pool!r}, not {self!r}")
+        if not allocation._live:
+            raise freed_error(f"{allocation!r} was already freed")
+
+    # -- allocation -------------------------------------------------------------------------
+
+    def alloc(self, size: int) -> Allocation:
+        """Allocates ``size`` bytes. OutOfMemory when no free range fits now; InvalidArgument
+        for 0 or for more than the pool can ever hold."""
+        return self._allocate(self._lib.kva_alloc, _size_arg("size", size))
+
+    def alloc_aligned(self, size: int, alignment: int) -> Allocation:
+        """As ``alloc``, with the address a multiple of ``alignment``, a power of two."""
+        return self._allocate(self._lib.kva_alloc_aligned, _size_arg("size", size),
+                              _size_arg("alignment", alignment))
+
+    def alloc_exact(self, size: int) -> Allocation:
+        """A contiguous range of ``size`` bytes rounded up only to ``min_block``, not to a
+        power of two: for large regions such as one layer of a KV cache. The unused tail of the
+        buddy block is free at once; the start is aligned to the power of two above ``size``."""
+        return self._allocate(self._lib.kva_alloc_exact, _size_arg("size", size))
+
+    def _allocate(self, function: Any, nbytes: int, *arguments: int) -> Allocation:
+        out = c_void_p()
+        with self._lock:
+            function(self._open_handle(), nbytes, *arguments, byref(out))
+        return Allocation(self, _returned_address(out, function.__name__), nbytes,
+                          _key=_ALLOCATION_KEY)
+
+    def free(self, allocation: Allocation) -> None:
+        """Returns the allocation's memory to the pool.
+
+        DoubleFree if it was already freed, InvalidPointer if it belongs to another pool,
+        AllocationInUseError while numpy views of it are alive.
+        """
+        with self._lock:
+            handle = self._open_handle()
+            self._owned_live(allocation, freed_error=DoubleFree)
+            if allocation._views:
+                raise AllocationInUseError(
+                    f"{allocation!r} still has {allocation._views} numpy view(s) alive; "
+                    "delete them before freeing it")
+            self._lib.kva_free(handle, allocation._address)
+            allocation._live = False
+
+    def usable_size(self, allocation: Allocation) -> int:
+        """Bytes the allocation may really use: its size class or buddy block size."""
+        with self._lock:
+            handle = self._open_handle()
+            self._owned_live(allocation)
+            return int(self._lib.kva_usable_size(handle, allocation._address))
+
+    def _view(self, allocation: Allocation, dtype: npt.DTypeLike,
+              shape: int | Sequence[int] | None) -> np.ndarray:
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise InvalidArgument(f"dtype {dt} holds Python objects; a view over raw memory "
+                                  "cannot")
+        if dt.itemsize == 0:
+            raise InvalidArgument(f"dtype {dt} has no size")
+        dims = (allocation._size // dt.itemsize,) if shape is None else _shape_arg(shape)
+        nbytes = math.prod(dims) * dt.itemsize
+        if dt.subdtype is not None:
+            # numpy turns a subarray dtype into trailing dimensions; say so up front.
+            dt, dims = dt.base, dims + dt.shape
+        with self._lock:
+            self._open_handle()
+            self._owned_live(allocation)
+            if nbytes > allocation._size:
+                raise InvalidArgument(f"shape {dims} of {dt} needs {nbytes} bytes; "
+                                      f"{allocation!r} has {allocation._size}")
+            anchor = _ViewAnchor(self, allocation._address, nbytes)
+            released = weakref.finalize(anchor, self._view_released, allocation)
+            released.atexit = False  # at exit the views die with the process, not before it
+            allocation._views += 1
+            self._views += 1
+        return np.asarray(anchor).view(dt).reshape(dims)
+
+    def _view_released(self, allocation: Allocation) -> None:
+        # Runs when a view's anchor is garbage, possibly inside a garbage collection started
+        # while this thread holds the lock; the lock is reentrant for that reason.
+        with self._lock:
+            allocation._views -= 1
+            self._views -= 1
+            if self._closed and self._views == 0:
+                self._release()
+
+    # -- maintenance and introspection ------------------------------------------------------
+
+    def trim(self) -> None:
+        """Returns every empty slab to the buddy allocator."""
+        with self._lock:
+            self._lib.kva_trim(self._open_handle())
+
+    def check(self) -> None:
+        """Verifies every invariant of the pool's metadata; CorruptionError names the first
+        broken one. Its cost grows with the pool."""
+        with self._lock:
+            self._lib.kva_check(self._open_handle())
+
+    def stats(self) -> Stats:
+        raw = _ffi.KvaStats()
+        with self._lock:
+            self._lib.kva_get_stats(self._open_handle(), byref(raw))
+        return Stats._from_c(raw)
+
+    def class_stats(self) -> list[ClassStats]:
+        """Figures of every slab size class, smallest first."""
+        raw = _ffi.KvaClassStats()
+        result = []
+        with self._lock:
+            handle = self._open_handle()
+            for index in range(_ffi.KVA_NUM_SIZE_CLASSES):
+                self._lib.kva_get_class_stats(handle, index, byref(raw))
+                result.append(ClassStats(index, raw.object_size, raw.objects_per_slab,
+                                         raw.live_objects, raw.slabs))
+        return result
+
+    def walk(self) -> Iterator[HeapRegion]:
+        """Every live allocation and every free range, in address order.
+
+        The whole walk is taken under the pool's lock before the first region is yielded, so
+        the regions are one consistent snapshot however slowly they are consumed.
+        """
+        regions: list[HeapRegion] = []
+        failure: list[BaseException] = []
+
+        def visit(offset: int, size: int, kind: int, _ctx: int | None) -> int:
+            # An exception must not escape into C (ctypes would print it and go on with the
+            # walk, a region missing): stop the walk, raise it afterwards.
+            try:
+                regions.append(HeapRegion(offset, size, WalkKind(kind)))
+                return 0
+            except BaseException as exc:  # noqa: BLE001 - re-raised after the walk
+                failure.append(exc)
+                return 1
+
+        callback = _ffi.WALK_FN(visit)
+        with self._lock:
+            self._lib.kva_walk(self._open_handle(), callback, None)
+        if failure:
+            if isinstance(failure[0], ValueError):  # a region kind this package does not know
+                raise KvallocError(f"heap walk stopped: {failure[0]}") from failure[0]
+            raise failure[0]
+        return iter(regions)
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def base(self) -> int:
+        """Address of offset 0 of the managed region."""
+        return self._base
+
+    @property
+    def capacity(self) -> int:
+        """Bytes managed: the requested capacity rounded down to ``min_block``."""
+        return self._capacity
+
+    @property
+    def min_block(self) -> int:
+        return self._min_block
+
+    @property
+    def slab_chunk(self) -> int:
+        return self._slab_chunk
+
+    @property
+    def name(self) -> str | None:
+        return self._name
+
+    def __repr__(self) -> str:
+        label = f" {self._name!r}" if self._name else ""
+        state = "closed" if self._closed else "open"
+        return f"<pykvalloc.Pool{label} {format_size(self._capacity)} at {self._base:#x} {state}>"
+
+
+# Pools not yet closed, for the exit hook; weak so that it never keeps a pool alive.
+_open_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_idle_pools() -> None:
+    """At exit, releases every open pool no numpy view still uses; the rest the OS reclaims."""
+    for pool in list(_open_pools):
+        if pool._views == 0:
+            pool.close()

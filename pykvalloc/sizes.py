@@ -1,0 +1,46 @@
+"""Byte sizes: the slab size classes of the library, and reading and writing sizes for people."""
+
+from __future__ import annotations
+
+import re
+
+from . import _ffi
+
+__all__ = ["size_classes", "size_class_of", "parse_size", "format_size"]
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def size_classes() -> tuple[int, ...]:
+    """Object size of every slab size class, smallest first (index = class index)."""
+    lib = _ffi.load()
+    return tuple(lib.kva_size_class_size(index) for index in range(_ffi.KVA_NUM_SIZE_CLASSES))
+
+
+def size_class_of(size: int) -> int | None:
+    """Index of the size class a request of ``size`` bytes falls in; None above the slab range."""
+    if size <= 0 or size > _ffi.KVA_SLAB_MAX_SIZE:
+        return None
+    index = _ffi.load().kva_size_class_of(size)
+    return None if index < 0 else index
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"4096"``, ``"64K"``, ``"64KiB"``, ``"1.5m"``, ``"2G"`` (binary units)."""
+    match = _SIZE_RE.match(text)
+    if not match:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 64K, 256MiB, 1.5G)")
+    number, unit = match.groups()
+    scale = _UNITS[unit.lower()]
+    # Whole numbers stay in integer arithmetic so that large sizes are exact.
+    return int(float(number) * scale) if "." in number else int(number) * scale
+
+
+def format_size(size: float) -> str:
+    """``4 KiB``, ``1.5 MiB``, ``64 B``: whole numbers stay whole, others get one decimal."""
+    for suffix, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(size) >= scale:
+            value = size / scale
+            return f"{value:.0f} {suffix}" if value == int(value) else f"{value:.1f} {suffix}"
+    return f"{size:.0f} B"

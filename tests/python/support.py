@@ -1,0 +1,28 @@
+"""Helpers shared by the test modules (fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pykvalloc import _ffi
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MiB = 1 << 20
+
+
+def clean_env(**overrides: str) -> dict[str, str]:
+    """The environment for a child process: no library override unless asked for."""
+    env = {k: v for k, v in os.environ.items() if k not in (_ffi.ENV_VAR, "PYTHONPATH")}
+    env.update(overrides)
+    return env
+
+
+def run_python(code: str, env: dict[str, str] | None = None,
+               cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Runs code in a fresh interpreter (this one's) so that a crash cannot take pytest down
+    with it: a segfault shows up as a negative return code."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env if env is not None else clean_env(), cwd=cwd, timeout=timeout)

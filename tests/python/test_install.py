@@ -1,0 +1,76 @@
+"""``pip install .`` and ``pip install -e .`` into a fresh virtual environment.
+
+Slow (10 s to a minute: pip builds the C library and fetches the dependencies), so it carries the
+``slow`` marker: ``pytest -m "not slow"`` leaves it out of a quick run; CI runs it.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support import REPO_ROOT, clean_env
+
+pytestmark = pytest.mark.slow
+
+USE_IT = """
+import sys, pykvalloc, pykvalloc._ffi as ffi
+with pykvalloc.Pool(16 << 20, name="installed") as pool:
+    block = pool.alloc(4096)
+    view = block.view("int32")
+    view[:] = 5
+    assert int(view.sum()) == 5 * 1024
+    del view
+    pool.free(block)
+    pool.check()
+print(pykvalloc.__file__)
+print(ffi.load().path)
+print(pykvalloc.__version__)
+"""
+
+
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=clean_env(),
+                            stdin=subprocess.DEVNULL, timeout=600)
+    assert result.returncode == 0, f"{' '.join(command)}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def test_pip_install_into_a_fresh_venv(tmp_path):
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)], cwd=tmp_path)
+    python = str(venv / "bin" / "python")
+    site_packages = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path("
+                                            "'platlib'))"], cwd=tmp_path).stdout.strip())
+
+    # A regular install, used from outside the source tree so that only the installed
+    # copy can be imported.
+    _run([python, "-m", "pip", "install", str(REPO_ROOT)], cwd=tmp_path)
+    module, library, version = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
+    assert Path(module).parent == site_packages / "pykvalloc"
+    assert Path(library).parent == site_packages / "pykvalloc"
+    assert Path(library).name.startswith("libkvalloc.so")
+
+    dist_info = next(site_packages.glob("pykvalloc-*.dist-info"))
+    tags = [line.split(": ", 1)[1] for line in (dist_info / "WHEEL").read_text().splitlines()
+            if line.startswith("Tag: ")]
+    assert tags and all(tag.startswith("py3-none-") for tag in tags), tags
+    record = (dist_info / "RECORD").read_text()
+    assert "pykvalloc/py.typed" in record and "pykvalloc/libkvalloc.so" in record
+    assert "pykvalloc/cli/demo.py" in record
+    requires = [line.split(": ", 1)[1] for line in (dist_info / "METADATA").read_text()
+                .splitlines() if line.startswith("Requires-Dist: ") and "extra ==" not in line]
+    assert sorted(requires) == ["numpy", "psutil", "rich", "textual"]
+
+    script = _run([str(venv / "bin" / "kvalloc"), "--version"], cwd=tmp_path).stdout
+    assert script.startswith(f"kvalloc (pykvalloc) {version}\nlibrary: {library}")
+
+    # An editable install over it: the .py files come from the source tree, the library from
+    # what scikit-build-core installed into site-packages.
+    _run([python, "-m", "pip", "install", "--no-deps", "-e", str(REPO_ROOT)], cwd=tmp_path)
+    module, library, _ = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
+    assert Path(module).parent == REPO_ROOT / "pykvalloc"
+    assert Path(library).parent == site_packages / "pykvalloc"
+    _run([str(venv / "bin" / "kvalloc"), "demo", "--capacity", "16M"], cwd=tmp_path)
