@@ -1,0 +1,219 @@
+/*
+ * kv_cache.h — the state of a KV-cache manager: block records, the free stack, the LRU lists,
+ * the prefix table and the sequences. Nothing here is public.
+ *
+ * Paged mode. The KV memory is one exact allocation from a pool cut into num_blocks blocks.
+ * Each block has a 40-byte record indexed by its id, and the prefix table has two to four u32
+ * buckets per block: 48 to 56 bytes of metadata per block. A block is in exactly one state:
+ *   FREE    on the free stack (a LIFO linked through `next`); holds nothing.
+ *   USED    refs > 0: that many block-table entries of live sequences (pins included) name it.
+ *   CACHED  refs == 0, registered, on the LRU list of its priority: its KV is kept for a future
+ *           prefix hit and is given up only when a block is needed and the free stack is empty.
+ * LRU lists run from the least recently released block (head, evicted first) to the most
+ * recent (tail). Eviction takes the head of the lowest nonempty priority: a ctz and an unlink.
+ *
+ * A block is registered, with its key in the prefix table, only while it is full in every
+ * table that names it: appends write only into a sequence's partial last block, so cached KV
+ * is never written. A registered key is unique: a new block whose key is already registered
+ * stays unregistered and is freed, not cached, when released.
+ *
+ * Invariants (kva_kv_check verifies each):
+ *  K1  Every block is FREE, USED or CACHED; FREE and CACHED blocks have refs == 0, USED ones
+ *      refs > 0; free_count + used_count + cached_count == num_blocks.
+ *  K2  A block's refs equals the number of entries naming it in live sequences' tables.
+ *  K3  The free stack holds exactly the FREE blocks, each once, free_count of them.
+ *  K4  LRU list p is doubly linked, holds exactly the CACHED blocks of priority p (lru_count[p]
+ *      of them); bit p of lru_nonempty is set iff list p is not empty.
+ *  K5  Every CACHED block is registered; no FREE block is. Each registered block is on the chain
+ *      of bucket (key.lo & bucket_mask) exactly once, every chained block is registered, and no
+ *      two registered blocks share (key, namespace); registered_count counts them.
+ *  K6  A registered block is full in every table naming it: at entry i of a sequence of n
+ *      tokens, (i + 1) * block_tokens <= n.
+ *  K7  A live sequence has len == ceil(num_tokens / block_tokens) <= cap (paged) and a
+ *      nonzero generation; free slots are on the free-slot list, each once; live_seqs and
+ *      live_pins count the live slots.
+ *  K8  Contiguous mode: a live sequence owns a live pool allocation of at least bucket_tokens *
+ *      token_bytes, bucket_tokens is a power of two in [KVA_KV_MIN_BUCKET, max_context] holding
+ *      num_tokens; contig_bytes sums the usable sizes of every buffer and retired buffer.
+ */
+#ifndef KVA_KV_CACHE_H
+#define KVA_KV_CACHE_H
+
+#include <pthread.h>
+
+#include "kv_key.h"
+
+enum { KV_FREE = 0, KV_USED = 1, KV_CACHED = 2 };
+
+typedef struct kva_kv_block {
+    kva_kv_key key;      /* meaningful while registered */
+    uint32_t refs;
+    uint32_t hash_next;  /* the next block on the same prefix-table bucket */
+    uint32_t prev, next; /* LRU links while CACHED; next is the free-stack link while FREE */
+    uint32_t ns;         /* the namespace of the key */
+    uint8_t state;
+    uint8_t priority;    /* the highest priority of referencing sequences since leaving FREE */
+    uint8_t registered;
+    uint8_t reserved;
+} kva_kv_block;
+
+_Static_assert(sizeof(kva_kv_block) == 40, "a block record is 40 bytes");
+
+typedef struct kva_kv_seqrec {
+    uint32_t *table;          /* paged: block ids; cap entries allocated, kept across reuse */
+    unsigned char *buffer;    /* contiguous: the bucket */
+    unsigned char *retired;   /* contiguous: the previous bucket, freed at the next append/free */
+    uint32_t len, cap;
+    uint32_t num_tokens;
+    uint32_t cached_tokens;
+    uint32_t generation;      /* of the handle that names this slot now (never 0) */
+    uint32_t ns;
+    uint32_t bucket_tokens;
+    uint32_t next_free;       /* free-slot list link */
+    uint8_t live, priority, is_pin, reserved;
+} kva_kv_seqrec;
+
+typedef struct kva_kv_counters {
+    uint64_t hit_tokens, query_tokens, evictions, cow_copies, forks;
+    uint64_t allocations, frees, appends, moves, moved_bytes;
+    uint64_t alloc_failures, rejected_calls;
+} kva_kv_counters;
+
+struct kva_kv {
+    pthread_mutex_t lock;
+    kva_kv_info info;         /* geometry and addresses, fixed at creation */
+    kva_pool *pool;
+    int owns_pool;
+    unsigned char *memory;    /* paged: the KV allocation (info.base) */
+    uint64_t hash_seed;
+
+    /* Paged mode: read on every block operation. */
+    kva_kv_block *blocks;
+    uint32_t *buckets;        /* head block of each prefix-table chain, or KVA_NIL */
+    uint32_t bucket_mask;
+    uint32_t num_blocks, block_tokens;
+    uint32_t free_top, free_count, used_count, cached_count, registered_count;
+    uint32_t lru_nonempty;
+    uint32_t lru_head[KVA_KV_PRIORITIES], lru_tail[KVA_KV_PRIORITIES], lru_count[KVA_KV_PRIORITIES];
+    kva_kv_key root;
+
+    /* Sequences. */
+    kva_kv_seqrec *seqs;
+    uint32_t seq_slots;       /* slots in use or on the free-slot list */
+    uint32_t seq_capacity;    /* slots allocated */
+    uint32_t free_slot;
+    uint32_t live_seqs, live_pins;
+
+    /* Contiguous mode. */
+    size_t contig_bytes;
+    uint32_t max_context;
+
+    kva_kv_counters counters;
+};
+
+/* ---- handles ----------------------------------------------------------------------------- */
+
+KVA_INLINE kva_kv_seq kv_handle(uint32_t slot, uint32_t generation) {
+    return (uint64_t)generation << 32 | slot;
+}
+
+/* The live sequence a handle names, or NULL with the reason recorded: KVA_ERR_DOUBLE_FREE in
+ * *why for a handle of a sequence that was freed, KVA_ERR_INVALID for one never given. */
+kva_kv_seqrec *kv_seq_lookup(kva_kv *kv, kva_kv_seq seq, kva_status *why);
+
+/* Counts a refused call and returns its status. */
+kva_status kv_reject(kva_kv *kv, kva_status status);
+
+/* A slot for a new sequence with room for `blocks` table entries, not yet live; NULL (and
+ * KVA_ERR_NOMEM recorded) if host memory runs out. Changes nothing the caller can see. */
+kva_kv_seqrec *kv_seq_reserve(kva_kv *kv, uint32_t blocks);
+/* Makes the reserved slot live and returns its handle. */
+kva_kv_seq kv_seq_publish(kva_kv *kv, kva_kv_seqrec *rec);
+/* Returns a live slot to the free-slot list; its handle goes stale. */
+void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec);
+/* Grows a table to hold `blocks` entries; 0 if host memory runs out (nothing changed). */
+int kv_table_reserve(kva_kv_seqrec *rec, uint32_t blocks);
+
+/* ---- the free stack and the LRU lists (all O(1)) ----------------------------------------- */
+
+KVA_INLINE void kv_free_push(kva_kv *kv, uint32_t b) {
+    kva_kv_block *blk = &kv->blocks[b];
+    blk->state = KV_FREE;
+    blk->next = kv->free_top;
+    kv->free_top = b;
+    kv->free_count++;
+}
+
+KVA_INLINE uint32_t kv_free_pop(kva_kv *kv) {
+    uint32_t b = kv->free_top;
+    kv->free_top = kv->blocks[b].next;
+    kv->free_count--;
+    return b;
+}
+
+/* Appends a block at the newest end of the LRU list of its priority. */
+KVA_INLINE void kv_lru_push(kva_kv *kv, uint32_t b) {
+    kva_kv_block *blk = &kv->blocks[b];
+    unsigned p = blk->priority;
+    blk->state = KV_CACHED;
+    blk->next = KVA_NIL;
+    blk->prev = kv->lru_tail[p];
+    if (blk->prev == KVA_NIL) kv->lru_head[p] = b;
+    else kv->blocks[blk->prev].next = b;
+    kv->lru_tail[p] = b;
+    kv->lru_count[p]++;
+    kv->lru_nonempty |= 1u << p;
+    kv->cached_count++;
+}
+
+KVA_INLINE void kv_lru_unlink(kva_kv *kv, uint32_t b) {
+    kva_kv_block *blk = &kv->blocks[b];
+    unsigned p = blk->priority;
+    if (blk->prev == KVA_NIL) kv->lru_head[p] = blk->next;
+    else kv->blocks[blk->prev].next = blk->next;
+    if (blk->next == KVA_NIL) kv->lru_tail[p] = blk->prev;
+    else kv->blocks[blk->next].prev = blk->prev;
+    if (--kv->lru_count[p] == 0) kv->lru_nonempty &= ~(1u << p);
+    kv->cached_count--;
+}
+
+/* ---- paged operations (kv_blocks.c) ------------------------------------------------------- */
+
+/* The registered block with this key and namespace, or KVA_NIL. */
+KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, kva_kv_key key, uint32_t ns) {
+    uint32_t b = kv->buckets[key.lo & kv->bucket_mask];
+    while (b != KVA_NIL) {
+        const kva_kv_block *blk = &kv->blocks[b];
+        if (kv_key_equal(blk->key, key) && blk->ns == ns) return b;
+        b = blk->hash_next;
+    }
+    return KVA_NIL;
+}
+
+/* Registers block b under key unless the key is taken; 1 if it registered. */
+int kv_prefix_register(kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns);
+
+/* A block for a new table entry: from the free stack, else by evicting the least recently used
+ * cached block of the lowest priority. The caller checked kv_blocks_available. */
+uint32_t kv_block_take(kva_kv *kv, uint8_t priority);
+/* Adds a reference from a sequence of the given priority to a USED or CACHED block. */
+void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority);
+/* Drops a reference; at zero the block is cached (registered) or freed. */
+void kv_block_unref(kva_kv *kv, uint32_t b);
+/* Evicts the head of the lowest nonempty LRU list and leaves it USED-less (state to be set by
+ * the caller); KVA_NIL if nothing is cached. */
+uint32_t kv_evict_one(kva_kv *kv);
+
+KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) { return kv->free_count + kv->cached_count; }
+
+/* ---- modes ------------------------------------------------------------------------------- */
+
+/* Contiguous mode (kv_contig.c); called with the lock held and the arguments checked. */
+kva_status kv_contig_allocate(kva_kv *kv, uint32_t num_tokens, uint32_t priority, kva_kv_seq *seq);
+kva_status kv_contig_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, kva_kv_copy *copy);
+void kv_contig_release(kva_kv *kv, kva_kv_seqrec *rec);
+
+KVA_INLINE void kv_lock(kva_kv *kv) { pthread_mutex_lock(&kv->lock); }
+KVA_INLINE void kv_unlock(kva_kv *kv) { pthread_mutex_unlock(&kv->lock); }
+
+#endif

@@ -1,0 +1,282 @@
+/*
+ * test_stats_segment.c — the shared-memory statistics segment of a named pool, read the way an
+ * inspector in another process reads it: mapped read-only, copied under the sequence lock.
+ */
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "check.h"
+#include "kvalloc.h"
+#include "kvalloc_stats.h"
+
+/* A read-only mapping of a segment, as a reader has it. */
+typedef struct mapped {
+    const unsigned char *base;
+    size_t size;
+} mapped;
+
+static int map_segment(const char *name, mapped *m) {
+    int fd = shm_open(name, O_RDONLY, 0);
+    if (fd < 0) return 0;
+    struct stat st;
+    fstat(fd, &st);
+    m->size = (size_t)st.st_size;
+    m->base = mmap(NULL, m->size, PROT_READ, MAP_SHARED, fd, 0);
+    close(fd);
+    return m->base != MAP_FAILED;
+}
+
+static void unmap_segment(mapped *m) { munmap((void *)m->base, m->size); }
+
+/* Copies the whole segment into buf under the sequence lock; 0 if no consistent copy was had in
+ * `tries` attempts. */
+static int snapshot(const mapped *m, unsigned char *buf, int tries) {
+    const kva_shm_header *h = (const kva_shm_header *)m->base;
+    for (int i = 0; i < tries; i++) {
+        uint64_t before = __atomic_load_n(&h->sequence, __ATOMIC_ACQUIRE);
+        if (before & 1) {
+            sched_yield(); /* a publish is in progress: let the writer finish it */
+            continue;
+        }
+        memcpy(buf, m->base, m->size);
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        if (__atomic_load_n(&h->sequence, __ATOMIC_RELAXED) == before) return 1;
+    }
+    return 0;
+}
+
+/* The section of a kind, bounds-checked against the segment size; NULL if absent or bad. */
+static const void *section(const unsigned char *buf, size_t size, uint32_t kind, uint64_t *len) {
+    const kva_shm_header *h = (const kva_shm_header *)buf;
+    for (uint32_t i = 0; i < h->section_count && i < KVA_SHM_MAX_SECTIONS; i++) {
+        const kva_shm_section *s = &h->sections[i];
+        if (s->kind == kind && s->offset <= size && s->size <= size - s->offset) {
+            *len = s->size;
+            return buf + s->offset;
+        }
+    }
+    return NULL;
+}
+
+static kva_pool *make_named(const char *name, int trace) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)32 << 20;
+    cfg.name = name;
+    cfg.trace = trace;
+    cfg.pages = KVA_PAGES_SMALL;
+    kva_pool *pool = NULL;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    return pool;
+}
+
+static void test_layout_and_content(void) {
+    kva_pool *pool = make_named("layout", 0);
+    const char *name = kva_stats_segment_name(pool);
+    char expected[128];
+    snprintf(expected, sizeof expected, "/kvalloc.%d.layout", (int)getpid());
+    REQUIRE(name && strcmp(name, expected) == 0);
+    char path[160];
+    snprintf(path, sizeof path, "/dev/shm%s", name);
+    struct stat st;
+    REQUIRE(stat(path, &st) == 0);
+    CHECK((st.st_mode & 0777) == 0600);
+
+    void *p[100];
+    for (int i = 0; i < 100; i++) REQUIRE(kva_alloc(pool, i < 50 ? 64 : 200000, &p[i]) == KVA_OK);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+
+    mapped m;
+    REQUIRE(map_segment(name, &m));
+    unsigned char *buf = malloc(m.size);
+    REQUIRE(snapshot(&m, buf, 100));
+    const kva_shm_header *h = (const kva_shm_header *)buf;
+    CHECK(h->magic == KVA_SHM_MAGIC && h->abi_major == KVA_SHM_ABI_MAJOR);
+    CHECK(h->header_size == sizeof(kva_shm_header) && h->segment_size == m.size);
+    CHECK(h->writer_pid == (uint32_t)getpid());
+    CHECK(strcmp(h->pool_name, "layout") == 0);
+    CHECK(h->heartbeat_ns >= h->start_time_ns && h->publish_count >= 2);
+
+    uint64_t len;
+    const kva_shm_summary *sum = section(buf, m.size, KVA_SHM_SECTION_SUMMARY, &len);
+    REQUIRE(sum && len >= sizeof *sum);
+    kva_stats stats;
+    kva_get_stats(pool, &stats);
+    CHECK(sum->capacity == stats.capacity && sum->bytes_in_use == stats.bytes_in_use);
+    CHECK(sum->bytes_free == stats.bytes_free && sum->live_allocations == 100);
+    CHECK(sum->unusable_index[0] == 0.0);
+    CHECK(sum->unusable_index[stats.num_orders - 1] <= 1.0);
+
+    const kva_shm_heapmap *map = section(buf, m.size, KVA_SHM_SECTION_HEAPMAP, &len);
+    REQUIRE(map && len >= sizeof *map + 2 * (uint64_t)map->cells);
+    CHECK(map->cells * map->cell_bytes >= stats.capacity);
+    const uint8_t *state = (const uint8_t *)(map + 1), *fill = state + map->cells;
+    uint64_t used_cells = 0;
+    for (uint32_t i = 0; i < map->cells; i++) used_cells += state[i] != KVA_SHM_CELL_FREE;
+    CHECK(used_cells * map->cell_bytes >= stats.bytes_in_use - stats.slab_bytes);
+    CHECK(state[map->cells - 1] == KVA_SHM_CELL_FREE && fill[map->cells - 1] == 0);
+
+    const kva_shm_classes *classes = section(buf, m.size, KVA_SHM_SECTION_CLASSES, &len);
+    REQUIRE(classes && classes->count == KVA_NUM_SIZE_CLASSES);
+    const kva_shm_class *c64 = (const kva_shm_class *)(classes + 1) + kva_size_class_of(64);
+    CHECK(c64->object_size == 64 && c64->live_objects == 50 && c64->slabs == 1 && c64->allocs == 50);
+
+    const kva_shm_slabs *slabs = section(buf, m.size, KVA_SHM_SECTION_SLABS, &len);
+    REQUIRE(slabs && slabs->count == 1);
+    const kva_shm_slab *slab = (const kva_shm_slab *)(slabs + 1);
+    CHECK(slab->inuse == 50 && slab->strip[0] > 0 && slab->strip[KVA_SHM_STRIP_CELLS - 1] == 0);
+
+    /* A failed call is recorded even without trace; a successful one is not. */
+    const kva_shm_trace *trace = section(buf, m.size, KVA_SHM_SECTION_TRACE, &len);
+    REQUIRE(trace);
+    uint64_t written = trace->written;
+    CHECK(written == 0);
+    CHECK_STATUS(kva_free(pool, p[0]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, p[0]), KVA_ERR_DOUBLE_FREE);
+    REQUIRE(snapshot(&m, buf, 100));
+    trace = section(buf, m.size, KVA_SHM_SECTION_TRACE, &len);
+    CHECK(trace->written == 1);
+    const kva_shm_trace_record *r = (const kva_shm_trace_record *)(trace + 1);
+    CHECK(r->op == KVA_SHM_OP_FREE && r->status == KVA_ERR_DOUBLE_FREE && r->thread != 0);
+    void *base;
+    kva_pool_base(pool, &base);
+    CHECK(r->offset == (uint64_t)((unsigned char *)p[0] - (unsigned char *)base));
+
+    free(buf);
+    unmap_segment(&m);
+    kva_pool_destroy(pool);
+    CHECK(stat(path, &st) != 0); /* gone with the pool */
+}
+
+/* With trace on, every call is recorded and timed, fast-path ones included. */
+static void test_trace_mode(void) {
+    kva_pool *pool = make_named("traced", 1);
+    void *p[10];
+    for (int i = 0; i < 10; i++) REQUIRE(kva_alloc(pool, 64, &p[i]) == KVA_OK);
+    for (int i = 0; i < 10; i++) REQUIRE(kva_free(pool, p[i]) == KVA_OK);
+    void *out;
+    CHECK_STATUS(kva_alloc(pool, 0, &out), KVA_ERR_INVALID);
+    mapped m;
+    REQUIRE(map_segment(kva_stats_segment_name(pool), &m));
+    unsigned char *buf = malloc(m.size);
+    REQUIRE(snapshot(&m, buf, 100));
+    uint64_t len;
+    const kva_shm_trace *trace = section(buf, m.size, KVA_SHM_SECTION_TRACE, &len);
+    CHECK(trace->written == 21);
+    const kva_shm_trace_record *r = (const kva_shm_trace_record *)(trace + 1);
+    CHECK(r[0].op == KVA_SHM_OP_ALLOC && r[0].size == 64 && r[0].status == KVA_OK);
+    CHECK(r[10].op == KVA_SHM_OP_FREE && r[10].offset == r[0].offset);
+    CHECK(r[20].status == KVA_ERR_INVALID && r[20].offset == UINT64_MAX);
+    const kva_shm_latency *lat = section(buf, m.size, KVA_SHM_SECTION_LATENCY, &len);
+    uint64_t allocs = 0, frees = 0;
+    for (int b = 0; b < KVA_SHM_LATENCY_BUCKETS; b++) allocs += lat->alloc[b], frees += lat->free[b];
+    CHECK(allocs == 11 && frees == 10);
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    CHECK(st.alloc_count == 10 && st.free_count == 10 && st.rejected_calls == 1);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    free(buf);
+    unmap_segment(&m);
+    kva_pool_destroy(pool);
+}
+
+/* Another process reads it; and a process that exits without destroying its pool leaves no
+ * segment behind. */
+static void test_other_processes(void) {
+    kva_pool *pool = make_named("shared", 0);
+    void *p;
+    REQUIRE(kva_alloc(pool, 1 << 20, &p) == KVA_OK);
+    kva_stats_publish(pool);
+    char name[128];
+    snprintf(name, sizeof name, "%s", kva_stats_segment_name(pool));
+    pid_t child = fork();
+    if (child == 0) {
+        mapped m;
+        if (!map_segment(name, &m)) _exit(2);
+        unsigned char *buf = malloc(m.size);
+        if (!snapshot(&m, buf, 100)) _exit(3);
+        uint64_t len;
+        const kva_shm_summary *sum = section(buf, m.size, KVA_SHM_SECTION_SUMMARY, &len);
+        _exit(sum && sum->bytes_in_use == (1u << 20) && sum->live_allocations == 1 ? 0 : 4);
+    }
+    int status;
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    kva_pool_destroy(pool);
+
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    child = fork();
+    if (child == 0) {
+        kva_pool *forgotten = make_named("forgotten", 0);
+        const char *n = kva_stats_segment_name(forgotten);
+        if (write(fds[1], n, strlen(n) + 1) < 0) _exit(2);
+        exit(0); /* normal exit, pool never destroyed */
+    }
+    char child_name[128] = {0};
+    CHECK(read(fds[0], child_name, sizeof child_name - 1) > 0);
+    waitpid(child, &status, 0);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    int fd = shm_open(child_name, O_RDONLY, 0);
+    CHECK(fd < 0);
+    if (fd >= 0) close(fd);
+    close(fds[0]);
+    close(fds[1]);
+}
+
+/* A reader racing a writer that publishes continuously never accepts a torn snapshot: every
+ * accepted copy satisfies the relations that hold within one publish. */
+static void test_reader_races_writer(void) {
+    kva_pool *pool = make_named("race", 0);
+    char name[128];
+    snprintf(name, sizeof name, "%s", kva_stats_segment_name(pool));
+    pid_t reader = fork();
+    if (reader == 0) {
+        mapped m;
+        if (!map_segment(name, &m)) _exit(2);
+        unsigned char *buf = malloc(m.size);
+        int accepted = 0;
+        for (int i = 0; i < 5000; i++) {
+            if (!snapshot(&m, buf, 1000)) continue;
+            accepted++;
+            uint64_t len;
+            const kva_shm_summary *s = section(buf, m.size, KVA_SHM_SECTION_SUMMARY, &len);
+            uint64_t free_bytes = 0;
+            for (uint32_t k = 0; k < s->num_orders && k < 48; k++) free_bytes += s->free_blocks[k] * (s->min_block << k);
+            if (free_bytes != s->bytes_free || s->alloc_count - s->free_count != s->live_allocations ||
+                s->bytes_in_use + s->bytes_free + s->slab_free_bytes > s->capacity)
+                _exit(5); /* torn */
+        }
+        _exit(accepted > 100 ? 0 : 6);
+    }
+    /* The writer: churn and publish until the reader is done. */
+    void *live[64] = {0};
+    unsigned i = 0;
+    int status = 0;
+    while (waitpid(reader, &status, WNOHANG) == 0) {
+        unsigned slot = i % 64;
+        if (live[slot]) kva_free(pool, live[slot]), live[slot] = NULL;
+        else kva_alloc(pool, (size_t)4096 << (i % 9), &live[slot]);
+        kva_stats_publish(pool);
+        if (i % 4 == 0) usleep(20); /* publishes back to back, with short gaps for the reader */
+        i++;
+    }
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fprintf(stderr, "reader exit status %d\n", WEXITSTATUS(status));
+    kva_pool_destroy(pool);
+}
+
+int main(void) {
+    test_layout_and_content();
+    test_trace_mode();
+    test_other_processes();
+    test_reader_races_writer();
+    return CHECK_DONE();
+}
