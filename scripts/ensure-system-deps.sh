@@ -5,6 +5,7 @@ set -euo pipefail
 missing=()
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v make >/dev/null || missing+=(make)
+command -v strace >/dev/null || missing+=(strace)   # the no-system-call test
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

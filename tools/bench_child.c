@@ -1,0 +1,570 @@
+/*
+ * bench_child.c — one measured run: one allocator, one pattern, in a process of its own.
+ *
+ * The parent (bench_alloc.c) starts this as `bench_alloc --child NAME --pattern PATTERN ...`
+ * with LD_PRELOAD already set for a peer allocator; the report format is in bench_protocol.h.
+ * Peers are measured through plain malloc/free, the way they are used; libkvalloc through
+ * kva_alloc/kva_free on a pool of its own.
+ */
+#include <dlfcn.h>
+#include <stdarg.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bench_protocol.h"
+#include "kvalloc.h"
+
+#define KIB ((size_t)1 << 10)
+#define MIB ((size_t)1 << 20)
+#define GIB ((size_t)1 << 30)
+
+/* Batch patterns: this many allocations are live at the end of each alloc phase. */
+#define BATCH_OBJECTS 1000
+
+/* Large-block pattern: sizes 1 MiB << (0..6), at most LARGE_LIVE_LIMIT live at once in a
+ * LARGE_POOL pool, so that about half the pool is always free and a request fails only
+ * through fragmentation. */
+#define LARGE_MIN_SHIFT 20
+#define LARGE_SHIFTS 7
+#define LARGE_LIVE_LIMIT (512 * MIB)
+#define LARGE_MAX_LIVE (LARGE_LIVE_LIMIT >> LARGE_MIN_SHIFT)
+#define LARGE_POOL GIB
+
+/* First-touch pattern: TOUCH_BLOCKS blocks of TOUCH_BLOCK live together, so every page the
+ * pass writes is a page the process has never written, whatever the allocator caches. The
+ * libkvalloc pool is exactly that big, so prefault=1 faults in exactly what is then used. */
+#define TOUCH_BLOCK (64 * MIB)
+#define TOUCH_BLOCKS 8
+#define TOUCH_STRIDE (4 * KIB)
+
+/* The allocator under test, behind two function pointers chosen at run time: every allocator
+ * pays the same indirect call, and the compiler can neither elide nor merge malloc/free pairs
+ * it can see through. release returns nonzero if the allocator refused the free. */
+struct backend {
+    void *(*alloc)(size_t size);
+    int (*release)(void *ptr);
+};
+
+struct child_options {
+    enum bench_allocator allocator;
+    const char *pattern;
+    unsigned rounds;  /* batch rounds per repetition */
+    unsigned reps;    /* measured repetitions; one more, unmeasured, warms up first */
+    unsigned samples; /* large-block allocations per repetition */
+    int prefault;     /* kvalloc: kva_config.prefault of the pool */
+};
+
+static const char *g_name = "?";
+static kva_pool *g_pool;
+
+static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+static void die(const char *fmt, ...)
+{
+    va_list ap;
+    fprintf(stderr, "bench_alloc --child %s: ", g_name);
+    va_start(ap, fmt);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fputc('\n', stderr);
+    exit(2);
+}
+
+static void report(enum bench_metric metric, double value)
+{
+    printf("{\"allocator\":\"%s\",\"metric\":\"%s\",\"value\":%.15g}\n", g_name,
+           bench_metric_keys[metric], value);
+}
+
+/* ---- the two backends ------------------------------------------------------------------ */
+
+static void *malloc_alloc(size_t size) { return malloc(size); }
+
+static int malloc_release(void *ptr)
+{
+    free(ptr);
+    return 0;
+}
+
+/* ptr needs no initial value: kva_alloc writes it exactly when it returns KVA_OK. */
+static void *kvalloc_alloc(size_t size)
+{
+    void *ptr;
+    return kva_alloc(g_pool, size, &ptr) == KVA_OK ? ptr : NULL;
+}
+
+static int kvalloc_release(void *ptr) { return kva_free(g_pool, ptr) != KVA_OK; }
+
+static const struct backend malloc_backend = {malloc_alloc, malloc_release};
+static const struct backend kvalloc_backend = {kvalloc_alloc, kvalloc_release};
+
+/* The pool is named, as an engine's would be: it then publishes its statistics to shared
+ * memory now and then from the checked paths (tracing stays off, the default), and that cost
+ * belongs in the figures. publish_ms 0 keeps the default interval. */
+static void create_pool(size_t capacity, int prefault, unsigned publish_ms)
+{
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = capacity;
+    cfg.prefault = prefault;
+    cfg.name = "bench";
+    if (publish_ms != 0)
+        cfg.publish_interval_ms = publish_ms;
+    kva_status st = kva_pool_create(&cfg, &g_pool);
+    if (st != KVA_OK)
+        die("kva_pool_create(%zu MiB, prefault=%d): %s: %s", capacity / MIB, prefault,
+            kva_strerror(st), kva_last_error());
+}
+
+/* Reads the pool's statistics at a moment the caller knows to be its largest live set, so the
+ * metadata fraction reported is the peak one. Never called inside a timed section. */
+static void report_pool_peak(void)
+{
+    kva_stats st;
+    kva_status status = kva_get_stats(g_pool, &st);
+    if (status != KVA_OK)
+        die("kva_get_stats: %s: %s", kva_strerror(status), kva_last_error());
+    report(BENCH_METADATA_BYTES, (double)st.metadata_bytes);
+    report(BENCH_CAPACITY, (double)st.capacity);
+    report(BENCH_METADATA_FRACTION, (double)st.metadata_bytes / (double)st.capacity);
+    report(BENCH_PAGE_KIND, (double)st.page_kind);
+    report(BENCH_PAGE_SIZE, (double)st.page_size);
+}
+
+/* A run with a preload that silently did not apply would measure glibc under another name, so
+ * check both that the allocator's own symbol is present (and no other peer's) and that the
+ * malloc every call resolves to lives in the expected object. */
+static void verify_allocator(enum bench_allocator want)
+{
+    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
+        const char *marker = bench_allocators[a].marker_symbol;
+        if (marker == NULL)
+            continue;
+        int present = dlsym(RTLD_DEFAULT, marker) != NULL;
+        if (a == (int)want && !present)
+            die("%s is not in this process (no symbol %s): LD_PRELOAD did not take effect",
+                bench_allocators[a].name, marker);
+        if (a != (int)want && present)
+            die("%s is loaded (symbol %s) but %s was asked for: stray LD_PRELOAD?",
+                bench_allocators[a].name, marker, bench_allocators[want].name);
+    }
+    Dl_info info;
+    void *malloc_sym = dlsym(RTLD_DEFAULT, "malloc");
+    if (malloc_sym == NULL || dladdr(malloc_sym, &info) == 0 || info.dli_fname == NULL)
+        die("cannot tell which object defines malloc");
+    if (strstr(info.dli_fname, bench_allocators[want].malloc_owner) == NULL)
+        die("malloc comes from %s, expected %s", info.dli_fname,
+            bench_allocators[want].malloc_owner);
+}
+
+/* ---- measurement helpers ---------------------------------------------------------------- */
+
+/* CLOCK_MONOTONIC is read through the vDSO on this kind of machine (tsc clocksource), so it
+ * costs tens of nanoseconds and no system call. */
+static uint64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Minor page faults of this process so far. The memory of the large-block pattern is never
+ * touched, so faults there are the allocator writing to its own bookkeeping for the first
+ * time: they explain tail latencies that are not system calls. */
+static double minor_faults(void)
+{
+    struct rusage u;
+    return getrusage(RUSAGE_SELF, &u) == 0 ? (double)u.ru_minflt : 0;
+}
+
+static int compare_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sorts v. The middle value, or the mean of the two middle ones. */
+static double median(double *v, size_t n)
+{
+    qsort(v, n, sizeof *v, compare_double);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* Nearest-rank percentile of a sorted array: the smallest sample that at least q of all
+ * samples do not exceed. */
+static double percentile_sorted(const double *v, size_t n, double q)
+{
+    size_t rank = (size_t)(q * (double)n + 0.999999);
+    if (rank < 1)
+        rank = 1;
+    return v[(rank > n ? n : rank) - 1];
+}
+
+static double timer_overhead_ns(void)
+{
+    enum { N = 1001 };
+    static double v[N];
+    for (int i = 0; i < N; i++) {
+        uint64_t t0 = now_ns();
+        uint64_t t1 = now_ns();
+        v[i] = (double)(t1 - t0);
+    }
+    return median(v, N);
+}
+
+static void *xmalloc(size_t size)
+{
+    void *p = malloc(size);
+    if (p == NULL)
+        die("out of memory for %zu bytes of bookkeeping", size);
+    return p;
+}
+
+/* xorshift64*: the same seed gives every allocator the same request sequence. */
+static uint64_t next_random(uint64_t *state)
+{
+    uint64_t x = *state;
+    x ^= x >> 12;
+    x ^= x << 25;
+    x ^= x >> 27;
+    *state = x;
+    return x * 0x2545F4914F6CDD1DULL;
+}
+
+/* ---- pattern 1 and 2: batches ----------------------------------------------------------- */
+
+struct batch_time {
+    uint64_t alloc_ns, free_ns;
+};
+
+/* One round: BATCH_OBJECTS allocations, then the same objects freed in allocation order. */
+static void batch_round(const struct backend *b, size_t size, void **slots, struct batch_time *t)
+{
+    uint64_t t0 = now_ns();
+    for (int i = 0; i < BATCH_OBJECTS; i++) {
+        slots[i] = b->alloc(size);
+        if (slots[i] == NULL)
+            die("allocation of %zu bytes failed", size);
+    }
+    uint64_t t1 = now_ns();
+    int refused = 0;
+    for (int i = 0; i < BATCH_OBJECTS; i++)
+        refused |= b->release(slots[i]);
+    uint64_t t2 = now_ns();
+    if (refused)
+        die("a free of a %zu-byte object was refused", size);
+    t->alloc_ns += t1 - t0;
+    t->free_ns += t2 - t1;
+}
+
+static void run_batch(const struct backend *b, const struct child_options *o, size_t size,
+                      enum bench_metric m_op, enum bench_metric m_alloc, enum bench_metric m_free)
+{
+    void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
+    double *per_op = xmalloc(o->reps * sizeof *per_op);
+    double *per_alloc = xmalloc(o->reps * sizeof *per_alloc);
+    double *per_free = xmalloc(o->reps * sizeof *per_free);
+
+    /* Warm-up: brings the allocator's caches and, for kvalloc, the slabs into being; the live
+     * set is at its peak halfway through, which is when the pool is inspected. */
+    for (int i = 0; i < BATCH_OBJECTS; i++)
+        if ((slots[i] = b->alloc(size)) == NULL)
+            die("allocation of %zu bytes failed", size);
+    if (g_pool != NULL)
+        report_pool_peak();
+    for (int i = 0; i < BATCH_OBJECTS; i++)
+        if (b->release(slots[i]))
+            die("a free of a %zu-byte object was refused", size);
+    struct batch_time warm = {0, 0};
+    for (unsigned r = 0; r < o->rounds; r++)
+        batch_round(b, size, slots, &warm);
+
+    double ops = (double)o->rounds * BATCH_OBJECTS;
+    for (unsigned rep = 0; rep < o->reps; rep++) {
+        struct batch_time t = {0, 0};
+        for (unsigned r = 0; r < o->rounds; r++)
+            batch_round(b, size, slots, &t);
+        per_op[rep] = (double)(t.alloc_ns + t.free_ns) / (2 * ops);
+        per_alloc[rep] = (double)t.alloc_ns / ops;
+        per_free[rep] = (double)t.free_ns / ops;
+    }
+    report(m_op, median(per_op, o->reps));
+    report(m_alloc, median(per_alloc, o->reps));
+    report(m_free, median(per_free, o->reps));
+    free(per_free);
+    free(per_alloc);
+    free(per_op);
+    free(slots);
+}
+
+/* ---- pattern 3: large blocks ------------------------------------------------------------ */
+
+struct live_set {
+    void *ptr[LARGE_MAX_LIVE];
+    size_t size[LARGE_MAX_LIVE];
+    size_t count, bytes;
+};
+
+static void live_release(const struct backend *b, struct live_set *live, size_t i)
+{
+    if (b->release(live->ptr[i]))
+        die("a free of a %zu MiB block was refused", live->size[i] / MIB);
+    live->bytes -= live->size[i];
+    live->count--;
+    live->ptr[i] = live->ptr[live->count];
+    live->size[i] = live->size[live->count];
+}
+
+static void live_release_random(const struct backend *b, struct live_set *live, uint64_t *rng)
+{
+    live_release(b, live, (size_t)(next_random(rng) % live->count));
+}
+
+/* The next request of the sequence: a random power-of-two size, after random frees have made
+ * room for it under the live limit. Shared with the syscall check so both make the same
+ * calls. */
+static size_t large_next_size(const struct backend *b, struct live_set *live, uint64_t *rng)
+{
+    size_t size = (size_t)1 << (LARGE_MIN_SHIFT + next_random(rng) % LARGE_SHIFTS);
+    while (live->bytes + size > LARGE_LIVE_LIMIT)
+        live_release_random(b, live, rng);
+    return size;
+}
+
+/* Allocates size bytes into live. libkvalloc may answer NOMEM although half the pool is
+ * free (buddy fragmentation): then free one more random block and retry, counting the
+ * failure. Returns the latency of the successful call, in ns, or 0 if timed is 0. */
+static uint64_t large_alloc(const struct backend *b, struct live_set *live, size_t size,
+                            uint64_t *rng, uint64_t *failures, int timed)
+{
+    for (;;) {
+        uint64_t t0 = timed ? now_ns() : 0;
+        void *p = b->alloc(size);
+        uint64_t t1 = timed ? now_ns() : 0;
+        if (p != NULL) {
+            live->ptr[live->count] = p;
+            live->size[live->count] = size;
+            live->count++;
+            live->bytes += size;
+            return t1 - t0;
+        }
+        if (g_pool == NULL || live->count == 0)
+            die("allocation of %zu MiB failed", size / MIB);
+        (*failures)++;
+        live_release_random(b, live, rng);
+    }
+}
+
+static void run_large(const struct backend *b, const struct child_options *o)
+{
+    static struct live_set live;
+    double *lat = xmalloc(o->samples * sizeof *lat);
+    double *p50 = xmalloc(o->reps * sizeof *p50);
+    double *p99 = xmalloc(o->reps * sizeof *p99);
+    double *p999 = xmalloc(o->reps * sizeof *p999);
+    double worst = 0;
+    uint64_t rng = 0x9E3779B97F4A7C15ULL, failures = 0;
+    double faults_before = 0;
+
+    report(BENCH_TIMER_NS, timer_overhead_ns());
+    /* Repetition 0 warms up and is not recorded; each repetition starts from an empty set. */
+    for (unsigned rep = 0; rep <= o->reps; rep++) {
+        if (rep == 1)
+            faults_before = minor_faults();
+        for (unsigned i = 0; i < o->samples; i++) {
+            size_t size = large_next_size(b, &live, &rng);
+            lat[i] = (double)large_alloc(b, &live, size, &rng, &failures, 1);
+        }
+        if (rep == 0 && g_pool != NULL)
+            report_pool_peak();
+        while (live.count > 0)
+            live_release(b, &live, live.count - 1);
+        if (rep == 0)
+            continue;
+        qsort(lat, o->samples, sizeof *lat, compare_double);
+        p50[rep - 1] = percentile_sorted(lat, o->samples, 0.50);
+        p99[rep - 1] = percentile_sorted(lat, o->samples, 0.99);
+        p999[rep - 1] = percentile_sorted(lat, o->samples, 0.999);
+        if (lat[o->samples - 1] > worst)
+            worst = lat[o->samples - 1];
+    }
+    report(BENCH_LARGE_P50_NS, median(p50, o->reps));
+    report(BENCH_LARGE_P99_NS, median(p99, o->reps));
+    report(BENCH_LARGE_P999_NS, median(p999, o->reps));
+    report(BENCH_LARGE_MAX_NS, worst);
+    report(BENCH_LARGE_FAULTS,
+           1000 * (minor_faults() - faults_before) / ((double)o->samples * o->reps));
+    if (g_pool != NULL)
+        report(BENCH_LARGE_FAILURES, (double)failures);
+    free(p999);
+    free(p99);
+    free(p50);
+    free(lat);
+}
+
+/* ---- pattern 4: first touch ------------------------------------------------------------- */
+
+/* One pass over fresh memory: allocate every block and write one byte per 4 KiB page (that
+ * write is the page fault a real first use pays), then free everything. The pass is timed
+ * whole, frees included, since returning the memory is part of the cycle. The parent runs
+ * this in a new process per repetition: a second pass would reuse memory and fault less. */
+static void run_touch(const struct backend *b, const struct child_options *o)
+{
+    int is_kvalloc = o->allocator == BENCH_KVALLOC;
+    if (is_kvalloc) {
+        uint64_t c0 = now_ns();
+        create_pool(TOUCH_BLOCK * TOUCH_BLOCKS, o->prefault, 0);
+        uint64_t c1 = now_ns();
+        report(o->prefault ? BENCH_CREATE_PREFAULT_MS : BENCH_CREATE_MS, (double)(c1 - c0) / 1e6);
+    }
+    void *blocks[TOUCH_BLOCKS];
+    uint64_t t0 = now_ns();
+    for (int i = 0; i < TOUCH_BLOCKS; i++) {
+        if ((blocks[i] = b->alloc(TOUCH_BLOCK)) == NULL)
+            die("allocation of %zu MiB failed", TOUCH_BLOCK / MIB);
+        volatile unsigned char *bytes = blocks[i];
+        for (size_t off = 0; off < TOUCH_BLOCK; off += TOUCH_STRIDE)
+            bytes[off] = 1;
+    }
+    for (int i = 0; i < TOUCH_BLOCKS; i++)
+        if (b->release(blocks[i]))
+            die("a free of a %zu MiB block was refused", TOUCH_BLOCK / MIB);
+    uint64_t t1 = now_ns();
+    /* bytes per ns is GB/s (10^9 bytes per second). */
+    double gbps = (double)(TOUCH_BLOCK * TOUCH_BLOCKS) / (double)(t1 - t0);
+    if (is_kvalloc) {
+        report(o->prefault ? BENCH_TOUCH_PREFAULT_GBPS : BENCH_TOUCH_GBPS, gbps);
+        kva_stats st;
+        if (kva_get_stats(g_pool, &st) == KVA_OK)
+            report(BENCH_PAGE_KIND, (double)st.page_kind);
+    } else {
+        report(BENCH_TOUCH_GBPS, gbps);
+    }
+}
+
+/* ---- the syscall check ------------------------------------------------------------------ */
+
+/* A marker is one write(2) of one line, so it is exactly one line of strace's log. */
+static void mark(const char *line)
+{
+    size_t len = strlen(line);
+    if (write(STDOUT_FILENO, line, len) != (ssize_t)len)
+        die("cannot write the marker %s", line);
+}
+
+/* The allocation paths of patterns 1-3, untimed (a clock read could itself be a system call
+ * on a machine without a vDSO clock), between two markers that strace will show. Everything
+ * the calls need is allocated before the first marker; nothing is printed until the last.
+ * The parent runs it for kvalloc; run by hand for a peer, it shows the check does see calls
+ * (glibc's 4 KiB rounds move the heap top with brk). */
+static void run_syscall_check(const struct backend *b, const struct child_options *o)
+{
+    static struct live_set live;
+    void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
+    uint64_t rng = 0x9E3779B97F4A7C15ULL, failures = 0, calls = 0;
+    static const size_t batch_sizes[] = {64, 4096};
+
+    mark(BENCH_MARK_BEGIN "\n");
+    for (size_t s = 0; s < sizeof batch_sizes / sizeof batch_sizes[0]; s++) {
+        for (unsigned r = 0; r < o->rounds; r++) {
+            for (int i = 0; i < BATCH_OBJECTS; i++)
+                if ((slots[i] = b->alloc(batch_sizes[s])) == NULL)
+                    die("allocation of %zu bytes failed", batch_sizes[s]);
+            for (int i = 0; i < BATCH_OBJECTS; i++)
+                if (b->release(slots[i]))
+                    die("a free was refused");
+            calls += 2 * BATCH_OBJECTS;
+        }
+    }
+    for (unsigned i = 0; i < o->samples; i++) {
+        size_t size = large_next_size(b, &live, &rng);
+        large_alloc(b, &live, size, &rng, &failures, 0);
+    }
+    /* Every block allocated is freed before the end marker; a failed attempt is one call. */
+    calls += 2 * (uint64_t)o->samples + failures;
+    while (live.count > 0)
+        live_release(b, &live, live.count - 1);
+    mark(BENCH_MARK_END "\n");
+    report(BENCH_SYSCALL_CHECK_OPS, (double)calls);
+    free(slots);
+}
+
+/* ---- entry ------------------------------------------------------------------------------ */
+
+static unsigned parse_count(const char *flag, const char *text)
+{
+    char *end;
+    unsigned long v = strtoul(text, &end, 10);
+    if (*text == '\0' || *end != '\0' || v == 0 || v > 100000000ul)
+        die("%s wants a positive count, not '%s'", flag, text);
+    return (unsigned)v;
+}
+
+static void parse_child_options(int argc, char **argv, struct child_options *o)
+{
+    *o = (struct child_options){BENCH_ALLOCATOR_COUNT, NULL, 100, 3, 1000, 0};
+    for (int i = 1; i < argc; i++) {
+        const char *flag = argv[i];
+        if (i + 1 >= argc)
+            die("%s wants a value", flag);
+        const char *value = argv[++i];
+        if (strcmp(flag, "--child") == 0) {
+            g_name = value;
+            for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
+                if (strcmp(value, bench_allocators[a].name) == 0)
+                    o->allocator = (enum bench_allocator)a;
+        } else if (strcmp(flag, "--pattern") == 0) {
+            o->pattern = value;
+        } else if (strcmp(flag, "--rounds") == 0) {
+            o->rounds = parse_count(flag, value);
+        } else if (strcmp(flag, "--reps") == 0) {
+            o->reps = parse_count(flag, value);
+        } else if (strcmp(flag, "--samples") == 0) {
+            o->samples = parse_count(flag, value);
+        } else if (strcmp(flag, "--prefault") == 0) {
+            o->prefault = strcmp(value, "0") != 0;
+        } else {
+            die("unknown option %s", flag);
+        }
+    }
+    if (o->allocator == BENCH_ALLOCATOR_COUNT)
+        die("unknown allocator");
+    if (o->pattern == NULL)
+        die("--pattern is required (batch64, batch4k, large, touch, syscalls)");
+}
+
+int bench_child_main(int argc, char **argv)
+{
+    struct child_options o;
+    parse_child_options(argc, argv, &o);
+    verify_allocator(o.allocator);
+
+    int is_kvalloc = o.allocator == BENCH_KVALLOC;
+    const struct backend *b = is_kvalloc ? &kvalloc_backend : &malloc_backend;
+    /* The touch pattern creates its own pool, because its creation is part of what it
+     * reports; the others use a 1 GiB pool. The syscall check's publishes every millisecond,
+     * so that publishing, which runs on the allocation path too, happens inside its window. */
+    if (is_kvalloc && strcmp(o.pattern, "touch") != 0)
+        create_pool(LARGE_POOL, o.prefault, strcmp(o.pattern, "syscalls") == 0 ? 1 : 0);
+
+    if (strcmp(o.pattern, "batch64") == 0)
+        run_batch(b, &o, 64, BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS, BENCH_BATCH64_FREE_NS);
+    else if (strcmp(o.pattern, "batch4k") == 0)
+        run_batch(b, &o, 4096, BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS, BENCH_BATCH4K_FREE_NS);
+    else if (strcmp(o.pattern, "large") == 0)
+        run_large(b, &o);
+    else if (strcmp(o.pattern, "touch") == 0)
+        run_touch(b, &o);
+    else if (strcmp(o.pattern, "syscalls") == 0)
+        run_syscall_check(b, &o);
+    else
+        die("unknown pattern '%s'", o.pattern);
+
+    kva_pool_destroy(g_pool);
+    return fflush(stdout) == 0 ? 0 : 2;
+}
