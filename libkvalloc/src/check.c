@@ -101,9 +101,29 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_size_c
         if ((l1[w] != 0) != ((slab->l2 >> w) & 1)) return BROKEN("S2: slab %u l2 bit %u disagrees with its l1 word", s, w);
     if (cls->l1_words < 64 && (slab->l2 >> cls->l1_words))
         return BROKEN("S2: slab %u l2 has bits past its %u l1 words", s, cls->l1_words);
-    if (free_bits != cls->nobj - slab->inuse)
+    uint64_t claimed_free = cls->cur_slab == s ? (uint64_t)__builtin_popcountll(*cls->cur_l0) : 0;
+    if (free_bits != cls->nobj - slab->inuse + claimed_free)
         return BROKEN("S2: slab %u has %llu free objects in its bitmap but %u of %u in use", s,
                       (unsigned long long)free_bits, slab->inuse, cls->nobj);
+    return KVA_OK;
+}
+
+/* S6 first: the other slab checks read through each class's current-word pointer. */
+static kva_status check_claims(const kva_slabs *sl) {
+    if (sl->no_word != 0) return BROKEN("S6: the no_word sentinel was written");
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        const kva_size_class *cls = &sl->classes[c];
+        int ok = cls->cur_slab == KVA_NIL
+                     ? cls->cur_l0 == &sl->no_word
+                     : cls->cur_slab < sl->nchunks && sl->slabs[cls->cur_slab].cls == c &&
+                           cls->cur_word < cls->l0_words &&
+                           cls->cur_l0 == kva_slab_bitmap(sl, cls->cur_slab) + cls->l1_words + cls->cur_word &&
+                           cls->cur_offset == ((uint64_t)cls->cur_slab << sl->chunk_shift) +
+                                                  (uint64_t)cls->cur_word * 64 * cls->size;
+        if (!ok)
+            return BROKEN("S6: class %u's current word (slab %u, word %u) is not one of its own", c, cls->cur_slab,
+                          cls->cur_word);
+    }
     return KVA_OK;
 }
 
@@ -112,6 +132,8 @@ static kva_status check_slabs(const kva_pool *pool) {
     const kva_buddy *b = &pool->buddy;
     uint64_t live[KVA_NUM_SIZE_CLASSES] = {0}, slabs[KVA_NUM_SIZE_CLASSES] = {0}, listed[KVA_NUM_SIZE_CLASSES] = {0};
     uint32_t empties[KVA_NUM_SIZE_CLASSES] = {0}, total = 0;
+    kva_status claims = check_claims(sl);
+    if (claims != KVA_OK) return claims;
     for (uint32_t s = 0; s < sl->nchunks; s++) {
         const kva_slab *slab = &sl->slabs[s];
         uint64_t head = (uint64_t)s << sl->chunk_order;
@@ -151,20 +173,11 @@ static kva_status check_slabs(const kva_pool *pool) {
         }
         if (cls->partial_tail != prev)
             return BROKEN("S3: class %u's partial tail is %u, the list ends at %u", c, cls->partial_tail, prev);
-        if (cls->cur_slab == KVA_NIL ? cls->cur_l0 != &sl->no_word || cls->cur_inuse != &sl->no_inuse
-                                     : (cls->cur_slab >= sl->nchunks || sl->slabs[cls->cur_slab].cls != c ||
-                                        cls->cur_word >= cls->l0_words ||
-                                        cls->cur_l0 != kva_slab_bitmap(sl, cls->cur_slab) + cls->l1_words + cls->cur_word ||
-                                        cls->cur_inuse != &sl->slabs[cls->cur_slab].inuse ||
-                                        cls->cur_offset != ((uint64_t)cls->cur_slab << sl->chunk_shift) +
-                                                               (uint64_t)cls->cur_word * 64 * cls->size))
-            return BROKEN("S6: class %u's current word (slab %u, word %u) is not one of its own", c, cls->cur_slab,
-                          cls->cur_word);
-        if (sl->no_word != 0) return BROKEN("S6: the no_word sentinel was written");
         if (empties[c] > 1) return BROKEN("S4: class %u keeps %u empty slabs", c, empties[c]);
         if (cls->empty_slab != KVA_NIL && (cls->empty_slab >= sl->nchunks || sl->slabs[cls->empty_slab].cls != c))
             return BROKEN("S4: class %u names spare %u, which is not one of its slabs", c, cls->empty_slab);
-        if (cls->allocs - cls->frees != live[c] || cls->slabs != slabs[c])
+        uint64_t cached = cls->cur_slab != KVA_NIL ? (uint64_t)__builtin_popcountll(*cls->cur_l0) : 0;
+        if (cls->allocs - cls->frees != live[c] - cached || cls->slabs != slabs[c])
             return BROKEN("S5: class %u counts %llu live in %u slabs; the slabs hold %llu in %llu", c,
                           (unsigned long long)(cls->allocs - cls->frees), cls->slabs, (unsigned long long)live[c],
                           (unsigned long long)slabs[c]);

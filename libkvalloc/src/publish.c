@@ -99,7 +99,9 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
         if (slab->cls == KVA_SLAB_NONE) continue;
         const kva_size_class *cls = &sl->classes[slab->cls];
         kva_shm_slab *o = &out[n++];
-        *o = (kva_shm_slab){.chunk = s, .size_class = slab->cls, .inuse = slab->inuse, .objects = cls->nobj};
+        /* Live objects: inuse also counts the free ones of a claimed word. */
+        uint32_t cached = cls->cur_slab == s ? (uint32_t)__builtin_popcountll(*cls->cur_l0) : 0;
+        *o = (kva_shm_slab){.chunk = s, .size_class = slab->cls, .inuse = slab->inuse - cached, .objects = cls->nobj};
         for (uint32_t cell = 0; cell < KVA_SHM_STRIP_CELLS; cell++) {
             uint64_t first = (uint64_t)cls->nobj * cell / KVA_SHM_STRIP_CELLS;
             uint64_t last = (uint64_t)cls->nobj * (cell + 1) / KVA_SHM_STRIP_CELLS;

@@ -12,13 +12,26 @@
 
 #include "internal.h"
 
-/* The class of a request of 1 .. KVA_SLAB_MAX_SIZE bytes. Branch-light: a clz and a shift. */
-KVA_INLINE unsigned kva_class_index(size_t size) {
+/* The class of a request of 1 .. KVA_SLAB_MAX_SIZE bytes by formula: the classes in
+ * (2^k, 2^(k+1)] are 2^k + j * 2^(k-2), so a clz and a shift find it. */
+KVA_INLINE unsigned kva_class_index_formula(size_t size) {
     if (size <= KVA_SLAB_MIN_SIZE) return 0;
     size_t s = size - 1;
     unsigned k = kva_log2(s);                     /* size lies in (2^k, 2^(k+1)] */
     unsigned j = (unsigned)(s >> (k - 2)) - 3;    /* quarter of that range: 1..4 */
     return 1 + (k - 4) * 4 + (j - 1);
+}
+
+/* kva_class_small[(size + 3) / 4]: the class of a request of 1 .. 1,024 bytes, the sizes that
+ * matter most. Every class up to 1 KiB is a multiple of 4, so a 4-byte granule decides it; the
+ * table is the formula tabulated (test_size_class compares them for every size). */
+#define KVA_CLASS_SMALL_LIMIT 1024
+extern const uint8_t kva_class_small[KVA_CLASS_SMALL_LIMIT / 4 + 1];
+
+/* The class of a request of 1 .. KVA_SLAB_MAX_SIZE bytes: one table load for small sizes. */
+KVA_INLINE unsigned kva_class_index(size_t size) {
+    if (kva_likely(size <= KVA_CLASS_SMALL_LIMIT)) return kva_class_small[(size + 3) >> 2];
+    return kva_class_index_formula(size);
 }
 
 KVA_INLINE size_t kva_class_size(unsigned index) {

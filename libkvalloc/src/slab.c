@@ -10,7 +10,6 @@ static uint32_t words_for(uint64_t bits) { return (uint32_t)((bits + 63) / 64); 
 static void forget_claim(kva_slabs *sl, kva_size_class *cls) {
     cls->cur_slab = KVA_NIL;
     cls->cur_l0 = &sl->no_word;
-    cls->cur_inuse = &sl->no_inuse;
 }
 
 kva_status kva_slabs_init(kva_slabs *sl, const kva_buddy *buddy, size_t capacity, unsigned chunk_shift) {
@@ -87,15 +86,33 @@ static uint32_t grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     return s;
 }
 
-/* Gives up the class's current word: if it still has free objects, l1 and l2 list it again. */
-static void unclaim(kva_slabs *sl, kva_size_class *cls) {
-    if (cls->cur_slab == KVA_NIL) return;
-    if (*cls->cur_l0 != 0) {
-        uint64_t *slot = kva_slab_bitmap(sl, cls->cur_slab);
-        slot[cls->cur_word >> 6] |= (uint64_t)1 << (cls->cur_word & 63);
-        sl->slabs[cls->cur_slab].l2 |= (uint64_t)1 << (cls->cur_word >> 6);
-    }
+static void release(kva_slabs *sl, kva_buddy *buddy, uint32_t s);
+static void list_push_tail(kva_slabs *sl, kva_size_class *cls, uint32_t s);
+
+/* Slab s of class cls has just become empty. Keep one empty slab per class so that a batch that
+ * frees everything and allocates again does not bounce a chunk through the buddy every round;
+ * the spare named may have filled up since, and then s becomes the spare instead. */
+static void emptied(kva_slabs *sl, kva_buddy *buddy, kva_size_class *cls, uint32_t s) {
+    uint32_t spare = cls->empty_slab;
+    if (spare != KVA_NIL && spare != s && sl->slabs[spare].inuse == 0) release(sl, buddy, s);
+    else cls->empty_slab = s;
+}
+
+/* Gives up the class's current word: its free objects stop counting as in use, and if it has
+ * any, l1 and l2 list it again. */
+static void unclaim(kva_slabs *sl, kva_buddy *buddy, kva_size_class *cls) {
+    uint32_t s = cls->cur_slab;
+    if (s == KVA_NIL) return;
+    uint64_t bits = *cls->cur_l0;
+    kva_slab *slab = &sl->slabs[s];
     forget_claim(sl, cls);
+    if (bits == 0) return;
+    uint64_t *slot = kva_slab_bitmap(sl, s);
+    slot[cls->cur_word >> 6] |= (uint64_t)1 << (cls->cur_word & 63);
+    slab->l2 |= (uint64_t)1 << (cls->cur_word >> 6);
+    slab->inuse -= (uint32_t)__builtin_popcountll(bits);
+    if (!slab->listed) list_push_tail(sl, cls, s);
+    if (slab->inuse == 0) emptied(sl, buddy, cls, s);
 }
 
 static void list_push_tail(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
@@ -121,7 +138,7 @@ static void list_unlink(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
  * slabs met at the head leave the list here, once each, so the fast path never unlinks. */
 static int claim(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     kva_size_class *cls = &sl->classes[c];
-    unclaim(sl, cls);
+    unclaim(sl, buddy, cls);
     uint32_t s;
     for (;;) {
         s = cls->partial_head;
@@ -142,7 +159,7 @@ static int claim(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     cls->cur_slab = s;
     cls->cur_word = word;
     cls->cur_l0 = slab->l0 + word;
-    cls->cur_inuse = &slab->inuse;
+    slab->inuse += (uint32_t)__builtin_popcountll(*cls->cur_l0);
     cls->cur_offset = ((uint64_t)s << sl->chunk_shift) + (uint64_t)word * 64 * cls->size;
     return 1;
 }
@@ -169,27 +186,27 @@ kva_status kva_slab_free_slow(kva_slabs *sl, kva_buddy *buddy, uint64_t offset) 
     kva_object_ref ref;
     if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
     if (!kva_slab_is_live(&ref)) return KVA_ERR_DOUBLE_FREE;
+    kva_size_class *cls = ref.cls;
+    if (ref.l0 == cls->cur_l0) {
+        *ref.l0 |= ref.bit; /* back into the current word, which its slab counts as in use */
+        cls->frees++;
+        return KVA_OK;
+    }
     kva_slab_mark_free(sl, &ref);
     kva_slab *slab = &sl->slabs[ref.slab];
-    kva_size_class *cls = ref.cls;
     slab->inuse--;
     /* It had no free object, so it may have left the list. The tail, not the head: allocation
      * keeps filling the slabs it is in, and this one gets the chance to drain. */
     if (!slab->listed) list_push_tail(sl, cls, ref.slab);
-    if (slab->inuse == 0) {
-        /* Keep one empty slab per class so a batch that frees everything and allocates again
-         * does not bounce a chunk through the buddy every round. The spare named may have
-         * filled up since; then this slab becomes the spare instead. */
-        uint32_t spare = cls->empty_slab;
-        if (spare != KVA_NIL && spare != ref.slab && sl->slabs[spare].inuse == 0) release(sl, buddy, ref.slab);
-        else cls->empty_slab = ref.slab;
-    }
+    if (slab->inuse == 0) emptied(sl, buddy, cls, ref.slab);
     return KVA_OK;
 }
 
 void kva_slab_trim(kva_slabs *sl, kva_buddy *buddy) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_size_class *cls = &sl->classes[c];
+        /* A claimed word keeps its slab counted as in use: give it up first. */
+        unclaim(sl, buddy, cls);
         uint32_t spare = cls->empty_slab;
         cls->empty_slab = KVA_NIL;
         if (spare != KVA_NIL && sl->slabs[spare].inuse == 0) release(sl, buddy, spare);

@@ -14,16 +14,23 @@
  * 64 objects at most. The l0 bits stay the truth about every object, claimed or not, so a
  * double free is caught the same way everywhere.
  *
+ * A slab's inuse counts the free objects of a claimed word as in use from the claim on, and
+ * gives them back when the word is given up. So neither allocating from the current word nor
+ * freeing into it changes any slab count: the fast paths update one counter each.
+ *
  * Invariants (kva_check verifies each):
  *  S1  slabs[c].cls != KVA_SLAB_NONE iff the buddy block at chunk c is a SLAB head of chunk order.
- *  S2  popcount(l0) == nobj - inuse; no bit at or beyond nobj is set; an l1 bit is set iff its l0
- *      word is nonzero and not a class's current word; an l2 bit iff its l1 word is nonzero.
+ *  S2  popcount(l0) == nobj - inuse + the free bits of the class's current word if it lies in
+ *      this slab (inuse counts a claimed word's free objects as in use, see below); no bit at or
+ *      beyond nobj is set; an l1 bit is set iff its l0 word is nonzero and not a class's current
+ *      word; an l2 bit iff its l1 word is nonzero.
  *  S3  A slab is on its class's partial list iff its listed flag is set; every slab with a free
  *      object is listed; the list is doubly linked. (A full slab leaves the list lazily, when a
  *      claim finds it at the head, so the allocation fast path never touches the list.)
  *  S4  At most one slab per class is empty (inuse == 0), and then it is the class's empty_slab;
  *      empty_slab is KVA_NIL or a slab of the class (possibly no longer empty: checked lazily).
- *  S5  A class's allocs - frees equals the sum of inuse over its slabs; slabs is its slab count.
+ *  S5  A class's allocs - frees equals the sum of inuse over its slabs less the free bits of its
+ *      current word; slabs is its slab count.
  *  S6  A class's current word lies in one of its own slabs and cur_offset is that word's first
  *      object; with no current word, cur_l0 points at the always-zero no_word.
  */
@@ -43,7 +50,7 @@ typedef struct kva_slab {
     uint64_t *l0;         /* this slab's l0 words (inside its bitmap slot) */
     uint64_t l2;          /* bit i: l1 word i is nonzero */
     uint32_t prev, next;  /* links of the class's partial list */
-    uint32_t inuse;       /* live objects */
+    uint32_t inuse;       /* live objects, plus the free ones of a claimed word in this slab */
     uint8_t cls;          /* size class, or KVA_SLAB_NONE if the chunk is not a slab */
     uint8_t listed;       /* on the class's partial list */
     uint8_t reserved[2];
@@ -52,7 +59,6 @@ typedef struct kva_slab {
 typedef struct kva_size_class {
     /* The allocation fast path reads only the first cache line. */
     uint64_t *cur_l0;       /* the claimed l0 word, or &kva_slabs.no_word */
-    uint32_t *cur_inuse;    /* inuse of the slab holding it (or of a dummy) */
     uint64_t cur_offset;    /* pool offset of the claimed word's first object */
     uint32_t size;
     uint32_t cur_slab;      /* the slab holding the claimed word, or KVA_NIL */
@@ -80,7 +86,6 @@ typedef struct kva_slabs {
     uint32_t live_slabs;
     size_t slabs_bytes, bitmaps_bytes;
     uint64_t no_word;       /* always 0: the current word of a class that has none */
-    uint32_t no_inuse;      /* what cur_inuse points at then; never read */
     kva_size_class classes[KVA_NUM_SIZE_CLASSES];
 } kva_slabs;
 
@@ -150,23 +155,28 @@ KVA_INLINE int kva_slab_alloc_fast(kva_slabs *sl, unsigned c, uint64_t *offset) 
     uint64_t bits = *cls->cur_l0;
     if (kva_unlikely(bits == 0)) return 0;
     *cls->cur_l0 = bits & (bits - 1);
-    ++*cls->cur_inuse;
     cls->allocs++;
     *offset = cls->cur_offset + (uint64_t)kva_ctz64(bits) * cls->size;
     return 1;
 }
 
-/* The free fast path for a pool offset known to lie inside the pool: 1 if it freed a slab object
- * whose slab neither was full nor becomes empty; 0, with nothing changed, in every other case
- * (not a slab, a bad pointer, a double free, a list transition), for the slow path to sort out. */
+/* The free fast path for a pool offset known to lie inside the pool: 1 if it freed a live slab
+ * object without a list transition; 0, with nothing changed, in every other case (not a slab, a
+ * bad pointer, a double free, a slab that was full or becomes empty), for the slow path. */
 KVA_INLINE int kva_slab_free_fast(kva_slabs *sl, uint64_t offset) {
     kva_slab *slab = &sl->slabs[kva_slab_chunk(sl, offset)];
     if (kva_unlikely(slab->cls == KVA_SLAB_NONE)) return 0;
     kva_object_ref ref;
-    if (kva_unlikely(!kva_slab_locate(sl, offset, &ref))) return 0;
+    if (kva_unlikely(!kva_slab_locate(sl, offset, &ref) || !kva_slab_is_live(&ref))) return 0;
+    if (ref.l0 == ref.cls->cur_l0) {
+        /* Back into the current word: its slab already counts it as in use. */
+        *ref.l0 |= ref.bit;
+        ref.cls->frees++;
+        return 1;
+    }
     /* Fast only while inuse stays within [1, nobj - 1] before and after: 2 <= inuse < nobj. */
     uint32_t inuse = slab->inuse;
-    if (kva_unlikely(inuse - 2 >= ref.cls->nobj - 2 || !kva_slab_is_live(&ref))) return 0;
+    if (kva_unlikely(inuse - 2 >= ref.cls->nobj - 2)) return 0;
     kva_slab_mark_free(sl, &ref);
     slab->inuse = inuse - 1;
     return 1;

@@ -60,7 +60,9 @@ int main(void) {
     CORRUPT("B3", b->free_count[free_order], b->free_count[free_order] + 1);
     CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
     CORRUPT("B6", b->free_units, b->free_units + 1);
-    CORRUPT("S1", slab->cls, KVA_SLAB_NONE);                      /* the buddy says slab, the slab says no */
+    CORRUPT("S6", slab->cls, KVA_SLAB_NONE);     /* the class's current word now lies in no slab of its own */
+    uint32_t not_a_slab = (uint32_t)(((unsigned char *)blocks[3] - pool->base) >> sl->chunk_shift);
+    CORRUPT("S1", sl->slabs[not_a_slab].cls, (uint8_t)c); /* the slab says slab, the buddy says no */
     CORRUPT("S2", l0[0], l0[0] | 1);                              /* a live object marked free */
     CORRUPT("S2", slab->l2, 0);                                   /* summary disagrees with l1 */
     CORRUPT("S2", slab->inuse, slab->inuse + 1);

@@ -37,6 +37,8 @@ int main(void) {
             break;
         }
     }
+    /* The small-size table is the formula tabulated. */
+    for (size_t size = 1; size <= KVA_CLASS_SMALL_LIMIT; size++) CHECK(kva_class_index(size) == kva_class_index_formula(size));
     CHECK(kva_size_class_of(0) == -1);
     CHECK(kva_size_class_of(KVA_SLAB_MAX_SIZE + 1) == -1);
     return CHECK_DONE();
