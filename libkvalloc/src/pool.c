@@ -42,6 +42,15 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (st != KVA_OK) goto fail_pool;
     st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift);
     if (st != KVA_OK) goto fail_buddy;
+    if (cfg->prefault) {
+        /* The metadata is committed lazily too: without this, the first calls to reach each
+         * page of block records or bitmaps would take the faults prefault promises away. */
+        size_t page = kva_os_page_size();
+        st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes, page);
+        if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes, page);
+        if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes, page);
+        if (st != KVA_OK) goto fail_slabs;
+    }
 
     pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
     size_t chunk = (size_t)1 << geo.chunk_shift;
@@ -56,7 +65,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pool->segment);
         if (st != KVA_OK) goto fail_region;
         if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
-        kva_publish(pool);
+        kva_publish(pool, 1);
     }
     *out = pool;
     return KVA_OK;
@@ -90,7 +99,8 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
         uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;
         kva_segment_record(seg, op, st, offset, size, latency);
     }
-    if (kva_segment_due(seg)) kva_publish(pool);
+    int due = kva_segment_due(seg);
+    if (due) kva_publish(pool, due == 2);
     return st;
 }
 

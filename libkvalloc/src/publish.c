@@ -1,8 +1,11 @@
 /*
  * publish.c — copies the pool's state into its statistics segment.
  *
- * Cost: O(orders + classes + live slabs × strip cells + blocks in the tiling). It runs from
- * slow paths at most once per publish interval, or when the engine asks (kva_stats_publish).
+ * Cost: the summary, classes, arenas and KV sections are O(orders + classes): those run from
+ * slow paths at most once per publish interval. The heap map and the slab strips are
+ * O(blocks in the tiling + live slabs x strip cells), a fraction of a millisecond on a large,
+ * busy pool: from slow paths they are refreshed at most once a second, and every time the engine
+ * asks (kva_stats_publish).
  */
 #include <string.h>
 
@@ -112,14 +115,16 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
     seg->slabs->count = n;
 }
 
-void kva_publish(kva_pool *pool) {
+void kva_publish(kva_pool *pool, int full) {
     kva_segment *seg = pool->segment;
     if (!seg) return;
     kva_segment_begin(seg);
     publish_summary(pool, seg->summary);
-    publish_heapmap(pool, seg);
     publish_classes(pool, seg);
-    publish_slabs(pool, seg);
+    if (full) {
+        publish_heapmap(pool, seg);
+        publish_slabs(pool, seg);
+    }
     kva_shm_arena *arena = (kva_shm_arena *)(seg->arenas + 1);
     *arena = (kva_shm_arena){.allocs = seg->summary->alloc_count, .frees = seg->summary->free_count,
                              .alloc_failures = seg->summary->alloc_failures,
@@ -139,7 +144,7 @@ void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
 
 kva_status kva_stats_publish(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
-    kva_publish(pool);
+    kva_publish(pool, 1);
     return KVA_OK;
 }
 

@@ -18,7 +18,8 @@ typedef struct kva_kv_publisher {
 /* Attaches (or with NULL detaches) the KV manager's publisher. */
 void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
 
-/* Writes every periodic section of the pool's segment under the sequence lock. */
-void kva_publish(kva_pool *pool);
+/* Writes the pool's segment under the sequence lock: the cheap sections always, the heap map and
+ * slab strips too when full is set. */
+void kva_publish(kva_pool *pool, int full);
 
 #endif

@@ -179,5 +179,7 @@ int kva_segment_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();
     if (now < seg->next_publish_ns) return 0;
     seg->next_publish_ns = now + seg->interval_ns;
-    return 1;
+    if (now < seg->next_full_ns) return 1;
+    seg->next_full_ns = now + 1000000000u;
+    return 2;
 }

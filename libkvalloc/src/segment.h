@@ -29,6 +29,7 @@ typedef struct kva_segment {
     kva_shm_trace *trace;
     uint64_t interval_ns;
     uint64_t next_publish_ns;     /* monotonic */
+    uint64_t next_full_ns;        /* monotonic: when the heap map is refreshed next */
     unsigned countdown;           /* slow-path calls until the clock is read again */
     int trace_all;                /* every call is timed and recorded */
     struct kva_segment *next_live; /* the process-wide list removed at exit */
@@ -54,7 +55,9 @@ void kva_segment_end(kva_segment *seg);
 void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_t offset, uint64_t size,
                         uint64_t latency_ns);
 
-/* Whether the publish interval has passed; reads the clock once every 16 calls. */
+/* What a slow-path call should publish now: 0 nothing, 1 the cheap sections (the publish
+ * interval has passed), 2 everything (a second has passed since the last full publish). Reads
+ * the clock once every 16 calls. */
 int kva_segment_due(kva_segment *seg);
 
 #endif

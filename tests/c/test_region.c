@@ -11,6 +11,7 @@
 
 #include "check.h"
 #include "kvalloc.h"
+#include "pool.h"
 
 static long meminfo_value(const char *key) {
     FILE *f = fopen("/proc/meminfo", "r");
@@ -146,6 +147,12 @@ static void test_prefault(void) {
     kva_pool *eager = create(KVA_PAGES_SMALL, capacity, 1, KVA_OK);
     kva_pool_base(eager, &base);
     CHECK(resident_pages(base, capacity) == pages);
+    /* The metadata too: the first calls must not fault on block records or bitmaps. */
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    size_t records = (eager->buddy.pages_bytes + page - 1) / page * page;
+    size_t bitmaps = (eager->slabs.bitmaps_bytes + page - 1) / page * page;
+    CHECK(resident_pages(eager->buddy.pages, records) == records / page);
+    CHECK(resident_pages(eager->slabs.bitmaps, bitmaps) == bitmaps / page);
     kva_pool_destroy(eager);
 }
 
