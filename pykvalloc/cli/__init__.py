@@ -14,9 +14,9 @@ from typing import Any
 
 from .. import __version__, _ffi
 from ..errors import KvallocError
-from . import demo
+from . import demo, replay
 
-_COMMANDS = (demo,)
+_COMMANDS = (demo, replay)
 
 
 def version_text() -> str:

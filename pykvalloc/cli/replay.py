@@ -1,0 +1,117 @@
+"""``kvalloc replay [TRACE]``: real LLM-serving traffic through the real allocator.
+
+TRACE is an Azure LLM inference trace CSV or a Mooncake JSON-lines trace; without it, the
+embedded default workload (published statistics of real traffic) is replayed. ``--compare``
+runs paged (16/32/64/128-token blocks), contiguous and per-request malloc (glibc, and jemalloc
+where installed) on the same traffic and prints them side by side.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..replay.backends import Geometry, jemalloc_available
+from ..replay.report import print_report, write_json, write_plot
+from ..replay.simulator import ReplayConfig, ReplayResult, replay
+from ..replay.traces import Trace, load_trace
+from ..replay.workload import default_workload
+from ..sizes import parse_size
+
+MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser("replay", help="replay LLM-serving traffic through the allocator",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(run=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("trace", nargs="?", type=Path, help="Azure CSV or Mooncake JSONL (default: embedded workload)")
+    parser.add_argument("--mode", choices=MODES, default="paged")
+    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (paged)")
+    parser.add_argument("--kv-size", type=parse_size, default=None,
+                        help="KV capacity in bytes, e.g. 8G (default: 8 GiB)")
+    parser.add_argument("--kv-tokens", type=int, default=None, help="KV capacity in tokens (instead of --kv-size)")
+    parser.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="trace seconds per simulated second")
+    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed trace rows")
+    parser.add_argument("--compare", action="store_true",
+                        help="paged 16/32/64/128, contiguous and malloc on the same traffic")
+    parser.add_argument("--name", default=None, help="publish live stats under this pool name (kvalloc top)")
+    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                        help="plot KV use and hit rate over time (needs matplotlib)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def read_traffic(args: argparse.Namespace) -> Trace:
+    trace = load_trace(args.trace, skip_bad=args.skip_bad) if args.trace else default_workload()
+    if args.requests is not None:
+        trace.requests = trace.requests[:args.requests]
+    return trace
+
+
+def base_config(args: argparse.Namespace) -> ReplayConfig:
+    geometry = Geometry(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    if args.kv_tokens is not None:
+        tokens = args.kv_tokens
+    else:
+        tokens = (args.kv_size if args.kv_size is not None else 8 << 30) // geometry.bytes_per_token
+    return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens, capacity_tokens=tokens, geometry=geometry,
+                        max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
+                        prefix_caching=not args.no_prefix_caching, pool_name=args.name,
+                        sample_every=16 if args.plot else 1 << 30)
+
+
+def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
+    base = base_config(args)
+    if not args.compare:
+        return [base]
+    out = [ReplayConfig(**{**base.__dict__, "mode": "paged", "block_tokens": b}) for b in (16, 32, 64, 128)]
+    out.append(ReplayConfig(**{**base.__dict__, "mode": "contiguous"}))
+    out.append(ReplayConfig(**{**base.__dict__, "mode": "malloc-glibc"}))
+    if jemalloc_available():
+        out.append(ReplayConfig(**{**base.__dict__, "mode": "malloc-jemalloc"}))
+    return out
+
+
+def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console) -> list[ReplayResult]:
+    results: list[ReplayResult] = []
+    if trace.skipped:
+        console.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
+                      f"{trace.skipped_examples[0][1]})", style="yellow")
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console, disable=quiet or len(trace.requests) < 2000) as progress:
+        for config in configs:
+            task = progress.add_task(f"{config.mode}/{config.block_tokens}", total=len(trace.requests))
+
+            def update(finished: int, total: int, task: Any = task) -> None:
+                progress.update(task, completed=finished)
+
+            results.append(replay(trace, config, progress=update))
+            progress.update(task, completed=len(trace.requests))
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    trace = read_traffic(args)
+    results = run_all(trace, configurations(args), args.quiet, console)
+    print_report(results, console)
+    if args.json:
+        write_json(results, args.json)
+    if args.plot:
+        write_plot(results, args.plot)
+    return 0 if all(r.finished == r.requests for r in results) else 1

@@ -1,0 +1,205 @@
+"""Where the simulated engine keeps its KV cache: the three memory strategies compared.
+
+- ``PagedBackend``: the libkvalloc KV manager in paged mode (fixed-size blocks, prefix cache).
+- ``ContiguousBackend``: the KV manager in contiguous mode (one buddy block per request, in
+  power-of-two token buckets; growth moves the request to the next bucket).
+- ``MallocBackend``: a per-request malloc of the request's whole KV (prompt and answer) on
+  admission, as engines did before paged attention; glibc's malloc, or jemalloc's when its
+  library is installed. The allocator has no capacity, so the backend enforces the same budget.
+
+Every call into an allocator is timed, so the report can say what share of the replay the
+allocator took.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..errors import OutOfMemory
+
+
+@dataclass
+class Geometry:
+    """The model's KV shape (the default is a Llama-3-8B-like model: 32 layers, 8 KV heads of
+    128, fp16: 128 KiB of KV per token)."""
+    layers: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "float16"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+
+
+_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "int8": 1}
+
+
+@dataclass
+class Timings:
+    """Nanoseconds of every allocator call."""
+    samples: list[int] = field(default_factory=list)
+
+    def timed(self, function: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            self.samples.append(time.perf_counter_ns() - start)
+
+
+class PagedBackend:
+    name = "paged"
+
+    def __init__(self, capacity_tokens: int, block_tokens: int, geometry: Geometry,
+                 pool_name: Optional[str], prefix_caching: bool, timings: Timings) -> None:
+        from ..kvcache import KVCache
+        self.block_tokens = block_tokens
+        self.timings = timings
+        self.prefix_caching = prefix_caching
+        self.cache = KVCache(num_blocks=max(1, capacity_tokens // block_tokens), block_tokens=block_tokens,
+                             layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                             dtype=geometry.dtype, name=pool_name)
+        self.capacity_blocks = self.cache.num_blocks
+
+    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
+        """(handle, token slots) for a request of `tokens` prompt tokens; None when full."""
+        try:
+            handle = self.timings.timed(self.cache.allocate, tokens,
+                                        block_keys=keys if self.prefix_caching else None)
+        except OutOfMemory:
+            return None
+        return handle, self._slots(tokens)
+
+    def extend(self, handle: Any, tokens: int) -> Optional[int]:
+        """Announces `tokens` more; the new token slots, or None when the cache is full."""
+        try:
+            self.timings.timed(handle.append, tokens)
+        except OutOfMemory:
+            return None
+        return self._slots(handle.num_tokens)
+
+    def _slots(self, tokens: int) -> int:
+        return -(-tokens // self.block_tokens) * self.block_tokens
+
+    def release(self, handle: Any) -> None:
+        self.timings.timed(handle.free)
+
+    def cached_tokens(self, handle: Any) -> int:
+        return int(handle.num_cached_tokens)
+
+    def usage(self) -> tuple[float, int]:
+        """(share of KV memory in use, token slots allocated)."""
+        stats = self.cache.stats()
+        used = stats["used_blocks"]
+        return used / self.capacity_blocks, used * self.block_tokens
+
+    def prefix(self) -> tuple[int, int]:
+        stats = self.cache.stats()
+        return stats["hit_tokens"], stats["query_tokens"]
+
+    def fragmentation(self) -> float:
+        return 0.0  # every free block serves any request: paging has no external fragmentation
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+class ContiguousBackend(PagedBackend):
+    name = "contiguous"
+
+    def __init__(self, capacity_tokens: int, block_tokens: int, geometry: Geometry,
+                 pool_name: Optional[str], prefix_caching: bool, timings: Timings) -> None:
+        from ..kvcache import KVCache
+        self.block_tokens = 1
+        self.timings = timings
+        self.prefix_caching = False
+        self.capacity_tokens = capacity_tokens
+        self.cache = KVCache(num_blocks=None, capacity_bytes=capacity_tokens * geometry.bytes_per_token,
+                             mode="contiguous", layers=geometry.layers, kv_heads=geometry.kv_heads,
+                             head_dim=geometry.head_dim, dtype=geometry.dtype, name=pool_name)
+
+    def usage(self) -> tuple[float, int]:
+        stats = self.cache.stats()
+        reserved = stats["reserved_tokens"]
+        return reserved / self.capacity_tokens, reserved
+
+    def fragmentation(self) -> float:
+        return float(self.cache.stats()["fragmentation"])
+
+
+class MallocBackend:
+    """One malloc per request for its whole KV; budgeted to the same capacity."""
+
+    def __init__(self, capacity_tokens: int, geometry: Geometry, library: str, timings: Timings) -> None:
+        self.name = f"malloc-{library}"
+        self.timings = timings
+        self.bytes_per_token = geometry.bytes_per_token
+        self.capacity_tokens = capacity_tokens
+        self.reserved_tokens = 0
+        lib = _malloc_library(library)
+        self._malloc = lib.malloc
+        self._malloc.restype = ctypes.c_void_p
+        self._malloc.argtypes = [ctypes.c_size_t]
+        self._free = lib.free
+        self._free.restype = None
+        self._free.argtypes = [ctypes.c_void_p]
+
+    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
+        need = max(tokens, final_tokens)
+        if self.reserved_tokens + need > self.capacity_tokens:
+            return None
+        address = self.timings.timed(self._malloc, need * self.bytes_per_token)
+        if not address:
+            return None
+        self.reserved_tokens += need
+        return [address, need], need
+
+    def extend(self, handle: Any, tokens: int) -> Optional[int]:
+        return handle[1]  # the whole answer was reserved on admission
+
+    def release(self, handle: Any) -> None:
+        self.timings.timed(self._free, handle[0])
+        self.reserved_tokens -= handle[1]
+
+    def cached_tokens(self, handle: Any) -> int:
+        return 0
+
+    def usage(self) -> tuple[float, int]:
+        return self.reserved_tokens / self.capacity_tokens, self.reserved_tokens
+
+    def prefix(self) -> tuple[int, int]:
+        return 0, 0
+
+    def fragmentation(self) -> float:
+        return 0.0
+
+    def close(self) -> None:
+        pass
+
+
+def _malloc_library(library: str) -> ctypes.CDLL:
+    if library == "glibc":
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    if library == "jemalloc":
+        for name in ("libjemalloc.so.2", ctypes.util.find_library("jemalloc")):
+            if name:
+                try:
+                    # RTLD_LOCAL: jemalloc's malloc is called through this handle only; the
+                    # process keeps its own allocator.
+                    return ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
+                except OSError:
+                    continue
+        raise FileNotFoundError("jemalloc is not installed (Debian: libjemalloc2)")
+    raise ValueError(f"unknown malloc library {library!r}")
+
+
+def jemalloc_available() -> bool:
+    try:
+        _malloc_library("jemalloc")
+        return True
+    except FileNotFoundError:
+        return False

@@ -1,0 +1,241 @@
+"""A continuous-batching engine, simulated, driving a real KV cache.
+
+The model is the scheduler of a vLLM-style engine, one step at a time:
+- requests arrive at their trace times (divided by ``time_scale``) and wait in FIFO order;
+- each step, every running request decodes one token; one that needs a new KV block and finds
+  none preempts the most recently admitted request (freed and requeued, to be recomputed);
+- then waiting requests are admitted while the step's token budget and the KV cache allow,
+  their prompt (minus any cached prefix) being prefilled in that step;
+- a step lasts ``step_base_s + step_token_s * tokens`` of simulated time.
+Nothing of the model runs: the point is the allocator's behaviour under real traffic.
+
+Prefix reuse comes from the trace's hash ids, each covering 512 tokens: for a block size B, a
+full prompt block j is keyed by the id it falls in and its position inside that id.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .backends import ContiguousBackend, Geometry, MallocBackend, PagedBackend, Timings
+from .traces import MOONCAKE_BLOCK_TOKENS, Request, Trace
+
+
+@dataclass
+class ReplayConfig:
+    mode: str = "paged"                 # paged | contiguous | malloc-glibc | malloc-jemalloc
+    block_tokens: int = 16
+    capacity_tokens: int = 65536        # KV capacity in tokens (8 GiB for the default model)
+    geometry: Geometry = field(default_factory=Geometry)
+    max_batch_tokens: int = 8192        # token budget of one step
+    max_running: int = 256
+    time_scale: float = 1.0             # trace seconds per simulated second
+    step_base_s: float = 0.010
+    step_token_s: float = 0.00002
+    prefix_caching: bool = True
+    pool_name: Optional[str] = None     # publish live stats under this name
+    sample_every: int = 1               # steps between usage samples
+
+
+@dataclass
+class _Running:
+    request: Request
+    index: int
+    handle: Any
+    context: int          # tokens the KV holds (prompt + generated so far)
+    generated: int
+    synced: int           # tokens already announced to the backend
+    capacity: int         # token slots the backend gave it
+
+
+@dataclass
+class Sample:
+    time_s: float
+    kv_use: float
+    hit_rate: float
+    running: int
+    waiting: int
+
+
+@dataclass
+class ReplayResult:
+    config: ReplayConfig
+    source: str
+    requests: int
+    finished: int
+    preemptions: int
+    kv_use_at_first_preemption: Optional[float]
+    peak_kv_use: float
+    mean_kv_use: float
+    internal_waste: float
+    fragmentation: float
+    prefix_hit_rate: float
+    alloc_ns_p50: float
+    alloc_ns_p99: float
+    alloc_ns_p999: float
+    allocator_share: float
+    wall_s: float
+    simulated_s: float
+    steps: int
+    samples: list[Sample] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        keys = ("requests", "finished", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
+                "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "alloc_ns_p50",
+                "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "wall_s", "simulated_s", "steps")
+        out: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        out["mode"] = self.config.mode
+        out["block_tokens"] = self.config.block_tokens
+        out["capacity_tokens"] = self.config.capacity_tokens
+        out["source"] = self.source
+        return out
+
+
+def block_keys(request: Request, block_tokens: int) -> Optional[list[int]]:
+    """Content keys of the request's full prompt blocks, from its 512-token hash ids."""
+    ids = request.hash_ids
+    if not ids or MOONCAKE_BLOCK_TOKENS % block_tokens:
+        return None
+    per_id = MOONCAKE_BLOCK_TOKENS // block_tokens
+    full = min(request.input_tokens // block_tokens, len(ids) * per_id)
+    return [(ids[j // per_id] << 8) | (j % per_id) for j in range(full)]
+
+
+def make_backend(config: ReplayConfig, timings: Timings) -> Any:
+    if config.mode == "paged":
+        return PagedBackend(config.capacity_tokens, config.block_tokens, config.geometry, config.pool_name,
+                            config.prefix_caching, timings)
+    if config.mode == "contiguous":
+        return ContiguousBackend(config.capacity_tokens, config.block_tokens, config.geometry, config.pool_name,
+                                 config.prefix_caching, timings)
+    if config.mode.startswith("malloc-"):
+        return MallocBackend(config.capacity_tokens, config.geometry, config.mode[len("malloc-"):], timings)
+    raise ValueError(f"unknown mode {config.mode!r} (paged, contiguous, malloc-glibc, malloc-jemalloc)")
+
+
+def _percentile(sorted_values: list[int], fraction: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return float(sorted_values[min(len(sorted_values) - 1, int(math.ceil(fraction * len(sorted_values))) - 1)])
+
+
+def replay(trace: Trace, config: ReplayConfig,
+           progress: Optional[Callable[[int, int], None]] = None,
+           on_step: Optional[Callable[[], None]] = None) -> ReplayResult:
+    """Runs the whole trace; ``progress(finished, total)`` is called now and then."""
+    timings = Timings()
+    backend = make_backend(config, timings)
+    requests = trace.requests
+    total = len(requests)
+    waiting: deque[tuple[Request, int, int]] = deque()   # (request, index, tokens generated before)
+    running: list[_Running] = []                         # in admission order
+    next_arrival = 0
+    now = 0.0
+    steps = preemptions = finished = 0
+    first_preemption_use: Optional[float] = None
+    peak_use = use_time = waste_time = frag_time = elapsed = 0.0
+    samples: list[Sample] = []
+    wall_start = time.perf_counter()
+
+    def preempt_latest() -> None:
+        nonlocal preemptions, first_preemption_use
+        victim = running.pop()
+        if first_preemption_use is None:
+            first_preemption_use = backend.usage()[0]
+        backend.release(victim.handle)
+        waiting.appendleft((victim.request, victim.index, victim.generated))
+        preemptions += 1
+
+    try:
+        while finished < total:
+            while next_arrival < total and requests[next_arrival].arrival_s / config.time_scale <= now:
+                waiting.append((requests[next_arrival], next_arrival, 0))
+                next_arrival += 1
+            if not running and not waiting:
+                now = requests[next_arrival].arrival_s / config.time_scale
+                continue
+
+            step_tokens = 0
+            # Decode one token for each running request. One whose slots are used up asks the
+            # backend for more, announcing every token since its last call; when none is left,
+            # the most recently admitted request is preempted, possibly this one.
+            at = 0
+            while at < len(running):
+                r = running[at]
+                if r.context >= r.capacity:
+                    need = r.context + 1 - r.synced
+                    capacity = backend.extend(r.handle, need)
+                    while capacity is None and running[-1] is not r:
+                        preempt_latest()
+                        capacity = backend.extend(r.handle, need)
+                    if capacity is None:
+                        preempt_latest()      # r itself: it was the latest
+                        continue
+                    r.capacity, r.synced = capacity, r.context + 1
+                r.context += 1
+                r.generated += 1
+                step_tokens += 1
+                at += 1
+            still = []
+            for r in running:
+                if r.generated >= r.request.output_tokens:
+                    backend.release(r.handle)
+                    finished += 1
+                else:
+                    still.append(r)
+            running = still
+            # Admit in arrival order while the step's budget and the cache allow.
+            while waiting and len(running) < config.max_running:
+                request, index, generated = waiting[0]
+                prompt = request.input_tokens + generated
+                if step_tokens and step_tokens + prompt > config.max_batch_tokens:
+                    break
+                keys = block_keys(request, config.block_tokens) if config.prefix_caching else None
+                admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
+                if admitted is None:
+                    if not running:
+                        raise RuntimeError(f"request {index} ({prompt} tokens) can never fit a KV cache of "
+                                           f"{config.capacity_tokens} tokens")
+                    break
+                handle, capacity = admitted
+                waiting.popleft()
+                step_tokens += prompt - backend.cached_tokens(handle)
+                running.append(_Running(request, index, handle, prompt, generated, prompt, capacity))
+
+            step_s = config.step_base_s + config.step_token_s * step_tokens
+            use, slots = backend.usage()
+            slack = sum(r.capacity - r.context for r in running)
+            peak_use = max(peak_use, use)
+            use_time += use * step_s
+            waste_time += (slack / slots if slots else 0.0) * step_s
+            elapsed += step_s
+            if steps % 16 == 0:
+                frag_time += backend.fragmentation() * step_s * 16
+            now += step_s
+            steps += 1
+            if steps % config.sample_every == 0:
+                hits, queries = backend.prefix()
+                samples.append(Sample(now, use, hits / queries if queries else 0.0, len(running), len(waiting)))
+            if on_step is not None:
+                on_step()
+            if progress is not None and steps % 256 == 0:
+                progress(finished, total)
+        hits, queries = backend.prefix()
+    finally:
+        backend.close()
+    wall = time.perf_counter() - wall_start
+    ordered = sorted(timings.samples)
+    return ReplayResult(
+        config=config, source=trace.source, requests=total, finished=finished, preemptions=preemptions,
+        kv_use_at_first_preemption=first_preemption_use, peak_kv_use=peak_use,
+        mean_kv_use=use_time / elapsed if elapsed else 0.0,
+        internal_waste=waste_time / elapsed if elapsed else 0.0,
+        fragmentation=frag_time / elapsed if elapsed else 0.0,
+        prefix_hit_rate=hits / queries if queries else 0.0,
+        alloc_ns_p50=_percentile(ordered, 0.50), alloc_ns_p99=_percentile(ordered, 0.99),
+        alloc_ns_p999=_percentile(ordered, 0.999),
+        allocator_share=sum(ordered) / 1e9 / wall if wall else 0.0,
+        wall_s=wall, simulated_s=now, steps=steps, samples=samples)

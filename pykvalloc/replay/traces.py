@@ -1,0 +1,181 @@
+"""Readers for the two public LLM-serving trace formats.
+
+- The Azure LLM inference trace (CSV): ``TIMESTAMP,ContextTokens,GeneratedTokens``, one request a
+  row, timestamps as ``YYYY-MM-DD HH:MM:SS.fffffff``. Patel et al., "Splitwise: Efficient
+  Generative LLM Inference Using Phase Splitting", ISCA 2024 (Azure/AzurePublicDataset).
+- The Mooncake trace (JSON lines): ``timestamp`` (ms), ``input_length``, ``output_length``,
+  ``hash_ids`` (one id per 512-token prompt block; equal ids mean an identical prefix block).
+  Qin et al., "Mooncake: Trading More Storage for Less Computation", FAST 2025.
+
+Both become a list of :class:`Request`, arrival times in seconds from the first request. A
+malformed row is a :class:`TraceError` naming its line, or, with ``skip_bad``, is counted and
+skipped.
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Iterable, Iterator, Optional
+
+from ..errors import InvalidArgument
+
+#: Tokens covered by one Mooncake hash id.
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class TraceError(InvalidArgument):
+    """A trace file that cannot be read; ``line`` is 1-based, 0 when not about one line."""
+
+    def __init__(self, path: str, line: int, message: str) -> None:
+        where = f"{path}:{line}" if line else path
+        super().__init__(f"{where}: {message}")
+        self.path = path
+        self.line = line
+
+
+@dataclass(frozen=True)
+class Request:
+    arrival_s: float
+    input_tokens: int
+    output_tokens: int
+    #: Prefix-block ids (one per MOONCAKE_BLOCK_TOKENS prompt tokens), or None.
+    hash_ids: Optional[tuple[int, ...]] = None
+
+
+@dataclass
+class Trace:
+    requests: list[Request]
+    source: str
+    skipped: int = 0
+    #: (line, reason) of the first skipped rows, for the report.
+    skipped_examples: list[tuple[int, str]] = field(default_factory=list)
+
+
+def _positive(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        number = int(str(value).strip())
+    else:
+        number = value
+    if number <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return number
+
+
+class _Collector:
+    """Applies the skip-or-raise rule and keeps the requests in arrival order."""
+
+    def __init__(self, path: str, skip_bad: bool) -> None:
+        self.trace = Trace(requests=[], source=path)
+        self.path = path
+        self.skip_bad = skip_bad
+
+    def bad(self, line: int, reason: str) -> None:
+        if not self.skip_bad:
+            raise TraceError(self.path, line, reason)
+        self.trace.skipped += 1
+        if len(self.trace.skipped_examples) < 5:
+            self.trace.skipped_examples.append((line, reason))
+
+    def finish(self, arrivals: list[float]) -> Trace:
+        if not arrivals:
+            raise TraceError(self.path, 0, "no usable request in the trace")
+        start = min(arrivals)
+        requests = [
+            Request(arrival - start, r.input_tokens, r.output_tokens, r.hash_ids)
+            for arrival, r in zip(arrivals, self.trace.requests)
+        ]
+        requests.sort(key=lambda r: r.arrival_s)
+        self.trace.requests = requests
+        return self.trace
+
+
+def parse_azure_csv(lines: Iterable[str], path: str = "<azure csv>", skip_bad: bool = False) -> Trace:
+    collector = _Collector(path, skip_bad)
+    arrivals: list[float] = []
+    reader = csv.reader(lines)
+    header = next(reader, None)
+    if header is None or [h.strip() for h in header][:3] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
+        raise TraceError(path, 1, "expected the header TIMESTAMP,ContextTokens,GeneratedTokens")
+    for row in reader:
+        line = reader.line_num
+        if not row or all(not cell.strip() for cell in row):
+            continue
+        if len(row) != 3:
+            collector.bad(line, f"expected 3 columns, found {len(row)}")
+            continue
+        try:
+            when = datetime.fromisoformat(_trim_fraction(row[0].strip())).timestamp()
+            request = Request(0.0, _positive(row[1], "ContextTokens"), _positive(row[2], "GeneratedTokens"))
+        except ValueError as exc:
+            collector.bad(line, str(exc))
+            continue
+        arrivals.append(when)
+        collector.trace.requests.append(request)
+    return collector.finish(arrivals)
+
+
+def _trim_fraction(stamp: str) -> str:
+    # The trace writes 7 fractional digits; datetime parses at most 6.
+    if "." in stamp:
+        head, fraction = stamp.split(".", 1)
+        return f"{head}.{fraction[:6]}"
+    return stamp
+
+
+def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", skip_bad: bool = False) -> Trace:
+    collector = _Collector(path, skip_bad)
+    arrivals: list[float] = []
+    for line, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+            if not isinstance(row, dict):
+                raise ValueError("a line must be a JSON object")
+            timestamp = row["timestamp"]
+            if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
+                raise ValueError(f"timestamp must be a non-negative number, got {timestamp!r}")
+            input_tokens = _positive(row["input_length"], "input_length")
+            output_tokens = _positive(row["output_length"], "output_length")
+            ids = row.get("hash_ids")
+            if ids is not None:
+                if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                        for i in ids):
+                    raise ValueError("hash_ids must be a list of non-negative integers")
+                needed = -(-input_tokens // MOONCAKE_BLOCK_TOKENS)
+                if len(ids) > needed:
+                    raise ValueError(f"{len(ids)} hash_ids for {input_tokens} input tokens (at most {needed})")
+        except KeyError as exc:
+            collector.bad(line, f"missing field {exc.args[0]!r}")
+            continue
+        except (ValueError, TypeError) as exc:
+            collector.bad(line, str(exc))
+            continue
+        arrivals.append(timestamp / 1000.0)
+        collector.trace.requests.append(
+            Request(0.0, input_tokens, output_tokens, tuple(ids) if ids is not None else None))
+    return collector.finish(arrivals)
+
+
+def _open_lines(path: Path) -> Iterator[str]:
+    # newline="" lets the csv module handle the trace's CRLF line ends.
+    with open(path, encoding="utf-8", newline="") as handle:
+        yield from handle
+
+
+def load_trace(path: str | Path, skip_bad: bool = False) -> Trace:
+    """Reads either format, chosen by the file's suffix (.csv, .jsonl/.json), else by its first
+    non-blank character."""
+    path = Path(path)
+    try:
+        with open(path, encoding="utf-8", newline="") as handle:
+            head = handle.read(4096)
+    except OSError as exc:
+        raise TraceError(str(path), 0, f"cannot read: {exc.strerror}") from exc
+    suffix = path.suffix.lower()
+    if suffix in (".jsonl", ".json", ".ndjson") or (suffix != ".csv" and head.lstrip().startswith("{")):
+        return parse_mooncake_jsonl(_open_lines(path), str(path), skip_bad)
+    return parse_azure_csv(_open_lines(path), str(path), skip_bad)

@@ -1,0 +1,126 @@
+"""The trace readers, the embedded default workload and the prefix keys of the replay."""
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+
+from pykvalloc.replay.simulator import block_keys
+from pykvalloc.replay.traces import (MOONCAKE_BLOCK_TOKENS, Request, TraceError, load_trace, parse_azure_csv,
+                                     parse_mooncake_jsonl)
+from pykvalloc.replay.workload import default_workload
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "traces"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"the shared traces are not at {SHARED}")
+
+AZURE_SAMPLE = ("TIMESTAMP,ContextTokens,GeneratedTokens\r\n"
+                "2023-11-16 18:15:46.6805900,374,44\r\n"
+                "2023-11-16 18:15:50.9951690,396,109\r\n"
+                "2023-11-16 18:15:51.2224670,879,55")          # the real file ends without a newline
+MOONCAKE_SAMPLE = ('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}\n'
+                   '{"timestamp": 3000, "input_length": 600, "output_length": 7, "hash_ids": [0, 1]}\n')
+
+
+def test_azure_reader_reads_times_and_lengths() -> None:
+    trace = parse_azure_csv(AZURE_SAMPLE.splitlines(keepends=True))
+    assert [(r.input_tokens, r.output_tokens) for r in trace.requests] == [(374, 44), (396, 109), (879, 55)]
+    assert trace.requests[0].arrival_s == 0.0
+    assert trace.requests[1].arrival_s == pytest.approx(4.314579, abs=1e-6)
+    assert trace.requests[2].hash_ids is None
+
+
+@pytest.mark.parametrize("row, reason", [
+    ("2023-11-16 18:15:52.0,12\r\n", "expected 3 columns"),
+    ("not a time,12,3\r\n", "Invalid isoformat"),
+    ("2023-11-16 18:15:52.0,-5,3\r\n", "ContextTokens must be a positive"),
+    ("2023-11-16 18:15:52.0,5,zero\r\n", "invalid literal"),
+])
+def test_azure_malformed_row_names_its_line(row: str, reason: str) -> None:
+    text = AZURE_SAMPLE + "\r\n" + row
+    with pytest.raises(TraceError, match=r"sample.csv:5: .*" + reason) as info:
+        parse_azure_csv(text.splitlines(keepends=True), "sample.csv")
+    assert info.value.line == 5
+    assert isinstance(info.value, ValueError)
+    trace = parse_azure_csv(text.splitlines(keepends=True), "sample.csv", skip_bad=True)
+    assert len(trace.requests) == 3 and trace.skipped == 1 and trace.skipped_examples[0][0] == 5
+
+
+def test_azure_header_is_required() -> None:
+    with pytest.raises(TraceError, match="expected the header"):
+        parse_azure_csv(["a,b,c\n", "1,2,3\n"])
+
+
+def test_mooncake_reader_reads_ids() -> None:
+    trace = parse_mooncake_jsonl(MOONCAKE_SAMPLE.splitlines())
+    assert [r.hash_ids for r in trace.requests] == [(0, 1, 2), (0, 1)]
+    assert [r.arrival_s for r in trace.requests] == [0.0, 3.0]
+
+
+@pytest.mark.parametrize("line, reason", [
+    ('{"timestamp": 1, "input_length": 10}', "missing field 'output_length'"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [0, 1]}', "2 hash_ids for 10 input"),
+    ('{"timestamp": -1, "input_length": 10, "output_length": 2}', "timestamp must be"),
+    ('{"timestamp": 1, "input_length": 10, "output_length": 2, "hash_ids": [0, "x"]}', "hash_ids must be"),
+    ('[1, 2, 3]', "must be a JSON object"),
+    ('{"timestamp": 1,', "Expecting"),
+])
+def test_mooncake_malformed_line_names_its_line(line: str, reason: str) -> None:
+    lines = MOONCAKE_SAMPLE.splitlines() + [line]
+    with pytest.raises(TraceError, match=r":3: .*" + reason):
+        parse_mooncake_jsonl(lines, "m.jsonl")
+    assert parse_mooncake_jsonl(lines, "m.jsonl", skip_bad=True).skipped == 1
+
+
+def test_load_trace_detects_the_format(tmp_path: Path) -> None:
+    csv_file, jsonl_file = tmp_path / "a.csv", tmp_path / "m.jsonl"
+    csv_file.write_bytes(AZURE_SAMPLE.encode())
+    jsonl_file.write_text(MOONCAKE_SAMPLE)
+    assert len(load_trace(csv_file).requests) == 3
+    assert len(load_trace(jsonl_file).requests) == 2
+    with pytest.raises(TraceError, match="cannot read"):
+        load_trace(tmp_path / "missing.csv")
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    with pytest.raises(TraceError, match="no usable request"):
+        load_trace(tmp_path / "empty.jsonl")
+
+
+def test_default_workload_follows_the_published_statistics() -> None:
+    trace = default_workload(20000, seed=7)
+    inputs = [r.input_tokens for r in trace.requests]
+    outputs = [r.output_tokens for r in trace.requests]
+    assert statistics.median(inputs) == pytest.approx(1020, rel=0.05)
+    assert sorted(inputs)[int(0.99 * len(inputs))] == pytest.approx(4142, rel=0.1)
+    assert statistics.median(outputs) == pytest.approx(129, rel=0.05)
+    assert min(inputs) >= 2 and max(inputs) <= 14050 and 7 <= min(outputs) and max(outputs) <= 1000
+    rate = len(trace.requests) / trace.requests[-1].arrival_s
+    assert rate == pytest.approx(5.5, rel=0.05)
+    assert all(r.hash_ids and r.hash_ids[0] == 0 for r in trace.requests)
+    assert all(len(r.hash_ids) == -(-r.input_tokens // MOONCAKE_BLOCK_TOKENS) for r in trace.requests)
+    assert default_workload(50, seed=3) == default_workload(50, seed=3)
+
+
+def test_block_keys_follow_the_hash_id_and_position() -> None:
+    request = Request(0.0, 1100, 5, (10, 11, 12))        # 512 + 512 + 76 tokens
+    keys16 = block_keys(request, 16)
+    assert len(keys16) == 1100 // 16                       # full 16-token blocks only
+    assert keys16[0] == (10 << 8) | 0 and keys16[31] == (10 << 8) | 31 and keys16[32] == (11 << 8) | 0
+    assert len(set(keys16)) == len(keys16)
+    assert block_keys(request, 512) == [(10 << 8), (11 << 8)]
+    assert block_keys(Request(0.0, 100, 5, None), 16) is None
+    assert block_keys(request, 48) is None                 # 48 does not divide 512
+    # Two requests sharing their first id share exactly that id's blocks.
+    other = Request(0.0, 600, 5, (10, 99))
+    shared = [a == b for a, b in zip(block_keys(request, 16), block_keys(other, 16))]
+    assert shared == [True] * 32 + [False] * (len(shared) - 32)
+
+
+@needs_shared
+def test_the_shared_traces_read_whole() -> None:
+    azure = load_trace(SHARED / "azure2023_conv.csv")
+    # PROVENANCE.md says 19,365: it counted line ends, and the last row has none.
+    assert len(azure.requests) == 19366 and azure.skipped == 0
+    assert statistics.median(r.input_tokens for r in azure.requests) == 1020
+    mooncake = load_trace(SHARED / "mooncake_conversation_trace.jsonl")
+    assert len(mooncake.requests) == 12031
+    assert sum(len(r.hash_ids) for r in mooncake.requests) == 288500
