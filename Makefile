@@ -6,7 +6,7 @@ BUILD  ?= build
 VENV   ?= .venv
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all deps build test test-c test-py venv demo bench clean
+.PHONY: all deps build test test-c test-sanitize test-py venv demo bench clean
 
 all: build
 
@@ -19,6 +19,14 @@ build: deps
 
 test-c: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+# Every C test again under AddressSanitizer and UndefinedBehaviorSanitizer. Left out: the
+# benchmark smoke run (it maps gigabytes, slow under ASan), the install test (packaging) and the
+# strace test (LeakSanitizer cannot run under ptrace); all three run in test-c.
+test-sanitize: deps
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DKVA_SANITIZE=address,undefined
+	cmake --build $(BUILD)-asan -j $(JOBS)
+	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 ctest --output-on-failure -j $(JOBS) -LE 'bench|install|strace'
 
 # The virtual environment holds the package installed in editable mode (scikit-build-core
 # builds libkvalloc into it) and pytest.
@@ -34,7 +42,7 @@ venv: $(VENV)/.installed
 test-py: venv
 	$(VENV)/bin/python -m pytest -q tests/python
 
-test: test-c test-py
+test: test-c test-sanitize test-py
 
 demo: venv
 	$(VENV)/bin/kvalloc demo
