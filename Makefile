@@ -5,8 +5,9 @@ PYTHON ?= python3
 BUILD  ?= build
 VENV   ?= .venv
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
+FUZZ_SECONDS ?= 60
 
-.PHONY: all deps build test test-c test-sanitize test-py venv demo bench clean
+.PHONY: all deps build test test-c test-sanitize test-py test-fuzz fuzz venv demo bench clean
 
 all: build
 
@@ -42,7 +43,18 @@ venv: $(VENV)/.installed
 test-py: venv
 	$(VENV)/bin/python -m pytest -q tests/python
 
-test: test-c test-sanitize test-py
+# libFuzzer on the pool for FUZZ_SECONDS, starting from the seed corpus in the repository; a
+# crash fails the run and leaves the input in $(BUILD)-fuzz (crash-*).
+test-fuzz: fuzz
+fuzz:
+	scripts/ensure-system-deps.sh fuzz
+	CC=clang cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVA_FUZZ=ON -DKVA_BUILD_TESTS=OFF -DKVA_BUILD_TOOLS=OFF
+	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_pool
+	mkdir -p $(BUILD)-fuzz/corpus-pool
+	cd $(BUILD)-fuzz && ./tests/fuzz/fuzz_pool -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
+		corpus-pool $(CURDIR)/tests/fuzz/corpus/pool
+
+test: test-c test-sanitize test-py test-fuzz
 
 demo: venv
 	$(VENV)/bin/kvalloc demo

@@ -7,6 +7,8 @@ command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v make >/dev/null || missing+=(make)
 command -v strace >/dev/null || missing+=(strace)   # the no-system-call test
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+# `ensure-system-deps.sh fuzz`: the fuzzer needs clang and its libFuzzer runtime.
+[ "${1:-}" = fuzz ] && ! command -v clang >/dev/null && missing+=(clang)
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "installing: ${missing[*]}"
