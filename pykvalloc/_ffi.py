@@ -27,6 +27,7 @@ from ctypes import (
     c_char_p,
     c_double,
     c_int,
+    c_int32,
     c_size_t,
     c_uint,
     c_uint32,
@@ -63,6 +64,13 @@ class KvaConfig(Structure):
         ("prefault", c_int),
         ("trace", c_int),
         ("publish_interval_ms", c_uint),
+        ("backend", c_enum),
+        ("device", c_int),
+        ("numa_node", c_int),
+        ("numa_policy", c_enum),
+        ("lock", c_int),
+        ("pin", c_int),
+        ("trim_watermark", c_size_t),
     ]
 
 
@@ -91,6 +99,11 @@ class KvaStats(Structure):
         ("page_kind", c_enum),
         ("page_size", c_size_t),
         ("metadata_bytes", c_size_t),
+        ("numa_node", c_int32),
+        ("backend", c_uint32),
+        ("mapped_bytes", c_size_t),
+        ("pinned", c_int),
+        ("locked", c_int),
     ]
 
 

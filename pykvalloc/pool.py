@@ -64,6 +64,8 @@ __all__ = [
     "HeapRegion",
     "PageMode",
     "PageKind",
+    "Backend",
+    "NumaPolicy",
     "WalkKind",
 ]
 
@@ -86,11 +88,26 @@ class PageKind(enum.IntEnum):
     HUGETLB = 1
     THP = 2
     SMALL = 3
+    DEVICE = 4  # GPU memory of a CUDA pool; page_size is the mapping granularity
 
     @property
     def label(self) -> str:
         return {PageKind.HUGETLB: "hugetlb", PageKind.THP: "transparent huge pages",
-                PageKind.SMALL: "small pages"}[self]
+                PageKind.SMALL: "small pages", PageKind.DEVICE: "GPU memory"}[self]
+
+
+class Backend(enum.IntEnum):
+    """Where a pool's memory lives (``kva_backend``)."""
+
+    HOST = 0  # host memory, mapped at creation
+    CUDA = 1  # one GPU's memory, mapped on demand through the CUDA driver; the CPU cannot touch it
+
+
+class NumaPolicy(enum.IntEnum):
+    """How a host pool is bound to its NUMA node (``kva_numa_policy``)."""
+
+    BIND = 0       # pages only from that node
+    PREFERRED = 1  # pages from that node while it has free memory
 
 
 class WalkKind(enum.IntEnum):
@@ -142,6 +159,13 @@ class Stats:
     page_kind: PageKind
     page_size: int
     metadata_bytes: int
+    # The backing memory. Defaults, so that a Stats rebuilt from a source that predates them
+    # (a statistics segment) still constructs.
+    numa_node: int | None = None     # the node the region is bound to; None if none
+    backend: Backend = Backend.HOST
+    mapped_bytes: int = 0            # CUDA: device memory mapped now; host: the whole region
+    pinned: bool = False             # registered with the CUDA driver (Pool(pin=True))
+    locked: bool = False             # mlocked (Pool(lock=True))
 
     @property
     def num_orders(self) -> int:
@@ -154,13 +178,17 @@ class Stats:
     @classmethod
     def _from_c(cls, raw: _ffi.KvaStats) -> Stats:
         names = (field[0] for field in raw._fields_)
+        converted = ("free_blocks", "num_orders", "page_kind", "numa_node", "backend", "pinned",
+                     "locked")
         scalars: dict[str, Any] = {
-            name: getattr(raw, name) for name in names
-            if name not in ("free_blocks", "num_orders", "page_kind")
+            name: getattr(raw, name) for name in names if name not in converted
         }
         orders = min(raw.num_orders, _ffi.KVA_MAX_ORDERS)
         return cls(free_blocks=tuple(raw.free_blocks[:orders]),
-                   page_kind=PageKind(raw.page_kind), **scalars)
+                   page_kind=PageKind(raw.page_kind),
+                   numa_node=None if raw.numa_node < 0 else raw.numa_node,
+                   backend=Backend(raw.backend), pinned=bool(raw.pinned),
+                   locked=bool(raw.locked), **scalars)
 
 
 @dataclass(frozen=True)
@@ -192,6 +220,40 @@ def _page_mode_arg(pages: str | PageMode) -> PageMode:
         return PageMode[pages.upper()]
     choices = ", ".join(repr(mode.name.lower()) for mode in PageMode)
     raise InvalidArgument(f"pages must be one of {choices}, not {pages!r}")
+
+
+def _pages_arg(pages: str | PageMode | None, hugepages: bool | str | PageMode | None) -> PageMode:
+    """The page mode from ``pages`` or its alias ``hugepages`` (True: huge pages when the
+    machine has them, else normal ones; False: normal pages only)."""
+    if hugepages is None:
+        return _page_mode_arg("auto" if pages is None else pages)
+    if pages is not None:
+        raise InvalidArgument("give pages or hugepages, not both")
+    if isinstance(hugepages, bool):
+        return PageMode.AUTO if hugepages else PageMode.SMALL
+    return _page_mode_arg(hugepages)
+
+
+def _enum_arg(what: str, value: Any, kind: type[enum.IntEnum]) -> Any:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and value.upper() in kind.__members__:
+        return kind[value.upper()]
+    choices = ", ".join(repr(member.name.lower()) for member in kind)
+    raise InvalidArgument(f"{what} must be one of {choices}, not {value!r}")
+
+
+def _int_arg(what: str, value: int, low: int) -> int:
+    """A C int of at least ``low``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an integer, not bool")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
+    if not low <= number <= 0x7FFFFFFF:
+        raise InvalidArgument(f"{what} {number} is outside [{low}, {0x7FFFFFFF}]")
+    return number
 
 
 def _name_arg(name: str | None) -> bytes | None:
@@ -321,17 +383,32 @@ class Pool:
     ``publish_interval_ms`` bounds the time between publishes (library default 200) and
     ``trace`` records the timing of every call in the segment's trace ring.
 
+    Backing memory. ``backend="host"`` (the default) maps host memory; ``hugepages`` is another
+    way to say ``pages`` (True: huge pages when the machine has them, False: normal pages only),
+    ``numa_node`` binds the memory to a NUMA node (``numa_policy`` ``"bind"`` or
+    ``"preferred"``), ``lock`` mlocks it and ``pin`` registers it with the CUDA driver as
+    page-locked memory for fast copies to GPU ``device`` (an offload tier). ``backend="cuda"``
+    manages the memory of GPU ``device`` through the CUDA driver, loaded at run time (no CUDA
+    is needed to install pykvalloc): addresses are device addresses, mapped on demand;
+    ``trim()`` unmaps what no allocation uses, and so does a free that leaves more than
+    ``trim_watermark`` bytes mapped but unused; ``prefault`` maps everything at creation.
+    No driver or no GPU raises ``BackendError`` saying which.
+
     Use it as a context manager or call ``close()``; see the module docstring for what happens
     to views that outlive the pool.
     """
 
     __slots__ = ("_lib", "_handle", "_lock", "_closed", "_views", "_finalizer", "_base",
-                 "_capacity", "_min_block", "_slab_chunk", "_name", "__weakref__")
+                 "_capacity", "_min_block", "_slab_chunk", "_name", "_backend", "__weakref__")
 
     def __init__(self, capacity: int, *, min_block: int | None = None,
                  slab_chunk: int | None = None, name: str | None = None,
-                 pages: str | PageMode = "auto", prefault: bool = False, trace: bool = False,
-                 publish_interval_ms: int | None = None) -> None:
+                 pages: str | PageMode | None = None, prefault: bool = False, trace: bool = False,
+                 publish_interval_ms: int | None = None, backend: str | Backend = "host",
+                 device: int = 0, numa_node: int | None = None,
+                 numa_policy: str | NumaPolicy = "bind",
+                 hugepages: bool | str | PageMode | None = None, lock: bool = False,
+                 pin: bool = False, trim_watermark: int = 0) -> None:
         lib = _ffi.load()
         config = _ffi.KvaConfig()
         lib.kva_config_init(byref(config))
@@ -341,8 +418,15 @@ class Pool:
         if slab_chunk is not None:
             config.slab_chunk = _size_arg("slab_chunk", slab_chunk)
         config.name = _name_arg(name)
-        config.pages = _page_mode_arg(pages)
+        config.pages = _pages_arg(pages, hugepages)
         config.prefault = 1 if prefault else 0
+        config.backend = _enum_arg("backend", backend, Backend)
+        config.device = _int_arg("device", device, 0)
+        config.numa_node = -1 if numa_node is None else _int_arg("numa_node", numa_node, 0)
+        config.numa_policy = _enum_arg("numa_policy", numa_policy, NumaPolicy)
+        config.lock = 1 if lock else 0
+        config.pin = 1 if pin else 0
+        config.trim_watermark = _size_arg("trim_watermark", trim_watermark)
         config.trace = 1 if trace else 0
         if publish_interval_ms is not None:
             interval = _size_arg("publish_interval_ms", publish_interval_ms)
@@ -371,6 +455,7 @@ class Pool:
         self._capacity = stats.capacity
         self._min_block = stats.min_block
         self._slab_chunk = stats.slab_chunk
+        self._backend = stats.backend
         _open_pools.add(self)
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -473,6 +558,10 @@ class Pool:
 
     def _view(self, allocation: Allocation, dtype: npt.DTypeLike,
               shape: int | Sequence[int] | None) -> np.ndarray:
+        if self._backend is Backend.CUDA:
+            raise InvalidArgument(
+                f"{allocation!r} is GPU memory (a backend='cuda' pool), which the CPU cannot "
+                "access: copy it with the CUDA API, or wrap the address in a GPU array")
         dt = np.dtype(dtype)
         if dt.hasobject:
             raise InvalidArgument(f"dtype {dt} holds Python objects; a view over raw memory "
@@ -509,7 +598,8 @@ class Pool:
     # -- maintenance and introspection ------------------------------------------------------
 
     def trim(self) -> None:
-        """Returns every empty slab to the buddy allocator."""
+        """Returns every empty slab to the buddy allocator; in a CUDA pool, then unmaps the
+        device memory no allocation uses."""
         with self._lock:
             self._lib.kva_trim(self._open_handle())
 
@@ -524,6 +614,21 @@ class Pool:
         with self._lock:
             self._lib.kva_get_stats(self._open_handle(), byref(raw))
         return Stats._from_c(raw)
+
+    def publish(self) -> None:
+        """Copies the pool's state into its statistics segment now (a named pool; an anonymous
+        one has no segment and nothing happens). The library also publishes on its own, at most
+        ``publish_interval_ms`` apart, from the calls that leave the fast paths."""
+        with self._lock:
+            self._lib.kva_stats_publish(self._open_handle())
+
+    @property
+    def segment_name(self) -> str | None:
+        """The POSIX shared-memory name of the statistics segment (``/kvalloc.<pid>.<name>``;
+        the file is ``/dev/shm`` + this name), None for an anonymous pool."""
+        with self._lock:
+            name = self._lib.kva_stats_segment_name(self._open_handle())
+        return None if name is None else name.decode()
 
     def class_stats(self) -> list[ClassStats]:
         """Figures of every slab size class, smallest first."""
@@ -588,6 +693,11 @@ class Pool:
     @property
     def name(self) -> str | None:
         return self._name
+
+    @property
+    def backend(self) -> Backend:
+        """Where the memory lives; with ``Backend.CUDA`` addresses are device addresses."""
+        return self._backend
 
     def __repr__(self) -> str:
         label = f" {self._name!r}" if self._name else ""

@@ -11,7 +11,9 @@
  *  - Every entry point returns a kva_status. The library never aborts and never prints.
  *    A call that fails leaves the pool exactly as it was and leaves every out-parameter
  *    untouched; kva_last_error() then describes the failure in words.
- *  - Once a pool exists, allocation and free make no system call and take no lock.
+ *  - Once a host pool exists, allocation and free make no system call and take no lock. A
+ *    CUDA pool calls the driver only from its slow paths: to map device memory when a block or
+ *    a new slab first needs it, and to unmap it (kva_trim, trim_watermark).
  *
  * Thread safety: a pool is not yet safe for concurrent use; callers serialize access to one
  * pool (different pools are independent). Per-CPU arenas and thread caches lift this.
@@ -76,8 +78,28 @@ typedef enum kva_page_mode {
 typedef enum kva_page_kind {
     KVA_PAGE_KIND_HUGETLB = 1,
     KVA_PAGE_KIND_THP = 2,
-    KVA_PAGE_KIND_SMALL = 3
+    KVA_PAGE_KIND_SMALL = 3,
+    KVA_PAGE_KIND_DEVICE = 4 /* GPU memory (a CUDA pool); page_size is the mapping granularity */
 } kva_page_kind;
+
+/* Where a pool's memory lives. */
+typedef enum kva_backend {
+    KVA_BACKEND_HOST = 0, /* host memory, mapped at creation */
+    KVA_BACKEND_CUDA = 1  /* the memory of one GPU, through the CUDA driver's virtual memory
+                             management: the whole capacity is a reserved range of device
+                             addresses, and physical memory is mapped into it on demand in the
+                             device's allocation granularity (typically 2 MiB). The driver
+                             (libcuda.so.1, or the library named by $KVA_CUDA_DRIVER) is loaded
+                             at run time: nothing of CUDA is needed to build or for host pools.
+                             Addresses handed out are device addresses; the CPU must not touch
+                             them, and the library never does. */
+} kva_backend;
+
+/* How a host region is bound to its NUMA node. */
+typedef enum kva_numa_policy {
+    KVA_NUMA_BIND = 0,     /* pages only from that node (MPOL_BIND) */
+    KVA_NUMA_PREFERRED = 1 /* pages from that node while it has free memory (MPOL_PREFERRED) */
+} kva_numa_policy;
 
 #define KVA_NAME_MAX 63 /* longest pool name, bytes; names use [A-Za-z0-9_.-] */
 
@@ -99,6 +121,24 @@ typedef struct kva_config {
                             recorded, and the fast paths cost nothing extra */
     unsigned publish_interval_ms; /* named pools: at most this long between publishes while the
                                      pool is used (default 200); see kva_stats_publish */
+    /* The backing memory. A field that does not apply to the backend (numa_node, lock, pin or
+     * pages other than AUTO for CUDA; trim_watermark for host) is refused with KVA_ERR_INVALID. */
+    kva_backend backend; /* default KVA_BACKEND_HOST */
+    int device;          /* CUDA pools and pin: the GPU ordinal. Default 0 */
+    int numa_node;       /* host: bind the region to this NUMA node before any page is touched;
+                            KVA_ERR_INVALID if this process cannot use the node. -1 (default):
+                            no policy, the kernel's first-touch placement */
+    kva_numa_policy numa_policy; /* default KVA_NUMA_BIND */
+    int lock;            /* host: mlock the region, so every page is resident and never swapped
+                            (RLIMIT_MEMLOCK applies) */
+    int pin;             /* host: register the region with the CUDA driver (cuMemHostRegister) as
+                            page-locked memory that copies to and from the GPU at full speed, an
+                            offload tier; KVA_ERR_BACKEND saying why if no driver or GPU is there */
+    size_t trim_watermark; /* CUDA: when more than this many bytes are mapped but used by no
+                              block, the free that passed it unmaps the least recently idle
+                              granules down to it. 0 (default): only kva_trim unmaps. With
+                              prefault everything stays mapped: prefault maps the whole capacity
+                              at creation for the pool's life */
 } kva_config;
 
 /* Fills every field of *cfg with its default. */
@@ -128,7 +168,11 @@ KVA_API size_t kva_struct_size(kva_struct_id which);
 
 typedef struct kva_pool kva_pool;
 
-/* Validates cfg, maps the region and builds the metadata. On failure *out is untouched. */
+/* Validates cfg, maps the region and builds the metadata. On failure *out is untouched and
+ * nothing is left mapped, reserved or registered. Errors: KVA_ERR_INVALID (the config, a NUMA
+ * node this process cannot use, a GPU ordinal that does not exist), KVA_ERR_NOMEM (host memory
+ * for the metadata, or GPU memory for prefault), KVA_ERR_BACKEND (mmap, hugetlb, mbind, mlock;
+ * for CUDA: no driver, no GPU, a driver call refused), each explained by kva_last_error(). */
 KVA_API kva_status kva_pool_create(const kva_config *cfg, kva_pool **out);
 
 /* Unmaps the region and releases all metadata. Outstanding allocations become invalid.
@@ -161,14 +205,17 @@ KVA_API kva_status kva_free(kva_pool *pool, void *ptr);
  * start of a live allocation of this pool. */
 KVA_API size_t kva_usable_size(kva_pool *pool, const void *ptr);
 
-/* Returns every empty slab to the buddy, including the one spare each size class keeps. */
+/* Returns every empty slab to the buddy, including the one spare each size class keeps; then,
+ * in a CUDA pool, unmaps and releases every granule of device memory no live block touches.
+ * KVA_ERR_BACKEND if the driver refused to unmap (what it did unmap stays unmapped). */
 KVA_API kva_status kva_trim(kva_pool *pool);
 
 /* Walks every invariant of the pool's metadata. KVA_OK, or KVA_ERR_CORRUPT with the first
  * broken invariant named in kva_last_error(). Cost grows with the pool; not for hot paths. */
 KVA_API kva_status kva_check(kva_pool *pool);
 
-/* The start of the managed region (offset 0). Useful to turn addresses into offsets. */
+/* The start of the managed region (offset 0). Useful to turn addresses into offsets. In a CUDA
+ * pool it is a device address. */
 KVA_API kva_status kva_pool_base(kva_pool *pool, void **base);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -202,6 +249,13 @@ typedef struct kva_stats {
     kva_page_kind page_kind;   /* what actually backs the region */
     size_t page_size;          /* its page size in bytes */
     size_t metadata_bytes;     /* host bytes of bookkeeping in use (resident part) */
+    int32_t numa_node;         /* the NUMA node the region is bound to; -1 if none */
+    uint32_t backend;          /* kva_backend */
+    size_t mapped_bytes;       /* bytes backed by memory now: in a CUDA pool the mapped granules
+                                  (live blocks plus idle granules not yet trimmed), in a host
+                                  pool the whole mapped region */
+    int pinned;                /* host: registered with the CUDA driver (config pin) */
+    int locked;                /* host: mlocked (config lock) */
 } kva_stats;
 
 KVA_API kva_status kva_get_stats(kva_pool *pool, kva_stats *out);

@@ -216,5 +216,5 @@ kva_status kva_check(kva_pool *pool) {
         return BROKEN("P3: %llu block allocations less %llu frees, but %llu blocks are live",
                       (unsigned long long)pool->block_allocs, (unsigned long long)pool->block_frees,
                       (unsigned long long)used_blocks);
-    return KVA_OK;
+    return kva_region_check(&pool->region, &pool->buddy);
 }

@@ -22,6 +22,13 @@ void kva_config_init(kva_config *cfg) {
         .prefault = 0,
         .trace = 0,
         .publish_interval_ms = 200,
+        .backend = KVA_BACKEND_HOST,
+        .device = 0,
+        .numa_node = -1,
+        .numa_policy = KVA_NUMA_BIND,
+        .lock = 0,
+        .pin = 0,
+        .trim_watermark = 0,
     };
 }
 
@@ -43,6 +50,30 @@ static int valid_name(const char *name) {
         if (!ok) return 0;
     }
     return 1;
+}
+
+/* The backend and the options that belong to it; the machine-dependent checks (does the NUMA
+ * node or the GPU exist) happen when the region is made. */
+static kva_status validate_backing(const kva_config *cfg) {
+    if (cfg->backend != KVA_BACKEND_HOST && cfg->backend != KVA_BACKEND_CUDA)
+        return kva_fail(KVA_ERR_INVALID, "unknown backend %d", (int)cfg->backend);
+    if (cfg->device < 0) return kva_fail(KVA_ERR_INVALID, "device %d is negative", cfg->device);
+    if (cfg->numa_node < -1)
+        return kva_fail(KVA_ERR_INVALID, "numa_node %d: a node id, or -1 for none", cfg->numa_node);
+    if (cfg->numa_policy != KVA_NUMA_BIND && cfg->numa_policy != KVA_NUMA_PREFERRED)
+        return kva_fail(KVA_ERR_INVALID, "unknown numa_policy %d", (int)cfg->numa_policy);
+    if (cfg->backend == KVA_BACKEND_CUDA) {
+        const char *host_only = cfg->numa_node >= 0 ? "numa_node"
+                                : cfg->lock          ? "lock"
+                                : cfg->pin           ? "pin"
+                                : cfg->pages != KVA_PAGES_AUTO ? "pages"
+                                                               : NULL;
+        if (host_only)
+            return kva_fail(KVA_ERR_INVALID, "%s applies to host memory; a CUDA pool cannot use it", host_only);
+    } else if (cfg->trim_watermark) {
+        return kva_fail(KVA_ERR_INVALID, "trim_watermark applies to CUDA pools; host memory is never unmapped");
+    }
+    return KVA_OK;
 }
 
 kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
@@ -69,6 +100,8 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
         return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
     if (cfg->name && !valid_name(cfg->name))
         return kva_fail(KVA_ERR_INVALID, "pool name must be 1..%d characters of [A-Za-z0-9_.-]", KVA_NAME_MAX);
+    kva_status st = validate_backing(cfg);
+    if (st != KVA_OK) return st;
     out->min_shift = min_shift;
     out->nblocks = (uint32_t)nblocks;
     out->capacity = nblocks << min_shift;

@@ -4,6 +4,9 @@
  * Contract: each function returns a kva_status (KVA_OK or KVA_ERR_BACKEND with kva_last_error()
  * naming the call and errno) and never leaves a partial mapping behind on failure. Nothing
  * here is called once a pool exists, except kva_os_unmap at destruction.
+ *
+ * Tests reach every failure path through kva_os_fail_nth (at the end), which makes a chosen
+ * call fail as if the kernel had refused it.
  */
 #ifndef KVA_OS_H
 #define KVA_OS_H
@@ -43,9 +46,55 @@ size_t kva_os_page_size(void);
 kva_status kva_os_shm_create(const char *name, size_t length, void **out);
 void kva_os_shm_unlink(const char *name);
 
+/* Sets the NUMA memory policy of [addr, addr+length) (mbind(2), the raw system call: no libnuma).
+ * nodemask holds maxnode bits. Call before the range is first touched. */
+kva_status kva_os_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask, unsigned long maxnode);
+
+/* get_mempolicy(2): the policy of the page at addr (flags MPOL_F_ADDR), or with
+ * MPOL_F_MEMS_ALLOWED the nodes this process may use. nodemask holds maxnode bits. */
+kva_status kva_os_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode, const void *addr,
+                                unsigned long flags);
+
+/* Whether a file or directory exists (for /sys/devices/system/node/node<N>). */
+int kva_os_path_exists(const char *path);
+
+/* mlock(2) of the range: every page resident and never swapped out. munmap undoes it. */
+kva_status kva_os_lock(void *addr, size_t length);
+
+/* A shared library loaded at run time (dlopen RTLD_NOW | RTLD_LOCAL); the error names dlerror().
+ * Symbols are looked up with kva_os_library_symbol, NULL if absent. */
+kva_status kva_os_library_open(const char *path, void **handle);
+void *kva_os_library_symbol(void *handle, const char *name);
+void kva_os_library_close(void *handle);
+
+/* An environment variable, ignored in a set-user-ID program (secure_getenv). NULL if unset. */
+const char *kva_os_getenv(const char *name);
+
 uint64_t kva_os_realtime_ns(void);
 uint64_t kva_os_monotonic_ns(void);
 unsigned kva_os_thread_id(void);
 unsigned kva_os_pid(void);
+
+/* ---- fault injection, for the tests --------------------------------------------------------
+ * kva_os_fail_nth(call, n, error) makes the n-th next wrapper call of that kind (KVA_OS_ANY:
+ * of any kind above) fail with errno `error`, as if the kernel had refused it; n = 0 disarms.
+ * It returns how many calls the previous setting still had to wait (0: it fired, or none was
+ * armed), so a test learns whether its failure happened. The setting belongs to the calling
+ * thread and fires once. Each wrapper pays one thread-local load for it; none of them is on a
+ * hot path. Not part of the public API. */
+typedef enum kva_os_call {
+    KVA_OS_ANY = 0,
+    KVA_OS_RESERVE,     /* kva_os_reserve */
+    KVA_OS_COMMIT,      /* kva_os_commit of normal pages */
+    KVA_OS_COMMIT_HUGE, /* kva_os_commit of hugetlb pages */
+    KVA_OS_ADVISE,      /* kva_os_advise_thp */
+    KVA_OS_POPULATE,    /* kva_os_populate */
+    KVA_OS_METADATA,    /* kva_os_map_metadata */
+    KVA_OS_MBIND,       /* kva_os_mbind */
+    KVA_OS_LOCK,        /* kva_os_lock */
+    KVA_OS_LIBRARY      /* kva_os_library_open */
+} kva_os_call;
+
+unsigned kva_os_fail_nth(kva_os_call call, unsigned n, int error);
 
 #endif

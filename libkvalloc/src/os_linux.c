@@ -1,10 +1,13 @@
 /*
  * os_linux.c — the Linux implementation of os.h.
  */
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
@@ -22,6 +25,30 @@
 #define MADV_POPULATE_WRITE 23
 #endif
 
+/* The armed failure of this thread (see kva_os_fail_nth); countdown 0: none. */
+static _Thread_local struct {
+    kva_os_call call;
+    unsigned countdown;
+    int error;
+} injected;
+
+unsigned kva_os_fail_nth(kva_os_call call, unsigned n, int error) {
+    unsigned left = injected.countdown;
+    injected.call = call;
+    injected.countdown = n;
+    injected.error = error;
+    return left;
+}
+
+/* Whether this call is the one armed to fail; if so errno is set as the kernel would. */
+static int fails_now(kva_os_call call) {
+    if (kva_likely(injected.countdown == 0)) return 0;
+    if (injected.call != KVA_OS_ANY && injected.call != call) return 0;
+    if (--injected.countdown != 0) return 0;
+    errno = injected.error;
+    return 1;
+}
+
 size_t kva_os_page_size(void) {
     long size = sysconf(_SC_PAGESIZE);
     return size > 0 ? (size_t)size : 4096;
@@ -32,7 +59,9 @@ kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {
      * alignment, and buddy blocks must be aligned to their size in absolute addresses. */
     size_t span = length + alignment;
     if (span < length) return kva_fail(KVA_ERR_INVALID, "reservation of %zu bytes overflows", length);
-    void *raw = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    void *raw = fails_now(KVA_OS_RESERVE)
+                    ? MAP_FAILED
+                    : mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (raw == MAP_FAILED)
         return kva_fail(KVA_ERR_BACKEND, "mmap reserve of %zu bytes: %s", span, strerror(errno));
     uintptr_t start = (uintptr_t)raw;
@@ -47,7 +76,9 @@ kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {
 kva_status kva_os_commit(void *addr, size_t length, int huge) {
     int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED;
     if (huge) flags |= MAP_HUGETLB | MAP_HUGE_2MB;
-    void *p = mmap(addr, length, PROT_READ | PROT_WRITE, flags, -1, 0);
+    void *p = fails_now(huge ? KVA_OS_COMMIT_HUGE : KVA_OS_COMMIT)
+                  ? MAP_FAILED
+                  : mmap(addr, length, PROT_READ | PROT_WRITE, flags, -1, 0);
     if (p == MAP_FAILED) {
         int err = errno;
         return kva_fail(KVA_ERR_BACKEND, "mmap%s of %zu bytes: %s", huge ? " MAP_HUGETLB" : "", length,
@@ -57,12 +88,14 @@ kva_status kva_os_commit(void *addr, size_t length, int huge) {
 }
 
 kva_status kva_os_advise_thp(void *addr, size_t length) {
-    if (madvise(addr, length, MADV_HUGEPAGE) != 0)
+    if (fails_now(KVA_OS_ADVISE) || madvise(addr, length, MADV_HUGEPAGE) != 0)
         return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_HUGEPAGE): %s", strerror(errno));
     return KVA_OK;
 }
 
 kva_status kva_os_populate(void *addr, size_t length, size_t page_size) {
+    if (fails_now(KVA_OS_POPULATE))
+        return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_POPULATE_WRITE): %s", strerror(errno));
     if (madvise(addr, length, MADV_POPULATE_WRITE) == 0) return KVA_OK;
     if (errno != EINVAL)
         return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_POPULATE_WRITE): %s", strerror(errno));
@@ -74,7 +107,9 @@ kva_status kva_os_populate(void *addr, size_t length, size_t page_size) {
 }
 
 kva_status kva_os_map_metadata(size_t length, void **out) {
-    void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void *p = fails_now(KVA_OS_METADATA)
+                  ? MAP_FAILED
+                  : mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED)
         return kva_fail(KVA_ERR_BACKEND, "mmap of %zu metadata bytes: %s", length, strerror(errno));
     *out = p;
@@ -107,6 +142,53 @@ kva_status kva_os_shm_create(const char *name, size_t length, void **out) {
 }
 
 void kva_os_shm_unlink(const char *name) { shm_unlink(name); }
+
+kva_status kva_os_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask, unsigned long maxnode) {
+    if (fails_now(KVA_OS_MBIND) || syscall(SYS_mbind, addr, length, mode, nodemask, maxnode, 0u) != 0)
+        return kva_fail(KVA_ERR_BACKEND, "mbind of %zu bytes (mode %d): %s", length, mode, strerror(errno));
+    return KVA_OK;
+}
+
+kva_status kva_os_get_mempolicy(int *mode, unsigned long *nodemask, unsigned long maxnode, const void *addr,
+                                unsigned long flags) {
+    if (syscall(SYS_get_mempolicy, mode, nodemask, maxnode, addr, flags) != 0)
+        return kva_fail(KVA_ERR_BACKEND, "get_mempolicy(flags %#lx): %s", flags, strerror(errno));
+    return KVA_OK;
+}
+
+int kva_os_path_exists(const char *path) { return access(path, F_OK) == 0; }
+
+kva_status kva_os_lock(void *addr, size_t length) {
+    if (fails_now(KVA_OS_LOCK) || mlock(addr, length) != 0) {
+        int err = errno;
+        struct rlimit limit;
+        if ((err == ENOMEM || err == EPERM) && getrlimit(RLIMIT_MEMLOCK, &limit) == 0 &&
+            limit.rlim_cur != RLIM_INFINITY)
+            return kva_fail(KVA_ERR_BACKEND, "mlock of %zu bytes: %s (RLIMIT_MEMLOCK is %llu bytes)", length,
+                            strerror(err), (unsigned long long)limit.rlim_cur);
+        return kva_fail(KVA_ERR_BACKEND, "mlock of %zu bytes: %s", length, strerror(err));
+    }
+    return KVA_OK;
+}
+
+kva_status kva_os_library_open(const char *path, void **handle) {
+    if (fails_now(KVA_OS_LIBRARY)) return kva_fail(KVA_ERR_BACKEND, "dlopen(%s): %s", path, strerror(errno));
+    void *lib = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) {
+        const char *why = dlerror();
+        return kva_fail(KVA_ERR_BACKEND, "dlopen(%s): %s", path, why ? why : "unknown error");
+    }
+    *handle = lib;
+    return KVA_OK;
+}
+
+void *kva_os_library_symbol(void *handle, const char *name) { return dlsym(handle, name); }
+
+void kva_os_library_close(void *handle) {
+    if (handle) dlclose(handle);
+}
+
+const char *kva_os_getenv(const char *name) { return secure_getenv(name); }
 
 static uint64_t clock_ns(clockid_t clock) {
     struct timespec ts;

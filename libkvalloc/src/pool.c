@@ -18,7 +18,7 @@ void kva_pool_destroy(kva_pool *pool) {
     kva_segment_close(pool->segment);
     kva_slabs_fini(&pool->slabs);
     kva_buddy_fini(&pool->buddy);
-    kva_region_unmap(&pool->region);
+    kva_region_destroy(&pool->region);
     free(pool);
 }
 
@@ -42,6 +42,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (st != KVA_OK) goto fail_pool;
     st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift);
     if (st != KVA_OK) goto fail_buddy;
+    pool->slabs.region = &pool->region;
     if (cfg->prefault) {
         /* The metadata is committed lazily too: without this, the first calls to reach each
          * page of block records or bitmaps would take the faults prefault promises away. */
@@ -55,7 +56,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
     size_t chunk = (size_t)1 << geo.chunk_shift;
     size_t alignment = pool->max_alloc_size > chunk ? pool->max_alloc_size : chunk;
-    st = kva_region_map(geo.capacity, alignment, cfg->pages, cfg->prefault, &pool->region);
+    st = kva_region_create(cfg, geo.capacity, alignment, &pool->region);
     if (st != KVA_OK) goto fail_slabs;
     pool->base = pool->region.base;
     pool->fast_limit = KVA_SLAB_MAX_SIZE;
@@ -71,7 +72,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     return KVA_OK;
 
 fail_region:
-    kva_region_unmap(&pool->region);
+    kva_region_destroy(&pool->region);
 fail_slabs:
     kva_slabs_fini(&pool->slabs);
 fail_buddy:
@@ -119,6 +120,17 @@ static int reclaim_spares(kva_pool *pool) {
     return pool->slabs.live_slabs != before;
 }
 
+/* Backs the block just taken from the buddy at head (a single test for host memory). If the
+ * memory cannot be had, the block goes back and the pool is as it was. */
+static kva_status commit_block(kva_pool *pool, uint32_t head) {
+    uint64_t length = (uint64_t)kva_buddy_length(&pool->buddy.pages[head]) << pool->buddy.min_shift;
+    kva_status st = kva_region_commit(&pool->region, (uint64_t)head << pool->buddy.min_shift, length);
+    if (kva_likely(st == KVA_OK)) return KVA_OK;
+    kva_buddy_free(&pool->buddy, head);
+    if (st == KVA_ERR_NOMEM) pool->alloc_failures++;
+    return st;
+}
+
 /* A buddy block for size bytes (size already validated against max_alloc_size). */
 static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
     unsigned order = kva_buddy_order_for(&pool->buddy, size);
@@ -130,6 +142,8 @@ static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
                         (size_t)1 << (order + pool->buddy.min_shift), size,
                         (size_t)pool->buddy.free_units << pool->buddy.min_shift);
     }
+    kva_status st = commit_block(pool, head);
+    if (st != KVA_OK) return st;
     pool->block_allocs++;
     *out = pool->base + ((size_t)head << pool->buddy.min_shift);
     return KVA_OK;
@@ -211,6 +225,8 @@ static kva_status alloc_exact_any(kva_pool *pool, size_t size, void **out) {
         pool->alloc_failures++;
         return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for an exact request of %zu", unit << order, size);
     }
+    kva_status st = commit_block(pool, head);
+    if (st != KVA_OK) return st;
     pool->block_allocs++;
     *out = pool->base + ((size_t)head << pool->buddy.min_shift);
     return KVA_OK;
@@ -252,6 +268,8 @@ static kva_status free_any(kva_pool *pool, void *ptr) {
     uint32_t index = (uint32_t)(offset >> pool->buddy.min_shift);
     int aligned = (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) == 0;
     if (aligned && pool->buddy.pages[index].state == KVA_BLOCK_USED) {
+        kva_region_decommit(&pool->region, offset, (uint64_t)kva_buddy_length(&pool->buddy.pages[index])
+                                                       << pool->buddy.min_shift);
         kva_buddy_free(&pool->buddy, index);
         pool->block_frees++;
         return KVA_OK;
@@ -294,7 +312,7 @@ size_t kva_usable_size(kva_pool *pool, const void *ptr) {
 kva_status kva_trim(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     kva_slab_trim(&pool->slabs, &pool->buddy);
-    return observe_end(pool, KVA_SHM_OP_TRIM, KVA_OK, NULL, 0, UINT64_MAX);
+    return observe_end(pool, KVA_SHM_OP_TRIM, kva_region_trim(&pool->region), NULL, 0, UINT64_MAX);
 }
 
 kva_status kva_pool_base(kva_pool *pool, void **base) {

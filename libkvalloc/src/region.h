@@ -1,26 +1,76 @@
 /*
- * region.h — the backing memory of a pool: one contiguous, aligned range of host memory.
+ * region.h — the backing memory of a pool: one contiguous range of addresses, aligned, either
+ * host memory (region_host.c) or the memory of one GPU (region_cuda.c).
  *
- * The page-size fallback chain lives here: hugetlb 2 MiB pages, then transparent huge pages,
- * then base pages. The region records which one it got so the stats can report it.
+ * The pool sees one interface whatever backs it:
+ *   create     reserves the whole range; host memory is backed at once (the page-size fallback
+ *              chain hugetlb 2 MiB, transparent huge pages, base pages; NUMA binding; mlock;
+ *              registration with the CUDA driver), device memory on demand;
+ *   commit     makes [offset, offset + length) usable before a block in it is handed out;
+ *   decommit   says the block is free again (the memory behind it may go back later);
+ *   trim       gives back the memory no block uses;
+ *   destroy    releases everything, whatever is still allocated.
+ * For host memory commit and decommit are a single test. The pool calls them only from its slow
+ * paths: when the buddy hands out or takes back a USED block, and when a slab is made or
+ * released; never per slab object. Nothing here ever reads or writes the managed memory except
+ * the host backend's prefault.
  */
 #ifndef KVA_REGION_H
 #define KVA_REGION_H
 
 #include "internal.h"
 
+typedef struct kva_cuda_region kva_cuda_region;
+typedef struct kva_cuda_device kva_cuda_device;
+
 typedef struct kva_region {
-    unsigned char *base;      /* aligned start of the managed memory */
-    size_t length;            /* bytes mapped at base (>= the pool capacity) */
+    unsigned char *base;      /* aligned start of the managed memory (a device address for CUDA) */
+    size_t length;            /* bytes of address space at base (>= the pool capacity) */
+    kva_backend backend;
     kva_page_kind page_kind;  /* what backs it */
-    size_t page_size;         /* bytes per page of that kind */
+    size_t page_size;         /* bytes per page of that kind; the mapping granularity for CUDA */
+    int numa_node;            /* host: the node the range is bound to, -1 if none */
+    int locked;               /* host: mlocked */
+    kva_cuda_device *pinned;  /* host: the GPU whose driver registered the range, or NULL */
+    kva_cuda_region *device;  /* CUDA: the mapping state; NULL for host memory */
 } kva_region;
 
-/* Maps at least length bytes aligned to alignment with the given page mode; with prefault the
- * page faults are taken now. On failure nothing stays mapped and *out is untouched. */
-kva_status kva_region_map(size_t length, size_t alignment, kva_page_mode mode, int prefault,
-                          kva_region *out);
+/* Reserves at least length bytes aligned to alignment and backs them as cfg says (backend,
+ * pages, prefault, numa_node, lock, pin, device). On failure nothing is left reserved, mapped,
+ * registered or retained, and *out is untouched. */
+kva_status kva_region_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
+void kva_region_destroy(kva_region *region);
 
-void kva_region_unmap(kva_region *region);
+kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
+void kva_region_host_destroy(kva_region *region);
+kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
+void kva_region_cuda_destroy(kva_region *region);
+
+kva_status kva_cuda_region_commit(kva_cuda_region *device, uint64_t offset, uint64_t length);
+void kva_cuda_region_decommit(kva_cuda_region *device, uint64_t offset, uint64_t length);
+kva_status kva_cuda_region_trim(kva_cuda_region *device);
+size_t kva_cuda_region_mapped_bytes(const kva_cuda_region *device);
+
+/* KVA_OK, or (device memory only) KVA_ERR_NOMEM when the GPU has no memory left and
+ * KVA_ERR_BACKEND when the driver refuses; then nothing changed. */
+static inline kva_status kva_region_commit(kva_region *region, uint64_t offset, uint64_t length) {
+    return kva_likely(region->device == NULL) ? KVA_OK : kva_cuda_region_commit(region->device, offset, length);
+}
+
+static inline void kva_region_decommit(kva_region *region, uint64_t offset, uint64_t length) {
+    if (region->device) kva_cuda_region_decommit(region->device, offset, length);
+}
+
+/* Gives back the memory no block uses (device memory: unmaps and releases the granules no live
+ * block touches). KVA_ERR_BACKEND if the driver refused; what it did release stays released. */
+kva_status kva_region_trim(kva_region *region);
+
+/* Bytes backed by memory now: the whole range for host memory, the mapped granules for CUDA. */
+size_t kva_region_mapped_bytes(const kva_region *region);
+
+/* kva_check's part: the region's own invariants (region_cuda.c) and that each granule's
+ * reference count matches the live blocks of the buddy over it. KVA_OK or KVA_ERR_CORRUPT. */
+struct kva_buddy;
+kva_status kva_region_check(const kva_region *region, const struct kva_buddy *buddy);
 
 #endif

@@ -1,6 +1,12 @@
 /*
- * region_host.c — host memory for a pool, with the huge-page fallback chain.
+ * region_host.c — host memory for a pool: the huge-page fallback chain, then NUMA binding,
+ * first-touch faults, mlock and registration with the CUDA driver, each as the config asks.
  */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "cuda_driver.h"
+#include "numa.h"
 #include "os.h"
 #include "region.h"
 
@@ -15,50 +21,111 @@ static kva_status commit_kind(unsigned char *base, size_t length, kva_page_kind 
         return st == KVA_OK ? kva_os_advise_thp(base, length) : st;
     }
     case KVA_PAGE_KIND_SMALL: return kva_os_commit(base, length, 0);
+    case KVA_PAGE_KIND_DEVICE: break;
     }
     return kva_fail(KVA_ERR_INVALID, "unknown page kind %d", (int)kind);
 }
 
-kva_status kva_region_map(size_t length, size_t alignment, kva_page_mode mode, int prefault,
-                          kva_region *out) {
+/* One attempt of the chain: reserve, commit with `kind`, bind, prefault. On failure nothing
+ * stays mapped; *fall_through says whether the next page kind may still succeed. */
+static kva_status map_kind(const kva_config *cfg, size_t mapped, size_t alignment, kva_page_kind kind,
+                           unsigned char **out, int *fall_through) {
+    /* A fresh reservation per attempt: a failed MAP_FIXED may already have discarded part of the
+     * range it was meant to replace, so a reservation is never reused after one. */
+    void *reserved;
+    *fall_through = 0;
+    kva_status st = kva_os_reserve(mapped, alignment, &reserved);
+    if (st != KVA_OK) return st;
+    *fall_through = 1;
+    st = commit_kind(reserved, mapped, kind);
+    /* The policy is set before anything touches the memory, so every page obeys it. A refusal
+     * is no matter of page size: the chain stops. */
+    if (st == KVA_OK && cfg->numa_node >= 0) {
+        st = kva_numa_bind(reserved, mapped, cfg->numa_node, cfg->numa_policy);
+        *fall_through = st == KVA_OK;
+    }
+    size_t page_size = kind == KVA_PAGE_KIND_SMALL ? kva_os_page_size() : KVA_HUGE_PAGE_SIZE;
+    if (st == KVA_OK && cfg->prefault) st = kva_os_populate(reserved, mapped, page_size);
+    if (st != KVA_OK) {
+        kva_os_unmap(reserved, mapped);
+        return st;
+    }
+    *out = reserved;
+    return KVA_OK;
+}
+
+kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out) {
     static const kva_page_kind chain[] = {KVA_PAGE_KIND_HUGETLB, KVA_PAGE_KIND_THP, KVA_PAGE_KIND_SMALL};
     size_t first = 0, last = 2;
-    switch (mode) {
+    switch (cfg->pages) {
     case KVA_PAGES_AUTO: break;
     case KVA_PAGES_HUGETLB: first = last = 0; break;
     case KVA_PAGES_THP: first = last = 1; break;
     case KVA_PAGES_SMALL: first = last = 2; break;
-    default: return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)mode);
+    default: return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
     }
+    /* Checked before anything is mapped: a node that does not exist is a bad config. */
+    kva_status st = cfg->numa_node >= 0 ? kva_numa_check_node(cfg->numa_node) : KVA_OK;
+    if (st != KVA_OK) return st;
 
     /* Whole huge pages are mapped even when the capacity is not a multiple of 2 MiB; the pool
      * still manages exactly its capacity. */
     size_t mapped = round_up(length, KVA_HUGE_PAGE_SIZE);
     if (alignment < KVA_HUGE_PAGE_SIZE) alignment = KVA_HUGE_PAGE_SIZE;
-    kva_status st = KVA_OK;
-    for (size_t i = first; i <= last; i++) {
-        /* A fresh reservation per attempt: a failed MAP_FIXED may already have discarded part
-         * of the range it was meant to replace, so a reservation is never reused after one. */
-        void *reserved;
-        st = kva_os_reserve(mapped, alignment, &reserved);
-        if (st != KVA_OK) return st;
-        st = commit_kind(reserved, mapped, chain[i]);
-        size_t page_size = chain[i] == KVA_PAGE_KIND_SMALL ? kva_os_page_size() : KVA_HUGE_PAGE_SIZE;
-        if (st == KVA_OK && prefault) st = kva_os_populate(reserved, mapped, page_size);
-        if (st != KVA_OK) {
-            kva_os_unmap(reserved, mapped);
-            continue;
-        }
-        out->base = reserved;
-        out->length = mapped;
-        out->page_kind = chain[i];
-        out->page_size = page_size;
-        return KVA_OK;
+    unsigned char *base = NULL;
+    size_t i = first;
+    for (int fall_through = 1; i <= last; i++) {
+        st = map_kind(cfg, mapped, alignment, chain[i], &base, &fall_through);
+        if (st == KVA_OK || !fall_through) break;
     }
+    if (st != KVA_OK) return st;
+
+    kva_region region = {.base = base,
+                         .length = mapped,
+                         .backend = KVA_BACKEND_HOST,
+                         .page_kind = chain[i],
+                         .page_size = chain[i] == KVA_PAGE_KIND_SMALL ? kva_os_page_size() : KVA_HUGE_PAGE_SIZE,
+                         .numa_node = cfg->numa_node};
+    if (cfg->lock) {
+        st = kva_os_lock(base, mapped);
+        if (st != KVA_OK) goto fail;
+        region.locked = 1;
+    }
+    if (cfg->pin) {
+        kva_cuda_device *dev = calloc(1, sizeof *dev);
+        if (!dev) {
+            st = kva_fail(KVA_ERR_NOMEM, "no host memory for the CUDA device record");
+            goto fail;
+        }
+        st = kva_cuda_device_open(cfg->device, 0, dev);
+        if (st == KVA_OK) {
+            st = kva_cuda_pin(dev, base, mapped);
+            if (st != KVA_OK) kva_cuda_device_close(dev);
+        }
+        if (st != KVA_OK) {
+            free(dev);
+            char why[200];
+            snprintf(why, sizeof why, "%s", kva_last_error());
+            st = kva_fail(st, "pin (register the pool with the CUDA driver): %s", why);
+            goto fail;
+        }
+        region.pinned = dev;
+    }
+    *out = region;
+    return KVA_OK;
+
+fail:
+    kva_os_unmap(base, mapped);
     return st;
 }
 
-void kva_region_unmap(kva_region *region) {
+void kva_region_host_destroy(kva_region *region) {
+    if (region->pinned) {
+        kva_cuda_unpin(region->pinned, region->base);
+        kva_cuda_device_close(region->pinned);
+        free(region->pinned);
+        region->pinned = NULL;
+    }
     kva_os_unmap(region->base, region->length);
     region->base = NULL;
     region->length = 0;

@@ -61,11 +61,17 @@ static void fill_bits(uint64_t *words, uint64_t n) {
     if (n % 64) words[full] = ((uint64_t)1 << (n % 64)) - 1;
 }
 
-/* A new slab for class c at the head of its partial list; KVA_NIL if the buddy has no chunk. */
+/* A new slab for class c at the head of its partial list; KVA_NIL if the buddy has no chunk or
+ * no memory can back it (the pool then tries a buddy block, which reports why if it fails). */
 static uint32_t grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     uint32_t head = kva_buddy_alloc(buddy, sl->chunk_order, KVA_BLOCK_SLAB);
     if (head == KVA_NIL) return KVA_NIL;
     uint32_t s = head >> sl->chunk_order;
+    uint64_t offset = (uint64_t)s << sl->chunk_shift;
+    if (kva_unlikely(kva_region_commit(sl->region, offset, sl->chunk_mask + 1) != KVA_OK)) {
+        kva_buddy_free(buddy, head);
+        return KVA_NIL;
+    }
     kva_size_class *cls = &sl->classes[c];
     kva_slab *slab = &sl->slabs[s];
     uint64_t *slot = kva_slab_bitmap(sl, s);
@@ -179,6 +185,7 @@ static void release(kva_slabs *sl, kva_buddy *buddy, uint32_t s) {
     sl->slabs[s].cls = KVA_SLAB_NONE;
     cls->slabs--;
     sl->live_slabs--;
+    kva_region_decommit(sl->region, (uint64_t)s << sl->chunk_shift, sl->chunk_mask + 1);
     kva_buddy_free(buddy, s << sl->chunk_order);
 }
 

@@ -38,6 +38,7 @@
 #define KVA_SLAB_H
 
 #include "buddy.h"
+#include "region.h"
 #include "size_class.h"
 
 #define KVA_SLAB_NONE 0xffu
@@ -87,6 +88,8 @@ typedef struct kva_slabs {
     size_t slabs_bytes, bitmaps_bytes;
     uint64_t no_word;       /* always 0: the current word of a class that has none */
     kva_size_class classes[KVA_NUM_SIZE_CLASSES];
+    kva_region *region;     /* the pool's memory: a slab's chunk is committed when the slab is
+                               made and decommitted when it is released (region.h) */
 } kva_slabs;
 
 kva_status kva_slabs_init(kva_slabs *sl, const kva_buddy *buddy, size_t capacity, unsigned chunk_shift);

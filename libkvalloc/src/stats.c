@@ -42,6 +42,11 @@ kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
     st.page_kind = pool->region.page_kind;
     st.page_size = pool->region.page_size;
     st.metadata_bytes = sizeof *pool + buddy->pages_bytes + sl->slabs_bytes + bitmap_bytes;
+    st.numa_node = pool->region.numa_node;
+    st.backend = (uint32_t)pool->region.backend;
+    st.mapped_bytes = kva_region_mapped_bytes(&pool->region);
+    st.pinned = pool->region.pinned != NULL;
+    st.locked = pool->region.locked;
     *out = st;
     return KVA_OK;
 }

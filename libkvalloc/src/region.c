@@ -1,0 +1,22 @@
+/*
+ * region.c — the region interface (region.h) dispatched to its backend.
+ */
+#include "region.h"
+
+kva_status kva_region_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out) {
+    return cfg->backend == KVA_BACKEND_CUDA ? kva_region_cuda_create(cfg, length, alignment, out)
+                                            : kva_region_host_create(cfg, length, alignment, out);
+}
+
+void kva_region_destroy(kva_region *region) {
+    if (region->device) kva_region_cuda_destroy(region);
+    else kva_region_host_destroy(region);
+}
+
+kva_status kva_region_trim(kva_region *region) {
+    return region->device ? kva_cuda_region_trim(region->device) : KVA_OK;
+}
+
+size_t kva_region_mapped_bytes(const kva_region *region) {
+    return region->device ? kva_cuda_region_mapped_bytes(region->device) : region->length;
+}

@@ -1,0 +1,374 @@
+/*
+ * region_cuda.c — the memory of one GPU for a pool, through the CUDA driver's virtual memory
+ * management.
+ *
+ * The whole capacity is one range of device addresses reserved at creation
+ * (cuMemAddressReserve). Physical memory is made and mapped into it on demand, one granule at a
+ * time (the device's allocation granularity, typically 2 MiB): cuMemCreate, cuMemMap,
+ * cuMemSetAccess. A granule no live block touches stays mapped ("idle") until kva_trim, or until
+ * the idle bytes pass the pool's trim_watermark, unmaps it (cuMemUnmap, cuMemRelease), oldest
+ * idle first. The state is host arrays only; the device memory is never read or written here.
+ *
+ * Invariants (kva_region_check verifies them):
+ *  R1  refs of a granule == the USED and SLAB buddy blocks that overlap it.
+ *  R2  UNMAPPED: no memory, refs 0. MAPPED: refs > 0. IDLE: mapped, refs 0.
+ *  R3  The idle list holds exactly the IDLE granules, doubly linked, oldest at the head; idle
+ *      counts them, mapped counts the MAPPED and IDLE ones.
+ * A resident region (prefault) maps every granule at creation and keeps them all mapped for its
+ * life; it keeps no references, and commit, decommit and trim do nothing.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "buddy.h"
+#include "cuda_driver.h"
+#include "os.h"
+#include "region.h"
+
+enum { GRANULE_UNMAPPED = 0, GRANULE_MAPPED = 1, GRANULE_IDLE = 2 };
+
+typedef struct kva_granule {
+    CUmemGenericAllocationHandle handle; /* the physical memory, unless UNMAPPED */
+    uint32_t refs;                       /* live blocks overlapping the granule */
+    uint32_t prev, next;                 /* idle list links (IDLE only) */
+    uint8_t state;
+    uint8_t reserved[3];
+} kva_granule;
+
+struct kva_cuda_region {
+    kva_cuda_device dev;
+    CUmemAllocationProp prop;   /* of every granule: pinned device memory of dev */
+    CUmemAccessDesc access;     /* read-write for dev */
+    CUdeviceptr base;
+    size_t reserved;            /* bytes reserved at base: ngranules granules */
+    unsigned shift;             /* log2 of the granularity */
+    uint32_t ngranules;
+    kva_granule *granules;
+    size_t granules_bytes;
+    uint32_t idle_head, idle_tail;
+    uint32_t mapped, idle;
+    size_t watermark;           /* unmap idle granules above this many idle bytes; 0: never */
+    int resident;
+};
+
+static CUdeviceptr granule_address(const kva_cuda_region *r, uint32_t g) {
+    return r->base + ((CUdeviceptr)g << r->shift);
+}
+
+static size_t granule_size(const kva_cuda_region *r) { return (size_t)1 << r->shift; }
+
+static void idle_push(kva_cuda_region *r, uint32_t g) {
+    kva_granule *gr = &r->granules[g];
+    gr->state = GRANULE_IDLE;
+    gr->next = KVA_NIL;
+    gr->prev = r->idle_tail;
+    if (r->idle_tail != KVA_NIL) r->granules[r->idle_tail].next = g;
+    else r->idle_head = g;
+    r->idle_tail = g;
+    r->idle++;
+}
+
+static void idle_unlink(kva_cuda_region *r, uint32_t g) {
+    kva_granule *gr = &r->granules[g];
+    if (gr->prev != KVA_NIL) r->granules[gr->prev].next = gr->next;
+    else r->idle_head = gr->next;
+    if (gr->next != KVA_NIL) r->granules[gr->next].prev = gr->prev;
+    else r->idle_tail = gr->prev;
+    r->idle--;
+}
+
+/* Backs granule g (UNMAPPED) with new memory; it becomes MAPPED with no reference yet. The
+ * context is current. On failure nothing is left behind. */
+static kva_status map_granule(kva_cuda_region *r, uint32_t g) {
+    const kva_cuda_driver *d = r->dev.driver;
+    CUdeviceptr va = granule_address(r, g);
+    size_t size = granule_size(r);
+    CUmemGenericAllocationHandle handle;
+    CUresult res = d->cuMemCreate(&handle, size, &r->prop, 0);
+    if (res != CUDA_SUCCESS)
+        return kva_cuda_fail(d, res, "cuMemCreate of %zu bytes on CUDA device %d", size, r->dev.ordinal);
+    res = d->cuMemMap(va, size, 0, handle, 0);
+    if (res == CUDA_SUCCESS) {
+        res = d->cuMemSetAccess(va, size, &r->access, 1);
+        if (res == CUDA_SUCCESS) {
+            r->granules[g].handle = handle;
+            r->granules[g].state = GRANULE_MAPPED;
+            r->mapped++;
+            return KVA_OK;
+        }
+        kva_status st = kva_cuda_fail(d, res, "cuMemSetAccess of %zu bytes at %#llx", size, va);
+        d->cuMemUnmap(va, size);
+        d->cuMemRelease(handle);
+        return st;
+    }
+    kva_status st = kva_cuda_fail(d, res, "cuMemMap of %zu bytes at %#llx", size, va);
+    d->cuMemRelease(handle);
+    return st;
+}
+
+/* Gives granule g's memory back (the context is current). On failure it stays as it was. */
+static kva_status unmap_granule(kva_cuda_region *r, uint32_t g) {
+    const kva_cuda_driver *d = r->dev.driver;
+    kva_granule *gr = &r->granules[g];
+    CUresult res = d->cuMemUnmap(granule_address(r, g), granule_size(r));
+    if (res != CUDA_SUCCESS)
+        return kva_cuda_fail(d, res, "cuMemUnmap of %zu bytes at %#llx", granule_size(r), granule_address(r, g));
+    if (gr->state == GRANULE_IDLE) idle_unlink(r, g);
+    gr->state = GRANULE_UNMAPPED;
+    r->mapped--;
+    /* Unmapped, the memory is already unreachable; a refusal here leaks it but changes nothing
+     * the pool can see, so it is reported and the granule counts as unmapped. */
+    res = d->cuMemRelease(gr->handle);
+    if (res != CUDA_SUCCESS) return kva_cuda_fail(d, res, "cuMemRelease of granule %u", g);
+    return KVA_OK;
+}
+
+/* Unmaps the idle granules outside [first, last] (the context is current); whether any went. */
+static int reclaim_idle(kva_cuda_region *r, uint32_t first, uint32_t last) {
+    uint32_t before = r->mapped;
+    for (uint32_t g = r->idle_head; g != KVA_NIL;) {
+        uint32_t next = r->granules[g].next;
+        if ((g < first || g > last) && unmap_granule(r, g) != KVA_OK) break;
+        g = next;
+    }
+    return r->mapped != before;
+}
+
+kva_status kva_cuda_region_commit(kva_cuda_region *r, uint64_t offset, uint64_t length) {
+    if (r->resident) return KVA_OK;
+    uint32_t first = (uint32_t)(offset >> r->shift), last = (uint32_t)((offset + length - 1) >> r->shift);
+    kva_status st = KVA_OK;
+    int entered = 0;
+    uint32_t g;
+    for (g = first; g <= last && st == KVA_OK; g++) {
+        if (r->granules[g].state != GRANULE_UNMAPPED) continue;
+        if (!entered) {
+            st = kva_cuda_enter(&r->dev);
+            if (st != KVA_OK) break;
+            entered = 1;
+        }
+        st = map_granule(r, g);
+        /* Idle granules are free memory the GPU cannot use while they stay mapped: before the
+         * request fails for want of memory, they go back and the driver is asked again. */
+        if (st == KVA_ERR_NOMEM && reclaim_idle(r, first, last)) st = map_granule(r, g);
+    }
+    if (st != KVA_OK) {
+        /* This call's own mappings are the MAPPED granules of the range with no reference. One
+         * the driver will not unmap stays as an idle granule; the failure reported is the first. */
+        char why[256];
+        snprintf(why, sizeof why, "%s", kva_last_error());
+        int quiet = 1;
+        for (uint32_t h = first; h <= last; h++) {
+            kva_granule *gr = &r->granules[h];
+            if (gr->state != GRANULE_MAPPED || gr->refs != 0 || unmap_granule(r, h) == KVA_OK) continue;
+            quiet = 0;
+            if (gr->state == GRANULE_MAPPED) idle_push(r, h);
+        }
+        if (entered) kva_cuda_leave(&r->dev);
+        return quiet ? st : kva_fail(st, "%s", why);
+    }
+    if (entered) kva_cuda_leave(&r->dev);
+    for (g = first; g <= last; g++) {
+        kva_granule *gr = &r->granules[g];
+        if (gr->state == GRANULE_IDLE) {
+            idle_unlink(r, g);
+            gr->state = GRANULE_MAPPED;
+        }
+        gr->refs++;
+    }
+    return KVA_OK;
+}
+
+/* Unmaps idle granules, oldest first, until at most keep bytes are idle. */
+static kva_status trim_to(kva_cuda_region *r, size_t keep) {
+    if (((size_t)r->idle << r->shift) <= keep) return KVA_OK;
+    kva_status st = kva_cuda_enter(&r->dev);
+    if (st != KVA_OK) return st;
+    while (st == KVA_OK && ((size_t)r->idle << r->shift) > keep) st = unmap_granule(r, r->idle_head);
+    kva_cuda_leave(&r->dev);
+    return st;
+}
+
+void kva_cuda_region_decommit(kva_cuda_region *r, uint64_t offset, uint64_t length) {
+    if (r->resident) return;
+    uint32_t first = (uint32_t)(offset >> r->shift), last = (uint32_t)((offset + length - 1) >> r->shift);
+    for (uint32_t g = first; g <= last; g++)
+        if (--r->granules[g].refs == 0) idle_push(r, g);
+    /* The free that got here has succeeded whatever happens next; a refusal to unmap leaves the
+     * granules idle for the next trim. */
+    if (r->watermark) trim_to(r, r->watermark);
+}
+
+kva_status kva_cuda_region_trim(kva_cuda_region *r) { return r->resident ? KVA_OK : trim_to(r, 0); }
+
+size_t kva_cuda_region_mapped_bytes(const kva_cuda_region *r) { return (size_t)r->mapped << r->shift; }
+
+/* Unmaps every granule and frees the reservation (the context is current). */
+static void release_all(kva_cuda_region *r) {
+    for (uint32_t g = 0; g < r->ngranules && r->mapped; g++)
+        if (r->granules[g].state != GRANULE_UNMAPPED) unmap_granule(r, g);
+    r->dev.driver->cuMemAddressFree(r->base, r->reserved);
+}
+
+/* The reservation, the granule records and, for a resident region, every granule's memory. */
+static kva_status reserve(kva_cuda_region *r, size_t length, size_t alignment, int prefault) {
+    const kva_cuda_driver *d = r->dev.driver;
+    size_t granularity = 0;
+    CUresult res = d->cuMemGetAllocationGranularity(&granularity, &r->prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    if (res != CUDA_SUCCESS)
+        return kva_cuda_fail(d, res, "cuMemGetAllocationGranularity of CUDA device %d", r->dev.ordinal);
+    if (!kva_is_pow2(granularity))
+        return kva_fail(KVA_ERR_BACKEND, "CUDA device %d reports a granularity of %zu bytes, not a power of two",
+                        r->dev.ordinal, granularity);
+    r->shift = kva_log2(granularity);
+    size_t ngranules = (length + granularity - 1) >> r->shift;
+    if (ngranules >= KVA_NIL)
+        return kva_fail(KVA_ERR_INVALID, "capacity %zu is %zu granules of %zu bytes; at most %u fit", length, ngranules,
+                        granularity, KVA_NIL - 1);
+    r->ngranules = (uint32_t)ngranules;
+    r->reserved = ngranules << r->shift;
+    if (alignment < granularity) alignment = granularity;
+    res = d->cuMemAddressReserve(&r->base, r->reserved, alignment, 0, 0);
+    if (res != CUDA_SUCCESS) {
+        kva_status st =
+            kva_cuda_fail(d, res, "cuMemAddressReserve of %zu bytes aligned to %zu", r->reserved, alignment);
+        return st == KVA_ERR_NOMEM ? KVA_ERR_BACKEND : st;
+    }
+    kva_status st = KVA_OK;
+    if (r->base & (alignment - 1))
+        st = kva_fail(KVA_ERR_BACKEND, "cuMemAddressReserve returned %#llx, not aligned to %zu", r->base, alignment);
+    r->granules_bytes = (size_t)r->ngranules * sizeof(kva_granule);
+    void *records = NULL;
+    if (st == KVA_OK) st = kva_os_map_metadata(r->granules_bytes, &records);
+    if (st != KVA_OK) {
+        d->cuMemAddressFree(r->base, r->reserved);
+        return st;
+    }
+    r->granules = records;
+    r->idle_head = r->idle_tail = KVA_NIL;
+    for (uint32_t g = 0; prefault && g < r->ngranules && st == KVA_OK; g++) st = map_granule(r, g);
+    if (st != KVA_OK) {
+        release_all(r);
+        kva_os_unmap(r->granules, r->granules_bytes);
+        return st;
+    }
+    r->resident = prefault;
+    return KVA_OK;
+}
+
+kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out) {
+    kva_cuda_region *r = calloc(1, sizeof *r);
+    if (!r) return kva_fail(KVA_ERR_NOMEM, "no host memory for the CUDA region record");
+    kva_status st = kva_cuda_device_open(cfg->device, 1, &r->dev);
+    if (st != KVA_OK) {
+        free(r);
+        return st;
+    }
+    CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = cfg->device};
+    r->prop = (CUmemAllocationProp){.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .requestedHandleTypes = CU_MEM_HANDLE_TYPE_NONE,
+                                    .location = here};
+    r->access = (CUmemAccessDesc){.location = here, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    r->watermark = cfg->trim_watermark;
+    st = kva_cuda_enter(&r->dev);
+    if (st == KVA_OK) {
+        st = reserve(r, length, alignment, cfg->prefault);
+        kva_cuda_leave(&r->dev);
+    }
+    if (st != KVA_OK) {
+        kva_cuda_device_close(&r->dev);
+        free(r);
+        return st;
+    }
+    *out = (kva_region){.base = (unsigned char *)(uintptr_t)r->base,
+                        .length = r->reserved,
+                        .backend = KVA_BACKEND_CUDA,
+                        .page_kind = KVA_PAGE_KIND_DEVICE,
+                        .page_size = granule_size(r),
+                        .numa_node = -1,
+                        .device = r};
+    return KVA_OK;
+}
+
+void kva_region_cuda_destroy(kva_region *region) {
+    kva_cuda_region *r = region->device;
+    if (kva_cuda_enter(&r->dev) == KVA_OK) {
+        release_all(r);
+        kva_cuda_leave(&r->dev);
+    }
+    kva_os_unmap(r->granules, r->granules_bytes);
+    kva_cuda_device_close(&r->dev);
+    free(r);
+    region->device = NULL;
+    region->base = NULL;
+    region->length = 0;
+}
+
+/* ---- kva_check ---------------------------------------------------------------------------- */
+
+#define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
+
+static kva_status check_granule(const kva_cuda_region *r, uint32_t g, uint32_t expected) {
+    const kva_granule *gr = &r->granules[g];
+    if (gr->refs != expected)
+        return BROKEN("R1: granule %u has %u references but %u live blocks overlap it", g, gr->refs, expected);
+    int state_ok = gr->state == GRANULE_UNMAPPED ? gr->refs == 0
+                   : gr->state == GRANULE_MAPPED ? gr->refs > 0
+                   : gr->state == GRANULE_IDLE   ? gr->refs == 0
+                                                 : 0;
+    if (!state_ok) return BROKEN("R2: granule %u is in state %u with %u references", g, gr->state, gr->refs);
+    return KVA_OK;
+}
+
+static kva_status check_refs(const kva_cuda_region *r, const kva_buddy *buddy) {
+    /* Blocks come in address order, so each granule's count is complete once a block starts
+     * past it. */
+    uint32_t cur = 0, count = 0;
+    kva_status st = KVA_OK;
+    for (uint32_t index = 0; index < buddy->nblocks && st == KVA_OK;) {
+        const kva_page *page = &buddy->pages[index];
+        uint32_t length = kva_buddy_length(page);
+        if (page->state == KVA_BLOCK_USED || page->state == KVA_BLOCK_SLAB) {
+            uint64_t start = (uint64_t)index << buddy->min_shift, end = (uint64_t)(index + length) << buddy->min_shift;
+            uint32_t a = (uint32_t)(start >> r->shift), b = (uint32_t)((end - 1) >> r->shift);
+            for (; cur < a && st == KVA_OK; cur++, count = 0) st = check_granule(r, cur, count);
+            count++;
+            for (; cur < b && st == KVA_OK; cur++, count = 1) st = check_granule(r, cur, count);
+        }
+        index += length ? length : 1;
+    }
+    for (; cur < r->ngranules && st == KVA_OK; cur++, count = 0) st = check_granule(r, cur, count);
+    return st;
+}
+
+static kva_status check_lists(const kva_cuda_region *r) {
+    uint32_t listed = 0, prev = KVA_NIL, idle = 0, mapped = 0;
+    for (uint32_t g = r->idle_head; g != KVA_NIL; g = r->granules[g].next) {
+        if (g >= r->ngranules) return BROKEN("R3: the idle list links to granule %u, past the end", g);
+        if (r->granules[g].state != GRANULE_IDLE) return BROKEN("R3: granule %u is on the idle list but not idle", g);
+        if (r->granules[g].prev != prev) return BROKEN("R3: granule %u on the idle list has a wrong prev link", g);
+        if (++listed > r->ngranules) return BROKEN("R3: the idle list loops");
+        prev = g;
+    }
+    if (r->idle_tail != prev) return BROKEN("R3: the idle list's tail is %u, the list ends at %u", r->idle_tail, prev);
+    for (uint32_t g = 0; g < r->ngranules; g++) {
+        idle += r->granules[g].state == GRANULE_IDLE;
+        mapped += r->granules[g].state != GRANULE_UNMAPPED;
+    }
+    if (listed != idle || idle != r->idle || mapped != r->mapped)
+        return BROKEN("R3: %u granules idle and %u mapped, %u on the idle list, the counters say %u and %u", idle,
+                      mapped, listed, r->idle, r->mapped);
+    return KVA_OK;
+}
+
+kva_status kva_region_check(const kva_region *region, const kva_buddy *buddy) {
+    const kva_cuda_region *r = region->device;
+    if (!r) return KVA_OK;
+    if (r->resident) {
+        if (r->mapped != r->ngranules)
+            return BROKEN("R2: a resident region maps %u of its %u granules", r->mapped, r->ngranules);
+        return KVA_OK;
+    }
+    kva_status st = check_lists(r);
+    return st == KVA_OK ? check_refs(r, buddy) : st;
+}

@@ -1,0 +1,138 @@
+/*
+ * test_region_faults.c — every operating-system call a host pool makes at creation is made to
+ * fail in turn (os.h's kva_os_fail_nth): each failure gives a clear status, or a fallback that
+ * still yields a sound pool, and never leaves a mapping behind.
+ */
+#include <errno.h>
+#include <string.h>
+
+#include "check.h"
+#include "kvalloc.h"
+#include "os.h"
+
+static long mapping_count(void) {
+    FILE *f = fopen("/proc/self/maps", "r");
+    if (!f) return -1;
+    long n = 0;
+    int ch;
+    while ((ch = fgetc(f)) != EOF) n += ch == '\n';
+    fclose(f);
+    return n;
+}
+
+static kva_config config(kva_page_mode pages, int prefault, int node, int lock) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)8 << 20;
+    cfg.pages = pages;
+    cfg.prefault = prefault;
+    cfg.numa_node = node;
+    cfg.lock = lock;
+    return cfg;
+}
+
+/* Fails the n-th OS call of creation for n = 1, 2, ... until creation makes fewer calls. */
+static void sweep(const kva_config *cfg, const char *label) {
+    long before = mapping_count();
+    unsigned n;
+    for (n = 1; n < 100; n++) {
+        kva_pool *pool = NULL;
+        kva_os_fail_nth(KVA_OS_ANY, n, ENOMEM);
+        kva_status st = kva_pool_create(cfg, &pool);
+        unsigned left = kva_os_fail_nth(KVA_OS_ANY, 0, 0);
+        if (st == KVA_OK) {
+            /* Either the failure came too late to be reached, or a fallback absorbed it (a page
+             * size the kernel refused): the pool must be sound all the same. */
+            CHECK_STATUS(kva_check(pool), KVA_OK);
+            void *p;
+            CHECK_STATUS(kva_alloc(pool, 1000, &p), KVA_OK);
+            kva_pool_destroy(pool);
+            if (left > 0) break;
+        } else {
+            CHECK(pool == NULL);
+            CHECK(left == 0);
+            CHECK(st == KVA_ERR_BACKEND || st == KVA_ERR_NOMEM);
+            CHECK(kva_last_error()[0] != '\0');
+        }
+        if (mapping_count() != before) {
+            fprintf(stderr, "%s: failing OS call %u leaked a mapping (%s)\n", label, n, kva_last_error());
+            check_failures++;
+            before = mapping_count();
+        }
+    }
+    CHECK(n > 2 && n < 100);
+}
+
+/* Each kind of refusal, alone, with the status and the words it should give. */
+static void refusal(kva_os_call call, const kva_config *cfg, kva_status expect, const char *words) {
+    long before = mapping_count();
+    kva_pool *pool = NULL;
+    kva_os_fail_nth(call, 1, ENOMEM);
+    kva_status st = kva_pool_create(cfg, &pool);
+    CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0);
+    CHECK_STATUS(st, expect);
+    if (st == KVA_OK) {
+        kva_pool_destroy(pool);
+    } else if (!strstr(kva_last_error(), words)) {
+        fprintf(stderr, "expected \"%s\" in \"%s\"\n", words, kva_last_error());
+        check_failures++;
+    }
+    CHECK(mapping_count() == before);
+}
+
+static void test_each_refusal(void) {
+    kva_config small = config(KVA_PAGES_SMALL, 0, -1, 0);
+    refusal(KVA_OS_RESERVE, &small, KVA_ERR_BACKEND, "mmap reserve");
+    refusal(KVA_OS_COMMIT, &small, KVA_ERR_BACKEND, "mmap of");
+    refusal(KVA_OS_METADATA, &small, KVA_ERR_BACKEND, "metadata");
+    kva_config huge = config(KVA_PAGES_HUGETLB, 0, -1, 0);
+    refusal(KVA_OS_COMMIT_HUGE, &huge, KVA_ERR_BACKEND, "MAP_HUGETLB");
+    kva_config thp = config(KVA_PAGES_THP, 0, -1, 0);
+    refusal(KVA_OS_ADVISE, &thp, KVA_ERR_BACKEND, "MADV_HUGEPAGE");
+    kva_config prefault = config(KVA_PAGES_SMALL, 1, -1, 0);
+    refusal(KVA_OS_POPULATE, &prefault, KVA_ERR_BACKEND, "MADV_POPULATE_WRITE");
+    kva_config bound = config(KVA_PAGES_SMALL, 0, 0, 0);
+    refusal(KVA_OS_MBIND, &bound, KVA_ERR_BACKEND, "mbind");
+    kva_config locked = config(KVA_PAGES_SMALL, 0, -1, 1);
+    refusal(KVA_OS_LOCK, &locked, KVA_ERR_BACKEND, "mlock");
+}
+
+/* In auto mode a refused huge-page kind falls through to the next one. */
+static void test_fallback_chain(void) {
+    kva_config cfg = config(KVA_PAGES_AUTO, 0, -1, 0);
+    kva_pool *pool = NULL;
+    /* hugetlb refused (as on a machine with none reserved) and THP advice refused: base pages. */
+    kva_os_fail_nth(KVA_OS_COMMIT_HUGE, 1, ENOMEM);
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    kva_os_fail_nth(KVA_OS_ANY, 0, 0);
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    CHECK(st.page_kind == KVA_PAGE_KIND_THP || st.page_kind == KVA_PAGE_KIND_SMALL);
+    kva_pool_destroy(pool);
+    kva_os_fail_nth(KVA_OS_ADVISE, 1, EINVAL);
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    kva_os_fail_nth(KVA_OS_ANY, 0, 0);
+    kva_get_stats(pool, &st);
+    CHECK(st.page_kind == KVA_PAGE_KIND_SMALL || st.page_kind == KVA_PAGE_KIND_HUGETLB);
+    kva_pool_destroy(pool);
+}
+
+int main(void) {
+    /* The first failures allocate what error reporting needs (and, under AddressSanitizer, the
+     * allocator maps its regions): let that happen before mappings are counted. */
+    kva_config warm = config(KVA_PAGES_SMALL, 0, 9999, 0);
+    kva_pool *pool;
+    kva_os_fail_nth(KVA_OS_RESERVE, 1, ENOMEM);
+    kva_pool_create(&warm, &pool);
+    warm.numa_node = -1;
+    kva_pool_create(&warm, &pool);
+    kva_os_fail_nth(KVA_OS_ANY, 0, 0);
+    test_each_refusal();
+    test_fallback_chain();
+    kva_config a = config(KVA_PAGES_SMALL, 0, -1, 0), b = config(KVA_PAGES_AUTO, 1, 0, 1),
+               c = config(KVA_PAGES_AUTO, 0, -1, 0);
+    sweep(&a, "small pages");
+    sweep(&b, "auto, prefault, node 0, lock");
+    sweep(&c, "auto");
+    return CHECK_DONE();
+}

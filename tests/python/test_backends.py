@@ -1,0 +1,262 @@
+"""Backing memory from Python: ``Pool(backend=, numa_node=, numa_policy=, hugepages=, prefault=,
+lock=, pin=, device=)``. NUMA policies are checked against the kernel (get_mempolicy); the CUDA
+backend and pinning run against the fake driver of tests/fake_cuda, compiled here, each in a
+fresh interpreter because the driver is loaded once per process; tools/gpu_check.py runs end to
+end on it too."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from support import REPO_ROOT, MiB, clean_env, run_python
+
+import pykvalloc
+from pykvalloc.pool import Backend, PageKind, PageMode
+
+FAKE_SOURCE = REPO_ROOT / "tests" / "fake_cuda" / "fake_cuda.c"
+SYS_GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}.get(platform.machine())
+MPOL_DEFAULT, MPOL_PREFERRED, MPOL_BIND, MPOL_F_ADDR = 0, 1, 2, 2
+
+
+def policy_of(address: int) -> tuple[int, int]:
+    """(mode, node mask word 0) of the page at address, from the kernel."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    mode = ctypes.c_int(-1)
+    mask = (ctypes.c_ulong * 64)()
+    result = libc.syscall(ctypes.c_long(SYS_GET_MEMPOLICY), ctypes.byref(mode), mask,
+                          ctypes.c_ulong(64 * 64), ctypes.c_void_p(address),
+                          ctypes.c_ulong(MPOL_F_ADDR))
+    assert result == 0, os.strerror(ctypes.get_errno())
+    return mode.value, mask[0]
+
+
+needs_get_mempolicy = pytest.mark.skipif(SYS_GET_MEMPOLICY is None,
+                                         reason="get_mempolicy number unknown on this machine")
+
+
+@pytest.fixture(scope="session")
+def fake_driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """libfakecuda.so built from its source, so it always matches the tree."""
+    compiler = shutil.which("cc")
+    if compiler is None or not FAKE_SOURCE.is_file():
+        pytest.skip("needs a C compiler and the source tree")
+    out = tmp_path_factory.mktemp("fake_cuda") / "libfakecuda.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-fvisibility=hidden", "-D_GNU_SOURCE",
+                    "-I", str(REPO_ROOT / "libkvalloc" / "src"),
+                    "-I", str(REPO_ROOT / "libkvalloc" / "include"),
+                    str(FAKE_SOURCE), "-o", str(out), "-lpthread"], check=True)
+    return out
+
+
+def run_with_driver(code: str, driver: Path | str, **fake_env: str) -> subprocess.CompletedProcess:
+    result = run_python(textwrap.dedent(code),
+                        env=clean_env(KVA_CUDA_DRIVER=str(driver), **fake_env))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+# ---- host pools --------------------------------------------------------------------------------
+
+
+def test_host_defaults_in_the_stats():
+    with pykvalloc.Pool(4 * MiB) as pool:
+        stats = pool.stats()
+        assert pool.backend is Backend.HOST and stats.backend is Backend.HOST
+        assert stats.numa_node is None and not stats.pinned and not stats.locked
+        assert stats.mapped_bytes >= stats.capacity
+
+
+@needs_get_mempolicy
+@pytest.mark.parametrize("policy, mode", [("bind", MPOL_BIND), ("preferred", MPOL_PREFERRED)])
+def test_numa_node_binds_the_region(policy, mode):
+    with pykvalloc.Pool(8 * MiB, numa_node=0, numa_policy=policy, hugepages=False) as pool:
+        assert pool.stats().numa_node == 0
+        for address in (pool.base, pool.base + pool.capacity - 1):
+            assert policy_of(address) == (mode, 1)
+        block = pool.alloc(MiB)
+        block.view()[:] = 7  # touched pages obey the policy; the view still works
+    with pykvalloc.Pool(4 * MiB) as pool:
+        assert policy_of(pool.base)[0] == MPOL_DEFAULT
+
+
+def test_a_node_that_does_not_exist_is_a_clear_error():
+    with pytest.raises(pykvalloc.InvalidArgument, match="numa_node 9999 does not exist"):
+        pykvalloc.Pool(4 * MiB, numa_node=9999)
+    with pytest.raises(pykvalloc.InvalidArgument, match="numa_node -1"):
+        pykvalloc.Pool(4 * MiB, numa_node=-1)
+    with pytest.raises(TypeError):
+        pykvalloc.Pool(4 * MiB, numa_node=True)  # type: ignore[arg-type]
+    with pytest.raises(pykvalloc.InvalidArgument, match="'bind', 'preferred'"):
+        pykvalloc.Pool(4 * MiB, numa_node=0, numa_policy="interleave")
+
+
+def test_hugepages_chooses_the_page_mode():
+    with pykvalloc.Pool(4 * MiB, hugepages=False) as pool:
+        assert pool.stats().page_kind is PageKind.SMALL
+    with pykvalloc.Pool(4 * MiB, hugepages=True) as pool:  # huge pages when the machine has them
+        assert pool.stats().page_kind in (PageKind.HUGETLB, PageKind.THP, PageKind.SMALL)
+    with pykvalloc.Pool(4 * MiB, hugepages="small") as pool:
+        assert pool.stats().page_kind is PageKind.SMALL
+    with pytest.raises(pykvalloc.InvalidArgument, match="pages or hugepages"):
+        pykvalloc.Pool(4 * MiB, pages="small", hugepages=True)
+    with pytest.raises(pykvalloc.InvalidArgument, match="pages must be one of"):
+        pykvalloc.Pool(4 * MiB, hugepages="gigantic")
+    assert PageMode.AUTO == 0  # the default when neither is given
+
+
+def test_lock_and_prefault():
+    with pykvalloc.Pool(4 * MiB, lock=True, prefault=True, hugepages=False) as pool:
+        stats = pool.stats()
+        assert stats.locked and not stats.pinned
+        pool.alloc(4096).view()[:] = 1
+
+
+def test_backend_and_device_arguments_are_checked():
+    with pytest.raises(pykvalloc.InvalidArgument, match="'host', 'cuda'"):
+        pykvalloc.Pool(4 * MiB, backend="gpu")
+    with pytest.raises(pykvalloc.InvalidArgument, match="device -1"):
+        pykvalloc.Pool(4 * MiB, device=-1)
+    with pytest.raises(pykvalloc.InvalidArgument, match="trim_watermark applies to CUDA"):
+        pykvalloc.Pool(4 * MiB, trim_watermark=MiB)
+    with pytest.raises(pykvalloc.InvalidArgument, match="numa_node applies to host memory"):
+        pykvalloc.Pool(4 * MiB, backend="cuda", numa_node=0)
+
+
+# ---- the CUDA backend and pinning ---------------------------------------------------------------
+
+
+def test_no_driver_is_a_backend_error_saying_so():
+    run_with_driver("""
+        import pykvalloc
+        for options in ({"backend": "cuda"}, {"pin": True}):
+            try:
+                pykvalloc.Pool(64 << 20, **options)
+            except pykvalloc.BackendError as exc:
+                assert "no CUDA driver" in str(exc) and "/nonexistent/libcuda.so.1" in str(exc), exc
+            else:
+                raise AssertionError(f"{options} succeeded without a driver")
+        """, "/nonexistent/libcuda.so.1")
+
+
+def test_no_gpu_is_a_backend_error_saying_so(fake_driver):
+    run_with_driver("""
+        import pykvalloc
+        try:
+            pykvalloc.Pool(64 << 20, backend="cuda")
+        except pykvalloc.BackendError as exc:
+            assert "no CUDA GPU" in str(exc), exc
+        else:
+            raise AssertionError("a CUDA pool without a GPU")
+        """, fake_driver, FAKE_CUDA_DEVICES="0")
+
+
+def test_a_cuda_pool(fake_driver):
+    run_with_driver("""
+        import pykvalloc
+        from pykvalloc.pool import Backend, PageKind
+        MiB = 1 << 20
+        with pykvalloc.Pool(64 * MiB, backend="cuda", device=0) as pool:
+            stats = pool.stats()
+            assert pool.backend is Backend.CUDA and stats.backend is Backend.CUDA
+            assert stats.page_kind is PageKind.DEVICE and stats.page_size == 2 * MiB
+            assert stats.mapped_bytes == 0 and stats.numa_node is None
+            small = [pool.alloc(size) for size in (16, 100, 4000, 65536)]
+            large = pool.alloc(8 * MiB)
+            exact = pool.alloc_exact(3 * MiB)
+            assert pool.stats().mapped_bytes >= 11 * MiB
+            pool.check()
+            assert sum(r.size for r in pool.walk()) == pool.capacity
+            try:
+                large.view()
+            except pykvalloc.InvalidArgument as exc:
+                assert "GPU memory" in str(exc)
+            else:
+                raise AssertionError("a numpy view of GPU memory")
+            for block in small + [large, exact]:
+                pool.free(block)
+            assert pool.stats().mapped_bytes > 0  # idle until trimmed
+            pool.trim()
+            assert pool.stats().mapped_bytes == 0
+            pool.check()
+        with pykvalloc.Pool(8 * MiB, backend="cuda", prefault=True) as pool:
+            assert pool.stats().mapped_bytes == 8 * MiB
+        with pykvalloc.Pool(64 * MiB, backend="cuda", trim_watermark=2 * MiB) as pool:
+            blocks = [pool.alloc(2 * MiB) for _ in range(4)]
+            for block in blocks:
+                pool.free(block)
+            assert pool.stats().mapped_bytes == 2 * MiB
+        """, fake_driver)
+
+
+def test_gpu_memory_running_out_and_driver_refusals(fake_driver):
+    run_with_driver("""
+        import pykvalloc
+        MiB = 1 << 20
+        with pykvalloc.Pool(64 * MiB, backend="cuda") as pool:
+            kept = pool.alloc(4 * MiB)
+            before = pool.stats()
+            try:
+                pool.alloc(8 * MiB)
+            except pykvalloc.OutOfMemory as exc:
+                assert "CUDA_ERROR_OUT_OF_MEMORY" in str(exc), exc
+            else:
+                raise AssertionError("8 MiB more from a GPU of 6 MiB")
+            after = pool.stats()
+            assert after.bytes_free == before.bytes_free
+            assert after.alloc_failures == before.alloc_failures + 1
+            pool.check()
+            try:
+                pool.alloc(2 * MiB)  # the 4th cuMemMap is refused (FAKE_CUDA_FAIL)
+            except pykvalloc.BackendError as exc:
+                assert "cuMemMap" in str(exc), exc
+            else:
+                raise AssertionError("cuMemMap was to fail")
+            pool.alloc(2 * MiB)
+            pool.free(kept)
+            pool.check()
+        """, fake_driver, FAKE_CUDA_MEMORY=str(6 * MiB), FAKE_CUDA_FAIL="cuMemMap:4:1")
+
+
+def test_pinned_host_pool(fake_driver):
+    run_with_driver("""
+        import pykvalloc
+        with pykvalloc.Pool(4 << 20, pin=True) as pool:
+            stats = pool.stats()
+            assert stats.pinned and stats.backend == 0
+            view = pool.alloc(4096).view()  # still host memory
+            view[:] = 3
+            del view
+        """, fake_driver)
+
+
+def test_gpu_check_runs_end_to_end_on_the_fake_driver(fake_driver):
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_check.py"), "--quick"],
+                            capture_output=True, text=True, timeout=120,
+                            env=clean_env(KVA_CUDA_DRIVER=str(fake_driver)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])["gpu_check"]
+    assert report["device"] == "Fake CUDA GPU 0" and report["allocations"] > 49
+    assert report["roundtrip_bytes"] > 0
+    assert report["trim"]["mapped_after"] == 0
+    assert report["trim"]["device_free_gain"] >= report["trim"]["mapped_before"] > 0
+    for row in report["latency"]["sizes"].values():
+        assert set(row) == {"kvalloc", "cuMemAlloc"}
+    assert report["elapsed_s"] < 180
+    assert "round trip" in result.stdout
+
+
+def test_gpu_check_without_a_driver_says_so():
+    result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_check.py"), "--quick"],
+                            capture_output=True, text=True, timeout=60,
+                            env=clean_env(KVA_CUDA_DRIVER="/nonexistent/libcuda.so.1"))
+    assert result.returncode == 2
+    assert "no usable CUDA device" in result.stderr

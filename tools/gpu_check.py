@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""gpu_check.py — the CUDA backend on a real GPU, in well under three minutes.
+
+    python tools/gpu_check.py                  # device 0, a 1 GiB pool
+    python tools/gpu_check.py --device 1 --capacity 4G --iterations 2000
+    python tools/gpu_check.py --quick          # seconds; what the tests run on the fake driver
+
+It checks, in order:
+  1. the driver and the device (name, memory, driver version);
+  2. a CUDA pool (``pykvalloc.Pool(backend="cuda")``): allocations of every slab size class and of
+     every buddy order up to an eighth of the pool, all distinct, aligned and inside the pool,
+     with ``Pool.check()`` passing;
+  3. a host-to-device-and-back round trip through several of them (cuMemcpyHtoD, cuMemcpyDtoH),
+     compared byte for byte, one spanning several mapping granules;
+  4. trim: everything freed, ``Pool.trim()`` unmaps it all, and the device's free memory
+     (cuMemGetInfo) grows by what was unmapped;
+  5. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
+     pays the same call overhead (the ctypes floor is reported beside them): for each size, the
+     first call (which maps device memory for kvalloc) and the median and p99 of warm calls.
+It prints a short report, then one line of JSON (``{"gpu_check": ...}``) for the record.
+Exit status: 0 all checks passed, 1 a check failed, 2 no usable driver or GPU.
+
+The driver is the one libkvalloc loads: $KVA_CUDA_DRIVER if set, else libcuda.so.1. The numbers
+are only meaningful on a real GPU; on the fake driver of tests/fake_cuda the script still runs
+every step, which is how CI keeps it working.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import time
+from ctypes import POINTER, byref, c_char, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pykvalloc  # noqa: E402
+from pykvalloc import _ffi  # noqa: E402
+from pykvalloc.pool import Backend  # noqa: E402
+
+DEADLINE_S = 170.0  # the whole run, safely inside the three minutes it promises
+MiB = 1 << 20
+CUdeviceptr = c_ulonglong
+
+
+class CheckFailed(Exception):
+    """A check did not hold; the message says which."""
+
+
+class Driver:
+    """The few CUDA driver calls the check makes itself, through ctypes."""
+
+    def __init__(self, device: int) -> None:
+        self.path = os.environ.get("KVA_CUDA_DRIVER") or "libcuda.so.1"
+        try:
+            self.lib = ctypes.CDLL(self.path)
+        except OSError as exc:
+            raise pykvalloc.BackendError(f"no CUDA driver: cannot load {self.path}: {exc}") from exc
+        signatures: dict[str, list[Any]] = {
+            "cuInit": [c_uint],
+            "cuDriverGetVersion": [POINTER(c_int)],
+            "cuDeviceGetCount": [POINTER(c_int)],
+            "cuDeviceGet": [POINTER(c_int), c_int],
+            "cuDeviceGetName": [POINTER(c_char), c_int, c_int],
+            "cuDeviceTotalMem_v2": [POINTER(c_size_t), c_int],
+            "cuDevicePrimaryCtxRetain": [POINTER(c_void_p), c_int],
+            "cuDevicePrimaryCtxRelease_v2": [c_int],
+            "cuCtxPushCurrent_v2": [c_void_p],
+            "cuCtxPopCurrent_v2": [POINTER(c_void_p)],
+            "cuMemGetInfo_v2": [POINTER(c_size_t), POINTER(c_size_t)],
+            "cuMemAlloc_v2": [POINTER(CUdeviceptr), c_size_t],
+            "cuMemFree_v2": [CUdeviceptr],
+            "cuMemcpyHtoD_v2": [CUdeviceptr, c_void_p, c_size_t],
+            "cuMemcpyDtoH_v2": [c_void_p, CUdeviceptr, c_size_t],
+        }
+        for name, argtypes in signatures.items():
+            function = getattr(self.lib, name)
+            function.argtypes = argtypes
+            function.restype = c_int
+            setattr(self, name.removesuffix("_v2"), function)
+        self.lib.cuGetErrorName.argtypes = [c_int, POINTER(ctypes.c_char_p)]
+        self.lib.cuGetErrorName.restype = c_int
+
+        result = self.cuInit(0)
+        if result != 0:
+            raise pykvalloc.BackendError(f"cuInit failed: {self.error(result)}")
+        count = c_int()
+        self.call("cuDeviceGetCount", byref(count))
+        if not 0 <= device < count.value:
+            raise pykvalloc.BackendError(f"no CUDA device {device}: {count.value} visible")
+        self.device = c_int()
+        self.call("cuDeviceGet", byref(self.device), device)
+        name = ctypes.create_string_buffer(256)
+        self.call("cuDeviceGetName", name, 256, self.device)
+        self.name = name.value.decode(errors="replace")
+        total, version = c_size_t(), c_int()
+        self.call("cuDeviceTotalMem", byref(total), self.device)
+        self.call("cuDriverGetVersion", byref(version))
+        self.total_memory, self.version = total.value, version.value
+        # Our own context for our own calls; the library pushes and pops its own around its calls.
+        self.context = c_void_p()
+        self.call("cuDevicePrimaryCtxRetain", byref(self.context), self.device)
+        self.call("cuCtxPushCurrent", self.context)
+
+    def error(self, result: int) -> str:
+        name = ctypes.c_char_p()
+        if self.lib.cuGetErrorName(result, byref(name)) == 0 and name.value:
+            return name.value.decode()
+        return f"CUresult {result}"
+
+    def call(self, name: str, *args: Any) -> None:
+        result = getattr(self, name)(*args)
+        if result != 0:
+            raise CheckFailed(f"{name}: {self.error(result)}")
+
+    def free_memory(self) -> int:
+        free, total = c_size_t(), c_size_t()
+        self.call("cuMemGetInfo", byref(free), byref(total))
+        return free.value
+
+    def close(self) -> None:
+        popped = c_void_p()
+        self.cuCtxPopCurrent(byref(popped))
+        self.cuDevicePrimaryCtxRelease(self.device)
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise CheckFailed(message)
+
+
+def allocate_everything(pool: pykvalloc.Pool) -> list[pykvalloc.Allocation]:
+    """One allocation of every slab class and of every buddy order up to capacity / 8."""
+    sizes = list(pykvalloc.size_classes())
+    block = pool.min_block
+    while block <= pool.capacity // 8:
+        if block > _ffi.KVA_SLAB_MAX_SIZE:
+            sizes.append(block)
+        block <<= 1
+    live = [pool.alloc(size) for size in sizes]
+    spans = sorted((a.offset, a.offset + pool.usable_size(a)) for a in live)
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        check(end <= start, f"allocations overlap at offset {start}")
+    for allocation in live:
+        check(0 <= allocation.offset < pool.capacity, f"{allocation!r} lies outside the pool")
+        if allocation.size > _ffi.KVA_SLAB_MAX_SIZE:
+            check(allocation.address % pool.usable_size(allocation) == 0,
+                  f"{allocation!r} is not aligned to its block size")
+    pool.check()
+    return live
+
+
+def round_trip(driver: Driver, allocations: list[pykvalloc.Allocation], granularity: int) -> int:
+    """Random bytes to the device and back through each allocation; the bytes moved."""
+    moved = 0
+    for allocation in allocations:
+        size = allocation.size
+        data = os.urandom(size)
+        back = ctypes.create_string_buffer(size)
+        driver.call("cuMemcpyHtoD", allocation.address, data, size)
+        driver.call("cuMemcpyDtoH", back, allocation.address, size)
+        check(back.raw == data, f"round trip through {allocation!r} changed the bytes")
+        moved += 2 * size
+    spanning = [a for a in allocations if a.size > granularity]
+    check(bool(spanning), "no allocation spans several mapping granules")
+    return moved
+
+
+def percentile(samples: list[int], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
+
+
+def latency(driver: Driver, capacity: int, device: int, sizes: list[int], iterations: int,
+            deadline: float) -> dict[str, Any]:
+    """Alloc and free timings (µs) of kva_alloc/kva_free and cuMemAlloc/cuMemFree."""
+    lib = _ffi.load()
+    config = _ffi.KvaConfig()
+    lib.kva_config_init(byref(config))
+    config.capacity = capacity
+    config.backend = int(Backend.CUDA)
+    config.device = device
+    handle = c_void_p()
+    lib.kva_pool_create(byref(config), byref(handle))
+    clock = time.perf_counter_ns
+    out = c_void_p()
+    dptr = CUdeviceptr()
+    floor = []
+    for _ in range(min(iterations, 1000)):
+        start = clock()
+        lib.kva_usable_size(handle, None)
+        floor.append(clock() - start)
+    results: dict[str, Any] = {"ctypes_floor_us": percentile(floor, 0.5), "sizes": {}}
+    try:
+        for size in sizes:
+            row: dict[str, Any] = {}
+            for name, alloc, free in (
+                    ("kvalloc", lambda s: lib.kva_alloc(handle, s, byref(out)) or out.value,
+                     lambda p: lib.kva_free(handle, p)),
+                    ("cuMemAlloc",
+                     lambda s: driver.call("cuMemAlloc", byref(dptr), s) or dptr.value,
+                     lambda p: driver.call("cuMemFree", p))):
+                start = clock()
+                first = alloc(size)
+                first_ns = clock() - start
+                free(first)
+                allocs, frees = [], []
+                for _ in range(iterations):
+                    if time.monotonic() > deadline:
+                        break
+                    start = clock()
+                    pointer = alloc(size)
+                    middle = clock()
+                    free(pointer)
+                    allocs.append(middle - start)
+                    frees.append(clock() - middle)
+                row[name] = {"first_alloc_us": first_ns / 1000.0, "samples": len(allocs),
+                             "alloc_p50_us": percentile(allocs, 0.5) if allocs else None,
+                             "alloc_p99_us": percentile(allocs, 0.99) if allocs else None,
+                             "free_p50_us": percentile(frees, 0.5) if frees else None,
+                             "free_p99_us": percentile(frees, 0.99) if frees else None}
+            results["sizes"][str(size)] = row
+    finally:
+        lib.kva_pool_destroy(handle)
+    return results
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    began = time.monotonic()
+    deadline = began + (DEADLINE_S if not args.quick else 30.0)
+    driver = Driver(args.device)
+    report: dict[str, Any] = {"device": driver.name, "device_index": args.device,
+                              "device_memory": driver.total_memory,
+                              "driver_version": driver.version, "driver": driver.path}
+    try:
+        with pykvalloc.Pool(args.capacity, backend="cuda", device=args.device) as pool:
+            stats = pool.stats()
+            check(stats.backend is Backend.CUDA, "the pool is not a CUDA pool")
+            check(stats.mapped_bytes == 0, "a fresh CUDA pool already maps memory")
+            granularity = stats.page_size
+            report.update(capacity=pool.capacity, granularity=granularity, base=hex(pool.base))
+
+            live = allocate_everything(pool)
+            mapped = pool.stats().mapped_bytes
+            report["allocations"] = len(live)
+            report["mapped_after_allocating"] = mapped
+            try:
+                live[0].view()
+                raise CheckFailed("a view of GPU memory was allowed")
+            except pykvalloc.InvalidArgument:
+                pass
+
+            sample = [live[0], live[len(live) // 2]] + [a for a in live if a.size > granularity][:2]
+            report["roundtrip_bytes"] = round_trip(driver, sample, granularity)
+
+            free_before = driver.free_memory()
+            for allocation in live:
+                pool.free(allocation)
+            before_trim = pool.stats().mapped_bytes
+            pool.trim()
+            after_trim = pool.stats().mapped_bytes
+            gained = driver.free_memory() - free_before
+            check(after_trim == 0, f"{after_trim} bytes still mapped after trim")
+            check(gained >= before_trim, f"trim unmapped {before_trim} bytes but the device "
+                                         f"gained only {gained}")
+            pool.check()
+            report["trim"] = {"mapped_before": before_trim, "mapped_after": after_trim,
+                              "device_free_gain": gained}
+
+        sizes = [256, 64 << 10, 2 * MiB, 64 * MiB] if not args.quick else [256, 2 * MiB]
+        report["latency"] = latency(driver, args.capacity, args.device, sizes, args.iterations,
+                                    deadline)
+    finally:
+        driver.close()
+    report["elapsed_s"] = round(time.monotonic() - began, 2)
+    check(report["elapsed_s"] < 180, f"the check took {report['elapsed_s']} s")
+    return report
+
+
+def print_report(report: dict[str, Any]) -> None:
+    gib = report["device_memory"] / (1 << 30)
+    print(f"device {report['device_index']}: {report['device']} ({gib:.1f} GiB), "
+          f"driver {report['driver_version']} ({report['driver']})")
+    print(f"pool: {report['capacity'] >> 20} MiB at {report['base']}, "
+          f"granularity {report['granularity'] >> 10} KiB")
+    print(f"allocations: {report['allocations']} (every slab class and buddy order), "
+          f"{report['mapped_after_allocating'] >> 20} MiB mapped; check passed")
+    print(f"round trip: {report['roundtrip_bytes']} bytes host -> device -> host, identical")
+    trim = report["trim"]
+    print(f"trim: {trim['mapped_before'] >> 20} MiB mapped -> {trim['mapped_after']}; "
+          f"device free memory +{trim['device_free_gain'] >> 20} MiB")
+    lat = report["latency"]
+    print(f"latency, µs (ctypes call floor {lat['ctypes_floor_us']:.2f}):")
+    print(f"  {'size':>10}  {'allocator':<10} {'first':>9} {'alloc p50':>9} {'p99':>9} "
+          f"{'free p50':>9} {'p99':>9}")
+    for size, row in lat["sizes"].items():
+        for name, figures in row.items():
+            cells = [figures["first_alloc_us"], figures["alloc_p50_us"], figures["alloc_p99_us"],
+                     figures["free_p50_us"], figures["free_p99_us"]]
+            text = " ".join(f"{c:9.2f}" if c is not None else f"{'-':>9}" for c in cells)
+            print(f"  {int(size):>10}  {name:<10} {text}")
+    print(f"elapsed: {report['elapsed_s']} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", type=int, default=0)
+    parser.add_argument("--capacity", type=pykvalloc.parse_size, default=1 << 30,
+                        help="pool bytes (suffixes K, M, G); default 1G")
+    parser.add_argument("--iterations", type=int, default=1000,
+                        help="timed alloc/free pairs per size and allocator")
+    parser.add_argument("--quick", action="store_true", help="small sizes, 30 s budget")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.capacity = min(args.capacity, 256 * MiB)
+        args.iterations = min(args.iterations, 50)
+    try:
+        report = run(args)
+    except pykvalloc.BackendError as exc:
+        print(f"gpu_check: no usable CUDA device: {exc}", file=sys.stderr)
+        return 2
+    except (CheckFailed, pykvalloc.KvallocError) as exc:
+        print(f"gpu_check: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print_report(report)
+    print(json.dumps({"gpu_check": report}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
