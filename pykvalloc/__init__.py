@@ -27,7 +27,9 @@ from .errors import (
     LibraryNotFoundError,
     OutOfMemory,
     PoolClosedError,
+    SegmentError,
 )
+from .kvcache import CopyOnWrite, KVCache, KVLayout, KVMode, Move, Pin, Sequence, TableInUseError
 from .pool import Allocation, ClassStats, HeapRegion, PageKind, PageMode, Pool, Stats, WalkKind
 from .sizes import format_size, parse_size, size_class_of, size_classes
 
@@ -37,6 +39,14 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
     __version__ = "0+unknown"
 
 __all__ = [
+    "KVCache",
+    "Sequence",
+    "Pin",
+    "CopyOnWrite",
+    "Move",
+    "KVLayout",
+    "KVMode",
+    "TableInUseError",
     "Pool",
     "Allocation",
     "Stats",
@@ -56,6 +66,7 @@ __all__ = [
     "AllocationFreedError",
     "AllocationInUseError",
     "LibraryNotFoundError",
+    "SegmentError",
     "size_classes",
     "size_class_of",
     "parse_size",

@@ -25,6 +25,17 @@ __all__ = [
     "AllocationFreedError",
     "AllocationInUseError",
     "LibraryNotFoundError",
+    "SegmentError",
+    "SegmentNotFound",
+    "AmbiguousSegment",
+    "BadMagic",
+    "UnsupportedVersion",
+    "CorruptSegment",
+    "TruncatedSegment",
+    "InconsistentSnapshot",
+    "WriterGone",
+    "DeadWriter",
+    "SegmentRemoved",
     "error_for_status",
 ]
 
@@ -99,6 +110,62 @@ class AllocationInUseError(KvallocError, BufferError):
 
 class LibraryNotFoundError(KvallocError, OSError):
     """libkvalloc could not be found or loaded; the message lists every path tried."""
+
+
+class SegmentError(KvallocError):
+    """A pool's statistics segment (``pykvalloc.stats``) cannot be read; ``path`` names it.
+
+    The segment is written by another process and read without trusting it, so each way it can
+    be wrong has its own class below.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class SegmentNotFound(SegmentError, FileNotFoundError):
+    """No segment matches the pool asked for."""
+
+
+class AmbiguousSegment(SegmentError, LookupError):
+    """Several segments match the pool asked for; the message lists them."""
+
+
+class BadMagic(SegmentError):
+    """The file does not start with the segment magic: it is not a kvalloc statistics segment."""
+
+
+class UnsupportedVersion(SegmentError):
+    """The segment's layout version (``abi_major``) is not the one this reader understands."""
+
+
+class CorruptSegment(SegmentError):
+    """A field of the segment contradicts the segment itself: a section outside its bounds, a
+    count larger than its section."""
+
+
+class TruncatedSegment(CorruptSegment):
+    """The file is shorter than its header or than the size the header states."""
+
+
+class InconsistentSnapshot(SegmentError):
+    """The writer kept changing the segment: no consistent copy was had in the bounded number of
+    attempts. Torn data is never returned instead."""
+
+
+class WriterGone(SegmentError):
+    """The pool behind the segment will publish no more: its process ended or it was destroyed."""
+
+
+class DeadWriter(WriterGone):
+    """The process that wrote the segment is gone (killed before it could remove the segment);
+    ``kvalloc ls --prune`` removes such leftovers."""
+
+
+class SegmentRemoved(WriterGone):
+    """The segment was removed while it was being watched: the pool was destroyed or its process
+    exited normally."""
 
 
 _BY_STATUS: dict[int, type[KvallocError]] = {

@@ -14,9 +14,9 @@ from typing import Any
 
 from .. import __version__, _ffi
 from ..errors import KvallocError
-from . import demo, replay
+from . import demo, dump, ls, replay, top
 
-_COMMANDS = (demo, replay)
+_COMMANDS = (demo, replay, ls, dump, top)
 
 
 def version_text() -> str:

@@ -16,7 +16,8 @@ from support import REPO_ROOT, clean_env
 pytestmark = pytest.mark.slow
 
 USE_IT = """
-import sys, pykvalloc, pykvalloc._ffi as ffi
+import sys, pykvalloc, pykvalloc._ffi as ffi, pykvalloc.stats as stats
+import kvalloc_tui, kvalloc_tui.app
 with pykvalloc.Pool(16 << 20, name="installed") as pool:
     block = pool.alloc(4096)
     view = block.view("int32")
@@ -25,9 +26,13 @@ with pykvalloc.Pool(16 << 20, name="installed") as pool:
     del view
     pool.free(block)
     pool.check()
+    pool.publish()
+    with stats.Segment.for_pool(pool) as segment:
+        assert segment.snapshot().summary["alloc_count"] == 1
 print(pykvalloc.__file__)
 print(ffi.load().path)
 print(pykvalloc.__version__)
+print(kvalloc_tui.__file__)
 """
 
 
@@ -48,8 +53,9 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     # A regular install, used from outside the source tree so that only the installed
     # copy can be imported.
     _run([python, "-m", "pip", "install", str(REPO_ROOT)], cwd=tmp_path)
-    module, library, version = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
+    module, library, version, tui = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
     assert Path(module).parent == site_packages / "pykvalloc"
+    assert Path(tui).parent == site_packages / "kvalloc_tui"  # the TUI under its own name
     assert Path(library).parent == site_packages / "pykvalloc"
     assert Path(library).name.startswith("libkvalloc.so")
 
@@ -59,18 +65,21 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     assert tags and all(tag.startswith("py3-none-") for tag in tags), tags
     record = (dist_info / "RECORD").read_text()
     assert "pykvalloc/py.typed" in record and "pykvalloc/libkvalloc.so" in record
-    assert "pykvalloc/cli/demo.py" in record
+    assert "pykvalloc/cli/demo.py" in record and "pykvalloc/stats.py" in record
+    assert "kvalloc_tui/app.py" in record and "\ntui/" not in record
     requires = [line.split(": ", 1)[1] for line in (dist_info / "METADATA").read_text()
                 .splitlines() if line.startswith("Requires-Dist: ") and "extra ==" not in line]
     assert sorted(requires) == ["numpy", "psutil", "rich", "textual"]
 
     script = _run([str(venv / "bin" / "kvalloc"), "--version"], cwd=tmp_path).stdout
     assert script.startswith(f"kvalloc (pykvalloc) {version}\nlibrary: {library}")
+    _run([str(venv / "bin" / "kvalloc"), "ls"], cwd=tmp_path)
 
     # An editable install over it: the .py files come from the source tree, the library from
     # what scikit-build-core installed into site-packages.
     _run([python, "-m", "pip", "install", "--no-deps", "-e", str(REPO_ROOT)], cwd=tmp_path)
-    module, library, _ = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
+    module, library, _, tui = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
     assert Path(module).parent == REPO_ROOT / "pykvalloc"
+    assert Path(tui).parent == REPO_ROOT / "tui" / "kvalloc_tui"
     assert Path(library).parent == site_packages / "pykvalloc"
     _run([str(venv / "bin" / "kvalloc"), "demo", "--capacity", "16M"], cwd=tmp_path)

@@ -1,0 +1,206 @@
+"""``kvalloc dump PID|NAME``: one snapshot of a live pool, for scripts and bug reports.
+
+The pool is found by pid, pool name or segment file (``kvalloc ls`` lists them) and read through
+its statistics segment, so the engine is neither stopped nor signalled. The tables show the
+summary, the free blocks per buddy order with the kernel's unusable-free-space index, the heap
+map in coloured cells, the slab classes in use, call latency and the KV cache; ``--trace`` adds
+the ring of recent operations, ``--json`` prints every figure as JSON instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from kvalloc_tui import render
+
+from ..pool import PageKind
+from ..sizes import format_size
+from ..stats import Snapshot, format_age, open_segment, process_name
+
+HEAP_MAP_ROWS = 8  # at most; a small pool fills fewer
+BAR_WIDTH = 20
+STRIP_WIDTH = 24
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "dump", help="print one snapshot of a live pool's statistics",
+        description=__doc__.split("\n\n", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", metavar="PID|NAME",
+                        help="the writer's pid, the pool name, or the segment file")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--trace", action="store_true",
+                        help="also print the ring of recent operations")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with open_segment(args.target) as segment:
+        snap = segment.snapshot()
+    process = process_name(snap.pid)
+    if args.json:
+        print(json.dumps({"process": process, **snap.to_dict(trace=args.trace)}, indent=1))
+        return 0
+    console = Console(highlight=False)
+    console.print(render.header_line(snap, process, render.writer_state(snap)))
+    console.print(Text(f"{snap.path}  layout {snap.abi[0]}.{snap.abi[1]}  publish "
+                       f"#{snap.publish_count:,}, {format_age(snap.heartbeat_age())} ago  "
+                       f"sequence {snap.sequence:,}", "dim"))
+    console.print(_summary_table(snap))
+    console.print(_orders_table(snap))
+    console.print(_heap_map(snap, console.width))
+    console.print(_classes_table(snap))
+    console.print(_latency_table(snap))
+    console.print(_kv_table(snap))
+    if args.trace:
+        console.print(_trace_table(snap))
+    return 0
+
+
+def _summary_table(snap: Snapshot) -> Table:
+    table = Table(title="Pool statistics", title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_column("of capacity", justify="right")
+    s = snap.summary
+    capacity = snap.capacity
+    try:
+        backing = PageKind(int(s["page_kind"])).label
+    except ValueError:  # a kind newer than this package
+        backing = f"page kind {int(s['page_kind'])}"
+
+    def share(name: str) -> tuple[str, str]:
+        return format_size(int(s[name])), render.percent(int(s[name]), capacity)
+
+    for row in (
+        ("backing", f"{backing}, {format_size(int(s['page_size']))} pages", ""),
+        ("capacity", format_size(capacity), ""),
+        ("in use (usable bytes)", *share("bytes_in_use")),
+        ("free buddy blocks", *share("bytes_free")),
+        ("held by slabs", *share("slab_bytes")),
+        ("  free inside slabs", format_size(int(s["slab_free_bytes"])), ""),
+        ("largest free block", format_size(int(s["largest_free"])), ""),
+        ("fragmentation", f"{snap.fragmentation:.1%}", ""),
+        ("live allocations", f"{int(s['live_allocations']):,}", ""),
+        ("allocations / frees", f"{int(s['alloc_count']):,} / {int(s['free_count']):,}", ""),
+        ("failed / rejected calls",
+         f"{int(s['alloc_failures']):,} / {int(s['rejected_calls']):,}", ""),
+        ("live slabs", f"{int(s['slab_count']):,}", ""),
+        ("host metadata", format_size(int(s["metadata_bytes"])), ""),
+    ):
+        table.add_row(*row)
+    return table
+
+
+def _orders_table(snap: Snapshot) -> Table:
+    table = Table(title="Free buddy blocks per order (unusable: the kernel's unusable free space "
+                        "index)", title_justify="left")
+    for name in ("order", "block", "free blocks", "free bytes", "unusable"):
+        table.add_column(name, justify="right")
+    table.add_column("share of free bytes", no_wrap=True, min_width=BAR_WIDTH)
+    free = int(snap.summary["bytes_free"])
+    for order in range(snap.num_orders):
+        count, size = int(snap.free_blocks[order]), snap.block_size(order)
+        table.add_row(str(order), format_size(size), f"{count:,}",
+                      format_size(count * size) if count else "-",
+                      f"{float(snap.unusable_index[order]):.3f}",
+                      render.bar(count * size / free if free else 0.0, BAR_WIDTH))
+    return table
+
+
+def _heap_map(snap: Snapshot, width: int) -> Panel | Text:
+    if snap.cell_state is None:
+        return Text("this writer publishes no heap map", "dim")
+    columns = max(8, width - 4)
+    rows = max(1, min(HEAP_MAP_ROWS, math.ceil(len(snap.cell_state) / columns)))
+    shown = min(columns * rows, len(snap.cell_state))
+    return Panel(render.heap_map(snap, columns, rows), title="heap map", title_align="left",
+                 subtitle=render.heap_legend(snap, shown), subtitle_align="left", expand=False)
+
+
+def _classes_table(snap: Snapshot) -> Table | Text:
+    rows = render.class_rows(snap)
+    if not rows:
+        return Text("No slabs.", "dim")
+    table = Table(title="Slab size classes in use", title_justify="left")
+    for name in ("object size", "live objects", "room", "slabs"):
+        table.add_column(name, justify="right")
+    table.add_column("occupancy (mean of its slabs)", no_wrap=True, min_width=STRIP_WIDTH + 2)
+    for size, live, room, slabs, mean in rows:
+        table.add_row(format_size(size), f"{live:,}", f"{room:,}", f"{slabs:,}",
+                      Text.assemble(("▕", "dim"),
+                                    render.strip(render.resample(mean, STRIP_WIDTH)),
+                                    ("▏", "dim")))
+    return table
+
+
+def _latency_table(snap: Snapshot) -> Table | Text:
+    if snap.latency is None:
+        return Text("This writer publishes no latency histograms.", "dim")
+    table = Table(title="Call latency (upper bounds of log2 buckets)", title_justify="left",
+                  min_width=60)
+    for name in ("call", "samples", "p50", "p99", "p999"):
+        table.add_column(name, justify="right")
+    for kind in ("alloc", "free"):
+        bounds = snap.latency_percentiles(kind)
+        cells = (["-"] * 3 if bounds is None else
+                 [f"≤{render.format_ns(bounds[q])}" for q in (0.5, 0.99, 0.999)])
+        table.add_row(kind, f"{snap.latency_samples(kind):,}", *cells)
+    if snap.latency_is_sampled():
+        table.caption = "sampled: only slow paths (the pool runs without trace)"
+        table.caption_justify = "left"
+    return table
+
+
+def _kv_table(snap: Snapshot) -> Table | Text:
+    if snap.kv is None:
+        return Text("KV cache: no KV cache attached", "dim")
+    table = Table(title="KV cache", title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    kv = snap.kv
+    hit = snap.hit_rate
+    for label, value in (
+        ("blocks", f"{int(kv['total_blocks']):,} × {int(kv['block_tokens'])} tokens, "
+                   f"{format_size(int(kv['block_bytes']))} each"),
+        ("used / cached / free", f"{int(kv['used_blocks']):,} / {int(kv['cached_blocks']):,} / "
+                                 f"{int(kv['free_blocks']):,}"),
+        ("prefix hit rate", "-" if hit is None else
+         f"{hit:.1%} ({int(kv['hit_tokens']):,} of {int(kv['query_tokens']):,} tokens)"),
+        ("live sequences", f"{int(kv['live_sequences']):,}"),
+        ("evictions", f"{int(kv['evictions']):,}"),
+        ("forks / copies on write", f"{int(kv['forks']):,} / {int(kv['cow_copies']):,}"),
+    ):
+        table.add_row(label, value)
+    return table
+
+
+def _trace_table(snap: Snapshot) -> Table:
+    table = Table(title=f"Recent operations ({snap.trace_written:,} recorded, oldest first)",
+                  title_justify="left")
+    for name, justify in (("time", "left"), ("thread", "right"), ("call", "left"),
+                          ("size", "right"), ("offset", "right"), ("status", "left")):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for record in snap.trace_records():
+        failed = record["status"] != 0
+        stamp = time.strftime("%H:%M:%S", time.localtime(record["time_ns"] / 1e9))
+        table.add_row(
+            f"{stamp}.{record['time_ns'] // 1000 % 1_000_000:06d}", str(record["thread"]),
+            record["op"], format_size(record["size"]) if record["size"] else "",
+            "-" if record["offset"] is None else f"{record['offset']:#x}",
+            Text(record["status_name"], render.FAILURE_STYLE if failed else "green"),
+            style=render.FAILURE_STYLE if failed else None)
+    note = render.trace_note(snap)
+    if note:
+        table.caption = note
+    return table

@@ -1,0 +1,138 @@
+"""``kvalloc ls``: the pools that publish statistics on this machine.
+
+Every named pool has a segment ``/dev/shm/kvalloc.<pid>.<pool name>``. A row shows the writer's
+pid and process name, the pool, its capacity and use, and its state: live, idle (alive but no
+publish lately; an idle pool publishes nothing) or dead (the process was killed before it could
+remove the segment). ``--prune`` removes the segments of dead processes; live ones are never
+touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import SegmentError, SegmentNotFound
+from ..sizes import format_size
+from ..stats import (
+    IDLE_AFTER_S,
+    SHM_DIR,
+    Segment,
+    SegmentFile,
+    format_age,
+    list_segments,
+    process_name,
+    writer_alive,
+)
+
+@dataclass(frozen=True)
+class Entry:
+    """One segment as ``kvalloc ls`` reports it."""
+
+    segment: str
+    pid: int
+    process: str | None
+    pool: str
+    alive: bool             # the writer process runs
+    state: str              # "live", "idle", "dead" or "unreadable"
+    capacity: int | None = None
+    bytes_in_use: int | None = None
+    uptime_s: float | None = None
+    heartbeat_age_s: float | None = None
+    problem: str | None = None  # what is wrong with an unreadable segment
+
+
+def describe(found: SegmentFile) -> Entry | None:
+    """Reads what there is to say about one segment, whatever state its writer is in; None
+    when the file went away after it was listed."""
+    try:
+        with Segment(found.path) as segment:
+            snap = segment.snapshot(check_writer=False)
+    except SegmentNotFound:
+        return None
+    except SegmentError as exc:
+        alive = writer_alive(found.pid)
+        return Entry(str(found.path), found.pid, process_name(found.pid) if alive else None,
+                     found.name, alive, "unreadable", problem=f"{type(exc).__name__}: {exc}")
+    alive = writer_alive(snap.pid, snap.start_time_ns) and writer_alive(found.pid)
+    age = snap.heartbeat_age()
+    state = "dead" if not alive else "idle" if age >= IDLE_AFTER_S else "live"
+    return Entry(str(found.path), found.pid, process_name(found.pid) if alive else None,
+                 snap.pool_name, alive, state, snap.capacity, snap.bytes_in_use,
+                 snap.uptime() if alive else None, age)
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "ls", help="list the pools publishing statistics, and prune dead ones",
+        description=__doc__.split("\n\n", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prune", action="store_true",
+                        help="remove the segments whose process is gone")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    entries = [entry for entry in map(describe, list_segments()) if entry is not None]
+    removed = []
+    if args.prune:
+        for entry in entries:
+            if not entry.alive:
+                try:
+                    os.unlink(entry.segment)
+                except FileNotFoundError:
+                    pass  # removed meanwhile
+                except OSError as exc:
+                    print(f"kvalloc ls: cannot remove {entry.segment}: {exc.strerror}",
+                          file=sys.stderr)
+                    continue
+                removed.append(entry)
+        entries = [entry for entry in entries if entry not in removed]
+    if args.json:
+        print(json.dumps({"segments": [asdict(entry) for entry in entries],
+                          "removed": [entry.segment for entry in removed]}, indent=1))
+        return 0
+    console = Console(highlight=False)
+    for entry in removed:
+        console.print(f"removed {entry.segment} (pool {entry.pool!r}, process {entry.pid} is gone)")
+    if entries:
+        console.print(_table(entries))
+    elif not removed:
+        console.print(f"no pool segments in {SHM_DIR}")
+    return 0
+
+
+_STATE_STYLES = {"live": "green", "idle": "yellow", "dead": "red", "unreadable": "red"}
+
+
+def _table(entries: list[Entry]) -> Table:
+    table = Table(title=f"Pools publishing statistics in {SHM_DIR}", title_justify="left")
+    for name, justify in (("pid", "right"), ("process", "left"), ("pool", "left"),
+                          ("capacity", "right"), ("in use", "right"), ("use", "right"),
+                          ("state", "left"), ("up", "right")):
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
+    for entry in entries:
+        if entry.capacity is None or entry.bytes_in_use is None:
+            figures = ["-", "-", "-"]
+        else:
+            figures = [format_size(entry.capacity), format_size(entry.bytes_in_use),
+                       f"{entry.bytes_in_use / entry.capacity:.1%}" if entry.capacity else "-"]
+        state = entry.state
+        if entry.state == "idle" and entry.heartbeat_age_s is not None:
+            state = f"idle {format_age(entry.heartbeat_age_s)}"
+        elif entry.problem:
+            error = entry.problem.split(":", 1)[0]
+            state = f"{state} ({error}, {'alive' if entry.alive else 'dead'})"
+        table.add_row(str(entry.pid), entry.process or "-", entry.pool, *figures,
+                      Text(state, _STATE_STYLES[entry.state]),
+                      "-" if entry.uptime_s is None else format_age(entry.uptime_s))
+    return table

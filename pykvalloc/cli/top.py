@@ -1,0 +1,51 @@
+"""``kvalloc top [PID|NAME]``: watch live pools in the terminal (a Textual app, ``kvalloc_tui``).
+
+Without an argument it watches the only live pool, or offers a picker when there are several.
+Keys: q quit, space pause, + / - refresh less / more often, tab next pool, p pick a pool,
+? help. It reads the pools' statistics segments only; the engine is never signalled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from ..stats import SegmentFile, find_segment, list_segments
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.1 <= value <= 10:
+        raise argparse.ArgumentTypeError("the interval must lie in [0.1, 10] seconds")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "top", help="watch live pools in the terminal",
+        description=__doc__.split("\n\n", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", nargs="?", metavar="PID|NAME",
+                        help="the pool to watch first: its writer's pid, its name or its "
+                             "segment file (default: the only live pool, or a picker)")
+    parser.add_argument("--interval", type=_interval, default=1.0, metavar="SECONDS",
+                        help="seconds between refreshes, 0.1 to 10 (default 1)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    target: SegmentFile | None = None
+    if args.target is not None:
+        target = find_segment(args.target)
+    elif not any(found.process_alive() for found in list_segments()):
+        print("kvalloc top: no live pools (a pool publishes statistics when it has a name)",
+              file=sys.stderr)
+        return 1
+    from kvalloc_tui.app import KvallocTop  # Textual loads only for this command
+
+    KvallocTop(target, interval=args.interval).run()
+    return 0

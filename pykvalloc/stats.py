@@ -1,0 +1,753 @@
+"""Reading a named pool's live statistics segment, from any process (layout: kvalloc_stats.h).
+
+A pool created with a name publishes its state in ``/dev/shm/kvalloc.<pid>.<name>``. This module
+finds those files, maps one read-only and copies consistent snapshots out of it:
+
+    >>> from pykvalloc import stats
+    >>> with stats.open_segment("engine") as segment:       # a pid, a pool name or a path
+    ...     snap = segment.snapshot()
+    ...     print(snap.pool_name, snap.summary["bytes_in_use"], snap.latency_percentiles("alloc"))
+
+Rules it keeps, because the writer is another program that may be buggy, older, newer, killed
+half way, or not a kvalloc at all:
+
+* The file is opened with ``os.open`` and ``mmap`` read-only. ``multiprocessing.shared_memory``
+  is not used: its resource tracker unlinks segments it believes it created, which would delete
+  the engine's segment under it.
+* No offset or count read from the segment is used before it is checked against the segment's
+  real size; each way the segment can be wrong raises its own ``SegmentError`` subclass.
+* A snapshot is a private copy taken under the writer's sequence lock (equal, even sequence
+  before and after the copy), retried a bounded number of times; after that
+  ``InconsistentSnapshot`` is raised. Torn data is never returned.
+* The writer's liveness is judged from its pid (and that pid's start time, against reuse), not
+  from the heartbeat: a live pool that makes no slow-path calls publishes nothing, so an old
+  heartbeat with a live pid means idle, not dead.
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+import os
+import re
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from .errors import (
+    AmbiguousSegment,
+    BadMagic,
+    CorruptSegment,
+    DeadWriter,
+    InconsistentSnapshot,
+    SegmentError,
+    SegmentNotFound,
+    SegmentRemoved,
+    TruncatedSegment,
+    UnsupportedVersion,
+)
+
+__all__ = [
+    "SHM_DIR",
+    "SegmentFile",
+    "Segment",
+    "Snapshot",
+    "list_segments",
+    "find_segment",
+    "open_segment",
+    "writer_alive",
+    "process_name",
+    "latency_percentiles",
+    "downsample_cells",
+    "format_age",
+    "CELL_FREE",
+    "CELL_BLOCK",
+    "CELL_SLAB",
+    "CELL_MIXED",
+    "CELL_KV_USED",
+    "CELL_KV_CACHED",
+    "CELL_NAMES",
+    "OP_NAMES",
+]
+
+SHM_DIR = Path("/dev/shm")
+
+# ---- the layout of kvalloc_stats.h -------------------------------------------------------------
+
+MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
+ABI_MAJOR = 1
+ABI_MINOR = 0
+MAX_SECTIONS = 16
+LATENCY_BUCKETS = 40
+STRIP_CELLS = 64
+
+SECTION_SUMMARY, SECTION_HEAPMAP, SECTION_CLASSES, SECTION_SLABS = 1, 2, 3, 4
+SECTION_ARENAS, SECTION_LATENCY, SECTION_KV, SECTION_TRACE = 5, 6, 7, 8
+SECTION_NAMES = {SECTION_SUMMARY: "summary", SECTION_HEAPMAP: "heap map",
+                 SECTION_CLASSES: "classes", SECTION_SLABS: "slabs", SECTION_ARENAS: "arenas",
+                 SECTION_LATENCY: "latency", SECTION_KV: "kv", SECTION_TRACE: "trace"}
+
+CELL_FREE, CELL_BLOCK, CELL_SLAB, CELL_MIXED, CELL_KV_USED, CELL_KV_CACHED = range(6)
+CELL_NAMES = ("free", "block", "slab", "mixed", "kv used", "kv cached")
+
+OP_NAMES = {1: "alloc", 2: "free", 3: "alloc_aligned", 4: "alloc_exact", 5: "trim"}
+STATUS_NAMES = {0: "ok", 1: "out of memory", 2: "invalid", 3: "double free", 4: "bad pointer",
+                5: "backend", 6: "corrupt"}
+NO_OFFSET = (1 << 64) - 1
+
+# align=True lays the fields out as a C compiler does; "<" because the segment is little-endian
+# whatever machine reads it. tests/python/test_stats_layout.py checks every offset against the
+# compiler's.
+SECTION_DTYPE = np.dtype([("kind", "<u4"), ("reserved", "<u4"), ("offset", "<u8"),
+                          ("size", "<u8")], align=True)
+HEADER_DTYPE = np.dtype([
+    ("magic", "<u8"), ("abi_major", "<u2"), ("abi_minor", "<u2"), ("header_size", "<u4"),
+    ("capabilities", "<u8"), ("sequence", "<u8"), ("segment_size", "<u8"),
+    ("writer_pid", "<u4"), ("section_count", "<u4"), ("start_time_ns", "<u8"),
+    ("heartbeat_ns", "<u8"), ("publish_count", "<u8"), ("pool_name", "S64"),
+    ("sections", SECTION_DTYPE, (MAX_SECTIONS,)),
+], align=True)
+SUMMARY_COUNTERS = ("capacity", "min_block", "slab_chunk", "max_alloc_size", "bytes_in_use",
+                    "bytes_free", "slab_bytes", "slab_free_bytes", "largest_free",
+                    "live_allocations", "alloc_count", "free_count", "alloc_failures",
+                    "rejected_calls", "slab_count", "metadata_bytes", "page_size")
+SUMMARY_DTYPE = np.dtype(
+    [(name, "<u8") for name in SUMMARY_COUNTERS]
+    + [("page_kind", "<u4"), ("num_orders", "<u4"), ("fragmentation", "<f8"),
+       ("free_blocks", "<u8", (48,)), ("unusable_index", "<f8", (48,))], align=True)
+HEAPMAP_DTYPE = np.dtype([("cells", "<u4"), ("cell_blocks", "<u4"), ("cell_bytes", "<u8")],
+                         align=True)
+COUNTED_DTYPE = np.dtype([("count", "<u4"), ("reserved", "<u4")], align=True)  # classes, arenas
+CLASS_DTYPE = np.dtype([("object_size", "<u4"), ("objects_per_slab", "<u4"),
+                        ("live_objects", "<u8"), ("slabs", "<u8"), ("allocs", "<u8"),
+                        ("frees", "<u8")], align=True)
+SLABS_DTYPE = np.dtype([("count", "<u4"), ("capacity", "<u4")], align=True)
+SLAB_DTYPE = np.dtype([("chunk", "<u4"), ("size_class", "<u2"), ("reserved", "<u2"),
+                       ("inuse", "<u4"), ("objects", "<u4"), ("strip", "u1", (STRIP_CELLS,))],
+                      align=True)
+ARENA_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8"), ("alloc_failures", "<u8"),
+                        ("bytes_in_use", "<u8")], align=True)
+LATENCY_DTYPE = np.dtype([("alloc", "<u8", (LATENCY_BUCKETS,)),
+                          ("free", "<u8", (LATENCY_BUCKETS,))], align=True)
+KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "hit_tokens",
+               "query_tokens", "evictions", "cow_copies", "forks", "live_sequences",
+               "block_bytes")
+KV_DTYPE = np.dtype([("present", "<u4"), ("block_tokens", "<u4")]
+                    + [(name, "<u8") for name in KV_COUNTERS], align=True)
+TRACE_DTYPE = np.dtype([("capacity", "<u4"), ("reserved", "<u4"), ("written", "<u8")],
+                       align=True)
+RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
+                         ("thread", "<u4"), ("op", "u1"), ("status", "u1"),
+                         ("reserved", "<u2")], align=True)
+
+_U64 = struct.Struct("<Q")
+_IDENTITY = struct.Struct("<QHH")  # magic, abi_major, abi_minor: where every version has them
+_SEQUENCE_AT = HEADER_DTYPE.fields["sequence"][1]
+
+# The pid in a segment's file name is the writer's; the pool name follows the library's rule.
+_FILE_RE = re.compile(r"kvalloc\.([0-9]{1,10})\.([A-Za-z0-9_.-]{1,63})\Z")
+
+# A process whose start is this much later than the pool's creation cannot have created it: its
+# pid was reused. The slack covers the kernel's start-time rounding (boot time in whole seconds).
+_PID_REUSE_SLACK_S = 2.0
+
+# A live writer whose latest publish is older than this is shown as idle. The library publishes
+# only from calls that leave the fast paths, so a pool in steady use can be idle too.
+IDLE_AFTER_S = 2.0
+
+# How hard snapshot() tries before InconsistentSnapshot: a publish takes microseconds, a large
+# pool's about a millisecond, so this rides out a writer publishing back to back yet gives up on
+# a stuck one in about 0.1 s.
+SNAPSHOT_ATTEMPTS = 64
+_MAX_BACKOFF_S = 0.002
+
+
+# ---- finding segments --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SegmentFile:
+    """A file that by its name is a pool's segment: ``kvalloc.<pid>.<name>`` in ``SHM_DIR``."""
+
+    path: Path
+    pid: int
+    name: str
+
+    @classmethod
+    def from_path(cls, path: Path) -> SegmentFile | None:
+        match = _FILE_RE.match(path.name)
+        return cls(path, int(match.group(1)), match.group(2)) if match else None
+
+    def process_alive(self) -> bool:
+        """Whether the pid of the file name runs. Without reading the file the pool's start
+        time is unknown, so a reused pid counts as alive here; ``Segment.snapshot`` knows."""
+        return writer_alive(self.pid)
+
+
+def list_segments(directory: Path = SHM_DIR) -> list[SegmentFile]:
+    """Every file named like a segment in ``directory``, ordered by pid then pool name."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = (SegmentFile.from_path(directory / name) for name in names)
+    return sorted((f for f in found if f is not None), key=lambda f: (f.pid, f.name))
+
+
+def find_segment(target: str, directory: Path = SHM_DIR) -> SegmentFile:
+    """The segment named by ``target``: a path, a file name (``kvalloc.<pid>.<name>``), a pid or
+    a pool name. A pid or a name that matches several raises ``AmbiguousSegment``; between a
+    live and a dead writer's segment of the same name, the live one is taken."""
+    if os.sep in target:
+        path = Path(target)
+        if not path.exists():
+            raise SegmentNotFound(f"no segment {target}", path=target)
+        found = SegmentFile.from_path(path)
+        if found is None:
+            raise SegmentNotFound(f"{target} is not named like a kvalloc segment "
+                                  "(kvalloc.<pid>.<pool name>)", path=target)
+        return found
+    segments = list_segments(directory)
+    matches = [s for s in segments if s.path.name == target]
+    if not matches and target.isdigit():
+        matches = [s for s in segments if s.pid == int(target)]
+    if not matches:
+        matches = [s for s in segments if s.name == target]
+    if len(matches) > 1:
+        alive = [s for s in matches if s.process_alive()]
+        matches = alive or matches
+    if not matches:
+        listed = ", ".join(s.path.name for s in segments) or "none"
+        raise SegmentNotFound(f"no pool segment matches {target!r} in {directory} "
+                              f"(segments there: {listed})")
+    if len(matches) > 1:
+        listed = ", ".join(s.path.name for s in matches)
+        raise AmbiguousSegment(f"{target!r} matches {len(matches)} segments: {listed}; "
+                               "name one of them")
+    return matches[0]
+
+
+def open_segment(target: str, directory: Path = SHM_DIR) -> Segment:
+    """``Segment(find_segment(target).path)``."""
+    return Segment(find_segment(target, directory).path)
+
+
+def writer_alive(pid: int, start_time_ns: int | None = None) -> bool:
+    """Whether process ``pid`` runs and, given the pool's creation time, is old enough to have
+    created it (a younger process has only reused the pid of a dead writer)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # it exists, under another user
+    if start_time_ns is None:
+        return True
+    try:
+        created = psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:
+        return True
+    return created <= start_time_ns / 1e9 + _PID_REUSE_SLACK_S
+
+
+def process_name(pid: int) -> str | None:
+    """The name of process ``pid`` (psutil), None when it is gone or hidden."""
+    try:
+        return psutil.Process(pid).name()
+    except psutil.Error:
+        return None
+
+
+# ---- the mapping -------------------------------------------------------------------------------
+
+
+class Segment:
+    """One segment mapped read-only. ``snapshot()`` copies a consistent state out of it.
+
+    The mapping stays readable after the writer removes the file, so the segment remembers the
+    file's identity (device, inode) to tell that the pool is gone. Thread safe: snapshots and
+    ``close()`` are serialized.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise SegmentNotFound(f"no segment {self.path}", path=str(self.path)) from None
+        except OSError as exc:
+            raise SegmentNotFound(f"cannot open {self.path}: {exc.strerror}",
+                                  path=str(self.path)) from exc
+        try:
+            info = os.fstat(fd)
+            self._identity = (info.st_dev, info.st_ino)
+            self.size = info.st_size
+            if self.size < _IDENTITY.size:
+                raise self._truncated(f"the file has {self.size} bytes, fewer than the "
+                                      f"{_IDENTITY.size} of the magic and version")
+            # The mmap object keeps its own descriptor (mmap.size() reads the file's size).
+            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def for_pool(cls, pool: Any) -> Segment:
+        """The segment of a named ``pykvalloc.Pool`` of this process."""
+        name = pool.segment_name
+        if name is None:
+            raise SegmentNotFound(f"{pool!r} has no name, so no statistics segment")
+        return cls(SHM_DIR / name.lstrip("/"))
+
+    def close(self) -> None:
+        """Unmaps the segment; idempotent. The writer's file is never touched."""
+        with self._lock:
+            if self._map is not None:
+                self._map.close()
+                self._map = None
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<pykvalloc.stats.Segment {self.path}{'' if self._map else ' closed'}>"
+
+    def removed(self) -> bool:
+        """Whether the file this segment mapped is no longer at its path (pool destroyed)."""
+        try:
+            info = os.stat(self.path)
+        except FileNotFoundError:
+            return True
+        return (info.st_dev, info.st_ino) != self._identity
+
+    def snapshot(self, *, check_writer: bool = True,
+                 attempts: int = SNAPSHOT_ATTEMPTS) -> Snapshot:
+        """A consistent copy of the segment, parsed and bounds-checked.
+
+        With ``check_writer`` (the default), a removed segment raises ``SegmentRemoved`` and a
+        dead writer ``DeadWriter``; without it the last published state of either is returned
+        (for ``kvalloc ls`` and post-mortems).
+        """
+        with self._lock:
+            if self._map is None:
+                raise ValueError(f"{self!r} is closed")
+            data = self._consistent_copy(self._map, attempts)
+        snap = Snapshot(data, self.path)
+        if check_writer:
+            self._check_writer(snap)
+        return snap
+
+    def _consistent_copy(self, mapping: mmap.mmap, attempts: int) -> bytes:
+        failure: type[SegmentError] = InconsistentSnapshot
+        reason = "the writer was publishing at every attempt"
+        for attempt in range(max(1, attempts)):
+            if attempt:
+                time.sleep(min(_MAX_BACKOFF_S, 1e-5 * (1 << min(attempt, 16))))
+            magic, major, minor = _IDENTITY.unpack_from(mapping, 0)
+            if magic == 0:
+                # The writer stores the magic last when it creates the segment: wait for it.
+                failure = BadMagic
+                reason = "its magic stayed zero (not yet set up, or not a segment)"
+                continue
+            if magic != MAGIC:
+                raise BadMagic(f"{self.path} is not a kvalloc statistics segment (magic "
+                               f"{magic:#018x}, expected {MAGIC:#018x})", path=str(self.path))
+            if major != ABI_MAJOR:
+                raise UnsupportedVersion(
+                    f"{self.path} has layout version {major}.{minor}; this reader understands "
+                    f"{ABI_MAJOR}.x (use the pykvalloc that matches the engine's libkvalloc)",
+                    path=str(self.path))
+            if self.size < HEADER_DTYPE.itemsize:
+                raise self._truncated(f"the file has {self.size} bytes, fewer than the "
+                                      f"{HEADER_DTYPE.itemsize} of the header")
+            failure, reason = InconsistentSnapshot, "the writer was publishing at every attempt"
+            before = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
+            if before % 2:
+                continue
+            # Reading a mapping past the end of a file that shrank since it was mapped kills
+            # the process with SIGBUS. The writer never resizes its segment; this catches
+            # anyone else (short of a shrink between this line and the next).
+            if mapping.size() < self.size:
+                raise self._truncated("the file shrank after it was mapped")
+            # The read side of the sequence lock: sequence, copy, sequence again. Python has no
+            # fences; x86-64 never reorders loads with loads, and elsewhere the interpreter's
+            # own atomic operations between these steps order them in practice.
+            data = mapping[:]
+            after = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
+            if after == before == _U64.unpack_from(data, _SEQUENCE_AT)[0]:
+                return data
+        raise failure(f"no consistent snapshot of {self.path} in {attempts} attempts: {reason}",
+                      path=str(self.path))
+
+    def _check_writer(self, snap: Snapshot) -> None:
+        alive = writer_alive(snap.pid, snap.start_time_ns)
+        if self.removed():
+            how = "was destroyed" if alive else f"ended with its process {snap.pid}"
+            raise SegmentRemoved(f"pool {snap.pool_name!r} {how}: its segment {self.path} was "
+                                 "removed", path=str(self.path))
+        if not alive:
+            raise DeadWriter(
+                f"process {snap.pid}, writer of pool {snap.pool_name!r}, is gone "
+                f"(last publish {format_age(snap.heartbeat_age())} ago); its segment "
+                f"{self.path} is a leftover that `kvalloc ls --prune` removes",
+                path=str(self.path))
+
+    def _truncated(self, why: str) -> TruncatedSegment:
+        return TruncatedSegment(f"{self.path} is truncated: {why}", path=str(self.path))
+
+
+# ---- a snapshot --------------------------------------------------------------------------------
+
+
+class Snapshot:
+    """One consistent copy of a segment, with numpy views over its sections.
+
+    Every array is read-only and views the private copy, never the live mapping. Sections the
+    writer does not publish are None (``kv`` is None also when no KV cache is attached).
+    """
+
+    def __init__(self, data: bytes, path: Path | None = None) -> None:
+        self.data = data
+        self.path = path
+        self.taken_ns = time.time_ns()
+        if len(data) < HEADER_DTYPE.itemsize:
+            raise self._truncated(f"{len(data)} bytes, fewer than the {HEADER_DTYPE.itemsize} "
+                                  "of the header")
+        self.header = np.frombuffer(data, HEADER_DTYPE, count=1)[0]
+        h = self.header
+        self.abi = (int(h["abi_major"]), int(h["abi_minor"]))
+        self.sequence = int(h["sequence"])
+        self.pid = int(h["writer_pid"])
+        self.pool_name = bytes(h["pool_name"]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        self.start_time_ns = int(h["start_time_ns"])
+        self.heartbeat_ns = int(h["heartbeat_ns"])
+        self.publish_count = int(h["publish_count"])
+        self.capabilities = int(h["capabilities"])
+
+        size, header_size = int(h["segment_size"]), int(h["header_size"])
+        if size > len(data):
+            raise self._truncated(f"the header states {size} bytes, the file has {len(data)}")
+        if not HEADER_DTYPE.itemsize <= header_size <= size:
+            raise self._corrupt(f"header_size {header_size} is outside "
+                                f"[{HEADER_DTYPE.itemsize}, {size}]")
+        self.segment_size = size
+        self._header_size = header_size
+        self._newer = self.abi[1] > ABI_MINOR
+        self._sections = self._section_table()
+
+        self.summary: np.void = self._summary()
+        orders = int(self.summary["num_orders"])
+        self.num_orders = orders
+        self.free_blocks: np.ndarray = self.summary["free_blocks"][:orders]
+        self.unusable_index: np.ndarray = self.summary["unusable_index"][:orders]
+        self.heapmap: np.void | None = None
+        self.cell_state: np.ndarray | None = None
+        self.cell_fill: np.ndarray | None = None
+        self._read_heapmap()
+        self.classes = self._counted(SECTION_CLASSES, CLASS_DTYPE)
+        self.arenas = self._counted(SECTION_ARENAS, ARENA_DTYPE)
+        self.slabs = self._slabs()
+        latency = self._fixed(SECTION_LATENCY, LATENCY_DTYPE)
+        self.latency: dict[str, np.ndarray] | None = (
+            None if latency is None else {"alloc": latency["alloc"], "free": latency["free"]})
+        kv = self._fixed(SECTION_KV, KV_DTYPE)
+        self.kv: np.void | None = kv if kv is not None and kv["present"] else None
+        self.trace_written = 0
+        self.trace: np.ndarray | None = self._trace()
+
+    # -- parsing, every offset checked before use ----------------------------------------------
+
+    def _section_table(self) -> dict[int, tuple[int, int]]:
+        count = int(self.header["section_count"])
+        if count > MAX_SECTIONS:
+            raise self._corrupt(f"section_count {count} exceeds the table's {MAX_SECTIONS}")
+        sections: dict[int, tuple[int, int]] = {}
+        for entry in self.header["sections"][:count]:
+            kind, offset, size = int(entry["kind"]), int(entry["offset"]), int(entry["size"])
+            if kind == 0:
+                continue
+            what = SECTION_NAMES.get(kind, f"kind {kind}")
+            if offset < self._header_size or offset % 8 or offset > self.segment_size \
+                    or size > self.segment_size - offset:
+                raise self._corrupt(f"the {what} section [{offset}, +{size}) is not inside the "
+                                    f"{self.segment_size}-byte segment past its header, or is "
+                                    "misaligned")
+            sections.setdefault(kind, (offset, size))
+        return sections
+
+    def _fixed(self, kind: int, dtype: np.dtype) -> np.void | None:
+        where = self._sections.get(kind)
+        if where is None:
+            return None
+        offset, size = where
+        if size < dtype.itemsize:
+            raise self._corrupt(f"the {SECTION_NAMES[kind]} section has {size} bytes, fewer "
+                                f"than the {dtype.itemsize} of its struct")
+        return np.frombuffer(self.data, dtype, count=1, offset=offset)[0]
+
+    def _array(self, kind: int, head: int, dtype: np.dtype, count: int) -> np.ndarray:
+        """``count`` entries after ``head`` bytes of a section. A writer of a newer minor version
+        may have grown each entry at its end: its stride is then what the section size says."""
+        offset, size = self._sections[kind]
+        stride = dtype.itemsize
+        if self._newer and count:
+            stride = (size - head) // count
+        if stride < dtype.itemsize or head + count * stride > size:
+            raise self._corrupt(f"the {SECTION_NAMES[kind]} section has {size} bytes, too few "
+                                f"for {count} entries of {dtype.itemsize}")
+        return np.ndarray((count,), dtype, buffer=self.data, offset=offset + head,
+                          strides=(stride,))
+
+    def _summary(self) -> np.void:
+        summary = self._fixed(SECTION_SUMMARY, SUMMARY_DTYPE)
+        if summary is None:
+            raise self._corrupt("it has no summary section")
+        if int(summary["num_orders"]) > 48:
+            raise self._corrupt(f"num_orders {int(summary['num_orders'])} exceeds 48")
+        return summary
+
+    def _read_heapmap(self) -> None:
+        head = self._fixed(SECTION_HEAPMAP, HEAPMAP_DTYPE)
+        if head is None:
+            return
+        offset, size = self._sections[SECTION_HEAPMAP]
+        cells = int(head["cells"])
+        start = size - 2 * cells if self._newer else HEAPMAP_DTYPE.itemsize
+        if start < HEAPMAP_DTYPE.itemsize or start + 2 * cells > size:
+            raise self._corrupt(f"the heap map section has {size} bytes, too few for "
+                                f"{cells} cells")
+        self.heapmap = head
+        self.cell_state = np.frombuffer(self.data, np.uint8, cells, offset + start)
+        self.cell_fill = np.frombuffer(self.data, np.uint8, cells, offset + start + cells)
+
+    def _counted(self, kind: int, dtype: np.dtype) -> np.ndarray | None:
+        head = self._fixed(kind, COUNTED_DTYPE)
+        if head is None:
+            return None
+        return self._array(kind, COUNTED_DTYPE.itemsize, dtype, int(head["count"]))
+
+    def _slabs(self) -> np.ndarray | None:
+        head = self._fixed(SECTION_SLABS, SLABS_DTYPE)
+        if head is None:
+            return None
+        count, capacity = int(head["count"]), int(head["capacity"])
+        if count > capacity:
+            raise self._corrupt(f"the slabs section counts {count} slabs in room for {capacity}")
+        return self._array(SECTION_SLABS, SLABS_DTYPE.itemsize, SLAB_DTYPE, capacity)[:count]
+
+    def _trace(self) -> np.ndarray | None:
+        head = self._fixed(SECTION_TRACE, TRACE_DTYPE)
+        if head is None:
+            return None
+        capacity, written = int(head["capacity"]), int(head["written"])
+        ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity)
+        self.trace_written = written
+        kept = min(written, capacity)
+        # Record i of the ring sits at i % capacity; oldest first.
+        order = (np.arange(written - kept, written, dtype=np.uint64) % max(capacity, 1))
+        return ring[order.astype(np.intp)]
+
+    def _corrupt(self, why: str) -> CorruptSegment:
+        return CorruptSegment(f"{self.path or 'segment'} is corrupt: {why}",
+                              path=str(self.path) if self.path else None)
+
+    def _truncated(self, why: str) -> TruncatedSegment:
+        return TruncatedSegment(f"{self.path or 'segment'} is truncated: {why}",
+                                path=str(self.path) if self.path else None)
+
+    # -- figures derived from the copy ---------------------------------------------------------
+
+    def heartbeat_age(self, now_ns: int | None = None) -> float:
+        """Seconds since the writer's latest publish."""
+        return max(0, (now_ns or self.taken_ns) - self.heartbeat_ns) / 1e9
+
+    def uptime(self, now_ns: int | None = None) -> float:
+        """Seconds since the pool was created."""
+        return max(0, (now_ns or self.taken_ns) - self.start_time_ns) / 1e9
+
+    @property
+    def capacity(self) -> int:
+        return int(self.summary["capacity"])
+
+    @property
+    def bytes_in_use(self) -> int:
+        return int(self.summary["bytes_in_use"])
+
+    @property
+    def use_fraction(self) -> float:
+        """``bytes_in_use`` (usable bytes of live allocations) over the capacity."""
+        return self.bytes_in_use / self.capacity if self.capacity else 0.0
+
+    @property
+    def fragmentation(self) -> float:
+        return float(self.summary["fragmentation"])
+
+    def block_size(self, order: int) -> int:
+        return int(self.summary["min_block"]) << order
+
+    def latency_samples(self, kind: str) -> int:
+        return int(self.latency[kind].sum()) if self.latency is not None else 0
+
+    def latency_percentiles(self, kind: str, quantiles: tuple[float, ...] = (0.5, 0.99, 0.999)
+                            ) -> dict[float, int] | None:
+        """Upper bounds (ns) of the log2 buckets that hold each quantile of ``kind`` ("alloc"
+        or "free") calls; None without samples."""
+        return None if self.latency is None else latency_percentiles(self.latency[kind], quantiles)
+
+    def latency_is_sampled(self) -> bool:
+        """Whether the histograms hold fewer samples than the pool made calls: a pool created
+        without trace times only some calls (the segment does not say which mode it runs)."""
+        calls = int(self.summary["alloc_count"]) + int(self.summary["free_count"])
+        samples = self.latency_samples("alloc") + self.latency_samples("free")
+        return samples < calls
+
+    @property
+    def hit_rate(self) -> float | None:
+        """KV prefix-cache hits over queried tokens; None without a KV cache or queries."""
+        if self.kv is None or not int(self.kv["query_tokens"]):
+            return None
+        return int(self.kv["hit_tokens"]) / int(self.kv["query_tokens"])
+
+    def heap_cells(self, count: int) -> tuple[np.ndarray, np.ndarray]:
+        """The heap map fitted to ``count`` cells (states, fills); see ``downsample_cells``."""
+        if self.cell_state is None or self.cell_fill is None:
+            return np.zeros(0, np.uint8), np.zeros(0, np.uint8)
+        return downsample_cells(self.cell_state, self.cell_fill, count)
+
+    def trace_records(self) -> Iterator[dict[str, Any]]:
+        """The recent-operations ring, oldest first, as plain dicts."""
+        if self.trace is None:
+            return
+        for record in self.trace:
+            offset = int(record["offset"])
+            yield {"time_ns": int(record["time_ns"]), "op": OP_NAMES.get(int(record["op"]),
+                                                                          str(int(record["op"]))),
+                   "status": int(record["status"]),
+                   "status_name": STATUS_NAMES.get(int(record["status"]),
+                                                   str(int(record["status"]))),
+                   "offset": None if offset == NO_OFFSET else offset,
+                   "size": int(record["size"]), "thread": int(record["thread"])}
+
+    def to_dict(self, *, trace: bool = False) -> dict[str, Any]:
+        """Everything in the snapshot as JSON-ready Python values (``kvalloc dump --json``)."""
+        summary = {name: int(self.summary[name]) for name in SUMMARY_COUNTERS}
+        summary.update(page_kind=int(self.summary["page_kind"]), num_orders=self.num_orders,
+                       fragmentation=self.fragmentation,
+                       free_blocks=[int(n) for n in self.free_blocks],
+                       unusable_index=[float(x) for x in self.unusable_index])
+        result: dict[str, Any] = {
+            "pool": self.pool_name, "pid": self.pid, "segment": str(self.path),
+            "abi": f"{self.abi[0]}.{self.abi[1]}", "sequence": self.sequence,
+            "publish_count": self.publish_count, "start_time_ns": self.start_time_ns,
+            "heartbeat_ns": self.heartbeat_ns, "taken_ns": self.taken_ns,
+            "summary": summary,
+        }
+        if self.heapmap is not None:
+            assert self.cell_state is not None and self.cell_fill is not None
+            result["heapmap"] = {
+                "cells": int(self.heapmap["cells"]),
+                "cell_blocks": int(self.heapmap["cell_blocks"]),
+                "cell_bytes": int(self.heapmap["cell_bytes"]),
+                "state": self.cell_state.tolist(), "fill": self.cell_fill.tolist()}
+        if self.classes is not None:
+            result["classes"] = _records(self.classes)
+        if self.slabs is not None:
+            result["slabs"] = [dict(entry, strip=list(entry["strip"]))
+                               for entry in _records(self.slabs)]
+        if self.arenas is not None:
+            result["arenas"] = _records(self.arenas)
+        if self.latency is not None:
+            result["latency"] = {
+                kind: {"buckets": [int(n) for n in self.latency[kind]],
+                       "samples": self.latency_samples(kind),
+                       **{f"p{_quantile_label(q)}_ns": bound for q, bound in
+                          (self.latency_percentiles(kind) or {}).items()}}
+                for kind in ("alloc", "free")}
+        result["kv"] = None if self.kv is None else {
+            "block_tokens": int(self.kv["block_tokens"]),
+            **{name: int(self.kv[name]) for name in KV_COUNTERS}}
+        if trace:
+            result["trace_written"] = self.trace_written
+            result["trace"] = list(self.trace_records())
+        return result
+
+
+def _records(array: np.ndarray) -> list[dict[str, Any]]:
+    names = [name for name in array.dtype.names if name != "reserved"]
+    return [{name: _plain(entry[name]) for name in names} for entry in array]
+
+
+def _plain(value: Any) -> Any:
+    return value.tolist() if isinstance(value, np.ndarray) else value.item()
+
+
+def _quantile_label(q: float) -> str:
+    # 0.5 -> "50", 0.99 -> "99", 0.999 -> "999"
+    return f"{q * 100:g}".replace(".", "")
+
+
+def latency_percentiles(buckets: np.ndarray, quantiles: tuple[float, ...] = (0.5, 0.99, 0.999)
+                        ) -> dict[float, int] | None:
+    """For each quantile, the upper bound in ns (``2**(i+1)``) of the log2 bucket ``i`` that
+    holds it; None when the histogram is empty."""
+    counts = np.asarray(buckets, dtype=np.uint64)
+    total = int(counts.sum())
+    if total == 0:
+        return None
+    cumulative = np.cumsum(counts)
+    bounds = {}
+    for q in quantiles:
+        rank = max(1, math.ceil(q * total))
+        bucket = int(np.searchsorted(cumulative, rank, side="left"))
+        bounds[q] = 1 << (bucket + 1)
+    return bounds
+
+
+def downsample_cells(state: np.ndarray, fill: np.ndarray, count: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Fits heap-map cells into ``count`` cells (at most as many as there are): each output
+    cell takes the most common non-free state among its inputs (free only if all are free, so
+    a small live block stays visible) and their mean fill."""
+    cells = len(state)
+    if count <= 0 or cells == 0:
+        return np.zeros(0, np.uint8), np.zeros(0, np.uint8)
+    if count >= cells:
+        return np.asarray(state, np.uint8), np.asarray(fill, np.uint8)
+    edges = (np.arange(count + 1, dtype=np.int64) * cells) // count
+    widths = np.diff(edges)
+    bins = np.repeat(np.arange(count), widths)
+    # A state this reader does not know (a newer writer's) counts as "mixed".
+    known = np.where(state < len(CELL_NAMES), state, CELL_MIXED).astype(np.intp)
+    votes = np.zeros((count, len(CELL_NAMES)), np.int64)
+    np.add.at(votes, (bins, known), 1)
+    busy = votes[:, 1:]
+    out_state = np.where(busy.sum(axis=1) == 0, CELL_FREE, 1 + busy.argmax(axis=1))
+    out_fill = np.add.reduceat(np.asarray(fill, np.int64), edges[:-1]) // widths
+    return out_state.astype(np.uint8), out_fill.astype(np.uint8)
+
+
+def format_age(seconds: float) -> str:
+    """``850 ms``, ``12 s``, ``4 min 2 s``, ``3 h 5 min``, ``2 d 1 h``."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    whole = int(seconds)
+    for unit, size, sub, sub_size in (("d", 86400, "h", 3600), ("h", 3600, "min", 60),
+                                      ("min", 60, "s", 1)):
+        if whole >= size:
+            return f"{whole // size} {unit} {whole % size // sub_size} {sub}"
+    return f"{whole} s"

@@ -1,0 +1,169 @@
+"""Helpers of the statistics-segment tests: an engine in another process that the test drives,
+crafted segment files, and a lock against test runs pruning beside each other.
+
+``Writer`` starts a fresh interpreter that owns a named pool and obeys one command per line on
+its stdin, answering one line of JSON on its stdout. The reader under test then reads a segment
+written by another process, as ``kvalloc top`` does beside a real engine.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from support import clean_env
+
+from pykvalloc.stats import SHM_DIR
+
+ENGINE = r"""
+import dataclasses, json, sys
+import pykvalloc
+
+name, capacity, trace = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+pool = pykvalloc.Pool(capacity, name=name, trace=trace, pages="small")
+held = []
+
+def answer(value):
+    print(json.dumps(value), flush=True)
+
+answer({"segment": pool.segment_name})
+for line in sys.stdin:
+    command, *args = line.split()
+    if command == "alloc":                      # alloc SIZE COUNT
+        size, count = int(args[0]), int(args[1])
+        held.extend(pool.alloc(size) for _ in range(count))
+        answer(len(held))
+    elif command == "free_every":               # free_every N: frees every N-th held block
+        step = int(args[0])
+        for block in held[::step]:
+            pool.free(block)
+        held = [block for block in held if not block.freed]
+        answer(len(held))
+    elif command == "fail":                     # fail SIZE: an allocation that cannot succeed
+        try:
+            pool.alloc(int(args[0]))
+        except pykvalloc.KvallocError as exc:
+            answer(type(exc).__name__)
+    elif command == "publish":
+        pool.publish()
+        answer("published")
+    elif command == "stats":
+        answer({"stats": dataclasses.asdict(pool.stats()),
+                "classes": [dataclasses.asdict(c) for c in pool.class_stats()]})
+    elif command == "churn":                    # churn N: allocs, frees, a publish every 4
+        live = []
+        for i in range(int(args[0])):
+            if len(live) > 32 or (live and i % 3 == 0):
+                pool.free(live.pop(i % len(live)))
+            else:
+                live.append(pool.alloc(64 << (i % 15)))
+            if i % 4 == 0:
+                pool.publish()
+        for block in live:
+            pool.free(block)
+        answer("churned")
+    elif command == "close":
+        pool.close()
+        answer("closed")
+"""
+
+
+def unique_name(prefix: str = "t") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+class Writer:
+    """A process owning a named pool; see the module docstring."""
+
+    def __init__(self, name: str, capacity: int = 16 << 20, trace: bool = False) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ENGINE, name, str(capacity), "1" if trace else "0"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=clean_env())
+        self.segment_name = self.ask(None)["segment"]
+        self.path = SHM_DIR / self.segment_name.lstrip("/")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def ask(self, command: str | None) -> Any:
+        """Sends one command (None: only reads) and returns the decoded answer."""
+        assert self.process.stdout is not None
+        if command is not None:
+            self.send(command)
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the writer died: {self.process.stderr.read()}")  # type: ignore
+        return json.loads(line)
+
+    def send(self, command: str) -> None:
+        """Sends a command without waiting for its answer (read it with ``ask(None)``)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(command + "\n")
+        self.process.stdin.flush()
+
+    def answered(self) -> bool:
+        """Whether an answer is waiting on the writer's stdout."""
+        return bool(select.select([self.process.stdout], [], [], 0)[0])
+
+    def kill(self) -> None:
+        """SIGKILL: no atexit handler runs, so the segment stays behind."""
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        """A normal exit: the library removes the segment."""
+        if self.process.poll() is None:
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+            self.process.wait(timeout=10)
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.process.poll() is None:
+            self.stop()
+        for stream in (self.process.stdin, self.process.stdout, self.process.stderr):
+            if stream is not None:
+                stream.close()
+        self.path.unlink(missing_ok=True)  # a killed writer leaves its segment
+
+
+@contextmanager
+def crafted_segment(data: bytes, pid: int | None = None) -> Iterator[Path]:
+    """``data`` as a segment file named for ``pid`` (this process: a live writer) and a unique
+    pool name; removed afterwards."""
+    path = SHM_DIR / f"kvalloc.{pid or os.getpid()}.{unique_name('crafted')}"
+    path.write_bytes(data)
+    try:
+        yield path
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def prune_lock(exclusive: bool) -> Iterator[None]:
+    """``kvalloc ls --prune`` removes every dead writer's segment on the machine, those of a test
+    run going on beside this one included. Tests that prune hold this lock exclusively; tests
+    that read a killed writer's segment hold it shared."""
+    with open(Path(tempfile.gettempdir()) / "pykvalloc-tests-prune.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+

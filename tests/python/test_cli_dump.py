@@ -1,0 +1,115 @@
+"""``kvalloc dump``: one snapshot as rich tables or as JSON, read from another process's pool."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+from stats_writer import Writer, prune_lock, unique_name
+
+import pykvalloc
+from pykvalloc import stats
+from pykvalloc.cli import main
+
+MiB = 1 << 20
+
+
+def test_json_equals_the_writers_own_figures(capsys):
+    with Writer(unique_name("dump"), trace=True) as writer:
+        writer.ask("alloc 64 300")
+        writer.ask("alloc 200000 6")
+        writer.ask("free_every 4")
+        writer.ask(f"fail {15 * MiB}")
+        writer.ask("publish")
+        truth = writer.ask("stats")
+        assert main(["dump", writer.name, "--json"]) == 0
+        plain = json.loads(capsys.readouterr().out)
+        assert main(["dump", str(writer.pid), "--json", "--trace"]) == 0
+        traced = json.loads(capsys.readouterr().out)
+
+    expected = truth["stats"]
+    summary = plain["summary"]
+    assert {key: summary[key] for key in summary if key in expected} == {
+        key: list(value) if key == "free_blocks" else value
+        for key, value in expected.items() if key in summary}
+    assert set(stats.SUMMARY_COUNTERS) <= set(expected) & set(summary)
+    assert summary["num_orders"] == len(expected["free_blocks"])
+    assert [c["live_objects"] for c in plain["classes"]] == [
+        c["live_objects"] for c in truth["classes"]]
+    assert [c["slabs"] for c in plain["classes"]] == [c["slabs"] for c in truth["classes"]]
+    assert plain["pool"] == writer.name and plain["pid"] == writer.pid
+    assert plain["process"] == psutil.Process().name()  # the same interpreter
+    assert plain["segment"] == str(writer.path) and plain["kv"] is None
+    assert plain["heapmap"]["cells"] == len(plain["heapmap"]["state"])
+    assert plain["arenas"][0]["allocs"] == expected["alloc_count"]
+    latency = plain["latency"]["alloc"]
+    assert latency["samples"] == expected["alloc_count"] + 1 == sum(latency["buckets"])
+    assert latency["p50_ns"] <= latency["p99_ns"] <= latency["p999_ns"]
+    assert "trace" not in plain
+
+    calls = expected["alloc_count"] + expected["free_count"] + 1
+    assert traced["trace_written"] == calls
+    assert len(traced["trace"]) == min(calls, 1024)
+    failure = traced["trace"][-1]
+    assert failure["op"] == "alloc" and failure["status_name"] == "out of memory"
+    assert failure["size"] == 15 * MiB and failure["offset"] is None
+
+
+def test_tables_for_people(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    name = unique_name("dump")
+    with pykvalloc.Pool(16 * MiB, name=name) as pool:
+        blocks = [pool.alloc(64) for _ in range(50)] + [pool.alloc(200_000) for _ in range(5)]
+        with pytest.raises(pykvalloc.OutOfMemory):
+            pool.alloc(15 * MiB)
+        pool.publish()
+        assert main(["dump", name, "--trace"]) == 0
+        del blocks
+    out = capsys.readouterr().out
+    for expected in (name, "Pool statistics", "Free buddy blocks per order", "unusable",
+                     "heap map", "· free", "█ block", "Slab size classes in use", "64 B",
+                     "Call latency", "sampled: only slow paths", "no KV cache attached",
+                     "Recent operations (1 recorded", "out of memory",
+                     "trace off: only failed and rejected calls"):
+        assert expected in out, expected
+    heap_rows = [line for line in out.splitlines() if line.startswith("│ ") and "█" in line]
+    assert heap_rows and all(len(line) <= 100 for line in heap_rows)
+
+
+def test_the_heap_map_is_coloured_on_a_terminal(capsys, monkeypatch):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    name = unique_name("colour")
+    with pykvalloc.Pool(16 * MiB, name=name) as pool:
+        block = pool.alloc(1 * MiB)
+        pool.publish()
+        assert main(["dump", name]) == 0
+        del block
+    out = capsys.readouterr().out
+    assert "\x1b[" in out and "█" in out
+
+
+def test_a_dead_writer_is_reported_not_dumped(capsys):
+    with prune_lock(exclusive=False), Writer(unique_name("dead")) as writer:
+        writer.kill()
+        assert main(["dump", str(writer.path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvalloc dump: DeadWriter: process {writer.pid}")
+    assert "kvalloc ls --prune" in err
+
+
+def test_no_such_pool(capsys):
+    assert main(["dump", unique_name("absent")]) == 1
+    assert "SegmentNotFound: no pool segment matches" in capsys.readouterr().err
+
+
+def test_a_segment_removed_while_it_is_read(capsys):
+    name = unique_name("gone")
+    pool = pykvalloc.Pool(16 * MiB, name=name)
+    segment = stats.open_segment(name)
+    pool.close()
+    with pytest.raises(pykvalloc.errors.SegmentRemoved):
+        segment.snapshot()
+    segment.close()
+    assert main(["dump", name]) == 1
+    assert "SegmentNotFound" in capsys.readouterr().err

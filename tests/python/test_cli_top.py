@@ -1,0 +1,36 @@
+"""``kvalloc top`` as a command: its arguments and refusals. The app itself: test_tui.py."""
+
+from __future__ import annotations
+
+import pytest
+from stats_writer import unique_name
+
+from pykvalloc.cli import main, top
+
+
+def test_help_lists_the_keys(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["top", "--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "PID|NAME" in out and "--interval" in out and "space pause" in out
+
+
+@pytest.mark.parametrize("interval", ["0", "11", "soon"])
+def test_bad_intervals_are_refused(capsys, interval):
+    with pytest.raises(SystemExit) as info:
+        main(["top", "--interval", interval])
+    assert info.value.code == 2
+    assert "--interval" in capsys.readouterr().err
+
+
+def test_an_unknown_pool_is_an_error_not_an_empty_screen(capsys):
+    assert main(["top", unique_name("absent")]) == 1
+    assert "kvalloc top: SegmentNotFound" in capsys.readouterr().err
+
+
+def test_no_live_pool_at_all(capsys, monkeypatch):
+    # Other test runs may own live pools on this machine; here the listing is empty.
+    monkeypatch.setattr(top, "list_segments", lambda: [])
+    assert main(["top"]) == 1
+    assert "no live pools" in capsys.readouterr().err

@@ -1,0 +1,191 @@
+"""``kvalloc top``: the Textual app that watches live pools through their statistics segments.
+
+Shape (memray's live TUI is the model): one App, a Screen of small panels, snapshots taken on a
+worker thread and posted back as messages, keys in the footer. The app only reads segments: it
+never signals or writes to the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import work
+from textual.app import App
+from textual.binding import Binding
+from textual.message import Message
+from textual.timer import Timer
+
+from pykvalloc.errors import SegmentError
+from pykvalloc.stats import SegmentFile, Snapshot
+
+from .screens import HelpScreen, PickerScreen, PoolScreen
+from .watch import PoolWatch, live_segments
+
+# Refresh intervals that + and - step through, in seconds.
+INTERVALS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+class Sampled(Message):
+    """A snapshot of ``pool`` (or the error that took its place), from the sampling thread."""
+
+    def __init__(self, pool: PoolWatch, snapshot: Snapshot | None,
+                 error: SegmentError | None) -> None:
+        super().__init__()
+        self.pool = pool
+        self.snapshot = snapshot
+        self.error = error
+
+
+class KvallocTop(App[None]):
+    """Watches one pool at a time; tab moves to the next live one."""
+
+    TITLE = "kvalloc top"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("q", "quit", "Quit"),
+        Binding("space", "toggle_pause", "Pause"),
+        Binding("plus", "slower", "Slower", key_display="+"),
+        Binding("minus", "faster", "Faster", key_display="-"),
+        Binding("tab", "next_pool", "Next pool", priority=True),
+        Binding("p", "pick_pool", "Pools"),
+        Binding("question_mark,f1", "help", "Help", key_display="?"),
+    ]
+
+    def __init__(self, target: SegmentFile | None = None, interval: float = 1.0) -> None:
+        super().__init__()
+        self.target = target
+        self.interval = min(INTERVALS, key=lambda step: abs(step - interval))
+        self.paused = False
+        self.pools: dict[Path, PoolWatch] = {}
+        self.current: PoolWatch | None = None
+        self.pool_screen = PoolScreen()
+        self._timer: Timer | None = None
+        self._sampling = False
+        self._picking = False
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def on_mount(self) -> None:
+        self.push_screen(self.pool_screen)
+        self._timer = self.set_interval(self.interval, self.tick)
+        if self.target is not None:
+            self.switch_to(self.target)
+        else:
+            self._adopt_a_live_pool(offer_picker=True)
+
+    def on_unmount(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+
+    # -- sampling ---------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Starts one snapshot of the current pool unless paused, done or one is under way."""
+        if self.current is None:
+            self._adopt_a_live_pool(offer_picker=False)
+        pool = self.current
+        if self.paused or pool is None or pool.ended or self._sampling:
+            return
+        self._sampling = True
+        self._sample(pool)
+
+    @work(thread=True, group="sample")
+    def _sample(self, pool: PoolWatch) -> None:
+        snapshot, error = None, None
+        try:
+            snapshot = pool.take()
+        except SegmentError as exc:
+            error = exc
+        if snapshot is not None or error is not None:  # neither: the app closed it, exiting
+            self.post_message(Sampled(pool, snapshot, error))
+
+    def on_sampled(self, message: Sampled) -> None:
+        self._sampling = False
+        message.pool.record(message.snapshot, message.error)
+        if message.pool is self.current:
+            self.redraw()
+
+    def redraw(self) -> None:
+        if self.current is not None:
+            self.pool_screen.show(self.current, self.paused, self.interval)
+
+    # -- pools ------------------------------------------------------------------------------
+
+    def switch_to(self, found: SegmentFile) -> None:
+        """Watches ``found`` from now on (its history is kept if it was watched before)."""
+        pool = self.pools.get(found.path)
+        if pool is None:
+            pool = self.pools[found.path] = PoolWatch(found)
+        self.current = pool
+        self.redraw()
+        self.tick()
+
+    def _adopt_a_live_pool(self, offer_picker: bool) -> None:
+        # With no pool chosen: take the only live one, or (at start) offer the live ones. A
+        # picker dismissed without a choice is not offered again until p is pressed.
+        live = live_segments()
+        if len(live) == 1:
+            self.switch_to(live[0])
+        elif live and offer_picker:
+            self.action_pick_pool(live)
+
+    def action_next_pool(self) -> None:
+        if self.screen is not self.pool_screen:
+            return
+        live = live_segments()
+        if self.current is not None and self.current.file not in live:
+            live = sorted([*live, self.current.file], key=lambda f: (f.pid, f.name))
+        if not live:
+            self.notify("no live pools", severity="warning")
+            return
+        if self.current is None:
+            self.switch_to(live[0])
+            return
+        index = live.index(self.current.file)
+        following = live[(index + 1) % len(live)]
+        if following == self.current.file:
+            self.notify("this is the only live pool")
+        self.switch_to(following)
+
+    def action_pick_pool(self, live: list[SegmentFile] | None = None) -> None:
+        if self._picking:
+            return
+        segments = live if live is not None else live_segments()
+        if not segments:
+            self.notify("no live pools", severity="warning")
+            return
+        self._picking = True
+
+        def chosen(path: Path | None) -> None:
+            self._picking = False
+            found = next((s for s in segments if s.path == path), None)
+            if found is not None:
+                self.switch_to(found)
+
+        self.push_screen(PickerScreen(segments), chosen)
+
+    # -- refresh control --------------------------------------------------------------------
+
+    def action_toggle_pause(self) -> None:
+        self.paused = not self.paused
+        if self._timer is not None:
+            self._timer.pause() if self.paused else self._timer.resume()
+        self.redraw()
+
+    def action_slower(self) -> None:
+        self._set_interval(+1)
+
+    def action_faster(self) -> None:
+        self._set_interval(-1)
+
+    def _set_interval(self, step: int) -> None:
+        index = INTERVALS.index(self.interval)
+        self.interval = INTERVALS[max(0, min(len(INTERVALS) - 1, index + step))]
+        if self._timer is not None:
+            self._timer.stop()
+        self._timer = self.set_interval(self.interval, self.tick, pause=self.paused)
+        self.redraw()
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())

@@ -1,0 +1,329 @@
+"""Rich text for the figures of a snapshot, shared by ``kvalloc top`` and ``kvalloc dump``.
+
+Plain functions of a ``pykvalloc.stats.Snapshot`` and the room available; no Textual here, so
+``kvalloc dump`` uses them without loading the TUI.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import numpy as np
+from rich.text import Text
+
+from pykvalloc import stats
+from pykvalloc.sizes import format_size
+from pykvalloc.stats import Snapshot, format_age
+
+# One colour per heap-map cell state; the glyph says how full the cell is.
+CELL_STYLES = {
+    stats.CELL_FREE: "grey42",
+    stats.CELL_BLOCK: "dodger_blue1",
+    stats.CELL_SLAB: "green3",
+    stats.CELL_MIXED: "yellow3",
+    stats.CELL_KV_USED: "magenta",
+    stats.CELL_KV_CACHED: "cyan",
+}
+FREE_GLYPH = "·"
+FILL_GLYPHS = "░▒▓█"  # in-use share of a cell: up to 1/4, 1/2, 3/4, all
+BAR_STYLE = "dodger_blue1"
+FAILURE_STYLE = "bold red"
+
+
+def fill_glyph(fill: int) -> str:
+    """The glyph of a non-free cell that is ``fill``/255 in use (never blank: it is not free)."""
+    return FILL_GLYPHS[min(len(FILL_GLYPHS) - 1, fill * len(FILL_GLYPHS) // 256)]
+
+
+def heap_map(snap: Snapshot, width: int, height: int) -> Text:
+    """The heap in address order as ``height`` rows of ``width`` coloured cells (fewer rows
+    when the segment has fewer cells than that)."""
+    states, fills = snap.heap_cells(max(0, width * height))
+    cells = [(FREE_GLYPH, CELL_STYLES[stats.CELL_FREE]) if state == stats.CELL_FREE else
+             (fill_glyph(fill), CELL_STYLES.get(state, CELL_STYLES[stats.CELL_MIXED]))
+             for state, fill in zip(states.tolist(), fills.tolist())]
+    text = Text(no_wrap=True, overflow="crop")
+    for start in range(0, len(cells), max(1, width)):
+        if start:
+            text.append("\n")
+        row = cells[start:start + width]
+        run = 0
+        for index in range(1, len(row) + 1):  # one span per run of equal cells
+            if index == len(row) or row[index] != row[run]:
+                text.append(row[run][0] * (index - run), row[run][1])
+                run = index
+    return text
+
+
+def heap_legend(snap: Snapshot, cells_shown: int) -> Text:
+    """Which colour is which state, and how many bytes one shown cell stands for."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    present = set(np.unique(snap.cell_state).tolist()) if snap.cell_state is not None else set()
+    for state, style in CELL_STYLES.items():
+        if state in present or state in (stats.CELL_FREE, stats.CELL_BLOCK, stats.CELL_SLAB):
+            glyph = FREE_GLYPH if state == stats.CELL_FREE else FILL_GLYPHS[-1]
+            text.append(glyph, style).append(f" {stats.CELL_NAMES[state]}  ")
+    if cells_shown:
+        text.append(f"cell ≈ {format_size(snap.capacity / cells_shown)}", "dim")
+    return text
+
+
+def bar(fraction: float, width: int, style: str = BAR_STYLE) -> Text:
+    """A horizontal bar ``width`` wide, filled to ``fraction`` in eighths of a cell."""
+    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    full, part = divmod(eighths, 8)
+    body = "█" * full + ("" if part == 0 else " ▏▎▍▌▋▊▉"[part])
+    return Text(body.ljust(width), style, no_wrap=True)
+
+
+def strip(values: Iterable[int], style: str = "green3") -> Text:
+    """Occupancy cells 0..255 as one row of fill glyphs (a space for an empty cell)."""
+    text = Text(no_wrap=True)
+    for value in values:
+        text.append(" " if value == 0 else fill_glyph(int(value)), style)
+    return text
+
+
+def resample(values: np.ndarray, width: int) -> np.ndarray:
+    """``values`` averaged (or repeated) into ``width`` cells."""
+    if width <= 0 or len(values) == 0:
+        return np.zeros(0, np.int64)
+    edges = np.linspace(0, len(values), width + 1)
+    starts = np.minimum(edges[:-1].astype(np.int64), len(values) - 1)
+    stops = np.maximum(np.ceil(edges[1:]).astype(np.int64), starts + 1)
+    sums = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return (sums[stops] - sums[starts]) // (stops - starts)
+
+
+def format_ns(ns: float) -> str:
+    """``64 ns``, ``8.2 µs``, ``1.0 ms``, ``2.1 s``."""
+    for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
+        if ns >= scale:
+            return f"{ns / scale:.1f} {unit}"
+    return f"{ns:.0f} ns"
+
+
+def percent(part: float, whole: float) -> str:
+    return f"{part / whole:.1%}" if whole else "-"
+
+
+def writer_state(snap: Snapshot) -> tuple[str, str]:
+    """("live" | "idle 12 s", style): a live writer that has not published lately is idle."""
+    age = snap.heartbeat_age()
+    if age >= stats.IDLE_AFTER_S:
+        return f"idle {format_age(age)}", "yellow"
+    return "live", "green"
+
+
+def header_line(snap: Snapshot, process: str | None, state: tuple[str, str],
+                width: int | None = None, interval: float | None = None) -> Text:
+    """Pool, pid and process, uptime, capacity and use at the left; the writer's state and the
+    refresh interval at the right. In ``width`` the process name goes first, then the pool name
+    is shortened: the figures always show."""
+    right = Text(state[0], state[1], no_wrap=True)
+    if interval is not None:
+        right.append(f"  ↻ {interval:g} s", "dim")
+    figures = f"  up {format_age(snap.uptime())}  {format_size(snap.capacity)}  use "
+    use = f"{snap.use_fraction:.1%}"
+    name = snap.pool_name
+    label = f" ({process})" if process else ""
+    if width is not None:
+        room = width - len(right) - 2 - len(f"  pid {snap.pid}") - len(figures) - len(use)
+        if len(name) + len(label) > room:
+            label = ""
+        if len(name) > room:
+            name = name[:max(1, room - 1)] + "…"
+    left = Text(no_wrap=True, overflow="crop")
+    left.append(name, "bold").append(f"  pid {snap.pid}").append(label, "dim")
+    left.append(figures).append(use, "bold")
+    gap = 2 if width is None else max(2, width - len(left) - len(right))
+    return Text.assemble(left, " " * gap, right, no_wrap=True, overflow="crop")
+
+
+SPARK_GLYPHS = " ▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: Iterable[float], width: int, style: str = BAR_STYLE) -> Text:
+    """The latest ``width`` values in [0, 1] as one row of eighth blocks, on an absolute scale
+    (a flat 40 % stays at 40 %), right-aligned so the newest is at the right edge."""
+    recent = list(values)[-width:] if width > 0 else []
+    glyphs = "".join(SPARK_GLYPHS[max(1, min(8, round(v * 8)))] if v > 0 else SPARK_GLYPHS[1]
+                     for v in recent)
+    return Text(glyphs.rjust(max(0, width)), style, no_wrap=True)
+
+
+def compact_size(size: int) -> str:
+    """``4K``, ``512K``, ``2M``, ``1G``: block sizes in four characters at most."""
+    for suffix, scale in (("T", 1 << 40), ("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if size >= scale and size % scale == 0:
+            return f"{size // scale}{suffix}"
+    return str(size)
+
+
+def compact_count(count: int) -> str:
+    """``7``, ``999``, ``1.2k``, ``45k``, ``3.1M``."""
+    for suffix, scale in (("M", 1_000_000), ("k", 1000)):
+        if count >= scale:
+            value = count / scale
+            return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+    return str(count)
+
+
+def _label_row(labels: list[str], starts: list[int], width: int, style: str = "") -> Text:
+    # Each label at its column's start, skipped when it would touch the previous one.
+    row = [" "] * width
+    free_from = 0
+    for label, start in zip(labels, starts):
+        if start >= free_from and start + len(label) <= width:
+            row[start:start + len(label)] = label
+            free_from = start + len(label) + 1
+    return Text("".join(row), style, no_wrap=True)
+
+
+def order_columns(snap: Snapshot, width: int, height: int) -> Text:
+    """Free buddy blocks per order as vertical bars, smallest order at the left: a row of
+    counts, the bars (free bytes of the order, scaled to the largest), a row of block sizes.
+    When the orders do not all fit, the largest ones are shown."""
+    orders = snap.num_orders
+    if orders == 0 or width < 2 or height < 1:
+        return Text()
+    column = max(2, min(6, width // orders))
+    shown = list(range(orders))[-(width // column):]
+    free_bytes = [int(snap.free_blocks[k]) * snap.block_size(k) for k in shown]
+    peak = max(free_bytes) or 1
+    starts = [i * column for i in range(len(shown))]
+    rows = []
+    bar_rows = max(0, height - 2)
+    if height >= 3:
+        rows.append(_label_row([compact_count(int(snap.free_blocks[k])) for k in shown],
+                               starts, width))
+    for level in range(bar_rows, 0, -1):
+        line = Text(no_wrap=True)
+        for value in free_bytes:
+            eighths = round(value / peak * bar_rows * 8)
+            cell = max(0, min(8, eighths - (level - 1) * 8))
+            glyph = SPARK_GLYPHS[cell] if cell else (" " if value or level > 1 else "▁")
+            line.append(glyph * (column - 1) + " ", BAR_STYLE if value else "grey35")
+        rows.append(line)
+    rows.append(_label_row([compact_size(snap.block_size(k)) for k in shown], starts, width,
+                           "dim"))
+    return Text("\n").join(rows[-height:])
+
+
+def class_rows(snap: Snapshot) -> list[tuple[int, int, int, int, np.ndarray]]:
+    """Slab classes holding slabs: (object size, live objects, object room, slabs, mean strip
+    of their slabs), smallest size first."""
+    if snap.classes is None:
+        return []
+    rows = []
+    for index, cls in enumerate(snap.classes):
+        slabs = int(cls["slabs"])
+        if not slabs:
+            continue
+        strips = (snap.slabs["strip"][snap.slabs["size_class"] == index]
+                  if snap.slabs is not None else np.zeros((0, stats.STRIP_CELLS)))
+        mean = (strips.astype(np.int64).mean(axis=0).astype(np.int64) if len(strips)
+                else np.zeros(stats.STRIP_CELLS, np.int64))
+        rows.append((int(cls["object_size"]), int(cls["live_objects"]),
+                     slabs * int(cls["objects_per_slab"]), slabs, mean))
+    return rows
+
+
+def class_lines(snap: Snapshot, width: int) -> list[Text]:
+    """One line per slab class in use: object size, occupancy strip (the mean of its slabs'),
+    live objects / room, and slabs."""
+    rows = class_rows(snap)
+    if not rows:
+        return [Text("no slabs", "dim")]
+    figures = [f" {live:,}/{room:,} ×{slabs}" for _, live, room, slabs, _ in rows]
+    figure_width = max(len(figure) for figure in figures)
+    strip_width = max(4, width - 9 - 2 - figure_width)
+    lines = []
+    for (size, _, _, _, mean), figure in zip(rows, figures):
+        line = Text(no_wrap=True, overflow="crop")
+        line.append(f"{format_size(size):>8} ")
+        line.append("▕", "dim").append_text(strip(resample(mean, strip_width)))
+        line.append("▏", "dim").append(figure)
+        lines.append(line)
+    return lines
+
+
+def latency_lines(snap: Snapshot) -> list[Text]:
+    """p50/p99/p999 of alloc and free calls as the upper bounds of their log2 buckets. A pool
+    without trace times only its slow paths, which the first column and a last line say."""
+    sampled = snap.latency_is_sampled()
+    note = Text("sampled: only slow paths (pool without trace)", "dim italic", no_wrap=True)
+    if snap.latency_samples("alloc") + snap.latency_samples("free") == 0:
+        return [Text("latency  no samples", "dim", no_wrap=True), note]
+    lines = [Text(f"{'sampled' if sampled else 'latency':<7}{'p50':>10}{'p99':>10}{'p999':>10}",
+                  "bold", no_wrap=True)]
+    for kind in ("alloc", "free"):
+        bounds = snap.latency_percentiles(kind)
+        line = Text(f"{kind:<7}", "bold", no_wrap=True, overflow="crop")
+        if bounds is None:
+            line.append(f"{'-':>10}{'-':>10}{'-':>10}", "dim")
+        else:
+            for q in (0.5, 0.99, 0.999):
+                line.append(f"{'≤' + format_ns(bounds[q]):>10}")
+        lines.append(line)
+    if sampled:
+        lines.append(note)
+    return lines
+
+
+def kv_lines(snap: Snapshot, width: int) -> list[Text]:
+    """The KV cache's blocks by state, hit rate and counters; or that there is none."""
+    kv = snap.kv
+    if kv is None:
+        return [Text("no KV cache attached", "dim")]
+    total = int(kv["total_blocks"])
+    used, cached, free = (int(kv["used_blocks"]), int(kv["cached_blocks"]),
+                          int(kv["free_blocks"]))
+    used_style, cached_style = CELL_STYLES[stats.CELL_KV_USED], CELL_STYLES[stats.CELL_KV_CACHED]
+    state_bar = Text(no_wrap=True, overflow="crop")
+    bar_width = max(4, width)
+    for count, style in ((used, used_style), (cached, cached_style)):
+        state_bar.append("█" * (round(bar_width * count / total) if total else 0), style)
+    state_bar.append(FREE_GLYPH * max(0, bar_width - len(state_bar)), CELL_STYLES[stats.CELL_FREE])
+    hit = snap.hit_rate
+    return [
+        Text.assemble("used ", (f"{used:,}", used_style),
+                      "  cached ", (f"{cached:,}", cached_style),
+                      f"  free {free:,}  of {total:,}", no_wrap=True),
+        state_bar,
+        Text(f"hit rate {'-' if hit is None else f'{hit:.1%}'} of {int(kv['query_tokens']):,} "
+             f"tokens  ({int(kv['block_tokens'])}/block)", no_wrap=True),
+        Text(f"seqs {int(kv['live_sequences']):,}  evicted {int(kv['evictions']):,}  "
+             f"forks {int(kv['forks']):,}  CoW {int(kv['cow_copies']):,}", no_wrap=True),
+    ]
+
+
+def op_line(record: dict) -> Text:
+    """One trace record: wall-clock time, operation, size, offset, status (failures in red)."""
+    stamp = time.strftime("%H:%M:%S", time.localtime(record["time_ns"] / 1e9))
+    millis = record["time_ns"] // 1_000_000 % 1000
+    failed = record["status"] != 0
+    line = Text(no_wrap=True, overflow="crop")
+    line.append(f"{stamp}.{millis:03d} ", "dim")
+    line.append(f"{record['op']:<12}", FAILURE_STYLE if failed else "")
+    line.append(f"{format_size(record['size']) if record['size'] else '':>9} ")
+    offset = record["offset"]
+    line.append(f"{'-' if offset is None else f'@{offset:#x}':<12} ")
+    line.append(record["status_name"], FAILURE_STYLE if failed else "green")
+    return line
+
+
+def recent_ops(snap: Snapshot, limit: int) -> list[dict]:
+    """The newest ``limit`` trace records, newest first."""
+    records = list(snap.trace_records())
+    return records[::-1][:limit]
+
+
+def trace_note(snap: Snapshot) -> str | None:
+    """Why the ring may hold only failures."""
+    if snap.trace is None:
+        return "this writer publishes no trace ring"
+    if snap.latency_is_sampled():
+        return "trace off: only failed and rejected calls are recorded"
+    return None

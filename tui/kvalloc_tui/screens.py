@@ -1,0 +1,186 @@
+"""The screens of ``kvalloc top``: the pool's panels, the pool picker and the help."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.containers import Grid, Vertical
+from textual.screen import ModalScreen, Screen
+from textual.widgets import Footer, Label, OptionList, Static
+from textual.widgets.option_list import Option
+
+from pykvalloc.errors import SegmentError
+from pykvalloc.sizes import format_size
+from pykvalloc.stats import Segment, SegmentFile, process_name
+
+from .widgets import (
+    Banner,
+    ClassesPanel,
+    HeapMapPanel,
+    KvPanel,
+    OpsPanel,
+    OrdersPanel,
+    Panel,
+    PoolHeader,
+    TrendsPanel,
+)
+from .watch import PoolWatch
+
+
+class PoolScreen(Screen):
+    """Every panel of one pool. The rows share the height 5:6:6:5, which at 24 lines leaves each
+    panel its title and the lines it needs; taller terminals give all of them more."""
+
+    DEFAULT_CSS = """
+    PoolScreen #panels {
+        layout: grid;
+        grid-size: 2 4;
+        grid-columns: 1fr 1fr;
+        grid-rows: 5fr 6fr 6fr 5fr;
+    }
+    PoolScreen #heap, PoolScreen #ops {
+        column-span: 2;
+    }
+    """
+
+    def compose(self) -> ComposeResult:
+        yield PoolHeader()
+        yield Banner()
+        with Grid(id="panels"):
+            yield HeapMapPanel(id="heap")
+            yield OrdersPanel(id="orders")
+            yield ClassesPanel(id="classes")
+            yield TrendsPanel(id="trends")
+            yield KvPanel(id="kv")
+            yield OpsPanel(id="ops")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.app.redraw()  # type: ignore[attr-defined]
+
+    def show(self, pool: PoolWatch, paused: bool, interval: float) -> None:
+        """Redraws every panel from the pool's latest snapshot. Queried, not looked up: before
+        the screen is composed and while it is torn down at exit there is nothing to draw."""
+        if pool.ended:
+            message = f"Engine exited: {pool.ended}. Last figures shown; tab: next pool, q: quit."
+        elif pool.problem:
+            message = f"Read failed, retrying: {pool.problem}"
+        else:
+            message = None
+        for header in self.query(PoolHeader):
+            header.show(pool, paused, interval)
+        for banner in self.query(Banner):
+            banner.say(message)
+        for panel in self.query(Panel):
+            panel.show(pool)
+
+
+def _describe(found: SegmentFile) -> str:
+    """One picker row: pid, process, pool, capacity and use, read without trusting the file."""
+    try:
+        with Segment(found.path) as segment:
+            snap = segment.snapshot(check_writer=False)
+        figures = f"{format_size(snap.capacity):>9}  use {snap.use_fraction:6.1%}"
+    except SegmentError as exc:
+        figures = f"unreadable: {type(exc).__name__}"
+    process = process_name(found.pid) or "?"
+    return f"{found.pid:>8}  {process[:16]:<16} {found.name[:24]:<24} {figures}"
+
+
+class PickerScreen(Screen[Path]):
+    """Chooses one of several live pools; dismissed with the chosen segment's path."""
+
+    BINDINGS = [Binding("escape", "cancel", "Back")]
+
+    DEFAULT_CSS = """
+    PickerScreen {
+        align: center middle;
+    }
+    PickerScreen > Vertical {
+        width: 90%;
+        max-width: 96;
+        height: auto;
+        max-height: 90%;
+        border: round $primary;
+        border-title-style: bold;
+    }
+    PickerScreen OptionList {
+        height: auto;
+        max-height: 20;
+    }
+    """
+
+    def __init__(self, segments: list[SegmentFile]) -> None:
+        super().__init__()
+        self.segments = segments
+
+    def compose(self) -> ComposeResult:
+        with Vertical() as box:
+            box.border_title = f"{len(self.segments)} live pools: pick one (enter)"
+            yield Label(f"{'pid':>8}  {'process':<16} {'pool':<24} {'capacity':>9}  use",
+                        classes="heading")
+            yield OptionList(*(Option(_describe(found), id=str(found.path))
+                               for found in self.segments), id="pools")
+        yield Footer()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        assert event.option.id is not None
+        self.dismiss(Path(event.option.id))
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)
+
+
+HELP_KEYS = (
+    ("q", "quit"),
+    ("space", "pause / resume the refresh"),
+    ("+ / -", "refresh less / more often"),
+    ("tab", "next live pool"),
+    ("p", "pick a pool from the live ones"),
+    ("? / F1", "this help; escape closes it"),
+)
+
+
+class HelpScreen(ModalScreen[None]):
+    """The keys, and what each panel shows."""
+
+    BINDINGS = [Binding("escape,question_mark,f1,q", "close", "Close")]
+
+    DEFAULT_CSS = """
+    HelpScreen {
+        align: center middle;
+    }
+    HelpScreen > Static {
+        width: auto;
+        max-width: 90%;
+        height: auto;
+        max-height: 90%;
+        border: round $primary;
+        padding: 0 1;
+        background: $surface;
+    }
+    """
+
+    def compose(self) -> ComposeResult:
+        keys = Table.grid(padding=(0, 2))
+        keys.add_column(style="bold")
+        keys.add_column()
+        for key, what in HELP_KEYS:
+            keys.add_row(key, what)
+        panels = Text(
+            "heap map: the pool in address order; colour = what holds a cell,\n"
+            "  ░▒▓█ = how much of it is in use, · = free\n"
+            "free blocks per order: count (top), free bytes (bars), block size\n"
+            "latency: upper bounds of the log2 buckets holding p50, p99, p999",
+            "dim")
+        help_text = Static(Group(keys, Text(), panels), id="help")
+        help_text.border_title = "kvalloc top: keys"
+        yield help_text
+
+    def action_close(self) -> None:
+        self.dismiss(None)
