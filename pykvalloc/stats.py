@@ -26,6 +26,7 @@ half way, or not a kvalloc at all:
 
 from __future__ import annotations
 
+import fcntl
 import math
 import mmap
 import os
@@ -63,6 +64,7 @@ __all__ = [
     "find_segment",
     "open_segment",
     "writer_alive",
+    "writer_holds_lock",
     "process_name",
     "latency_percentiles",
     "downsample_cells",
@@ -83,7 +85,7 @@ SHM_DIR = Path("/dev/shm")
 
 MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
 ABI_MAJOR = 1
-ABI_MINOR = 0
+ABI_MINOR = 1
 MAX_SECTIONS = 16
 LATENCY_BUCKETS = 40
 STRIP_CELLS = 64
@@ -93,6 +95,9 @@ SECTION_ARENAS, SECTION_LATENCY, SECTION_KV, SECTION_TRACE = 5, 6, 7, 8
 SECTION_NAMES = {SECTION_SUMMARY: "summary", SECTION_HEAPMAP: "heap map",
                  SECTION_CLASSES: "classes", SECTION_SLABS: "slabs", SECTION_ARENAS: "arenas",
                  SECTION_LATENCY: "latency", SECTION_KV: "kv", SECTION_TRACE: "trace"}
+
+CAP_TRACE_ALL = 1 << 8        # trace on: every call recorded and timed
+CAP_LIVENESS_LOCK = 1 << 9    # the writer holds a shared flock on the segment while alive
 
 CELL_FREE, CELL_BLOCK, CELL_SLAB, CELL_MIXED, CELL_KV_USED, CELL_KV_CACHED = range(6)
 CELL_NAMES = ("free", "block", "slab", "mixed", "kv used", "kv cached")
@@ -121,10 +126,13 @@ SUMMARY_COUNTERS = ("capacity", "min_block", "slab_chunk", "max_alloc_size", "by
 SUMMARY_DTYPE = np.dtype(
     [(name, "<u8") for name in SUMMARY_COUNTERS]
     + [("page_kind", "<u4"), ("num_orders", "<u4"), ("fragmentation", "<f8"),
-       ("free_blocks", "<u8", (48,)), ("unusable_index", "<f8", (48,))], align=True)
+       ("free_blocks", "<u8", (48,)), ("unusable_index", "<f8", (48,)),
+       # 1.1
+       ("publish_interval_ms", "<u4"), ("backend", "<u4"), ("numa_node", "<i4"), ("flags", "<u4"),
+       ("mapped_bytes", "<u8")], align=True)
 HEAPMAP_DTYPE = np.dtype([("cells", "<u4"), ("cell_blocks", "<u4"), ("cell_bytes", "<u8")],
                          align=True)
-COUNTED_DTYPE = np.dtype([("count", "<u4"), ("reserved", "<u4")], align=True)  # classes, arenas
+COUNTED_DTYPE = np.dtype([("count", "<u4"), ("entry_size", "<u4")], align=True)  # classes, arenas
 CLASS_DTYPE = np.dtype([("object_size", "<u4"), ("objects_per_slab", "<u4"),
                         ("live_objects", "<u8"), ("slabs", "<u8"), ("allocs", "<u8"),
                         ("frees", "<u8")], align=True)
@@ -141,7 +149,7 @@ KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "h
                "block_bytes")
 KV_DTYPE = np.dtype([("present", "<u4"), ("block_tokens", "<u4")]
                     + [(name, "<u8") for name in KV_COUNTERS], align=True)
-TRACE_DTYPE = np.dtype([("capacity", "<u4"), ("reserved", "<u4"), ("written", "<u8")],
+TRACE_DTYPE = np.dtype([("capacity", "<u4"), ("entry_size", "<u4"), ("written", "<u8")],
                        align=True)
 RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
                          ("thread", "<u4"), ("op", "u1"), ("status", "u1"),
@@ -150,6 +158,8 @@ RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
 _U64 = struct.Struct("<Q")
 _IDENTITY = struct.Struct("<QHH")  # magic, abi_major, abi_minor: where every version has them
 _SEQUENCE_AT = HEADER_DTYPE.fields["sequence"][1]
+_CAPABILITIES_AT = HEADER_DTYPE.fields["capabilities"][1]
+_CAPABILITIES_END = _CAPABILITIES_AT + 8
 
 # The pid in a segment's file name is the writer's; the pool name follows the library's rule.
 _FILE_RE = re.compile(r"kvalloc\.([0-9]{1,10})\.([A-Za-z0-9_.-]{1,63})\Z")
@@ -186,8 +196,17 @@ class SegmentFile:
         return cls(path, int(match.group(1)), match.group(2)) if match else None
 
     def process_alive(self) -> bool:
-        """Whether the pid of the file name runs. Without reading the file the pool's start
-        time is unknown, so a reused pid counts as alive here; ``Segment.snapshot`` knows."""
+        """Whether the writer lives: by its liveness lock when the segment says it keeps one,
+        else by the pid of the file name (without the pool's start time, a reused pid counts as
+        alive here; ``Segment.snapshot`` knows better)."""
+        try:
+            with open(self.path, "rb") as handle:
+                head = handle.read(_CAPABILITIES_END)
+        except OSError:
+            return False
+        if len(head) == _CAPABILITIES_END and _U64.unpack_from(head, 0)[0] == MAGIC:
+            if _U64.unpack_from(head, _CAPABILITIES_AT)[0] & CAP_LIVENESS_LOCK:
+                return writer_holds_lock(self.path)
         return writer_alive(self.pid)
 
 
@@ -259,6 +278,23 @@ def writer_alive(pid: int, start_time_ns: int | None = None) -> bool:
     except psutil.Error:
         return True
     return created <= start_time_ns / 1e9 + _PID_REUSE_SLACK_S
+
+
+def writer_holds_lock(path: str | os.PathLike[str]) -> bool:
+    """Whether the writer of the segment at ``path`` still holds its liveness lock: a shared flock
+    the library keeps for the writer's whole life, which the kernel drops however the process
+    ends. Unlike a pid, this holds across pid namespaces (a reader in another container)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the lock if we took it
+    return False
 
 
 def process_name(pid: int) -> str | None:
@@ -395,11 +431,17 @@ class Segment:
                       path=str(self.path))
 
     def _check_writer(self, snap: Snapshot) -> None:
-        alive = writer_alive(snap.pid, snap.start_time_ns)
         if self.removed():
+            # The lock went with the file: only the pid can tell a destroyed pool from an
+            # ended process now.
+            alive = writer_alive(snap.pid, snap.start_time_ns)
             how = "was destroyed" if alive else f"ended with its process {snap.pid}"
             raise SegmentRemoved(f"pool {snap.pool_name!r} {how}: its segment {self.path} was "
                                  "removed", path=str(self.path))
+        if snap.capabilities & CAP_LIVENESS_LOCK:
+            alive = writer_holds_lock(self.path)
+        else:
+            alive = writer_alive(snap.pid, snap.start_time_ns)
         if not alive:
             raise DeadWriter(
                 f"process {snap.pid}, writer of pool {snap.pool_name!r}, is gone "
@@ -500,12 +542,16 @@ class Snapshot:
                                 f"than the {dtype.itemsize} of its struct")
         return np.frombuffer(self.data, dtype, count=1, offset=offset)[0]
 
-    def _array(self, kind: int, head: int, dtype: np.dtype, count: int) -> np.ndarray:
+    def _array(self, kind: int, head: int, dtype: np.dtype, count: int, entry_size: int = 0
+               ) -> np.ndarray:
         """``count`` entries after ``head`` bytes of a section. A writer of a newer minor version
-        may have grown each entry at its end: its stride is then what the section size says."""
+        may have grown each entry at its end: its stride is then the entry size the section
+        states (layout 1.1 on), or else what the section size says."""
         offset, size = self._sections[kind]
         stride = dtype.itemsize
-        if self._newer and count:
+        if entry_size:
+            stride = entry_size
+        elif self._newer and count:
             stride = (size - head) // count
         if stride < dtype.itemsize or head + count * stride > size:
             raise self._corrupt(f"the {SECTION_NAMES[kind]} section has {size} bytes, too few "
@@ -539,7 +585,7 @@ class Snapshot:
         head = self._fixed(kind, COUNTED_DTYPE)
         if head is None:
             return None
-        return self._array(kind, COUNTED_DTYPE.itemsize, dtype, int(head["count"]))
+        return self._array(kind, COUNTED_DTYPE.itemsize, dtype, int(head["count"]), int(head["entry_size"]))
 
     def _slabs(self) -> np.ndarray | None:
         head = self._fixed(SECTION_SLABS, SLABS_DTYPE)
@@ -555,7 +601,7 @@ class Snapshot:
         if head is None:
             return None
         capacity, written = int(head["capacity"]), int(head["written"])
-        ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity)
+        ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity, int(head["entry_size"]))
         self.trace_written = written
         kept = min(written, capacity)
         # Record i of the ring sits at i % capacity; oldest first.
@@ -610,11 +656,10 @@ class Snapshot:
         return None if self.latency is None else latency_percentiles(self.latency[kind], quantiles)
 
     def latency_is_sampled(self) -> bool:
-        """Whether the histograms hold fewer samples than the pool made calls: a pool created
-        without trace times only some calls (the segment does not say which mode it runs)."""
-        calls = int(self.summary["alloc_count"]) + int(self.summary["free_count"])
-        samples = self.latency_samples("alloc") + self.latency_samples("free")
-        return samples < calls
+        """Whether the histograms leave calls out: they time every call only in a pool created
+        with trace on, which the segment says in its capabilities."""
+        return not self.capabilities & CAP_TRACE_ALL
+
 
     @property
     def hit_rate(self) -> float | None:

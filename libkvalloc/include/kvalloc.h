@@ -119,8 +119,10 @@ typedef struct kva_config {
     int trace;           /* nonzero (named pools): time every call and record it in the trace
                             ring. Off by default: then only failed and rejected calls are
                             recorded, and the fast paths cost nothing extra */
-    unsigned publish_interval_ms; /* named pools: at most this long between publishes while the
-                                     pool is used (default 200); see kva_stats_publish */
+    unsigned publish_interval_ms; /* named pools: the pool publishes its statistics on its own
+                                     from its slow paths, at most this often (default 200 ms);
+                                     calls that stay on the fast paths never publish, so an
+                                     engine also calls kva_stats_publish now and then */
     /* The backing memory. A field that does not apply to the backend (numa_node, lock, pin or
      * pages other than AUTO for CUDA; trim_watermark for host) is refused with KVA_ERR_INVALID. */
     kva_backend backend; /* default KVA_BACKEND_HOST */

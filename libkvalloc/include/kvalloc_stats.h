@@ -11,7 +11,13 @@
  *    section table by (offset, size) from the start of the segment. A reader bounds-checks
  *    every offset and size against the segment's real size before using it.
  *  - A reader accepts the same abi_major; a newer abi_minor only adds fields at the end of a
- *    struct or new section kinds, which an older reader ignores.
+ *    struct or new section kinds, which an older reader ignores. Section sizes are exact, and
+ *    the array sections state their entry size, so a reader finds each entry of a newer,
+ *    longer struct.
+ *  - Liveness: with KVA_SHM_CAP_LIVENESS_LOCK the writer holds a shared flock on the segment for
+ *    its whole life, dropped by the kernel however the process ends. A reader that can take an
+ *    exclusive flock (LOCK_EX | LOCK_NB, then released) knows the writer is gone, whatever pid
+ *    namespace either lives in; writer_pid is for display.
  *  - Consistency is a sequence lock: the writer makes `sequence` odd, writes, makes it even.
  *    A reader copies the segment between two reads of `sequence` and keeps the copy only if
  *    both reads are equal and even; otherwise it retries (a bounded number of times).
@@ -27,7 +33,8 @@ extern "C" {
 
 #define KVA_SHM_MAGIC 0x315441545341564bull /* "KVASTAT1" read as a little-endian u64 */
 #define KVA_SHM_ABI_MAJOR 1
-#define KVA_SHM_ABI_MINOR 0
+#define KVA_SHM_ABI_MINOR 1 /* 1.1: the summary's publish interval and backing fields, entry
+                                sizes of the array sections, the liveness lock */
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
 
@@ -40,7 +47,9 @@ enum {
     KVA_SHM_CAP_ARENAS = 1u << 4,
     KVA_SHM_CAP_LATENCY = 1u << 5,
     KVA_SHM_CAP_KV = 1u << 6,
-    KVA_SHM_CAP_TRACE = 1u << 7
+    KVA_SHM_CAP_TRACE = 1u << 7,
+    KVA_SHM_CAP_TRACE_ALL = 1u << 8,     /* trace on: every call is recorded and timed */
+    KVA_SHM_CAP_LIVENESS_LOCK = 1u << 9  /* the writer holds a shared flock while alive */
 };
 
 /* Section kinds, in the section table. */
@@ -92,6 +101,13 @@ typedef struct kva_shm_summary {
     /* The kernel's unusable-free-space index per order k: the fraction of free memory in blocks
      * too small to serve an order-k request (0 = all usable, 1 = none). */
     double unusable_index[48];
+    /* 1.1 */
+    uint32_t publish_interval_ms; /* the writer publishes on its own at most this often, and only
+                                     from its slow paths: a quiet heartbeat means idle, not dead */
+    uint32_t backend;             /* kva_backend */
+    int32_t numa_node;            /* the node the region is bound to, -1 if none */
+    uint32_t flags;               /* bit 0: memory locked (mlock), bit 1: pinned for CUDA */
+    uint64_t mapped_bytes;        /* CUDA: device memory mapped now; host: the region */
 } kva_shm_summary;
 
 /* KVA_SHM_SECTION_HEAPMAP: the pool as `cells` equal cells in address order, each
@@ -122,11 +138,12 @@ typedef struct kva_shm_class {
 } kva_shm_class;
 typedef struct kva_shm_classes {
     uint32_t count;
-    uint32_t reserved;
+    uint32_t entry_size;    /* sizeof(kva_shm_class) as written */
     /* kva_shm_class classes[count]; */
 } kva_shm_classes;
 
-/* KVA_SHM_SECTION_SLABS: one entry per live slab (count of capacity entries are valid). Each
+/* KVA_SHM_SECTION_SLABS: one entry per live slab (count of capacity entries are valid; the
+ * section is exactly sizeof(kva_shm_slabs) + capacity entries, which gives the entry size). Each
  * slab's occupancy is a strip of strip_cells cells, each the in-use share of its objects 0..255. */
 #define KVA_SHM_STRIP_CELLS 64
 typedef struct kva_shm_slab {
@@ -149,13 +166,14 @@ typedef struct kva_shm_arena {
 } kva_shm_arena;
 typedef struct kva_shm_arenas {
     uint32_t count;
-    uint32_t reserved;
+    uint32_t entry_size;    /* sizeof(kva_shm_arena) as written */
     /* kva_shm_arena arenas[count]; */
 } kva_shm_arenas;
 
 /* KVA_SHM_SECTION_LATENCY: log2 histograms of call latency; bucket i counts calls that took
- * [2^i, 2^(i+1)) nanoseconds (bucket 0 also counts 0 ns). Every call is timed in a pool created
- * with trace on; otherwise only the calls that reach a slow path are. */
+ * [2^i, 2^(i+1)) nanoseconds (bucket 0 also counts 0 ns). Only a pool created with trace on
+ * (KVA_SHM_CAP_TRACE_ALL) times its calls, every one of them; otherwise the histograms stay
+ * empty, since reading a clock would double the cost of the calls themselves. */
 #define KVA_SHM_LATENCY_BUCKETS 40
 typedef struct kva_shm_latency {
     uint64_t alloc[KVA_SHM_LATENCY_BUCKETS];
@@ -191,7 +209,7 @@ typedef struct kva_shm_trace_record {
 } kva_shm_trace_record;
 typedef struct kva_shm_trace {
     uint32_t capacity;
-    uint32_t reserved;
+    uint32_t entry_size;    /* sizeof(kva_shm_trace_record) as written */
     uint64_t written;
     /* kva_shm_trace_record records[capacity]; */
 } kva_shm_trace;

@@ -42,9 +42,13 @@ size_t kva_os_page_size(void);
 
 /* Creates the shared-memory object `name` ("/..."), mode 0600, of length bytes, maps it
  * read-write and returns the mapping; an object of that name that already exists is replaced
- * (it can only be a leftover of a dead process with our pid). On failure nothing is left. */
-kva_status kva_os_shm_create(const char *name, size_t length, void **out);
+ * (it can only be a leftover of a dead process with our pid). The descriptor stays open (close
+ * on exec) holding a shared flock for as long as the writer lives: the kernel drops the lock when
+ * the process dies, however it dies, so a reader that can take the lock exclusively knows the
+ * writer is gone, in whatever pid namespace either runs. On failure nothing is left. */
+kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *fd_out);
 void kva_os_shm_unlink(const char *name);
+void kva_os_close(int fd);
 
 /* Sets the NUMA memory policy of [addr, addr+length) (mbind(2), the raw system call: no libnuma).
  * nodemask holds maxnode bits. Call before the range is first touched. */

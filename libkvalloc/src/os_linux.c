@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -120,25 +121,31 @@ void kva_os_unmap(void *addr, size_t length) {
     if (addr && length) munmap(addr, length);
 }
 
-kva_status kva_os_shm_create(const char *name, size_t length, void **out) {
+kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *fd_out) {
     shm_unlink(name);
-    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) return kva_fail(KVA_ERR_BACKEND, "shm_open(%s): %s", name, strerror(errno));
-    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0) {
+    const char *step = "sizing";
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0 || (step = "locking", flock(fd, LOCK_SH)) != 0) {
         int err = errno;
         close(fd);
         shm_unlink(name);
-        return kva_fail(KVA_ERR_BACKEND, "sizing %s to %zu bytes: %s", name, length, strerror(err));
+        return kva_fail(KVA_ERR_BACKEND, "%s %s (%zu bytes): %s", step, name, length, strerror(err));
     }
     void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int err = errno;
-    close(fd);
     if (p == MAP_FAILED) {
+        int err = errno;
+        close(fd);
         shm_unlink(name);
         return kva_fail(KVA_ERR_BACKEND, "mmap of %s: %s", name, strerror(err));
     }
     *out = p;
+    *fd_out = fd;
     return KVA_OK;
+}
+
+void kva_os_close(int fd) {
+    if (fd >= 0) close(fd);
 }
 
 void kva_os_shm_unlink(const char *name) { shm_unlink(name); }

@@ -24,7 +24,9 @@ static void publish_summary(kva_pool *pool, kva_shm_summary *out) {
         .live_allocations = st.live_allocations, .alloc_count = st.alloc_count, .free_count = st.free_count,
         .alloc_failures = st.alloc_failures, .rejected_calls = st.rejected_calls, .slab_count = st.slab_count,
         .metadata_bytes = st.metadata_bytes, .page_size = st.page_size, .page_kind = (uint32_t)st.page_kind,
-        .num_orders = st.num_orders, .fragmentation = st.fragmentation};
+        .num_orders = st.num_orders, .fragmentation = st.fragmentation,
+        .publish_interval_ms = out->publish_interval_ms, .backend = st.backend, .numa_node = st.numa_node,
+        .flags = (st.locked ? 1u : 0u) | (st.pinned ? 2u : 0u), .mapped_bytes = st.mapped_bytes};
     /* Unusable free space index (Gorman): the share of free memory in blocks smaller than 2^k. */
     uint64_t usable = 0;
     for (int k = (int)st.num_orders - 1; k >= 0; k--) {

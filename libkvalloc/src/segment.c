@@ -65,6 +65,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
                             unsigned interval_ms, kva_segment **out) {
     kva_segment *seg = calloc(1, sizeof *seg);
     if (!seg) return kva_fail(KVA_ERR_NOMEM, "no host memory for the stats segment descriptor");
+    seg->fd = -1;
     snprintf(seg->name, sizeof seg->name, "/%s%u.%s", KVA_SHM_PREFIX, kva_os_pid(), pool_name);
 
     uint32_t cell_blocks, cells = heap_cells(geo->nblocks, &cell_blocks);
@@ -82,7 +83,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += align8(sizes[i]);
 
     void *base;
-    kva_status st = kva_os_shm_create(seg->name, total, &base);
+    kva_status st = kva_os_shm_create(seg->name, total, &base, &seg->fd);
     if (st != KVA_OK) {
         free(seg);
         return st;
@@ -99,7 +100,8 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     h->start_time_ns = h->heartbeat_ns = kva_os_realtime_ns();
     snprintf(h->pool_name, sizeof h->pool_name, "%s", pool_name);
     h->capabilities = KVA_SHM_CAP_SUMMARY | KVA_SHM_CAP_HEAPMAP | KVA_SHM_CAP_CLASSES | KVA_SHM_CAP_SLABS |
-                      KVA_SHM_CAP_ARENAS | KVA_SHM_CAP_LATENCY | KVA_SHM_CAP_KV | KVA_SHM_CAP_TRACE;
+                      KVA_SHM_CAP_ARENAS | KVA_SHM_CAP_LATENCY | KVA_SHM_CAP_KV | KVA_SHM_CAP_TRACE |
+                      KVA_SHM_CAP_LIVENESS_LOCK | (trace_all ? KVA_SHM_CAP_TRACE_ALL : 0);
 
     size_t end = align8(sizeof *h);
     seg->summary = add_section(seg, KVA_SHM_SECTION_SUMMARY, sizes[0], &end);
@@ -110,20 +112,24 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     seg->cell_fill = seg->cell_state + cells;
     seg->classes = add_section(seg, KVA_SHM_SECTION_CLASSES, sizes[2], &end);
     seg->classes->count = KVA_NUM_SIZE_CLASSES;
+    seg->classes->entry_size = sizeof(kva_shm_class);
     seg->slabs = add_section(seg, KVA_SHM_SECTION_SLABS, sizes[3], &end);
     seg->slabs->capacity = geo->nchunks;
     seg->arenas = add_section(seg, KVA_SHM_SECTION_ARENAS, sizes[4], &end);
     seg->arenas->count = 1;
+    seg->arenas->entry_size = sizeof(kva_shm_arena);
     seg->latency = add_section(seg, KVA_SHM_SECTION_LATENCY, sizes[5], &end);
     seg->kv = add_section(seg, KVA_SHM_SECTION_KV, sizes[6], &end);
     seg->trace = add_section(seg, KVA_SHM_SECTION_TRACE, sizes[7], &end);
     seg->trace->capacity = KVA_TRACE_RECORDS;
+    seg->trace->entry_size = sizeof(kva_shm_trace_record);
     /* The magic goes last: a reader that opens the segment while it is being set up sees no
      * magic and retries, instead of reading half a header. */
     __atomic_store_n(&h->magic, KVA_SHM_MAGIC, __ATOMIC_RELEASE);
 
     seg->trace_all = trace_all;
     seg->interval_ns = (uint64_t)interval_ms * 1000000u;
+    seg->summary->publish_interval_ms = interval_ms;
     seg->countdown = 1;
     register_segment(seg);
     *out = seg;
@@ -135,6 +141,7 @@ void kva_segment_close(kva_segment *seg) {
     unregister_segment(seg);
     kva_os_shm_unlink(seg->name);
     kva_os_unmap(seg->base, seg->size);
+    kva_os_close(seg->fd); /* drops the liveness lock */
     free(seg);
 }
 

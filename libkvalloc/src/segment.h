@@ -17,6 +17,7 @@ typedef struct kva_segment {
     char name[KVA_NAME_MAX + 32];  /* "/kvalloc.<pid>.<name>" */
     unsigned char *base;
     size_t size;
+    int fd;                        /* kept open: it holds the writer's liveness lock */
     kva_shm_header *header;
     kva_shm_summary *summary;
     kva_shm_heapmap *heapmap;

@@ -3,6 +3,7 @@
  * inspector in another process reads it: mapped read-only, copied under the sequence lock.
  */
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdint.h>
@@ -168,8 +169,9 @@ static void test_trace_mode(void) {
     unsigned char *buf = malloc(m.size);
     REQUIRE(snapshot(&m, buf, 100));
     uint64_t len;
+    CHECK(((const kva_shm_header *)buf)->capabilities & KVA_SHM_CAP_TRACE_ALL);
     const kva_shm_trace *trace = section(buf, m.size, KVA_SHM_SECTION_TRACE, &len);
-    CHECK(trace->written == 21);
+    CHECK(trace->written == 21 && trace->entry_size == sizeof(kva_shm_trace_record));
     const kva_shm_trace_record *r = (const kva_shm_trace_record *)(trace + 1);
     CHECK(r[0].op == KVA_SHM_OP_ALLOC && r[0].size == 64 && r[0].status == KVA_OK);
     CHECK(r[10].op == KVA_SHM_OP_FREE && r[10].offset == r[0].offset);
@@ -185,6 +187,54 @@ static void test_trace_mode(void) {
     free(buf);
     unmap_segment(&m);
     kva_pool_destroy(pool);
+}
+
+/* Whether the writer of a segment is alive, by its liveness lock: an exclusive flock can be
+ * had only once the writer is gone. */
+static int writer_holds_lock(const char *name) {
+    int fd = shm_open(name, O_RDONLY, 0);
+    REQUIRE(fd >= 0);
+    int held = flock(fd, LOCK_EX | LOCK_NB) != 0;
+    close(fd); /* closing drops the lock if we got it */
+    return held;
+}
+
+/* The writer holds its liveness lock while it lives and the kernel drops it when the process is
+ * killed, where the segment itself stays behind. */
+static void test_liveness_lock(void) {
+    int fds[2];
+    REQUIRE(pipe(fds) == 0);
+    pid_t child = fork();
+    if (child == 0) {
+        kva_pool *pool = make_named("doomed", 0);
+        const char *n = kva_stats_segment_name(pool);
+        if (write(fds[1], n, strlen(n) + 1) < 0) _exit(2);
+        pause(); /* until killed */
+        _exit(0);
+    }
+    char name[128] = {0};
+    REQUIRE(read(fds[0], name, sizeof name - 1) > 0);
+    CHECK(writer_holds_lock(name));
+    mapped m;
+    REQUIRE(map_segment(name, &m));
+    const kva_shm_header *h = (const kva_shm_header *)m.base;
+    CHECK(h->capabilities & KVA_SHM_CAP_LIVENESS_LOCK);
+    CHECK(!(h->capabilities & KVA_SHM_CAP_TRACE_ALL));
+    CHECK(h->abi_minor >= 1);
+    uint64_t len;
+    const kva_shm_summary *sum = section(m.base, m.size, KVA_SHM_SECTION_SUMMARY, &len);
+    CHECK(sum && sum->publish_interval_ms == 200 && sum->numa_node == -1);
+    const kva_shm_classes *classes = section(m.base, m.size, KVA_SHM_SECTION_CLASSES, &len);
+    CHECK(classes && classes->entry_size == sizeof(kva_shm_class) &&
+          len == sizeof *classes + classes->count * (uint64_t)classes->entry_size);
+    unmap_segment(&m);
+    kill(child, SIGKILL);
+    int status;
+    waitpid(child, &status, 0);
+    CHECK(!writer_holds_lock(name)); /* gone, though its segment is still there */
+    shm_unlink(name);
+    close(fds[0]);
+    close(fds[1]);
 }
 
 /* Another process reads it; and a process that exits without destroying its pool leaves no
@@ -277,6 +327,7 @@ int main(void) {
     test_layout_and_content();
     test_trace_mode();
     test_other_processes();
+    test_liveness_lock();
     test_reader_races_writer();
     return CHECK_DONE();
 }

@@ -145,12 +145,16 @@ class Writer:
 
 @contextmanager
 def crafted_segment(data: bytes, pid: int | None = None) -> Iterator[Path]:
-    """``data`` as a segment file named for ``pid`` (this process: a live writer) and a unique
-    pool name; removed afterwards."""
+    """``data`` as a segment file named for ``pid`` and a unique pool name; removed afterwards.
+    Without ``pid`` it stands for a live writer, this process, and like one it holds the
+    writer's liveness lock (a shared flock) while it exists."""
     path = SHM_DIR / f"kvalloc.{pid or os.getpid()}.{unique_name('crafted')}"
     path.write_bytes(data)
     try:
-        yield path
+        with open(path, "rb") as held:
+            if pid is None:
+                fcntl.flock(held, fcntl.LOCK_SH)
+            yield path
     finally:
         path.unlink(missing_ok=True)
 

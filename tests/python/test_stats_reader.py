@@ -60,7 +60,7 @@ def test_a_snapshot_holds_the_pools_own_figures(named_pool):
     assert_same_figures(snap, dataclasses.asdict(named_pool.stats()))
     assert snap.pool_name == named_pool.name and snap.pid == os.getpid()
     assert snap.path == stats.SHM_DIR / named_pool.segment_name.lstrip("/")
-    assert snap.abi == (1, 0) and snap.sequence % 2 == 0
+    assert snap.abi == (1, stats.ABI_MINOR) and snap.sequence % 2 == 0
     assert snap.publish_count >= 2 and snap.heartbeat_ns >= snap.start_time_ns
     assert snap.use_fraction == pytest.approx(named_pool.stats().bytes_in_use / (16 * MiB))
     assert snap.kv is None  # no KV cache on this pool
@@ -175,12 +175,28 @@ def test_a_killed_writer_is_dead_and_its_last_state_readable():
     assert last.pool_name == writer.name and last.summary["live_allocations"] == 10
 
 
+def test_a_writer_that_holds_no_liveness_lock_is_dead(named_pool):
+    # The lock is the truth where the writer keeps one: a live pid without it is a dead writer's
+    # reused pid, or a writer in another pid namespace that is gone.
+    named_pool.publish()
+    with stats.Segment.for_pool(named_pool) as segment:
+        snap = segment.snapshot()
+        assert snap.capabilities & stats.CAP_LIVENESS_LOCK
+        assert stats.writer_holds_lock(segment.path)
+    with crafted_segment(bytes(snap.data), pid=os.getpid()) as path, stats.Segment(path) as segment:
+        assert not stats.writer_holds_lock(path)
+        with pytest.raises(DeadWriter):
+            segment.snapshot()
+
+
 def test_a_reused_pid_is_a_dead_writer(named_pool):
-    # The segment names this (live) process, but a pool older than the process cannot be its.
+    # A writer without the liveness lock (an older library) is judged by its pid: the segment
+    # names this (live) process, but a pool older than the process cannot be its.
     named_pool.publish()
     with stats.Segment.for_pool(named_pool) as segment:
         data = bytearray(segment.snapshot().data)
     header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
+    header["capabilities"] &= ~np.uint64(stats.CAP_LIVENESS_LOCK)
     born = psutil.Process().create_time()
     header["start_time_ns"] = int((born - 3600) * 1e9)
     with crafted_segment(bytes(data)) as path, stats.Segment(path) as segment:
