@@ -192,6 +192,7 @@ class KvaLib:
         status("kva_stats_publish", [pool_p])
         plain("kva_stats_segment_name", c_char_p, [pool_p])
         self._check_struct_sizes()
+        declare_kv_functions(self)
 
     def _check_struct_sizes(self) -> None:
         # The structs above are copies of the header's; a library of another version would read
@@ -227,6 +228,152 @@ class KvaLib:
             detail = self.kva_last_error().decode("utf-8", "replace")
             raise error_for_status(status, name, detail, function.__name__)
         return status
+
+
+# ---- KV-cache manager (kva_kv_*) ---------------------------------------------------------------
+
+
+class KvaKvConfig(Structure):
+    """struct kva_kv_config."""
+
+    _fields_ = [
+        ("layers", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("dtype_bytes", c_uint32),
+        ("block_tokens", c_uint32),
+        ("num_blocks", c_uint32),
+        ("capacity_bytes", c_size_t),
+        ("mode", c_enum),
+        ("layout", c_enum),
+        ("max_context", c_uint32),
+        ("hash_seed", c_uint64),
+        ("pages", c_enum),
+    ]
+
+
+class KvaKvInfo(Structure):
+    """struct kva_kv_info."""
+
+    _fields_ = [
+        ("mode", c_enum),
+        ("layout", c_enum),
+        ("layers", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("dtype_bytes", c_uint32),
+        ("block_tokens", c_uint32),
+        ("num_blocks", c_uint32),
+        ("max_context", c_uint32),
+        ("block_bytes", c_size_t),
+        ("token_bytes", c_size_t),
+        ("slot_bytes", c_size_t),
+        ("part_bytes", c_size_t),
+        ("block_stride", c_size_t),
+        ("layer_stride", c_size_t),
+        ("base", c_void_p),
+        ("kv_bytes", c_size_t),
+        ("pool", c_void_p),
+    ]
+
+
+class KvaKvCopy(Structure):
+    """struct kva_kv_copy."""
+
+    _fields_ = [
+        ("src_block", c_uint32),
+        ("dst_block", c_uint32),
+        ("tokens", c_uint32),
+        ("src_bucket", c_uint32),
+        ("dst_bucket", c_uint32),
+        ("src", c_void_p),
+        ("dst", c_void_p),
+    ]
+
+
+class KvaKvSeqInfo(Structure):
+    """struct kva_kv_seq_info."""
+
+    _fields_ = [
+        ("num_tokens", c_uint32),
+        ("num_blocks", c_uint32),
+        ("cached_tokens", c_uint32),
+        ("namespace_id", c_uint32),
+        ("priority", c_uint32),
+        ("is_pin", c_uint32),
+        ("bucket_tokens", c_uint32),
+        ("buffer", c_void_p),
+    ]
+
+
+class KvaKvStats(Structure):
+    """struct kva_kv_stats."""
+
+    _fields_ = [
+        ("num_blocks", c_uint32),
+        ("free_blocks", c_uint32),
+        ("used_blocks", c_uint32),
+        ("cached_blocks", c_uint32),
+        ("registered_blocks", c_uint32),
+        ("sequences", c_uint32),
+        ("pins", c_uint32),
+        ("reserved", c_uint32),
+        ("hit_tokens", c_uint64),
+        ("query_tokens", c_uint64),
+        ("evictions", c_uint64),
+        ("cow_copies", c_uint64),
+        ("forks", c_uint64),
+        ("allocations", c_uint64),
+        ("frees", c_uint64),
+        ("appends", c_uint64),
+        ("moves", c_uint64),
+        ("moved_bytes", c_uint64),
+        ("alloc_failures", c_uint64),
+        ("rejected_calls", c_uint64),
+        ("bytes_in_use", c_size_t),
+        ("block_metadata_bytes", c_size_t),
+        ("metadata_bytes", c_size_t),
+    ]
+
+
+KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_copy": KvaKvCopy,
+              "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats}
+STRUCTS.update(KV_STRUCTS)
+
+
+def declare_kv_functions(lib: KvaLib) -> None:
+    """Declares the kva_kv_* functions on ``lib`` and checks the KV structs' sizes."""
+    kv_p = c_void_p  # kva_kv * is opaque
+    seq = c_uint64   # kva_kv_seq
+    status = lib._declare_status
+    lib._declare("kva_kv_config_init", None, [POINTER(KvaKvConfig)])
+    status("kva_kv_block_bytes", [POINTER(KvaKvConfig), POINTER(c_size_t)])
+    status("kva_kv_create", [POINTER(KvaKvConfig), c_void_p, POINTER(kv_p)])
+    lib._declare("kva_kv_destroy", None, [kv_p])
+    status("kva_kv_get_info", [kv_p, POINTER(KvaKvInfo)])
+    status("kva_kv_block_address", [kv_p, c_uint32, c_uint32, c_enum, POINTER(c_void_p)])
+    status("kva_kv_seq_allocate", [kv_p, c_uint32, POINTER(c_uint64), c_uint32, POINTER(c_uint32),
+                                   c_uint32, c_uint32, c_uint32, POINTER(seq), POINTER(c_uint32)])
+    status("kva_kv_seq_append", [kv_p, seq, c_uint32, POINTER(KvaKvCopy)])
+    status("kva_kv_seq_fork", [kv_p, seq, POINTER(seq)])
+    status("kva_kv_seq_free", [kv_p, seq])
+    status("kva_kv_seq_block_table", [kv_p, seq, POINTER(POINTER(c_uint32)), POINTER(c_uint32)])
+    status("kva_kv_seq_get_info", [kv_p, seq, POINTER(KvaKvSeqInfo)])
+    status("kva_kv_pin", [kv_p, POINTER(c_uint64), c_uint32, POINTER(c_uint32), c_uint32, c_uint32,
+                          POINTER(seq), POINTER(c_uint32)])
+    status("kva_kv_unpin", [kv_p, seq])
+    status("kva_kv_evict", [kv_p, c_uint32, POINTER(c_uint32)])
+    status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
+    status("kva_kv_check", [kv_p])
+    lib._declare("kva_kv_struct_size", c_size_t, [c_enum])
+    for which, struct in enumerate(KV_STRUCTS.values(), start=1):
+        native = lib.kva_kv_struct_size(which)
+        if native != ctypes.sizeof(struct):
+            raise LibraryNotFoundError(
+                f"{lib.path} has a {struct.__name__} of {native} bytes, this package expects "
+                f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
+
+# ---- end of KV-cache manager -------------------------------------------------------------------
 
 
 def candidate_paths() -> list[Path]:

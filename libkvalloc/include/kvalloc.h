@@ -419,7 +419,8 @@ KVA_API kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t lay
  * moved to dst; for every layer l and part p, copy `tokens` slots from
  * src + (2l + p) * src_bucket * slot_bytes to dst + (2l + p) * dst_bucket * slot_bytes. src stays
  * allocated until the sequence's next append or free.
- * tokens == 0 means nothing to copy (blocks KVA_KV_NO_BLOCK, pointers NULL). */
+ * Nothing to copy: tokens == 0, blocks KVA_KV_NO_BLOCK and pointers NULL, except that a move of
+ * a sequence of 0 tokens gives both pointers with tokens == 0. */
 typedef struct kva_kv_copy {
     uint32_t src_block, dst_block;
     uint32_t tokens;
@@ -529,6 +530,18 @@ KVA_API kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out);
  * blocks, the LRU lists, the prefix table, the sequences, the pool) and names the first one
  * broken: KVA_OK or KVA_ERR_CORRUPT. O(blocks + table entries); not for hot paths. */
 KVA_API kva_status kva_kv_check(kva_kv *kv);
+
+/* sizeof each public KV struct as this library was built (0 for an unknown id), for bindings
+ * that mirror them; see kva_struct_size. */
+typedef enum kva_kv_struct_id {
+    KVA_KV_STRUCT_CONFIG = 1,
+    KVA_KV_STRUCT_INFO = 2,
+    KVA_KV_STRUCT_COPY = 3,
+    KVA_KV_STRUCT_SEQ_INFO = 4,
+    KVA_KV_STRUCT_STATS = 5
+} kva_kv_struct_id;
+
+KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);
 
 /* ---------------------------------------------------------------------- end of KV-cache manager */
 

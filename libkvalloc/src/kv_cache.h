@@ -5,12 +5,14 @@
  * Paged mode. The KV memory is one exact allocation from a pool cut into num_blocks blocks.
  * Each block has a 40-byte record indexed by its id, and the prefix table has two to four u32
  * buckets per block: 48 to 56 bytes of metadata per block. A block is in exactly one state:
- *   FREE    on the free stack (a LIFO linked through `next`); holds nothing.
+ *   FREE    on the free stack (linked through `next`; released blocks go on top, evicted
+ *           ones below the rest); holds nothing.
  *   USED    refs > 0: that many block-table entries of live sequences (pins included) name it.
  *   CACHED  refs == 0, registered, on the LRU list of its priority: its KV is kept for a future
  *           prefix hit and is given up only when a block is needed and the free stack is empty.
  * LRU lists run from the least recently released block (head, evicted first) to the most
- * recent (tail). Eviction takes the head of the lowest nonempty priority: a ctz and an unlink.
+ * recent (tail). Eviction takes the head of the lowest nonempty priority: a ctz, an unlink and
+ * a prefix-table unlink.
  *
  * A block is registered, with its key in the prefix table, only while it is full in every
  * table that names it: appends write only into a sequence's partial last block, so cached KV
@@ -21,7 +23,8 @@
  *  K1  Every block is FREE, USED or CACHED; FREE and CACHED blocks have refs == 0, USED ones
  *      refs > 0; free_count + used_count + cached_count == num_blocks.
  *  K2  A block's refs equals the number of entries naming it in live sequences' tables.
- *  K3  The free stack holds exactly the FREE blocks, each once, free_count of them.
+ *  K3  The free stack holds exactly the FREE blocks, each once, free_count of them, and ends at
+ *      free_bottom (KVA_NIL when empty).
  *  K4  LRU list p is doubly linked, holds exactly the CACHED blocks of priority p (lru_count[p]
  *      of them); bit p of lru_nonempty is set iff list p is not empty.
  *  K5  Every CACHED block is registered; no FREE block is. Each registered block is on the chain
@@ -92,10 +95,12 @@ struct kva_kv {
     uint32_t *buckets;        /* head block of each prefix-table chain, or KVA_NIL */
     uint32_t bucket_mask;
     uint32_t num_blocks, block_tokens;
-    uint32_t free_top, free_count, used_count, cached_count, registered_count;
+    uint32_t free_top, free_bottom; /* the free stack: taken from the top, evictions appended below */
+    uint32_t free_count, used_count, cached_count, registered_count;
     uint32_t lru_nonempty;
     uint32_t lru_head[KVA_KV_PRIORITIES], lru_tail[KVA_KV_PRIORITIES], lru_count[KVA_KV_PRIORITIES];
     kva_kv_key root;
+    size_t blocks_length, buckets_length; /* bytes mapped for blocks and buckets */
 
     /* Sequences. */
     kva_kv_seqrec *seqs;
@@ -134,22 +139,7 @@ void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec);
 /* Grows a table to hold `blocks` entries; 0 if host memory runs out (nothing changed). */
 int kv_table_reserve(kva_kv_seqrec *rec, uint32_t blocks);
 
-/* ---- the free stack and the LRU lists (all O(1)) ----------------------------------------- */
-
-KVA_INLINE void kv_free_push(kva_kv *kv, uint32_t b) {
-    kva_kv_block *blk = &kv->blocks[b];
-    blk->state = KV_FREE;
-    blk->next = kv->free_top;
-    kv->free_top = b;
-    kv->free_count++;
-}
-
-KVA_INLINE uint32_t kv_free_pop(kva_kv *kv) {
-    uint32_t b = kv->free_top;
-    kv->free_top = kv->blocks[b].next;
-    kv->free_count--;
-    return b;
-}
+/* ---- the LRU lists (O(1)) ------------------------------------------------------------------ */
 
 /* Appends a block at the newest end of the LRU list of its priority. */
 KVA_INLINE void kv_lru_push(kva_kv *kv, uint32_t b) {
@@ -177,11 +167,10 @@ KVA_INLINE void kv_lru_unlink(kva_kv *kv, uint32_t b) {
     kv->cached_count--;
 }
 
-/* ---- paged operations (kv_blocks.c) ------------------------------------------------------- */
+/* ---- the prefix table and the blocks (kv_blocks.c) ---------------------------------------- */
 
-/* The registered block with this key and namespace, or KVA_NIL. */
-KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, kva_kv_key key, uint32_t ns) {
-    uint32_t b = kv->buckets[key.lo & kv->bucket_mask];
+/* The registered block with this key and namespace on the chain starting at b, or KVA_NIL. */
+KVA_INLINE uint32_t kv_prefix_find_from(const kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns) {
     while (b != KVA_NIL) {
         const kva_kv_block *blk = &kv->blocks[b];
         if (kv_key_equal(blk->key, key) && blk->ns == ns) return b;
@@ -190,21 +179,28 @@ KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, kva_kv_key key, uint32_t ns
     return KVA_NIL;
 }
 
+KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, kva_kv_key key, uint32_t ns) {
+    return kv_prefix_find_from(kv, kv->buckets[key.lo & kv->bucket_mask], key, ns);
+}
+
 /* Registers block b under key unless the key is taken; 1 if it registered. */
 int kv_prefix_register(kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns);
 
-/* A block for a new table entry: from the free stack, else by evicting the least recently used
- * cached block of the lowest priority. The caller checked kv_blocks_available. */
-uint32_t kv_block_take(kva_kv *kv, uint8_t priority);
+KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) { return kv->free_count + kv->cached_count; }
+
+/* Evicts up to count cached blocks, lowest priority and least recently released first, and
+ * appends them below the free blocks. Returns how many it evicted. */
+uint32_t kv_evict(kva_kv *kv, uint32_t count);
+/* Evicts what a call needs beyond the free blocks (the caller checked kv_blocks_available). */
+void kv_make_room(kva_kv *kv, uint32_t need);
+/* Takes n free blocks from the top of the free stack into table[0 .. n), each USED with one
+ * reference (kv_make_room made room). */
+void kv_take(kva_kv *kv, uint32_t *table, uint32_t n, uint8_t priority);
 /* Adds a reference from a sequence of the given priority to a USED or CACHED block. */
 void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority);
-/* Drops a reference; at zero the block is cached (registered) or freed. */
-void kv_block_unref(kva_kv *kv, uint32_t b);
-/* Evicts the head of the lowest nonempty LRU list and leaves it USED-less (state to be set by
- * the caller); KVA_NIL if nothing is cached. */
-uint32_t kv_evict_one(kva_kv *kv);
-
-KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) { return kv->free_count + kv->cached_count; }
+/* Drops one reference from each of table[0 .. n), last first; a block left with none is cached
+ * if registered, else free (on top of the free stack). */
+void kv_release(kva_kv *kv, const uint32_t *table, uint32_t n);
 
 /* ---- modes ------------------------------------------------------------------------------- */
 

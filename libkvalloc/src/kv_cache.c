@@ -1,0 +1,350 @@
+/*
+ * kv_cache.c — a KV cache's life and geometry: configuration, creation on a pool (its own or a
+ * caller's), destruction, addresses, eviction on request, statistics.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv_cache.h"
+#include "os.h"
+
+/* At most 2^30 blocks, so the prefix table (a power of two, at least two buckets per block)
+ * keeps a u32 mask. */
+#define KV_MAX_BLOCKS ((uint32_t)1 << 30)
+/* Contiguous mode: buckets up to 2^30 tokens. */
+#define KV_MAX_CONTEXT ((uint32_t)1 << 30)
+#define KV_POOL_MIN_BLOCK ((size_t)4096)
+
+void kva_kv_config_init(kva_kv_config *cfg) {
+    if (!cfg) return;
+    *cfg = (kva_kv_config){
+        .dtype_bytes = 2,
+        .block_tokens = 16,
+        .mode = KVA_KV_PAGED,
+        .layout = KVA_KV_LAYOUT_LAYERS,
+        .pages = KVA_PAGES_THP,
+    };
+}
+
+static int mul_size(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
+
+/* Checks the geometry and fills the sizes of *info. */
+static kva_status geometry(const kva_kv_config *cfg, kva_kv_info *info) {
+    if (!cfg) return kva_fail(KVA_ERR_INVALID, "config is NULL");
+    if (cfg->layers == 0 || cfg->kv_heads == 0 || cfg->head_dim == 0 || cfg->block_tokens == 0)
+        return kva_fail(KVA_ERR_INVALID, "zero geometry: layers %u, kv_heads %u, head_dim %u, block_tokens %u",
+                        cfg->layers, cfg->kv_heads, cfg->head_dim, cfg->block_tokens);
+    if (cfg->dtype_bytes != 1 && cfg->dtype_bytes != 2 && cfg->dtype_bytes != 4 && cfg->dtype_bytes != 8)
+        return kva_fail(KVA_ERR_INVALID, "dtype_bytes %u is not 1, 2, 4 or 8", cfg->dtype_bytes);
+    if ((unsigned)cfg->mode > KVA_KV_CONTIGUOUS) return kva_fail(KVA_ERR_INVALID, "unknown mode %d", (int)cfg->mode);
+    if ((unsigned)cfg->layout > KVA_KV_LAYOUT_LAYERS)
+        return kva_fail(KVA_ERR_INVALID, "unknown layout %d", (int)cfg->layout);
+    size_t slot, token, block;
+    if (!mul_size((size_t)cfg->kv_heads * cfg->head_dim, cfg->dtype_bytes, &slot) ||
+        !mul_size(slot, (size_t)2 * cfg->layers, &token) || !mul_size(token, cfg->block_tokens, &block))
+        return kva_fail(KVA_ERR_INVALID, "the geometry's bytes per block overflow");
+    memset(info, 0, sizeof *info);
+    info->mode = cfg->mode;
+    info->layout = cfg->layout;
+    info->layers = cfg->layers;
+    info->kv_heads = cfg->kv_heads;
+    info->head_dim = cfg->head_dim;
+    info->dtype_bytes = cfg->dtype_bytes;
+    info->block_tokens = cfg->block_tokens;
+    info->slot_bytes = slot;
+    info->token_bytes = token;
+    info->block_bytes = block;
+    info->part_bytes = slot * cfg->block_tokens;
+    return KVA_OK;
+}
+
+kva_status kva_kv_block_bytes(const kva_kv_config *cfg, size_t *out) {
+    kva_kv_info info;
+    kva_status st = geometry(cfg, &info);
+    if (st != KVA_OK) return st;
+    if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
+    *out = info.block_bytes;
+    return KVA_OK;
+}
+
+/* Paged mode: the number of blocks and the strides. */
+static kva_status paged_layout(const kva_kv_config *cfg, kva_kv_info *info) {
+    uint64_t blocks = cfg->num_blocks ? cfg->num_blocks : cfg->capacity_bytes / info->block_bytes;
+    if (blocks == 0)
+        return kva_fail(KVA_ERR_INVALID, "capacity holds no block: num_blocks 0 and %zu bytes for blocks of %zu",
+                        cfg->capacity_bytes, info->block_bytes);
+    if (blocks > KV_MAX_BLOCKS)
+        return kva_fail(KVA_ERR_INVALID, "%llu blocks; at most %u", (unsigned long long)blocks, KV_MAX_BLOCKS);
+    info->num_blocks = (uint32_t)blocks;
+    if (!mul_size(info->block_bytes, info->num_blocks, &info->kv_bytes))
+        return kva_fail(KVA_ERR_INVALID, "%u blocks of %zu bytes overflow", info->num_blocks, info->block_bytes);
+    if (cfg->layout == KVA_KV_LAYOUT_BLOCKS) {
+        info->block_stride = info->block_bytes;
+        info->layer_stride = 2 * info->part_bytes;
+    } else {
+        info->block_stride = 2 * info->part_bytes;
+        info->layer_stride = info->block_stride * info->num_blocks;
+    }
+    return KVA_OK;
+}
+
+/* The pool a cache creates for itself: paged mode needs one free block of the power of two
+ * above its KV bytes (kva_alloc_exact takes the front of it); contiguous mode needs its bytes. */
+static kva_status own_pool(const kva_kv_config *cfg, const kva_kv_info *info, size_t bytes, kva_pool **out) {
+    kva_config pc;
+    kva_config_init(&pc);
+    pc.pages = cfg->pages;
+    pc.min_block = KV_POOL_MIN_BLOCK;
+    size_t units = (bytes + pc.min_block - 1) / pc.min_block;
+    /* Keep the pool's minimum blocks below 2^31 by coarsening them for huge caches. */
+    while (units >= ((size_t)1 << 31)) {
+        pc.min_block *= 2;
+        units = (bytes + pc.min_block - 1) / pc.min_block;
+    }
+    if (info->mode == KVA_KV_PAGED) {
+        size_t pow2 = 1;
+        while (pow2 < units) pow2 *= 2;
+        units = pow2;
+    }
+    pc.capacity = units * pc.min_block;
+    return kva_pool_create(&pc, out);
+}
+
+static kva_stats pool_stats(kva_pool *pool) {
+    kva_stats ps;
+    if (kva_get_stats(pool, &ps) != KVA_OK) memset(&ps, 0, sizeof ps);
+    return ps;
+}
+
+/* Contiguous mode: the bytes of its own pool and the largest bucket. */
+static kva_status contiguous_layout(const kva_kv_config *cfg, kva_kv_info *info, int own) {
+    if (cfg->max_context && (!kva_is_pow2(cfg->max_context) || cfg->max_context < KVA_KV_MIN_BUCKET ||
+                             cfg->max_context > KV_MAX_CONTEXT))
+        return kva_fail(KVA_ERR_INVALID, "max_context %u is not a power of two in [%d, %u]", cfg->max_context,
+                        KVA_KV_MIN_BUCKET, KV_MAX_CONTEXT);
+    size_t bytes = cfg->capacity_bytes;
+    if (cfg->num_blocks && !mul_size(info->block_bytes, cfg->num_blocks, &bytes))
+        return kva_fail(KVA_ERR_INVALID, "%u blocks of %zu bytes overflow", cfg->num_blocks, info->block_bytes);
+    if (own && bytes < (size_t)KVA_KV_MIN_BUCKET * info->token_bytes)
+        return kva_fail(KVA_ERR_INVALID, "capacity of %zu bytes holds no bucket of %d tokens (%zu bytes)", bytes,
+                        KVA_KV_MIN_BUCKET, (size_t)KVA_KV_MIN_BUCKET * info->token_bytes);
+    info->kv_bytes = bytes;
+    info->max_context = cfg->max_context;
+    return KVA_OK;
+}
+
+/* Fixes max_context against the pool's largest block. */
+static kva_status contiguous_limit(kva_kv *kv, const kva_kv_config *cfg) {
+    kva_stats ps = pool_stats(kv->pool);
+    size_t largest = ps.max_alloc_size;
+    size_t fits = largest / kv->info.token_bytes;
+    if (fits < KVA_KV_MIN_BUCKET)
+        return kva_fail(KVA_ERR_NOMEM, "the pool's largest block (%zu bytes) holds no bucket of %d tokens", largest,
+                        KVA_KV_MIN_BUCKET);
+    if (cfg->max_context) {
+        if (cfg->max_context > fits)
+            return kva_fail(KVA_ERR_NOMEM, "a bucket of max_context %u tokens (%zu bytes) exceeds the pool's largest "
+                            "block (%zu)", cfg->max_context, (size_t)cfg->max_context * kv->info.token_bytes, largest);
+        kv->max_context = cfg->max_context;
+    } else {
+        kv->max_context = KV_MAX_CONTEXT;
+        while (kv->max_context > fits) kv->max_context /= 2;
+    }
+    kv->info.max_context = kv->max_context;
+    kv->info.kv_bytes = ps.capacity;
+    return KVA_OK;
+}
+
+/* Host memory for a per-block array. Arrays of 2 MiB and more are 2 MiB-aligned and advised to
+ * transparent huge pages (without the advice THP set to "madvise" leaves them on 4 KiB pages):
+ * over a million blocks a random record access then costs a cache miss but no TLB miss. */
+static kva_status metadata_map(size_t bytes, void **out, size_t *length) {
+    int huge = bytes >= KVA_HUGE_PAGE_SIZE;
+    size_t unit = huge ? KVA_HUGE_PAGE_SIZE : kva_os_page_size();
+    size_t len = (bytes + unit - 1) / unit * unit;
+    void *p;
+    kva_status st = kva_os_reserve(len, unit, &p);
+    if (st != KVA_OK) return st;
+    st = kva_os_commit(p, len, 0);
+    if (st != KVA_OK) {
+        kva_os_unmap(p, len);
+        return st;
+    }
+    if (huge) (void)kva_os_advise_thp(p, len); /* an optimisation: a refusal costs only speed */
+    *out = p;
+    *length = len;
+    return KVA_OK;
+}
+
+static kva_status paged_init(kva_kv *kv) {
+    uint32_t n = kv->info.num_blocks;
+    void *memory;
+    kva_status st = kva_alloc_exact(kv->pool, kv->info.kv_bytes, &memory);
+    if (st == KVA_ERR_INVALID)
+        return kva_fail(KVA_ERR_NOMEM, "the pool's largest block (%zu bytes) cannot hold the %zu bytes of KV",
+                        pool_stats(kv->pool).max_alloc_size, kv->info.kv_bytes);
+    if (st != KVA_OK) return st;
+    kv->memory = memory;
+    kv->info.base = memory;
+
+    uint32_t buckets = 2;
+    while (buckets < 2 * n) buckets *= 2;
+    void *blocks, *heads;
+    st = metadata_map((size_t)n * sizeof *kv->blocks, &blocks, &kv->blocks_length);
+    if (st != KVA_OK) return st;
+    kv->blocks = blocks;
+    st = metadata_map((size_t)buckets * sizeof *kv->buckets, &heads, &kv->buckets_length);
+    if (st != KVA_OK) return st;
+    kv->buckets = heads;
+    kv->bucket_mask = buckets - 1;
+    memset(kv->buckets, 0xff, (size_t)buckets * sizeof *kv->buckets);
+    kv->num_blocks = n;
+    for (uint32_t b = 0; b < n; b++) {
+        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .prev = KVA_NIL,
+                                       .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
+    }
+    kv->free_top = 0;
+    kv->free_bottom = n - 1;
+    kv->free_count = n;
+    for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) kv->lru_head[p] = kv->lru_tail[p] = KVA_NIL;
+    kv->root = kv_key_root(kv->hash_seed);
+    return KVA_OK;
+}
+
+static void release_memory(kva_kv *kv) {
+    for (uint32_t s = 0; s < kv->seq_slots; s++) {
+        kva_kv_seqrec *rec = &kv->seqs[s];
+        if (rec->live && kv->info.mode == KVA_KV_CONTIGUOUS) kv_contig_release(kv, rec);
+        free(rec->table);
+    }
+    /* Slots past seq_slots may hold a table reserved by a call that then failed. */
+    if (kv->seq_slots < kv->seq_capacity) free(kv->seqs[kv->seq_slots].table);
+    free(kv->seqs);
+    kva_os_unmap(kv->blocks, kv->blocks_length);
+    kva_os_unmap(kv->buckets, kv->buckets_length);
+    if (kv->memory) kva_free(kv->pool, kv->memory);
+    if (kv->owns_pool) kva_pool_destroy(kv->pool);
+}
+
+kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out) {
+    kva_kv_info info;
+    kva_status st = geometry(cfg, &info);
+    if (st != KVA_OK) return st;
+    if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
+    st = cfg->mode == KVA_KV_PAGED ? paged_layout(cfg, &info) : contiguous_layout(cfg, &info, pool == NULL);
+    if (st != KVA_OK) return st;
+
+    kva_kv *kv = calloc(1, sizeof *kv);
+    if (!kv) return kva_fail(KVA_ERR_NOMEM, "no host memory for the cache descriptor");
+    kv->info = info;
+    kv->block_tokens = info.block_tokens;
+    kv->hash_seed = cfg->hash_seed;
+    kv->free_slot = KVA_NIL;
+    kv->free_top = kv->free_bottom = KVA_NIL;
+    for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) kv->lru_head[p] = kv->lru_tail[p] = KVA_NIL;
+    if (pool) {
+        kv->pool = pool;
+    } else {
+        st = own_pool(cfg, &info, info.kv_bytes, &kv->pool);
+        if (st != KVA_OK) {
+            free(kv);
+            return st;
+        }
+        kv->owns_pool = 1;
+    }
+    kv->info.pool = kv->pool;
+    st = cfg->mode == KVA_KV_PAGED ? paged_init(kv) : contiguous_limit(kv, cfg);
+    if (st == KVA_OK && pthread_mutex_init(&kv->lock, NULL) != 0)
+        st = kva_fail(KVA_ERR_BACKEND, "pthread_mutex_init failed");
+    if (st != KVA_OK) {
+        release_memory(kv);
+        free(kv);
+        return st;
+    }
+    *out = kv;
+    return KVA_OK;
+}
+
+void kva_kv_destroy(kva_kv *kv) {
+    if (!kv) return;
+    release_memory(kv);
+    pthread_mutex_destroy(&kv->lock);
+    free(kv);
+}
+
+kva_status kva_kv_get_info(kva_kv *kv, kva_kv_info *out) {
+    if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
+    *out = kv->info;
+    return KVA_OK;
+}
+
+kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_kv_part part, void **out) {
+    /* Reads only geometry fixed at creation: no lock. */
+    if (kva_unlikely(!kv || !out)) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
+    const kva_kv_info *g = &kv->info;
+    if (kva_unlikely(g->mode != KVA_KV_PAGED)) return kva_fail(KVA_ERR_INVALID, "block addresses need paged mode");
+    if (kva_unlikely(block >= g->num_blocks || layer >= g->layers || (unsigned)part > KVA_KV_V))
+        return kva_fail(KVA_ERR_INVALID, "block %u, layer %u, part %d out of range (%u blocks, %u layers)", block,
+                        layer, (int)part, g->num_blocks, g->layers);
+    *out = kv->memory + block * g->block_stride + layer * g->layer_stride + (size_t)part * g->part_bytes;
+    return KVA_OK;
+}
+
+kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    uint32_t count = 0;
+    if (kv->info.mode == KVA_KV_PAGED) {
+        count = kv_evict(kv, max_blocks);
+    }
+    if (evicted) *evicted = count;
+    kv_unlock(kv);
+    return KVA_OK;
+}
+
+kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out) {
+    if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
+    kv_lock(kv);
+    const kva_kv_counters *c = &kv->counters;
+    kva_kv_stats st = {
+        .num_blocks = kv->num_blocks,
+        .free_blocks = kv->free_count,
+        .used_blocks = kv->used_count,
+        .cached_blocks = kv->cached_count,
+        .registered_blocks = kv->registered_count,
+        .sequences = kv->live_seqs,
+        .pins = kv->live_pins,
+        .hit_tokens = c->hit_tokens,
+        .query_tokens = c->query_tokens,
+        .evictions = c->evictions,
+        .cow_copies = c->cow_copies,
+        .forks = c->forks,
+        .allocations = c->allocations,
+        .frees = c->frees,
+        .appends = c->appends,
+        .moves = c->moves,
+        .moved_bytes = c->moved_bytes,
+        .alloc_failures = c->alloc_failures,
+        .rejected_calls = c->rejected_calls,
+    };
+    st.bytes_in_use = kv->info.mode == KVA_KV_PAGED ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
+    st.block_metadata_bytes =
+        (size_t)kv->num_blocks * sizeof *kv->blocks + (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0);
+    size_t tables = 0;
+    for (uint32_t s = 0; s < kv->seq_slots; s++) tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t);
+    st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables;
+    kv_unlock(kv);
+    *out = st;
+    return KVA_OK;
+}
+
+size_t kva_kv_struct_size(kva_kv_struct_id which) {
+    switch (which) {
+    case KVA_KV_STRUCT_CONFIG: return sizeof(kva_kv_config);
+    case KVA_KV_STRUCT_INFO: return sizeof(kva_kv_info);
+    case KVA_KV_STRUCT_COPY: return sizeof(kva_kv_copy);
+    case KVA_KV_STRUCT_SEQ_INFO: return sizeof(kva_kv_seq_info);
+    case KVA_KV_STRUCT_STATS: return sizeof(kva_kv_stats);
+    }
+    return 0;
+}

@@ -1,0 +1,178 @@
+/*
+ * kv_check.c — kva_kv_check: walks every invariant stated in kv_cache.h and names the first one
+ * broken. O(blocks + buckets + table entries + sequences); never on a hot path.
+ */
+#include <stdlib.h>
+
+#include "kv_cache.h"
+
+#define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
+
+static kva_status check_states(const kva_kv *kv) {
+    uint32_t counts[3] = {0, 0, 0}, registered = 0;
+    for (uint32_t b = 0; b < kv->num_blocks; b++) {
+        const kva_kv_block *blk = &kv->blocks[b];
+        if (blk->state > KV_CACHED) return BROKEN("K1: block %u has state %u", b, blk->state);
+        if ((blk->state == KV_USED) != (blk->refs > 0))
+            return BROKEN("K1: block %u has state %u and %u references", b, blk->state, blk->refs);
+        if (blk->priority >= KVA_KV_PRIORITIES) return BROKEN("K4: block %u has priority %u", b, blk->priority);
+        if (blk->state == KV_CACHED && !blk->registered) return BROKEN("K5: cached block %u is not registered", b);
+        if (blk->state == KV_FREE && blk->registered) return BROKEN("K5: free block %u is registered", b);
+        counts[blk->state]++;
+        registered += blk->registered;
+    }
+    if (counts[KV_FREE] != kv->free_count || counts[KV_USED] != kv->used_count || counts[KV_CACHED] != kv->cached_count)
+        return BROKEN("K1: %u free, %u used, %u cached blocks; the counters say %u, %u, %u", counts[KV_FREE],
+                      counts[KV_USED], counts[KV_CACHED], kv->free_count, kv->used_count, kv->cached_count);
+    if (registered != kv->registered_count)
+        return BROKEN("K5: %u blocks are registered, the counter says %u", registered, kv->registered_count);
+    return KVA_OK;
+}
+
+static kva_status check_free_stack(const kva_kv *kv, uint8_t *seen) {
+    uint32_t count = 0, last = KVA_NIL;
+    for (uint32_t b = kv->free_top; b != KVA_NIL; b = kv->blocks[b].next) {
+        last = b;
+        if (b >= kv->num_blocks) return BROKEN("K3: the free stack links to %u, past the end", b);
+        if (kv->blocks[b].state != KV_FREE) return BROKEN("K3: block %u on the free stack is not free", b);
+        if (seen[b]++) return BROKEN("K3: block %u is on the free stack twice", b);
+        if (++count > kv->free_count) return BROKEN("K3: the free stack is longer than its count %u", kv->free_count);
+    }
+    if (count != kv->free_count) return BROKEN("K3: the free stack holds %u blocks, its count says %u", count, kv->free_count);
+    if (last != kv->free_bottom) return BROKEN("K3: the free stack ends at %u, its bottom says %u", last, kv->free_bottom);
+    return KVA_OK;
+}
+
+static kva_status check_lru(const kva_kv *kv, uint8_t *seen) {
+    uint32_t total = 0;
+    for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) {
+        uint32_t count = 0, prev = KVA_NIL;
+        for (uint32_t b = kv->lru_head[p]; b != KVA_NIL; b = kv->blocks[b].next) {
+            if (b >= kv->num_blocks) return BROKEN("K4: LRU list %u links to %u, past the end", p, b);
+            const kva_kv_block *blk = &kv->blocks[b];
+            if (blk->state != KV_CACHED || blk->priority != p)
+                return BROKEN("K4: block %u on LRU list %u has state %u priority %u", b, p, blk->state, blk->priority);
+            if (blk->prev != prev) return BROKEN("K4: block %u on LRU list %u has a wrong prev link", b, p);
+            if (seen[b]++) return BROKEN("K4: block %u is listed twice", b);
+            if (++count > kv->lru_count[p]) return BROKEN("K4: LRU list %u is longer than its count", p);
+            prev = b;
+        }
+        if (kv->lru_tail[p] != prev) return BROKEN("K4: LRU list %u's tail is %u, the list ends at %u", p, kv->lru_tail[p], prev);
+        if (count != kv->lru_count[p]) return BROKEN("K4: LRU list %u holds %u blocks, its count says %u", p, count, kv->lru_count[p]);
+        if (((kv->lru_nonempty >> p) & 1) != (count != 0)) return BROKEN("K4: nonempty bit %u disagrees with list %u", p, p);
+        total += count;
+    }
+    if (kv->lru_nonempty >> KVA_KV_PRIORITIES) return BROKEN("K4: nonempty bits beyond the priorities");
+    if (total != kv->cached_count) return BROKEN("K4: %u blocks on the LRU lists, %u cached", total, kv->cached_count);
+    return KVA_OK;
+}
+
+static kva_status check_prefix_table(const kva_kv *kv) {
+    uint32_t chained = 0;
+    for (uint32_t bucket = 0; bucket <= kv->bucket_mask; bucket++) {
+        for (uint32_t b = kv->buckets[bucket]; b != KVA_NIL; b = kv->blocks[b].hash_next) {
+            if (b >= kv->num_blocks) return BROKEN("K5: bucket %u links to %u, past the end", bucket, b);
+            const kva_kv_block *blk = &kv->blocks[b];
+            if (!blk->registered) return BROKEN("K5: block %u is chained but not registered", b);
+            if ((blk->key.lo & kv->bucket_mask) != bucket) return BROKEN("K5: block %u is chained in the wrong bucket", b);
+            if (++chained > kv->registered_count) return BROKEN("K5: the chains hold more blocks than are registered");
+            for (uint32_t o = blk->hash_next; o != KVA_NIL; o = kv->blocks[o].hash_next)
+                if (kv_key_equal(kv->blocks[o].key, blk->key) && kv->blocks[o].ns == blk->ns)
+                    return BROKEN("K5: blocks %u and %u share a key", b, o);
+        }
+    }
+    if (chained != kv->registered_count)
+        return BROKEN("K5: %u blocks on the chains, %u registered", chained, kv->registered_count);
+    return KVA_OK;
+}
+
+/* K2, K6 and K7: counts each block's references from the tables. */
+static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
+    uint32_t live = 0, pins = 0, free_slots = 0;
+    for (uint32_t s = 0; s < kv->seq_slots; s++) {
+        const kva_kv_seqrec *rec = &kv->seqs[s];
+        if (rec->generation == 0) return BROKEN("K7: slot %u has generation 0", s);
+        if (!rec->live) continue;
+        if (rec->is_pin) pins++;
+        else live++;
+        if (kv->info.mode != KVA_KV_PAGED) continue;
+        uint64_t blocks = ((uint64_t)rec->num_tokens + kv->block_tokens - 1) / kv->block_tokens;
+        if (rec->len != blocks || rec->len > rec->cap)
+            return BROKEN("K7: sequence in slot %u has %u tokens but %u blocks (room for %u)", s, rec->num_tokens, rec->len,
+                          rec->cap);
+        for (uint32_t i = 0; i < rec->len; i++) {
+            uint32_t b = rec->table[i];
+            if (b >= kv->num_blocks) return BROKEN("K2: sequence in slot %u names block %u, past the end", s, b);
+            refs[b]++;
+            if (kv->blocks[b].registered && (uint64_t)(i + 1) * kv->block_tokens > rec->num_tokens)
+                return BROKEN("K6: registered block %u is the partial block %u of the sequence in slot %u", b, i, s);
+        }
+    }
+    for (uint32_t s = kv->free_slot; s != KVA_NIL; s = kv->seqs[s].next_free) {
+        if (s >= kv->seq_slots || kv->seqs[s].live) return BROKEN("K7: free-slot list names slot %u, not a free slot", s);
+        if (++free_slots > kv->seq_slots) return BROKEN("K7: the free-slot list loops");
+    }
+    if (live != kv->live_seqs || pins != kv->live_pins || live + pins + free_slots != kv->seq_slots)
+        return BROKEN("K7: %u live sequences, %u pins and %u free slots of %u; the counters say %u and %u", live, pins,
+                      free_slots, kv->seq_slots, kv->live_seqs, kv->live_pins);
+    return KVA_OK;
+}
+
+static kva_status check_paged(kva_kv *kv) {
+    if (kva_usable_size(kv->pool, kv->memory) < kv->info.kv_bytes)
+        return BROKEN("K0: the KV memory at %p is not a live allocation of %zu bytes", (void *)kv->memory, kv->info.kv_bytes);
+    kva_status st = check_states(kv);
+    if (st != KVA_OK) return st;
+    uint8_t *seen = calloc(kv->num_blocks, 1);
+    uint32_t *refs = calloc(kv->num_blocks, sizeof *refs);
+    if (!seen || !refs) {
+        free(seen);
+        free(refs);
+        return kva_fail(KVA_ERR_NOMEM, "no host memory to check %u blocks", kv->num_blocks);
+    }
+    st = check_free_stack(kv, seen);
+    if (st == KVA_OK) st = check_lru(kv, seen);
+    if (st == KVA_OK) st = check_prefix_table(kv);
+    if (st == KVA_OK) st = check_sequences(kv, refs);
+    for (uint32_t b = 0; st == KVA_OK && b < kv->num_blocks; b++)
+        if (refs[b] != kv->blocks[b].refs)
+            st = BROKEN("K2: block %u has %u references but %u table entries name it", b, kv->blocks[b].refs, refs[b]);
+    free(seen);
+    free(refs);
+    return st;
+}
+
+static kva_status check_contiguous(kva_kv *kv) {
+    kva_status st = check_sequences(kv, NULL); /* no tables in contiguous mode */
+    if (st != KVA_OK) return st;
+    size_t bytes = 0;
+    for (uint32_t s = 0; s < kv->seq_slots; s++) {
+        const kva_kv_seqrec *rec = &kv->seqs[s];
+        if (!rec->live) continue;
+        uint32_t bucket = rec->bucket_tokens;
+        if (!kva_is_pow2(bucket) || bucket < KVA_KV_MIN_BUCKET || bucket > kv->max_context || rec->num_tokens > bucket)
+            return BROKEN("K8: sequence in slot %u has %u tokens in a bucket of %u", s, rec->num_tokens, bucket);
+        size_t usable = kva_usable_size(kv->pool, rec->buffer);
+        if (usable < (size_t)bucket * kv->info.token_bytes)
+            return BROKEN("K8: sequence in slot %u holds %zu pool bytes for a bucket of %zu", s, usable,
+                          (size_t)bucket * kv->info.token_bytes);
+        bytes += usable;
+        if (rec->retired) {
+            size_t old = kva_usable_size(kv->pool, rec->retired);
+            if (old == 0) return BROKEN("K8: sequence in slot %u keeps a retired buffer that is not allocated", s);
+            bytes += old;
+        }
+    }
+    if (bytes != kv->contig_bytes)
+        return BROKEN("K8: sequences hold %zu pool bytes, the counter says %zu", bytes, kv->contig_bytes);
+    return KVA_OK;
+}
+
+kva_status kva_kv_check(kva_kv *kv) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = kv->info.mode == KVA_KV_PAGED ? check_paged(kv) : check_contiguous(kv);
+    if (st == KVA_OK && kv->owns_pool) st = kva_check(kv->pool);
+    kv_unlock(kv);
+    return st;
+}

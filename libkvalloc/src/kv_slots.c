@@ -1,0 +1,100 @@
+/*
+ * kv_slots.c — sequence handles: slots reused through a free-slot list, each with a generation
+ * that changes when its sequence is freed, so a stale handle is told apart from a live one.
+ *
+ * A handle is generation << 32 | slot. Generations start at 1 (so 0 is never a handle) and
+ * step by one per free, skipping 0 when they wrap. A freed slot keeps its table allocation for
+ * the next sequence, so a steady engine stops calling malloc.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv_cache.h"
+
+kva_status kv_reject(kva_kv *kv, kva_status status) {
+    kv->counters.rejected_calls++;
+    return status;
+}
+
+kva_kv_seqrec *kv_seq_lookup(kva_kv *kv, kva_kv_seq seq, kva_status *why) {
+    uint32_t slot = (uint32_t)seq, generation = (uint32_t)(seq >> 32);
+    if (kva_unlikely(slot >= kv->seq_slots || generation == 0)) {
+        *why = kva_fail(KVA_ERR_INVALID, "sequence handle %#llx was never given by this cache", (unsigned long long)seq);
+        return NULL;
+    }
+    kva_kv_seqrec *rec = &kv->seqs[slot];
+    if (kva_likely(rec->live && rec->generation == generation)) return rec;
+    /* Generations only grow (modulo 2^32), so an older one is a freed sequence. */
+    if ((int32_t)(rec->generation - generation) > 0) {
+        *why = kva_fail(KVA_ERR_DOUBLE_FREE, "sequence %#llx was already freed", (unsigned long long)seq);
+        return NULL;
+    }
+    *why = kva_fail(KVA_ERR_INVALID, "sequence handle %#llx was never given by this cache", (unsigned long long)seq);
+    return NULL;
+}
+
+int kv_table_reserve(kva_kv_seqrec *rec, uint32_t blocks) {
+    if (blocks <= rec->cap) return 1;
+    uint32_t cap = rec->cap ? rec->cap : 8;
+    while (cap < blocks) cap = cap > UINT32_MAX / 2 ? blocks : cap * 2;
+    uint32_t *table = realloc(rec->table, (size_t)cap * sizeof *table);
+    if (!table) return 0;
+    rec->table = table;
+    rec->cap = cap;
+    return 1;
+}
+
+kva_kv_seqrec *kv_seq_reserve(kva_kv *kv, uint32_t blocks) {
+    kva_kv_seqrec *rec;
+    if (kv->free_slot != KVA_NIL) {
+        rec = &kv->seqs[kv->free_slot];
+    } else {
+        if (kv->seq_slots == kv->seq_capacity) {
+            if (kv->seq_capacity >= KVA_NIL / 2) {
+                kva_fail(KVA_ERR_NOMEM, "too many sequences (%u)", kv->seq_slots);
+                return NULL;
+            }
+            uint32_t capacity = kv->seq_capacity ? kv->seq_capacity * 2 : 64;
+            kva_kv_seqrec *seqs = realloc(kv->seqs, (size_t)capacity * sizeof *seqs);
+            if (!seqs) {
+                kva_fail(KVA_ERR_NOMEM, "no host memory for %u sequence slots", capacity);
+                return NULL;
+            }
+            memset(seqs + kv->seq_capacity, 0, (size_t)(capacity - kv->seq_capacity) * sizeof *seqs);
+            kv->seqs = seqs;
+            kv->seq_capacity = capacity;
+        }
+        /* A fresh slot not yet counted in seq_slots: publishing counts it. */
+        rec = &kv->seqs[kv->seq_slots];
+        if (rec->generation == 0) rec->generation = 1;
+    }
+    if (!kv_table_reserve(rec, blocks ? blocks : 1)) { /* a table pointer is never NULL */
+        kva_fail(KVA_ERR_NOMEM, "no host memory for a table of %u blocks", blocks);
+        return NULL;
+    }
+    return rec;
+}
+
+kva_kv_seq kv_seq_publish(kva_kv *kv, kva_kv_seqrec *rec) {
+    uint32_t slot = (uint32_t)(rec - kv->seqs);
+    if (slot == kv->free_slot) kv->free_slot = rec->next_free;
+    else kv->seq_slots++;
+    rec->live = 1;
+    rec->next_free = KVA_NIL;
+    if (rec->is_pin) kv->live_pins++;
+    else kv->live_seqs++;
+    return kv_handle(slot, rec->generation);
+}
+
+void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec) {
+    if (rec->is_pin) kv->live_pins--;
+    else kv->live_seqs--;
+    rec->live = 0;
+    rec->len = rec->num_tokens = rec->cached_tokens = 0;
+    rec->buffer = rec->retired = NULL;
+    rec->bucket_tokens = 0;
+    rec->is_pin = 0;
+    if (++rec->generation == 0) rec->generation = 1;
+    rec->next_free = kv->free_slot;
+    kv->free_slot = (uint32_t)(rec - kv->seqs);
+}

@@ -1,0 +1,605 @@
+"""The KV-cache manager: the Python face of ``kva_kv``.
+
+What an engine's scheduler calls::
+
+    cache = pykvalloc.KVCache(num_blocks=4096, block_tokens=16, layers=32, kv_heads=8,
+                              head_dim=128, dtype="float16")
+    seq = cache.allocate(len(prompt), tokens=prompt)     # prefix caching by token ids
+    seq.num_cached_tokens                                 # tokens whose KV is already there
+    seq.block_table                                       # numpy uint32, no copy
+    copy = seq.append(1)                                  # decoding; a CopyOnWrite or None
+    child = seq.fork()                                    # beam search, parallel sampling
+    seq.free()
+    cache.stats()                                         # free/used/cached blocks, hits, ...
+
+Lifetime rules, each there so that no Python call can crash the interpreter:
+
+* ``seq.block_table`` is a read-only numpy view of the table the library keeps. The library
+  may move or rewrite that table when the sequence changes, so ``append()`` and ``free()``
+  refuse (``TableInUseError``) while a view of it is alive: copy it (``np.array(...)``) to
+  keep it longer. A view keeps its sequence and its cache alive.
+* A sequence nobody frees is freed when it becomes garbage; a cache nobody closes is destroyed
+  when it becomes garbage and no sequence or view needs it. ``close()`` is idempotent; with
+  views alive the C cache is destroyed when the last one goes.
+* Handles of freed sequences are recognised by the library (a generation per slot), so a stale
+  ``Sequence`` gets ``InvalidArgument`` (``DoubleFree`` for a second ``free()``), never another
+  sequence's blocks.
+* The C cache has its own lock; this module adds one per cache for its own bookkeeping, so a
+  cache may be shared between threads.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import weakref
+from collections.abc import Iterable
+from ctypes import POINTER, byref, c_uint32, c_uint64, c_void_p
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from . import _ffi
+from .errors import InvalidArgument, KvallocError, PoolClosedError
+
+__all__ = ["KVCache", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout", "KVMode",
+           "TableInUseError", "dtype_bytes"]
+
+_U32_MAX = 0xFFFFFFFF
+_NO_BLOCK = _U32_MAX
+PRIORITIES = 8
+
+# Element sizes of the dtypes a KV cache is kept in; names as numpy, torch ("torch.float16")
+# and engines ("fp8", "bf16") spell them.
+_DTYPE_BYTES = {
+    "float64": 8, "double": 8, "fp64": 8,
+    "float32": 4, "float": 4, "fp32": 4,
+    "float16": 2, "half": 2, "fp16": 2, "bfloat16": 2, "bf16": 2,
+    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e4m3": 1, "float8_e5m2": 1,
+    "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
+}
+
+
+class KVLayout(enum.IntEnum):
+    """Where (block, layer, K|V) lives (``kva_kv_layout``)."""
+
+    BLOCKS = 0  # a block holds all its layers: [block][layer][K|V]
+    LAYERS = 1  # one region per layer, indexed by block id: [layer][block][K|V]
+
+
+class KVMode(enum.IntEnum):
+    """``kva_kv_mode``."""
+
+    PAGED = 0       # blocks, block tables, prefix caching, fork
+    CONTIGUOUS = 1  # one buffer per sequence in a power-of-two bucket of tokens
+
+
+class TableInUseError(KvallocError, BufferError):
+    """A sequence cannot change while numpy views of its block table are alive: the library may
+    move or rewrite the table they show. Copy the table to keep it (``np.array(view)``)."""
+
+
+class CopyOnWrite(NamedTuple):
+    """After ``append``: the last block was shared; copy its first ``tokens`` tokens, every
+    layer's K and V, from block ``src`` to block ``dst`` (the sequence now holds ``dst``)."""
+
+    src: int
+    dst: int
+    tokens: int
+
+
+class Move(NamedTuple):
+    """After ``append`` in contiguous mode: the sequence moved from the buffer at address
+    ``src`` (a bucket of ``src_bucket`` tokens) to ``dst`` (``dst_bucket`` tokens). For each
+    layer l and part p (0 K, 1 V), copy ``tokens`` slots of ``slot_bytes`` from
+    ``src + (2l+p)*src_bucket*slot_bytes`` to ``dst + (2l+p)*dst_bucket*slot_bytes``. The old
+    buffer stays allocated until the sequence's next append or free."""
+
+    src: int
+    dst: int
+    tokens: int
+    src_bucket: int
+    dst_bucket: int
+
+
+def dtype_bytes(dtype: Any) -> int:
+    """Bytes per element of a dtype given as a name, a numpy dtype or a torch dtype."""
+    if isinstance(dtype, str):
+        name = dtype.lower().removeprefix("torch.")
+    else:
+        name = str(dtype).lower().removeprefix("torch.")
+        if name not in _DTYPE_BYTES:
+            try:
+                numpy_dtype = np.dtype(dtype)
+            except TypeError:
+                numpy_dtype = None
+            if numpy_dtype is not None and numpy_dtype.kind in "fiu" and numpy_dtype.itemsize in (1, 2, 4, 8):
+                return numpy_dtype.itemsize
+    if name not in _DTYPE_BYTES:
+        raise InvalidArgument(f"unknown KV dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[name]
+
+
+def _u32(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{name} must be an integer, not {type(value).__name__}")
+    value = int(value)
+    if not 0 <= value <= _U32_MAX:
+        raise InvalidArgument(f"{name} {value} is outside 0 .. 2^32-1")
+    return value
+
+
+def _array_arg(name: str, values: Any, dtype: Any) -> np.ndarray | None:
+    """A C-contiguous array of exactly dtype for a pointer argument (no copy when it is one)."""
+    if values is None:
+        return None
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise InvalidArgument(f"{name} must be one-dimensional, not of shape {array.shape}")
+    if array.size and array.dtype.kind not in "iu":
+        raise InvalidArgument(f"{name} must hold integers, not {array.dtype}")
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(dtype).max):
+        raise InvalidArgument(f"{name} holds values outside {np.dtype(dtype)}")
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _pointer(array: np.ndarray | None, ctype: Any) -> Any:
+    return None if array is None else array.ctypes.data_as(POINTER(ctype))
+
+
+class _TableAnchor:
+    """The numpy base object of a block-table view: it keeps its sequence alive."""
+
+    __slots__ = ("sequence", "_interface", "__weakref__")
+
+    def __init__(self, sequence: Sequence, address: int, length: int) -> None:
+        self.sequence = sequence
+        self._interface = {"version": 3, "shape": (length,), "typestr": "<u4",
+                           "data": (address, True)}
+
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        return self._interface
+
+
+class KVCache:
+    """A KV cache of ``num_blocks`` blocks of ``block_tokens`` tokens (or ``capacity_bytes``
+    bytes' worth), for a model with ``layers`` layers of ``kv_heads`` KV heads of ``head_dim``
+    elements of ``dtype``.
+
+    ``layout``: ``"layers"`` (default; one region per layer, a block id indexes each, what
+    paged-attention kernels index) or ``"blocks"`` (all layers of a block together).
+    ``mode="contiguous"`` gives each sequence one buffer in a power-of-two bucket of tokens (64
+    .. ``max_context``) instead of blocks. ``hash_seed`` keys the prefix hashes (a secret random
+    value keeps clients from precomputing them). The memory comes from a pool the cache creates
+    (``pages`` as for ``Pool``, default transparent huge pages) or from ``pool``, an open
+    ``pykvalloc.Pool`` that must outlive the cache.
+    """
+
+    def __init__(self, num_blocks: int | None = None, block_tokens: int = 16, layers: int = 32,
+                 kv_heads: int = 8, head_dim: int = 128, dtype: Any = "float16", *,
+                 capacity_bytes: int | None = None, layout: str | KVLayout = "layers",
+                 mode: str | KVMode = "paged", max_context: int | None = None,
+                 hash_seed: int = 0, pool: Any = None, pages: Any = "thp") -> None:
+        lib = _ffi.load()
+        config = _ffi.KvaKvConfig()
+        lib.kva_kv_config_init(byref(config))
+        config.layers = _u32("layers", layers)
+        config.kv_heads = _u32("kv_heads", kv_heads)
+        config.head_dim = _u32("head_dim", head_dim)
+        config.dtype_bytes = dtype_bytes(dtype)
+        config.block_tokens = _u32("block_tokens", block_tokens)
+        config.num_blocks = 0 if num_blocks is None else _u32("num_blocks", num_blocks)
+        if capacity_bytes is not None:
+            if not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes < 0:
+                raise InvalidArgument(f"capacity_bytes {capacity_bytes!r} is not a byte count")
+            config.capacity_bytes = int(capacity_bytes)
+        config.layout = _enum_arg("layout", layout, KVLayout)
+        config.mode = _enum_arg("mode", mode, KVMode)
+        config.max_context = 0 if max_context is None else _u32("max_context", max_context)
+        if not isinstance(hash_seed, int) or not 0 <= hash_seed < 1 << 64:
+            raise InvalidArgument("hash_seed must be an integer in 0 .. 2^64-1")
+        config.hash_seed = hash_seed
+        config.pages = _pages_value(pages)
+
+        self._lib = lib
+        self._lock = threading.RLock()
+        self._pool = pool
+        self._pool_lock = getattr(pool, "_lock", None) if pool is not None else None
+        handle = c_void_p()
+        pool_handle = None
+        if pool is not None:
+            pool_handle = pool._open_handle() if hasattr(pool, "_open_handle") else None
+            if pool_handle is None:
+                raise InvalidArgument("pool must be an open pykvalloc.Pool")
+        with self._pool_guard():
+            lib.kva_kv_create(byref(config), pool_handle, byref(handle))
+        if not handle.value:
+            raise KvallocError("kva_kv_create returned no cache")
+        self._handle: int | None = handle.value
+        self._closed = False
+        self._views = 0
+        self._finalizer = weakref.finalize(self, _destroy, lib, handle.value, self._pool_lock)
+        self._finalizer.atexit = False  # at exit the process's memory goes with it
+        info = _ffi.KvaKvInfo()
+        lib.kva_kv_get_info(self._handle, byref(info))
+        self._info = {name: getattr(info, name) for name, _ in _ffi.KvaKvInfo._fields_}
+        self._info["base"] = self._info["base"] or 0
+        self._info["mode"] = KVMode(info.mode)
+        self._info["layout"] = KVLayout(info.layout)
+
+    # -- lifetime ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Destroys the cache (now, or when the last block-table view is garbage); idempotent.
+        Sequences of a closed cache raise ``PoolClosedError``."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if self._views == 0:
+                self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _open(self) -> int:
+        if self._closed:
+            raise PoolClosedError("the KV cache is closed")
+        assert self._handle is not None
+        return self._handle
+
+    def _pool_guard(self) -> Any:
+        # A caller's Pool serializes its own calls with its lock; the cache calls into the same C
+        # pool (creation, destruction, contiguous buffers), so it takes that lock too.
+        return self._pool_lock if self._pool_lock is not None else _NO_LOCK
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def allocate(self, num_tokens: int, block_keys: Iterable[int] | np.ndarray | None = None,
+                 tokens: Iterable[int] | np.ndarray | None = None, namespace: int = 0,
+                 priority: int = 0) -> Sequence:
+        """A sequence of ``num_tokens`` tokens. The content of its first full blocks is given as
+        ``block_keys`` (one 64-bit key per block, such as a trace's hash ids) or as ``tokens``
+        (token ids; their whole blocks are hashed); the longest cached prefix is reused
+        (``num_cached_tokens``) and the other given blocks are cached for later requests.
+        Blocks are shared only within one ``namespace``. ``priority`` (0..7): lower priorities'
+        blocks are evicted first. ``OutOfMemory`` if the blocks are not there, with nothing
+        changed."""
+        n = _u32("num_tokens", num_tokens)
+        keys = _array_arg("block_keys", block_keys, np.uint64)
+        ids = _array_arg("tokens", tokens, np.uint32)
+        ns = _u32("namespace", namespace)
+        prio = _u32("priority", priority)
+        seq = c_uint64()
+        cached = c_uint32()
+        with self._lock, self._pool_guard():
+            self._lib.kva_kv_seq_allocate(
+                self._open(), n, _pointer(keys, c_uint64), 0 if keys is None else keys.size,
+                _pointer(ids, c_uint32), 0 if ids is None else ids.size, ns, prio, byref(seq),
+                byref(cached))
+        return Sequence._new(self, seq.value, cached.value)
+
+    def pin(self, block_keys: Iterable[int] | np.ndarray | None = None,
+            tokens: Iterable[int] | np.ndarray | None = None, namespace: int = 0) -> Pin:
+        """Pins the longest cached prefix of the given blocks: it is not evicted until
+        ``unpin()``. ``Pin.num_tokens`` says how much was cached and is pinned now."""
+        keys = _array_arg("block_keys", block_keys, np.uint64)
+        ids = _array_arg("tokens", tokens, np.uint32)
+        ns = _u32("namespace", namespace)
+        handle = c_uint64()
+        pinned = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_pin(self._open(), _pointer(keys, c_uint64),
+                                 0 if keys is None else keys.size, _pointer(ids, c_uint32),
+                                 0 if ids is None else ids.size, ns, byref(handle), byref(pinned))
+        return Pin._new(self, handle.value, pinned.value)
+
+    def evict(self, max_blocks: int | None = None) -> int:
+        """Evicts up to ``max_blocks`` cached blocks now (all of them by default), least
+        recently used and lowest priority first. Returns how many."""
+        count = _U32_MAX if max_blocks is None else _u32("max_blocks", max_blocks)
+        evicted = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_evict(self._open(), count, byref(evicted))
+        return evicted.value
+
+    # -- introspection ----------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and gauges: free_blocks, used_blocks, cached_blocks, hit_tokens,
+        query_tokens, evictions, cow_copies, forks, ... and hit_rate."""
+        raw = _ffi.KvaKvStats()
+        with self._lock:
+            self._lib.kva_kv_get_stats(self._open(), byref(raw))
+        result = {name: getattr(raw, name) for name, _ in _ffi.KvaKvStats._fields_ if name != "reserved"}
+        result["hit_rate"] = raw.hit_tokens / raw.query_tokens if raw.query_tokens else 0.0
+        return result
+
+    def check(self) -> None:
+        """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""
+        with self._lock, self._pool_guard():
+            self._lib.kva_kv_check(self._open())
+
+    def block_address(self, block: int, layer: int, kind: str | int = "K") -> int:
+        """The address of the K (``kind="K"``) or V part of one layer of one block."""
+        part = {"k": 0, "v": 1, 0: 0, 1: 1}.get(kind.lower() if isinstance(kind, str) else kind)
+        if part is None:
+            raise InvalidArgument(f"kind must be 'K' or 'V', not {kind!r}")
+        out = c_void_p()
+        with self._lock:
+            self._lib.kva_kv_block_address(self._open(), _u32("block", block), _u32("layer", layer),
+                                           part, byref(out))
+        return out.value or 0
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The geometry: block_bytes, token_bytes, slot_bytes, part_bytes, block_stride,
+        layer_stride, base (address), kv_bytes, num_blocks, max_context, mode, layout, ..."""
+        return dict(self._info)
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self._info["num_blocks"])
+
+    @property
+    def block_tokens(self) -> int:
+        return int(self._info["block_tokens"])
+
+    @property
+    def block_bytes(self) -> int:
+        return int(self._info["block_bytes"])
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        mode = self._info["mode"].name.lower()
+        return (f"<pykvalloc.KVCache {mode} {self._info['num_blocks']} blocks of "
+                f"{self._info['block_tokens']} tokens, {self._info['block_bytes']} bytes each, {state}>")
+
+    # -- used by Sequence -------------------------------------------------------------------
+
+    def _view_released(self) -> None:
+        with self._lock:
+            self._views -= 1
+            if self._closed and self._views == 0:
+                self._finalizer()
+
+
+class _NoLock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+_NO_LOCK = _NoLock()
+
+
+def _destroy(lib: Any, handle: int, pool_lock: Any) -> None:
+    if pool_lock is not None:
+        with pool_lock:
+            lib.kva_kv_destroy(handle)
+    else:
+        lib.kva_kv_destroy(handle)
+
+
+def _free_forgotten(cache: KVCache, handle: int, pin: bool) -> None:
+    """A sequence or pin that became garbage without being freed."""
+    with cache._lock:
+        if cache._closed:
+            return
+        try:
+            with cache._pool_guard():
+                (cache._lib.kva_kv_unpin if pin else cache._lib.kva_kv_seq_free)(cache._handle, handle)
+        except KvallocError:
+            pass  # freed another way already; nothing to give back
+
+
+class Sequence:
+    """One request's KV: a block table (paged) or a buffer (contiguous). Made by
+    ``KVCache.allocate`` and ``Sequence.fork``."""
+
+    __slots__ = ("_cache", "_handle", "_cached", "_views", "_freed", "_finalizer", "__weakref__")
+    _is_pin = False
+
+    @classmethod
+    def _new(cls, cache: KVCache, handle: int, cached: int) -> Any:
+        self = cls.__new__(cls)
+        self._cache = cache
+        self._handle = handle
+        self._cached = cached
+        self._views = 0
+        self._freed = False
+        self._finalizer = weakref.finalize(self, _free_forgotten, cache, handle, cls._is_pin)
+        self._finalizer.atexit = False
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("sequences come from KVCache.allocate() and Sequence.fork()")
+
+    @property
+    def handle(self) -> int:
+        """The library's handle (``kva_kv_seq``)."""
+        return self._handle
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Tokens found in the prefix cache when the sequence was allocated."""
+        return self._cached
+
+    def _seq_info(self) -> _ffi.KvaKvSeqInfo:
+        raw = _ffi.KvaKvSeqInfo()
+        cache = self._cache
+        with cache._lock:
+            cache._lib.kva_kv_seq_get_info(cache._open(), self._handle, byref(raw))
+        return raw
+
+    @property
+    def num_tokens(self) -> int:
+        return self._seq_info().num_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return self._seq_info().num_blocks
+
+    @property
+    def namespace(self) -> int:
+        return self._seq_info().namespace_id
+
+    @property
+    def priority(self) -> int:
+        return self._seq_info().priority
+
+    @property
+    def buffer(self) -> tuple[int, int]:
+        """Contiguous mode: (address, bucket_tokens) of the sequence's buffer."""
+        raw = self._seq_info()
+        return (raw.buffer or 0, raw.bucket_tokens)
+
+    @property
+    def freed(self) -> bool:
+        return self._freed
+
+    @property
+    def block_table(self) -> np.ndarray:
+        """The block ids, in order, as a read-only numpy uint32 view of the library's table (no
+        copy). While it is alive, ``append()`` and ``free()`` refuse: see the module docs."""
+        cache = self._cache
+        table = POINTER(c_uint32)()
+        length = c_uint32()
+        with cache._lock:
+            cache._lib.kva_kv_seq_block_table(cache._open(), self._handle, byref(table),
+                                              byref(length))
+            address = _address_of(table)
+            anchor = _TableAnchor(self, address, length.value)
+            released = weakref.finalize(anchor, self._view_released)
+            released.atexit = False
+            self._views += 1
+            cache._views += 1
+        view = np.asarray(anchor)
+        view.flags.writeable = False
+        return view
+
+    def _view_released(self) -> None:
+        cache = self._cache
+        with cache._lock:
+            self._views -= 1
+        cache._view_released()
+
+    def _refuse_with_views(self, what: str) -> None:
+        if self._views:
+            raise TableInUseError(
+                f"cannot {what} {self!r}: {self._views} block_table view(s) alive; copy the table "
+                "(np.array(seq.block_table)) or drop the views first")
+
+    def append(self, num_tokens: int = 1) -> CopyOnWrite | Move | None:
+        """Grows the sequence by ``num_tokens`` (decoding). Returns what the engine must copy
+        first (a ``CopyOnWrite`` of the shared last block, or in contiguous mode a ``Move``),
+        else None. ``OutOfMemory`` with nothing changed if the blocks are not there."""
+        n = _u32("num_tokens", num_tokens)
+        copy = _ffi.KvaKvCopy()
+        cache = self._cache
+        with cache._lock, cache._pool_guard():
+            self._refuse_with_views("append to")
+            cache._lib.kva_kv_seq_append(cache._open(), self._handle, n, byref(copy))
+        if copy.src_block != _NO_BLOCK:
+            return CopyOnWrite(copy.src_block, copy.dst_block, copy.tokens)
+        if copy.src:
+            return Move(copy.src, copy.dst or 0, copy.tokens, copy.src_bucket, copy.dst_bucket)
+        return None
+
+    def fork(self) -> Sequence:
+        """A new sequence sharing every block of this one (reference counted); the first append
+        into a shared, partly filled last block copies it (see ``append``)."""
+        child = c_uint64()
+        cache = self._cache
+        with cache._lock:
+            cache._lib.kva_kv_seq_fork(cache._open(), self._handle, byref(child))
+        return Sequence._new(cache, child.value, self._cached)
+
+    def free(self) -> None:
+        """Releases the sequence: its blocks lose a reference; full prefix blocks stay cached
+        until evicted. A second ``free()`` raises ``DoubleFree``."""
+        cache = self._cache
+        with cache._lock, cache._pool_guard():
+            self._refuse_with_views("free")
+            self._release_call(cache)(cache._open(), self._handle)
+            self._freed = True
+            self._finalizer.detach()
+
+    def _release_call(self, cache: KVCache) -> Any:
+        return cache._lib.kva_kv_seq_free
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if not self._freed:
+            self.free()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it names library state")
+
+    def __repr__(self) -> str:
+        state = "freed" if self._freed else "live"
+        return f"<pykvalloc.{type(self).__name__} {self._handle:#x} {state}>"
+
+
+class Pin(Sequence):
+    """A pinned prefix (``KVCache.pin``): never evicted until ``unpin()``."""
+
+    __slots__ = ()
+    _is_pin = True
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens pinned."""
+        return self._cached
+
+    def unpin(self) -> None:
+        self.free()
+
+    def _release_call(self, cache: KVCache) -> Any:
+        return cache._lib.kva_kv_unpin
+
+    def append(self, num_tokens: int = 1) -> Any:
+        raise InvalidArgument("a pin does not grow")
+
+    def fork(self) -> Sequence:
+        raise InvalidArgument("a pin cannot be forked")
+
+
+def _address_of(pointer: Any) -> int:
+    return c_void_p.from_buffer(pointer).value or 0
+
+
+def _enum_arg(name: str, value: Any, enum_type: type[enum.IntEnum]) -> int:
+    if isinstance(value, str):
+        try:
+            return int(enum_type[value.upper()])
+        except KeyError:
+            raise InvalidArgument(f"{name} must be one of {[m.name.lower() for m in enum_type]}, "
+                                  f"not {value!r}") from None
+    try:
+        return int(enum_type(value))
+    except ValueError:
+        raise InvalidArgument(f"{name} {value!r} is not a {enum_type.__name__}") from None
+
+
+def _pages_value(pages: Any) -> int:
+    names = {"auto": 0, "hugetlb": 1, "thp": 2, "small": 3}
+    if isinstance(pages, str):
+        if pages.lower() not in names:
+            raise InvalidArgument(f"pages must be one of {sorted(names)}, not {pages!r}")
+        return names[pages.lower()]
+    if isinstance(pages, int) and pages in names.values():
+        return int(pages)
+    raise InvalidArgument(f"pages {pages!r} is not a page mode")

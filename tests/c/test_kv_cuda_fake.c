@@ -1,0 +1,112 @@
+/*
+ * test_kv_cuda_fake.c — the KV-cache manager on GPU memory: a CUDA pool over the fake driver of
+ * tests/fake_cuda (its path is argv[1]). The fake's device memory is reserved PROT_NONE on the
+ * host, so a manager that wrote a byte of KV memory (a header, a free-list link) would crash
+ * this test: every piece of its state must live in host metadata.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "kv_test.h"
+
+#define MiB ((size_t)1 << 20)
+
+static kva_pool *cuda_pool(size_t capacity) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = capacity;
+    cfg.backend = KVA_BACKEND_CUDA;
+    kva_pool *pool = NULL;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    return pool;
+}
+
+static void test_paged_on_gpu_memory(kva_kv_layout layout) {
+    kva_pool *pool = cuda_pool(64 * MiB);
+    kva_kv_config cfg = small_config(128, 16);
+    cfg.layout = layout;
+    kva_kv *kv = NULL;
+    CHECK_STATUS(kva_kv_create(&cfg, pool, &kv), KVA_OK);
+    REQUIRE(kv != NULL);
+    kva_kv_info info;
+    CHECK_STATUS(kva_kv_get_info(kv, &info), KVA_OK);
+    void *base;
+    CHECK_STATUS(kva_pool_base(pool, &base), KVA_OK);
+    void *last;
+    CHECK_STATUS(kva_kv_block_address(kv, 127, 2, KVA_KV_V, &last), KVA_OK);
+    CHECK((unsigned char *)info.base >= (unsigned char *)base);
+    CHECK((unsigned char *)last + info.part_bytes <= (unsigned char *)info.base + info.kv_bytes);
+
+    /* Every kind of call, with eviction and copy on write, and never a touch of the memory. */
+    uint64_t rng = 99;
+    kva_kv_seq live[32] = {0};
+    for (int op = 0; op < 20000; op++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        uint32_t r = (uint32_t)(rng >> 33);
+        kva_kv_seq *s = &live[r % 32];
+        kva_kv_copy copy;
+        if (!*s) {
+            uint64_t keys[6] = {r % 5, r % 7, r % 3, 4, 5, 6};
+            kva_status st = kva_kv_seq_allocate(kv, 16 * 6 + r % 40, keys, 1 + r % 6, NULL, 0, r % 2, r % 8, s, NULL);
+            CHECK(st == KVA_OK || st == KVA_ERR_NOMEM);
+            if (st != KVA_OK) *s = 0;
+        } else if (r % 5 == 0) {
+            kva_kv_seq *other = &live[(r / 7) % 32];
+            if (!*other) CHECK_STATUS(kva_kv_seq_fork(kv, *s, other), KVA_OK);
+        } else if (r % 5 < 3) {
+            kva_status st = kva_kv_seq_append(kv, *s, 1 + r % 20, &copy);
+            CHECK(st == KVA_OK || st == KVA_ERR_NOMEM);
+        } else {
+            CHECK_STATUS(kva_kv_seq_free(kv, *s), KVA_OK);
+            *s = 0;
+        }
+        if (op % 1000 == 0) CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    }
+    for (int i = 0; i < 32; i++)
+        if (live[i]) CHECK_STATUS(kva_kv_seq_free(kv, live[i]), KVA_OK);
+    CHECK(stats(kv).evictions > 0 && stats(kv).cow_copies > 0);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_kv_destroy(kv);
+    kva_stats ps;
+    CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
+    CHECK(ps.live_allocations == 0);
+    kva_pool_destroy(pool);
+}
+
+static void test_contiguous_on_gpu_memory(void) {
+    kva_pool *pool = cuda_pool(64 * MiB);
+    kva_kv_config cfg = small_config(0, 16);
+    cfg.mode = KVA_KV_CONTIGUOUS;
+    cfg.max_context = 4096;
+    kva_kv *kv = NULL;
+    CHECK_STATUS(kva_kv_create(&cfg, pool, &kv), KVA_OK);
+    REQUIRE(kv != NULL);
+    kva_kv_seq s[8];
+    for (int i = 0; i < 8; i++) CHECK_STATUS(kva_kv_seq_allocate(kv, 100, NULL, 0, NULL, 0, 0, 0, &s[i], NULL), KVA_OK);
+    kva_kv_copy copy;
+    for (int step = 0; step < 40; step++)
+        for (int i = 0; i < 8; i++) CHECK_STATUS(kva_kv_seq_append(kv, s[i], 50, &copy), KVA_OK);
+    CHECK(stats(kv).moves == 8 * 5); /* 128 -> 256 -> 512 -> 1024 -> 2048 -> 4096 */
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    for (int i = 0; i < 8; i++) CHECK_STATUS(kva_kv_seq_free(kv, s[i]), KVA_OK);
+    kva_kv_destroy(kv);
+    kva_stats ps;
+    CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
+    CHECK(ps.live_allocations == 0);
+    kva_pool_destroy(pool);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s path/to/libfakecuda.so\n", argv[0]);
+        return 2;
+    }
+    setenv("KVA_CUDA_DRIVER", argv[1], 1);
+    test_paged_on_gpu_memory(KVA_KV_LAYOUT_LAYERS);
+    test_paged_on_gpu_memory(KVA_KV_LAYOUT_BLOCKS);
+    test_contiguous_on_gpu_memory();
+    return CHECK_DONE();
+}

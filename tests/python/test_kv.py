@@ -1,0 +1,285 @@
+"""pykvalloc.KVCache: the API contract of the issue, the engine's view of memory, lifetimes,
+and every bad input (a clear error, nothing changed, the cache's check passing)."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+
+import numpy as np
+import pytest
+
+import pykvalloc
+from pykvalloc.kvcache import dtype_bytes
+
+
+def small(num_blocks: int = 16, block_tokens: int = 4, **kw) -> pykvalloc.KVCache:
+    """3 layers, 2 KV heads of 4 fp16 elements: 16-byte slots, 96 bytes per token."""
+    kw.setdefault("layers", 3)
+    kw.setdefault("kv_heads", 2)
+    kw.setdefault("head_dim", 4)
+    kw.setdefault("dtype", "float16")
+    kw.setdefault("pages", "small")
+    return pykvalloc.KVCache(num_blocks=num_blocks, block_tokens=block_tokens, **kw)
+
+
+def state(cache: pykvalloc.KVCache, *seqs: pykvalloc.Sequence) -> tuple:
+    stats = cache.stats()
+    for name in ("rejected_calls", "alloc_failures", "metadata_bytes"):
+        del stats[name]
+    return stats, [np.array(s.block_table).tolist() for s in seqs]
+
+
+def test_the_contract_of_the_issue() -> None:
+    cache = pykvalloc.KVCache(num_blocks=64, block_tokens=16, layers=32, kv_heads=8, head_dim=128,
+                              dtype="float16")
+    assert cache.block_bytes == 2 * 32 * 8 * 128 * 2 * 16
+    prompt = list(range(1000, 1040))  # 2 full blocks and 8 tokens
+    seq = cache.allocate(40, tokens=prompt)
+    assert seq.num_cached_tokens == 0
+    table = seq.block_table
+    assert table.dtype == np.uint32 and table.shape == (3,) and not table.flags.writeable
+    del table
+    assert seq.append(8) is None            # fills the third block
+    assert seq.append(1) is None            # a fourth block
+    assert seq.num_blocks == 4 and seq.num_tokens == 49
+    child = seq.fork()
+    again = cache.allocate(40, tokens=prompt)
+    assert again.num_cached_tokens == 32
+    assert np.array(again.block_table)[:2].tolist() == np.array(seq.block_table)[:2].tolist()
+    stats = cache.stats()
+    for name in ("free_blocks", "used_blocks", "cached_blocks", "hit_tokens", "query_tokens",
+                 "evictions"):
+        assert name in stats
+    assert stats["hit_tokens"] == 32 and stats["query_tokens"] == 80
+    assert stats["used_blocks"] == 5 and stats["forks"] == 1
+    for s in (seq, child, again):
+        s.free()
+    stats = cache.stats()
+    assert stats["cached_blocks"] == 2 and stats["free_blocks"] == 62
+    cache.check()
+    cache.close()
+
+
+def test_block_table_is_a_view_without_a_copy() -> None:
+    with small() as cache:
+        seq = cache.allocate(9)
+        view = seq.block_table
+        again = seq.block_table
+        assert view.__array_interface__["data"][0] == again.__array_interface__["data"][0]
+        with pytest.raises(ValueError):
+            view[0] = 7  # read-only
+        # The view pins the table: the sequence may not change under it.
+        with pytest.raises(pykvalloc.TableInUseError):
+            seq.append(4)
+        with pytest.raises(pykvalloc.TableInUseError):
+            seq.free()
+        fork = seq.fork()  # forking does not change this table
+        del view, again
+        gc.collect()
+        seq.append(4)
+        seq.free()
+        fork.free()
+        cache.check()
+
+
+def test_views_keep_the_cache_alive_after_close() -> None:
+    cache = small()
+    seq = cache.allocate(8)
+    view = seq.block_table
+    expected = view.tolist()
+    cache.close()
+    assert view.tolist() == expected  # still readable: the cache is destroyed after the view
+    with pytest.raises(pykvalloc.PoolClosedError):
+        cache.allocate(4)
+    with pytest.raises(pykvalloc.PoolClosedError):
+        seq.fork()
+    del view
+    gc.collect()
+    cache.close()  # idempotent
+
+
+def test_forgotten_sequences_are_freed() -> None:
+    with small() as cache:
+        cache.allocate(16)
+        gc.collect()
+        assert cache.stats()["used_blocks"] == 0
+        with cache.allocate(4) as seq:
+            assert cache.stats()["used_blocks"] == 1
+        assert seq.freed and cache.stats()["used_blocks"] == 0
+
+
+def test_addresses_in_both_layouts_are_writable_and_disjoint() -> None:
+    for layout in ("layers", "blocks"):
+        with small(num_blocks=5, layout=layout) as cache:
+            info = cache.info
+            assert info["layout"].name.lower() == layout
+            seen = set()
+            for block in range(5):
+                for layer in range(3):
+                    for kind in ("K", "V"):
+                        address = cache.block_address(block, layer, kind)
+                        expected = (info["base"] + block * info["block_stride"] +
+                                    layer * info["layer_stride"] + (kind == "V") * info["part_bytes"])
+                        assert address == expected
+                        ctypes.memset(address, 0xAB, info["part_bytes"])
+                        seen.update(range(address, address + info["part_bytes"]))
+            assert len(seen) == info["kv_bytes"] == 5 * cache.block_bytes
+
+
+def test_copy_on_write_after_fork() -> None:
+    with small() as cache:
+        seq = cache.allocate(6, block_keys=[11])  # one full block, one with 2 tokens
+        child = seq.fork()
+        copy = child.append(1)
+        parent_table = np.array(seq.block_table).tolist()
+        child_table = np.array(child.block_table).tolist()
+        assert copy == pykvalloc.CopyOnWrite(parent_table[1], child_table[1], 2)
+        assert parent_table[0] == child_table[0]
+        assert seq.append(1) is None  # the parent owns its block alone now
+        assert cache.stats()["cow_copies"] == 1
+
+
+def test_prefix_keys_namespaces_priorities_pins_and_evict() -> None:
+    with small(num_blocks=6) as cache:
+        a = cache.allocate(8, block_keys=[1, 2], namespace=1, priority=6)
+        b = cache.allocate(8, block_keys=[1, 2], namespace=2)
+        assert b.num_cached_tokens == 0  # other namespace
+        a.free()
+        b.free()
+        pin = cache.pin(block_keys=[1, 2], namespace=1)
+        assert pin.num_tokens == 8
+        big = cache.allocate(16)  # 4 blocks: 2 free, then namespace 2's two cached blocks
+        assert cache.stats()["evictions"] == 2
+        big.free()
+        assert cache.allocate(8, block_keys=[1, 2], namespace=1).num_cached_tokens == 8
+        with pytest.raises(pykvalloc.InvalidArgument):
+            pin.append(1)
+        pin.unpin()
+        gc.collect()
+        assert cache.evict() == 2 and cache.stats()["cached_blocks"] == 0
+        cache.check()
+
+
+def test_contiguous_mode_moves_with_a_copy_descriptor() -> None:
+    with small(mode="contiguous", num_blocks=None, capacity_bytes=1 << 20, max_context=1024) as cache:
+        seq = cache.allocate(10)
+        address, bucket = seq.buffer
+        assert bucket == 64 and address
+        slot = cache.info["slot_bytes"]
+        for layer in range(3):
+            for part in range(2):
+                ctypes.memset(address + (2 * layer + part) * bucket * slot, 1 + 2 * layer + part, 10 * slot)
+        assert seq.append(54) is None
+        move = seq.append(1)
+        assert isinstance(move, pykvalloc.Move)
+        assert (move.src, move.tokens, move.src_bucket, move.dst_bucket) == (address, 64, 64, 128)
+        for layer in range(3):
+            for part in range(2):
+                ctypes.memmove(move.dst + (2 * layer + part) * 128 * slot,
+                               move.src + (2 * layer + part) * 64 * slot, move.tokens * slot)
+        new_address, new_bucket = seq.buffer
+        assert (new_address, new_bucket) == (move.dst, 128)
+        assert ctypes.string_at(new_address + 5 * 128 * slot, 1) == bytes([6])
+        with pytest.raises(pykvalloc.InvalidArgument):
+            seq.block_table
+        with pytest.raises(pykvalloc.InvalidArgument):
+            seq.fork()
+        with pytest.raises(pykvalloc.InvalidArgument):
+            seq.append(2000)  # beyond max_context
+        seq.free()
+        assert cache.stats()["moves"] == 1
+        cache.check()
+
+
+@pytest.mark.parametrize("dtype, size", [("float16", 2), ("bf16", 2), ("fp8", 1), ("float32", 4),
+                                         (np.float16, 2), (np.dtype("float64"), 8),
+                                         ("torch.bfloat16", 2)])
+def test_dtypes(dtype, size) -> None:
+    assert dtype_bytes(dtype) == size
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"dtype": "float17"}, {"dtype": object}, {"dtype": "complex64"},
+    {"layers": 0}, {"kv_heads": 0}, {"head_dim": 0}, {"block_tokens": 0}, {"num_blocks": 0},
+    {"layers": -1}, {"layers": 2.5}, {"layout": "diagonal"}, {"mode": "sparse"},
+    {"max_context": 100, "mode": "contiguous"}, {"pages": "enormous"}, {"hash_seed": -1},
+])
+def test_bad_configurations_are_refused(kwargs) -> None:
+    with pytest.raises(pykvalloc.InvalidArgument):
+        small(**kwargs)
+
+
+def test_bad_calls_change_nothing() -> None:
+    with small(num_blocks=8) as cache:
+        seq = cache.allocate(10, block_keys=[5, 6])
+        child = seq.fork()
+        gone = cache.allocate(4)
+        gone.free()
+        before = state(cache, seq, child)
+
+        def refused(error, call, *args, **kwargs):
+            with pytest.raises(error) as info:
+                call(*args, **kwargs)
+            assert str(info.value)  # a message that says why
+            assert state(cache, seq, child) == before
+            cache.check()
+
+        refused(pykvalloc.InvalidArgument, cache.allocate, 7, block_keys=[1, 2])  # more keys than full blocks
+        refused(pykvalloc.InvalidArgument, cache.allocate, 8, block_keys=[1], tokens=[1, 2, 3, 4])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, tokens=[1, 2, 3, 4, 5])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, priority=8)
+        refused(pykvalloc.InvalidArgument, cache.allocate, -1)
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[-3])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[[1]])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=["a"])
+        refused(pykvalloc.OutOfMemory, cache.allocate, 9 * 4)       # more than the cache
+        refused(pykvalloc.OutOfMemory, cache.allocate, 6 * 4)       # more than is free now
+        refused(pykvalloc.OutOfMemory, child.append, 6 * 4)         # 6 new + 1 copy > 5 free
+        refused(pykvalloc.InvalidArgument, gone.append, 1)          # freed
+        refused(pykvalloc.InvalidArgument, gone.fork)
+        refused(pykvalloc.DoubleFree, gone.free)
+        refused(pykvalloc.InvalidArgument, cache.block_address, 8, 0, "K")
+        refused(pykvalloc.InvalidArgument, cache.block_address, 0, 3, "K")
+        refused(pykvalloc.InvalidArgument, cache.block_address, 0, 0, "Q")
+        with pytest.raises(pykvalloc.InvalidArgument):
+            gone.block_table
+        with pytest.raises(TypeError):
+            pykvalloc.Sequence()
+        assert cache.stats()["rejected_calls"] == 8  # the C-side refusals (the rest Python caught)
+        seq.free()
+        child.free()
+        cache.check()
+
+
+def test_threads_share_one_cache() -> None:
+    with small(num_blocks=256) as cache:
+        errors = []
+
+        def work(seed: int) -> None:
+            rng = np.random.default_rng(seed)
+            try:
+                for _ in range(2000):
+                    keys = rng.integers(0, 4, size=int(rng.integers(0, 4))).tolist()
+                    try:
+                        seq = cache.allocate(16 + int(rng.integers(0, 5)), block_keys=keys)
+                    except pykvalloc.OutOfMemory:
+                        continue
+                    if rng.random() < 0.5:
+                        try:
+                            seq.append(int(rng.integers(1, 9)))
+                        except pykvalloc.OutOfMemory:
+                            pass
+                    seq.free()
+            except Exception as exc:  # reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        assert cache.stats()["used_blocks"] == 0
+        cache.check()
