@@ -249,6 +249,8 @@ class KvaKvConfig(Structure):
         ("max_context", c_uint32),
         ("hash_seed", c_uint64),
         ("pages", c_enum),
+        ("name", c_char_p),
+        ("trace", c_int),
     ]
 
 

@@ -173,14 +173,17 @@ class KVCache:
     .. ``max_context``) instead of blocks. ``hash_seed`` keys the prefix hashes (a secret random
     value keeps clients from precomputing them). The memory comes from a pool the cache creates
     (``pages`` as for ``Pool``, default transparent huge pages) or from ``pool``, an open
-    ``pykvalloc.Pool`` that must outlive the cache.
+    ``pykvalloc.Pool`` that must outlive the cache. ``name`` names the pool the cache creates,
+    which then publishes the pool's and the cache's statistics for ``kvalloc top`` (``trace``
+    also times every call); a given ``pool`` brings its own name.
     """
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = 16, layers: int = 32,
                  kv_heads: int = 8, head_dim: int = 128, dtype: Any = "float16", *,
                  capacity_bytes: int | None = None, layout: str | KVLayout = "layers",
                  mode: str | KVMode = "paged", max_context: int | None = None,
-                 hash_seed: int = 0, pool: Any = None, pages: Any = "thp") -> None:
+                 hash_seed: int = 0, pool: Any = None, pages: Any = "thp", name: str | None = None,
+                 trace: bool = False) -> None:
         lib = _ffi.load()
         config = _ffi.KvaKvConfig()
         lib.kva_kv_config_init(byref(config))
@@ -201,6 +204,12 @@ class KVCache:
             raise InvalidArgument("hash_seed must be an integer in 0 .. 2^64-1")
         config.hash_seed = hash_seed
         config.pages = _pages_value(pages)
+        if name is not None:
+            if not isinstance(name, str):
+                raise InvalidArgument(f"name must be a string, not {type(name).__name__}")
+            self._name_bytes = name.encode()   # kept alive: the C config points at it
+            config.name = self._name_bytes
+        config.trace = 1 if trace else 0
 
         self._lib = lib
         self._lock = threading.RLock()
@@ -243,6 +252,13 @@ class KVCache:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def publish(self) -> None:
+        """Publishes the statistics of the cache's pool, the cache's own section included, now
+        (a named cache; otherwise nothing happens). A named cache also publishes on its own from
+        its calls, at most every ``publish_interval_ms`` of its pool."""
+        with self._lock:
+            self._lib.kva_stats_publish(self._info["pool"])
 
     def __enter__(self) -> KVCache:
         return self

@@ -368,6 +368,11 @@ typedef struct kva_kv_config {
                                 clients from precomputing keys. Default 0 */
     kva_page_mode pages;     /* pages of the pool the cache creates when given none.
                                 Default KVA_PAGES_THP (see kva_kv_create) */
+    const char *name;        /* the name of the pool the cache creates (NULL: anonymous). A
+                                named cache publishes its pool's statistics and its own (block
+                                states, hits, evictions) for kvalloc top; with a pool given, that
+                                pool's name counts and this must be NULL */
+    int trace;               /* the created pool's trace setting (kva_config.trace) */
 } kva_kv_config;
 
 /* Fills every field of *cfg with its default. */

@@ -94,6 +94,8 @@ static kva_status own_pool(const kva_kv_config *cfg, const kva_kv_info *info, si
     kva_config pc;
     kva_config_init(&pc);
     pc.pages = cfg->pages;
+    pc.name = cfg->name;
+    pc.trace = cfg->trace;
     pc.min_block = KV_POOL_MIN_BLOCK;
     size_t units = (bytes + pc.min_block - 1) / pc.min_block;
     /* Keep the pool's minimum blocks below 2^31 by coarsening them for huge caches. */
@@ -231,6 +233,10 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     kva_status st = geometry(cfg, &info);
     if (st != KVA_OK) return st;
     if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
+    if (pool && cfg->name)
+        return kva_fail(KVA_ERR_INVALID, "name is for the pool the cache creates; the given pool has its own");
+    if (pool && cfg->name)
+        return kva_fail(KVA_ERR_INVALID, "name is for the pool the cache creates; the given pool has its own");
     st = cfg->mode == KVA_KV_PAGED ? paged_layout(cfg, &info) : contiguous_layout(cfg, &info, pool == NULL);
     if (st != KVA_OK) return st;
 
@@ -261,12 +267,14 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
         free(kv);
         return st;
     }
+    kv_publish_attach(kv);
     *out = kv;
     return KVA_OK;
 }
 
 void kva_kv_destroy(kva_kv *kv) {
     if (!kv) return;
+    kv_publish_detach(kv);
     release_memory(kv);
     pthread_mutex_destroy(&kv->lock);
     free(kv);

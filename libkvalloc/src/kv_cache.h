@@ -114,6 +114,8 @@ struct kva_kv {
     uint32_t max_context;
 
     kva_kv_counters counters;
+    int publishing;           /* the cache's publisher is attached to a named pool */
+    int in_publish;           /* this cache's own call is publishing, with the lock held */
 };
 
 /* ---- handles ----------------------------------------------------------------------------- */
@@ -209,7 +211,19 @@ kva_status kv_contig_allocate(kva_kv *kv, uint32_t num_tokens, uint32_t priority
 kva_status kv_contig_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, kva_kv_copy *copy);
 void kv_contig_release(kva_kv *kv, kva_kv_seqrec *rec);
 
+/* Attaches the cache's publisher to its pool when the pool is named, and detaches it. */
+void kv_publish_attach(kva_kv *kv);
+void kv_publish_detach(kva_kv *kv);
+/* Publishes the pool and the cache's section when the pool's interval has passed; called with
+ * the lock held, at the end of every call that changed something. */
+void kv_publish_due(kva_kv *kv);
+
 KVA_INLINE void kv_lock(kva_kv *kv) { pthread_mutex_lock(&kv->lock); }
-KVA_INLINE void kv_unlock(kva_kv *kv) { pthread_mutex_unlock(&kv->lock); }
+KVA_INLINE void kv_unlock(kva_kv *kv) {
+    /* In paged mode the cache never calls the pool after creation, so the pool's own slow paths
+     * would never publish: the cache's calls do it (a countdown, then a clock read when due). */
+    if (kv->publishing) kv_publish_due(kv);
+    pthread_mutex_unlock(&kv->lock);
+}
 
 #endif

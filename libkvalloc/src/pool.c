@@ -100,8 +100,7 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
         uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;
         kva_segment_record(seg, op, st, offset, size, latency);
     }
-    int due = kva_segment_due(seg);
-    if (due) kva_publish(pool, due == 2);
+    kva_publish_due(pool);
     return st;
 }
 

@@ -131,12 +131,20 @@ void kva_publish(kva_pool *pool, int full) {
     *arena = (kva_shm_arena){.allocs = seg->summary->alloc_count, .frees = seg->summary->free_count,
                              .alloc_failures = seg->summary->alloc_failures,
                              .bytes_in_use = seg->summary->bytes_in_use};
-    memset(seg->kv, 0, sizeof *seg->kv);
     if (pool->kv_publisher.publish)
-        pool->kv_publisher.publish(pool->kv_publisher.ctx, seg->kv, seg->heapmap, seg->cell_state, seg->cell_fill);
+        pool->kv_publisher.publish(pool->kv_publisher.ctx, seg->kv, full ? seg->heapmap : NULL, seg->cell_state,
+                                   seg->cell_fill);
+    else
+        memset(seg->kv, 0, sizeof *seg->kv);
     seg->header->heartbeat_ns = kva_os_realtime_ns();
     seg->header->publish_count++;
     kva_segment_end(seg);
+}
+
+void kva_publish_due(kva_pool *pool) {
+    if (!pool->segment) return;
+    int due = kva_segment_due(pool->segment);
+    if (due) kva_publish(pool, due == 2);
 }
 
 void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {

@@ -9,8 +9,10 @@
 #include "kvalloc_stats.h"
 
 typedef struct kva_kv_publisher {
-    /* Fills *kv and may repaint heap-map cells (state[i], fill[i] for i < map->cells) that its
-     * blocks cover. Called with the segment's sequence lock held; must not call into the pool. */
+    /* Fills *kv and, when map is not NULL (a full publish), repaints the heap-map cells
+     * (state[i], fill[i] for i < map->cells) its blocks cover. Called with the segment's
+     * sequence lock held; must not call into the pool. If it cannot read its state safely now,
+     * it leaves *kv as it was. */
     void (*publish)(void *ctx, kva_shm_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill);
     void *ctx;
 } kva_kv_publisher;
@@ -21,5 +23,9 @@ void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
 /* Writes the pool's segment under the sequence lock: the cheap sections always, the heap map and
  * slab strips too when full is set. */
 void kva_publish(kva_pool *pool, int full);
+
+/* Publishes when the pool's interval has passed (a countdown, then a clock read); for the
+ * pool's slow paths and for a KV cache's calls. A no-op for an anonymous pool. */
+void kva_publish_due(kva_pool *pool);
 
 #endif

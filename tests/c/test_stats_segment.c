@@ -323,11 +323,72 @@ static void test_reader_races_writer(void) {
     kva_pool_destroy(pool);
 }
 
+/* A named KV cache publishes its counters and paints its blocks into the heap map, from its
+ * own calls: in paged mode it never calls the pool after creation. */
+static void test_kv_cache_section(void) {
+    kva_kv_config cfg;
+    kva_kv_config_init(&cfg);
+    cfg.layers = 2, cfg.kv_heads = 2, cfg.head_dim = 64, cfg.block_tokens = 16, cfg.num_blocks = 256;
+    cfg.layout = KVA_KV_LAYOUT_BLOCKS;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.name = "kv-seg";
+    kva_kv *kv;
+    REQUIRE(kva_kv_create(&cfg, NULL, &kv) == KVA_OK);
+    kva_kv_info info;
+    kva_kv_get_info(kv, &info);
+    REQUIRE(kva_stats_segment_name(info.pool));
+    char name[128];
+    snprintf(name, sizeof name, "%s", kva_stats_segment_name(info.pool)); /* it goes with the pool */
+    uint64_t keys[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    kva_kv_seq held, done, again;
+    uint32_t cached;
+    REQUIRE(kva_kv_seq_allocate(kv, 8 * 16, keys, 8, NULL, 0, 0, 0, &done, &cached) == KVA_OK);
+    REQUIRE(kva_kv_seq_free(kv, done) == KVA_OK); /* 8 blocks stay cached */
+    REQUIRE(kva_kv_seq_allocate(kv, 100 * 16, NULL, 0, NULL, 0, 0, 0, &held, &cached) == KVA_OK);
+    REQUIRE(kva_kv_seq_allocate(kv, 4 * 16, keys, 4, NULL, 0, 0, 0, &again, &cached) == KVA_OK);
+    CHECK(cached == 4 * 16);
+    CHECK_STATUS(kva_stats_publish(info.pool), KVA_OK);
+
+    mapped m;
+    REQUIRE(map_segment(name, &m));
+    unsigned char *buf = malloc(m.size);
+    REQUIRE(snapshot(&m, buf, 100));
+    uint64_t len;
+    const kva_shm_kv *k = section(buf, m.size, KVA_SHM_SECTION_KV, &len);
+    REQUIRE(k);
+    CHECK(k->present == 1 && k->total_blocks == 256 && k->block_tokens == 16);
+    CHECK(k->used_blocks == 104 && k->cached_blocks == 4 && k->free_blocks == 148);
+    CHECK(k->hit_tokens == 64 && k->live_sequences == 2);
+    const kva_shm_heapmap *map = section(buf, m.size, KVA_SHM_SECTION_HEAPMAP, &len);
+    const uint8_t *state = (const uint8_t *)(map + 1);
+    uint32_t kv_used = 0, kv_cached = 0;
+    for (uint32_t i = 0; i < map->cells; i++) kv_used += state[i] == KVA_SHM_CELL_KV_USED, kv_cached += state[i] == KVA_SHM_CELL_KV_CACHED;
+    CHECK(kv_used > 0 && kv_cached > 0);
+    /* Used cells cover about the used blocks' bytes. */
+    uint64_t used_bytes = 104 * (uint64_t)info.block_bytes;
+    CHECK(kv_used * map->cell_bytes >= used_bytes / 2 && kv_used * map->cell_bytes <= used_bytes * 2);
+
+    /* The cache's own calls publish once the interval has passed, without kva_stats_publish. */
+    uint64_t before = ((const kva_shm_header *)m.base)->publish_count;
+    for (int i = 0; i < 400 && ((const kva_shm_header *)m.base)->publish_count == before; i++) {
+        kva_kv_seq s;
+        REQUIRE(kva_kv_seq_allocate(kv, 16, NULL, 0, NULL, 0, 0, 0, &s, &cached) == KVA_OK);
+        REQUIRE(kva_kv_seq_free(kv, s) == KVA_OK);
+        usleep(1000);
+    }
+    CHECK(((const kva_shm_header *)m.base)->publish_count > before);
+    free(buf);
+    unmap_segment(&m);
+    kva_kv_destroy(kv);
+    CHECK(shm_open(name, O_RDONLY, 0) < 0);
+}
+
 int main(void) {
     test_layout_and_content();
     test_trace_mode();
     test_other_processes();
     test_liveness_lock();
+    test_kv_cache_section();
     test_reader_races_writer();
     return CHECK_DONE();
 }

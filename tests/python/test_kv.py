@@ -4,6 +4,7 @@ and every bad input (a clear error, nothing changed, the cache's check passing).
 from __future__ import annotations
 
 import ctypes
+import os
 import gc
 import threading
 
@@ -283,3 +284,25 @@ def test_threads_share_one_cache() -> None:
         assert not errors
         assert cache.stats()["used_blocks"] == 0
         cache.check()
+
+
+def test_a_named_cache_publishes_for_the_inspector() -> None:
+    from pykvalloc import stats
+    name = f"kv-named-{os.getpid()}"
+    cache = pykvalloc.KVCache(num_blocks=64, block_tokens=16, layers=2, kv_heads=2, head_dim=64, name=name)
+    try:
+        seq = cache.allocate(100, block_keys=[1, 2, 3, 4, 5, 6])
+        seq.free()
+        again = cache.allocate(64, block_keys=[1, 2, 3, 4])
+        assert again.num_cached_tokens == 64
+        with stats.open_segment(name) as segment:
+            cache.publish()
+            kv = segment.snapshot().kv
+        assert kv["present"] == 1 and kv["total_blocks"] == 64 and kv["hit_tokens"] == 64
+        assert kv["used_blocks"] == 4 and kv["cached_blocks"] == 2   # 6 keyed blocks, 4 reused
+    finally:
+        cache.close()
+    with pytest.raises(pykvalloc.InvalidArgument, match="has its own"):
+        with pykvalloc.Pool(1 << 26, name=f"{name}-pool") as pool:
+            pykvalloc.KVCache(num_blocks=8, block_tokens=16, layers=2, kv_heads=2, head_dim=64, pool=pool,
+                              name="other")

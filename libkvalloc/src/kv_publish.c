@@ -1,0 +1,101 @@
+/*
+ * kv_publish.c — a KV cache in its pool's statistics segment: its counters in the KV section and
+ * its blocks' states (referenced, kept only by the prefix cache, free) painted into the heap map,
+ * so that kvalloc top shows the KV cache, not just one large allocation.
+ */
+#include <string.h>
+
+#include "kv_cache.h"
+#include "publish.h"
+
+/* The states of blocks first..last, as one heap-map cell: the state most of them are in (used
+ * before cached before free) and the share not free. */
+static void paint_cell(const kva_kv *kv, uint32_t first, uint32_t last, uint8_t *state, uint8_t *fill) {
+    uint32_t used = 0, cached = 0, n = last - first + 1;
+    /* A cell may cover many small blocks: look at 64 of them at most, evenly spread. */
+    uint32_t step = n > 64 ? n / 64 : 1, seen = 0;
+    for (uint32_t b = first; b <= last; b += step, seen++) {
+        used += kv->blocks[b].state == KV_USED;
+        cached += kv->blocks[b].state == KV_CACHED;
+    }
+    *state = used && used >= cached ? KVA_SHM_CELL_KV_USED : cached ? KVA_SHM_CELL_KV_CACHED : KVA_SHM_CELL_FREE;
+    *fill = (uint8_t)(255u * (used + cached) / seen);
+}
+
+/* Paints every cell the paged KV memory covers. The block a byte belongs to follows from the
+ * layout's strides: blocks then layers, or layers then blocks. */
+static void paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
+    void *base;
+    if (kva_pool_base(kv->pool, &base) != KVA_OK || !map->cell_bytes) return;
+    const kva_kv_info *g = &kv->info;
+    uint64_t start = (uint64_t)(kv->memory - (unsigned char *)base), bytes = g->kv_bytes;
+    int by_layer = g->layout == KVA_KV_LAYOUT_LAYERS;
+    for (uint64_t cell = start / map->cell_bytes; cell < map->cells && cell * map->cell_bytes < start + bytes; cell++) {
+        uint64_t lo = cell * map->cell_bytes > start ? cell * map->cell_bytes - start : 0;
+        uint64_t hi = (cell + 1) * map->cell_bytes - start;
+        if (hi > bytes) hi = bytes;
+        uint64_t first, last;
+        if (!by_layer) {
+            first = lo / g->block_stride;
+            last = (hi - 1) / g->block_stride;
+        } else if (lo / g->layer_stride == (hi - 1) / g->layer_stride) {
+            first = lo % g->layer_stride / g->block_stride;
+            last = (hi - 1) % g->layer_stride / g->block_stride;
+        } else {
+            first = 0; /* the cell spans a layer boundary: it shows every block */
+            last = g->num_blocks - 1;
+        }
+        if (last >= kv->num_blocks) last = kv->num_blocks - 1;
+        paint_cell(kv, (uint32_t)first, (uint32_t)last, &state[cell], &fill[cell]);
+    }
+}
+
+static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
+    kva_kv *kv = ctx;
+    /* From the cache's own call the lock is held already; from anyone else (kva_stats_publish)
+     * it is taken if free, else this publish keeps the section it had. */
+    int took = 0;
+    if (!kv->in_publish) {
+        if (pthread_mutex_trylock(&kv->lock) != 0) return;
+        took = 1;
+    }
+    const kva_kv_counters *c = &kv->counters;
+    *out = (kva_shm_kv){.present = 1,
+                        .block_tokens = kv->info.mode == KVA_KV_PAGED ? kv->block_tokens : 1,
+                        .total_blocks = kv->num_blocks,
+                        .free_blocks = kv->free_count,
+                        .used_blocks = kv->used_count,
+                        .cached_blocks = kv->cached_count,
+                        .hit_tokens = c->hit_tokens,
+                        .query_tokens = c->query_tokens,
+                        .evictions = c->evictions,
+                        .cow_copies = c->cow_copies,
+                        .forks = c->forks,
+                        .live_sequences = kv->live_seqs,
+                        .block_bytes = kv->info.mode == KVA_KV_PAGED ? kv->info.block_bytes : kv->info.token_bytes};
+    if (map && kv->info.mode == KVA_KV_PAGED && kv->num_blocks) paint(kv, map, state, fill);
+    if (took) pthread_mutex_unlock(&kv->lock);
+}
+
+void kv_publish_attach(kva_kv *kv) {
+    if (!kva_stats_segment_name(kv->pool)) return;
+    kva_kv_publisher publisher = {.publish = publish_cb, .ctx = kv};
+    kva_pool_attach_kv(kv->pool, &publisher);
+    kv->publishing = 1;
+    kv->in_publish = 1; /* not yet shared with any other thread */
+    kva_stats_publish(kv->pool);
+    kv->in_publish = 0;
+}
+
+void kv_publish_detach(kva_kv *kv) {
+    if (!kv->publishing) return;
+    kva_pool_attach_kv(kv->pool, NULL);
+    kv->publishing = 0;
+    if (!kv->owns_pool) kva_stats_publish(kv->pool); /* the pool lives on: say the cache is gone */
+}
+
+void kv_publish_due(kva_kv *kv) {
+    kv->in_publish = 1;
+    kva_publish_due(kv->pool);
+    kv->in_publish = 0;
+}
