@@ -335,6 +335,9 @@ class KvaKvStats(Structure):
         ("bytes_in_use", c_size_t),
         ("block_metadata_bytes", c_size_t),
         ("metadata_bytes", c_size_t),
+        ("timed_calls", c_uint64),
+        ("timed_ns", c_uint64),
+        ("call_ns_log2", c_uint64 * 40),
     ]
 
 

@@ -253,6 +253,14 @@ class KVCache:
     def closed(self) -> bool:
         return self._closed
 
+    def pool_fragmentation(self) -> float:
+        """The fragmentation (1 - largest free block / free bytes) of the pool the cache's
+        memory comes from: what limits contiguous mode."""
+        raw = _ffi.KvaStats()
+        with self._lock:
+            self._lib.kva_get_stats(self._info["pool"], byref(raw))
+        return float(raw.fragmentation)
+
     def publish(self) -> None:
         """Publishes the statistics of the cache's pool, the cache's own section included, now
         (a named cache; otherwise nothing happens). A named cache also publishes on its own from
@@ -336,6 +344,7 @@ class KVCache:
         with self._lock:
             self._lib.kva_kv_get_stats(self._open(), byref(raw))
         result = {name: getattr(raw, name) for name, _ in _ffi.KvaKvStats._fields_ if name != "reserved"}
+        result["call_ns_log2"] = list(raw.call_ns_log2)
         result["hit_rate"] = raw.hit_tokens / raw.query_tokens if raw.query_tokens else 0.0
         return result
 

@@ -527,6 +527,11 @@ typedef struct kva_kv_stats {
     size_t bytes_in_use;        /* KV bytes held by sequences (paged: used blocks) */
     size_t block_metadata_bytes; /* host bytes of per-block metadata: records and prefix table */
     size_t metadata_bytes;      /* all host bytes of the cache's bookkeeping */
+    /* A cache created with trace on times every call that takes its lock, from taking the lock
+     * to giving it up: the time the engine spends in the KV manager. Zero otherwise. */
+    uint64_t timed_calls;
+    uint64_t timed_ns;
+    uint64_t call_ns_log2[40];  /* calls that took [2^i, 2^(i+1)) ns (bucket 0 also 0 ns) */
 } kva_kv_stats;
 
 KVA_API kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out);

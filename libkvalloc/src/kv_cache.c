@@ -267,6 +267,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
         free(kv);
         return st;
     }
+    kv->timed = cfg->trace;
     kv_publish_attach(kv);
     *out = kv;
     return KVA_OK;
@@ -312,7 +313,8 @@ kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
 
 kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out) {
     if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
-    kv_lock(kv);
+    /* The plain lock: reading the figures is neither timed nor a reason to publish. */
+    pthread_mutex_lock(&kv->lock);
     const kva_kv_counters *c = &kv->counters;
     kva_kv_stats st = {
         .num_blocks = kv->num_blocks,
@@ -334,14 +336,17 @@ kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out) {
         .moved_bytes = c->moved_bytes,
         .alloc_failures = c->alloc_failures,
         .rejected_calls = c->rejected_calls,
+        .timed_calls = kv->timed_calls,
+        .timed_ns = kv->timed_ns,
     };
+    memcpy(st.call_ns_log2, kv->call_ns_log2, sizeof st.call_ns_log2);
     st.bytes_in_use = kv->info.mode == KVA_KV_PAGED ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
     st.block_metadata_bytes =
         (size_t)kv->num_blocks * sizeof *kv->blocks + (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0);
     size_t tables = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++) tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t);
     st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables;
-    kv_unlock(kv);
+    pthread_mutex_unlock(&kv->lock);
     *out = st;
     return KVA_OK;
 }
@@ -355,4 +360,12 @@ size_t kva_kv_struct_size(kva_kv_struct_id which) {
     case KVA_KV_STRUCT_STATS: return sizeof(kva_kv_stats);
     }
     return 0;
+}
+
+void kv_time_call(kva_kv *kv) {
+    uint64_t ns = kva_os_monotonic_ns() - kv->call_start_ns;
+    unsigned bucket = ns ? kva_log2(ns) : 0;
+    kv->call_ns_log2[bucket < 40 ? bucket : 39]++;
+    kv->timed_calls++;
+    kv->timed_ns += ns;
 }

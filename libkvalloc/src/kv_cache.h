@@ -45,6 +45,7 @@
 #include <pthread.h>
 
 #include "kv_key.h"
+#include "os.h"
 
 enum { KV_FREE = 0, KV_USED = 1, KV_CACHED = 2 };
 
@@ -115,6 +116,9 @@ struct kva_kv {
 
     kva_kv_counters counters;
     int publishing;           /* the cache's publisher is attached to a named pool */
+    int timed;                /* trace: time every call under the lock */
+    uint64_t call_start_ns;
+    uint64_t timed_calls, timed_ns, call_ns_log2[40];
     int in_publish;           /* this cache's own call is publishing, with the lock held */
 };
 
@@ -218,8 +222,15 @@ void kv_publish_detach(kva_kv *kv);
  * the lock held, at the end of every call that changed something. */
 void kv_publish_due(kva_kv *kv);
 
-KVA_INLINE void kv_lock(kva_kv *kv) { pthread_mutex_lock(&kv->lock); }
+/* Records a traced call's time (slow path, out of line). */
+void kv_time_call(kva_kv *kv);
+
+KVA_INLINE void kv_lock(kva_kv *kv) {
+    pthread_mutex_lock(&kv->lock);
+    if (kva_unlikely(kv->timed)) kv->call_start_ns = kva_os_monotonic_ns();
+}
 KVA_INLINE void kv_unlock(kva_kv *kv) {
+    if (kva_unlikely(kv->timed)) kv_time_call(kv);
     /* In paged mode the cache never calls the pool after creation, so the pool's own slow paths
      * would never publish: the cache's calls do it (a countdown, then a clock read when due). */
     if (kv->publishing) kv_publish_due(kv);

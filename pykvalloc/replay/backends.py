@@ -8,7 +8,9 @@
   library is installed. The allocator has no capacity, so the backend enforces the same budget.
 
 Every call into an allocator is timed, so the report can say what share of the replay the
-allocator took.
+allocator took: inside the library for the KV manager (a traced cache times each call in C, from
+taking its lock to giving it up), and around the ctypes call for malloc, which cannot be timed
+from inside (so its figures include the Python-to-C call).
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ class PagedBackend:
         self.prefix_caching = prefix_caching
         self.cache = KVCache(num_blocks=max(1, capacity_tokens // block_tokens), block_tokens=block_tokens,
                              layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                             dtype=geometry.dtype, name=pool_name)
+                             dtype=geometry.dtype, name=pool_name, trace=True)
         self.capacity_blocks = self.cache.num_blocks
 
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
@@ -104,31 +106,59 @@ class PagedBackend:
     def fragmentation(self) -> float:
         return 0.0  # every free block serves any request: paging has no external fragmentation
 
+    def library_time(self) -> Optional[tuple[int, list[int]]]:
+        """(ns spent inside the library, log2 histogram of call times), timed in C."""
+        stats = self.cache.stats()
+        return int(stats["timed_ns"]), list(stats["call_ns_log2"])
+
+    def verify_empty(self) -> None:
+        """After the run: every invariant holds and no block is referenced any more."""
+        self.cache.check()
+        stats = self.cache.stats()
+        if stats["used_blocks"] or stats["sequences"] or stats["bytes_in_use"]:
+            raise AssertionError(f"the replay left {stats['used_blocks']} blocks and {stats['sequences']} "
+                                 f"sequences live ({stats['bytes_in_use']} bytes)")
+
     def close(self) -> None:
         self.cache.close()
 
 
 class ContiguousBackend(PagedBackend):
+    """The KV manager's contiguous mode: each request holds one buffer in a power-of-two bucket
+    of tokens, moved to the next bucket as it grows."""
     name = "contiguous"
 
     def __init__(self, capacity_tokens: int, block_tokens: int, geometry: Geometry,
                  pool_name: Optional[str], prefix_caching: bool, timings: Timings) -> None:
         from ..kvcache import KVCache
-        self.block_tokens = 1
         self.timings = timings
-        self.prefix_caching = False
-        self.capacity_tokens = capacity_tokens
-        self.cache = KVCache(num_blocks=None, capacity_bytes=capacity_tokens * geometry.bytes_per_token,
-                             mode="contiguous", layers=geometry.layers, kv_heads=geometry.kv_heads,
-                             head_dim=geometry.head_dim, dtype=geometry.dtype, name=pool_name)
+        self.prefix_caching = False       # contiguous buffers are private: no prefix sharing
+        self.bytes_per_token = geometry.bytes_per_token
+        self.capacity_bytes = capacity_tokens * geometry.bytes_per_token
+        self.cache = KVCache(num_blocks=None, capacity_bytes=self.capacity_bytes, mode="contiguous",
+                             layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
+                             dtype=geometry.dtype, name=pool_name, trace=True)
+
+    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
+        try:
+            handle = self.timings.timed(self.cache.allocate, tokens)
+        except OutOfMemory:
+            return None
+        return handle, handle.buffer[1]
+
+    def extend(self, handle: Any, tokens: int) -> Optional[int]:
+        try:
+            self.timings.timed(handle.append, tokens)
+        except OutOfMemory:
+            return None
+        return int(handle.buffer[1])
 
     def usage(self) -> tuple[float, int]:
-        stats = self.cache.stats()
-        reserved = stats["reserved_tokens"]
-        return reserved / self.capacity_tokens, reserved
+        reserved = self.cache.stats()["bytes_in_use"]
+        return reserved / self.capacity_bytes, reserved // self.bytes_per_token
 
     def fragmentation(self) -> float:
-        return float(self.cache.stats()["fragmentation"])
+        return self.cache.pool_fragmentation()
 
 
 class MallocBackend:
@@ -176,6 +206,13 @@ class MallocBackend:
 
     def fragmentation(self) -> float:
         return 0.0
+
+    def library_time(self) -> Optional[tuple[int, list[int]]]:
+        return None  # malloc cannot be timed from inside: the Python-side timings stand
+
+    def verify_empty(self) -> None:
+        if self.reserved_tokens:
+            raise AssertionError(f"the replay left {self.reserved_tokens} tokens reserved")
 
     def close(self) -> None:
         pass

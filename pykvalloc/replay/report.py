@@ -58,8 +58,9 @@ def print_report(results: Sequence[ReplayResult], console: Optional[Console] = N
     title = (f"Replay of {first.source}: {capacity:,} tokens of KV "
              f"({capacity * first.config.geometry.bytes_per_token / 2**30:.1f} GiB)")
     console.print(table(results, title))
-    console.print("allocator call times include the Python-to-C call; allocator share is their sum over "
-                  "the wall time.", style="dim")
+    timed = {label(r): r.timing for r in results}
+    console.print("allocator calls timed " + "; ".join(f"{name}: {where}" for name, where in timed.items())
+                  + ". Inside the library, call percentiles are log2-bucket upper bounds.", style="dim")
 
 
 def write_json(results: Sequence[ReplayResult], path: Path) -> None:

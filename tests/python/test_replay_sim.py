@@ -76,3 +76,48 @@ def test_replay_command_names_a_bad_trace_line(tmp_path: Path, capsys: pytest.Ca
     assert "bad.csv:3" in capsys.readouterr().err
     assert main(["replay", str(bad), "--mode", "malloc-glibc", "--quiet", "--skip-bad"]) == 0
     assert "skipped 1 malformed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("block_tokens", [16, 32, 64, 128])
+def test_paged_replay_finishes_everything_and_frees_every_block(block_tokens: int) -> None:
+    # Overloaded on purpose (a small cache, arrivals compressed): preemption must happen, and
+    # paging fills the cache before it does.
+    trace = default_workload(400, seed=5)
+    config = ReplayConfig(mode="paged", block_tokens=block_tokens, capacity_tokens=24_000, geometry=SMALL_MODEL,
+                          time_scale=20.0)
+    result = replay(trace, config)      # the run itself verifies check() and that no block is left
+    assert result.finished == 400 and result.preemptions > 0
+    assert result.kv_use_at_first_preemption >= 0.97
+    assert 0.0 < result.internal_waste < block_tokens / 100   # only the last block is partly empty
+    assert 0.2 < result.prefix_hit_rate < 0.6                  # the workload's shared prefixes
+    assert result.timing == "inside the library" and 0.0 < result.allocator_share < 0.5
+    assert 0 < result.alloc_ns_p50 <= result.alloc_ns_p99 <= result.alloc_ns_p999
+
+
+def test_larger_blocks_waste_more_and_paging_beats_contiguous() -> None:
+    trace = default_workload(300, seed=9)
+    common = dict(capacity_tokens=30_000, geometry=SMALL_MODEL, time_scale=20.0)
+    small = replay(trace, ReplayConfig(mode="paged", block_tokens=16, **common))
+    large = replay(trace, ReplayConfig(mode="paged", block_tokens=128, **common))
+    contiguous = replay(trace, ReplayConfig(mode="contiguous", **common))
+    assert small.internal_waste < large.internal_waste
+    assert contiguous.finished == 300
+    # Power-of-two buckets waste far more than partial blocks, and they fragment the pool.
+    assert contiguous.internal_waste > 3 * small.internal_waste
+    assert contiguous.preemptions > small.preemptions
+    assert contiguous.fragmentation > 0.0
+
+
+def test_a_named_replay_publishes_for_the_inspector() -> None:
+    from pykvalloc import stats
+    name = f"replay-{id(object())}"
+    seen: list[int] = []
+
+    def look() -> None:
+        if not seen:
+            with stats.open_segment(name) as segment:
+                seen.append(int(segment.snapshot().kv["total_blocks"]))
+
+    replay(default_workload(50, seed=1), ReplayConfig(mode="paged", capacity_tokens=20_000, geometry=SMALL_MODEL,
+                                                       pool_name=name), on_step=look)
+    assert seen == [20_000 // 16]
