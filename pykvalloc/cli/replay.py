@@ -16,9 +16,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..replay.backends import Geometry, jemalloc_available
 from ..replay.report import print_report, write_json, write_plot
-from ..replay.simulator import ReplayConfig, ReplayResult, replay
+from ..replay.simulator import ReplayConfig, ReplayResult, pacer, replay
 from ..replay.traces import Trace, load_trace
 from ..replay.workload import default_workload
+from ..errors import InvalidArgument
 from ..sizes import parse_size
 
 MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
@@ -54,10 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
                         help="plot KV use and hit rate over time (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--pace", type=float, default=None, metavar="SPEED",
+                        help="hold the replay to SPEED simulated seconds per second, to watch it "
+                             "live with kvalloc top (default: as fast as it runs)")
 
 
 def read_traffic(args: argparse.Namespace) -> Trace:
-    trace = load_trace(args.trace, skip_bad=args.skip_bad) if args.trace else default_workload()
+    if not args.trace:
+        return default_workload(args.requests if args.requests is not None else 2000)
+    trace = load_trace(args.trace, skip_bad=args.skip_bad)
     if args.requests is not None:
         trace.requests = trace.requests[:args.requests]
     return trace
@@ -87,7 +93,8 @@ def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
     return out
 
 
-def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console) -> list[ReplayResult]:
+def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console,
+            pace: Optional[float] = None) -> list[ReplayResult]:
     results: list[ReplayResult] = []
     if trace.skipped:
         console.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
@@ -100,7 +107,7 @@ def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Con
             def update(finished: int, total: int, task: Any = task) -> None:
                 progress.update(task, completed=finished)
 
-            results.append(replay(trace, config, progress=update))
+            results.append(replay(trace, config, progress=update, on_step=pacer(pace) if pace else None))
             progress.update(task, completed=len(trace.requests))
     return results
 
@@ -108,7 +115,9 @@ def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Con
 def run(args: argparse.Namespace) -> int:
     console = Console()
     trace = read_traffic(args)
-    results = run_all(trace, configurations(args), args.quiet, console)
+    if args.pace is not None and args.pace <= 0:
+        raise InvalidArgument(f"--pace must be positive, not {args.pace}")
+    results = run_all(trace, configurations(args), args.quiet, console, args.pace)
     print_report(results, console)
     if args.json:
         write_json(results, args.json)

@@ -35,30 +35,31 @@ def _cell(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def label(result: ReplayResult) -> str:
-    if result.config.mode == "paged":
-        return f"paged/{result.config.block_tokens}"
-    return result.config.mode
+def label(result: dict[str, Any]) -> str:
+    return f"paged/{result['block_tokens']}" if result["mode"] == "paged" else str(result["mode"])
 
 
-def table(results: Sequence[ReplayResult], title: str) -> Table:
+def table(results: Sequence[dict[str, Any]], title: str) -> Table:
     out = Table(title=title)
     out.add_column("figure")
     for result in results:
         out.add_column(label(result), justify="right")
     for key, name, fmt in _ROWS:
-        out.add_row(name, *(_cell(getattr(r, key), fmt) for r in results))
+        out.add_row(name, *(_cell(r.get(key), fmt) for r in results))
     return out
 
 
-def print_report(results: Sequence[ReplayResult], console: Optional[Console] = None) -> None:
+def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Optional[Console] = None) -> None:
+    """The table of one or more replays, given as results or as their JSON form (as_dict)."""
     console = console or Console()
-    first = results[0]
-    capacity = first.config.capacity_tokens
-    title = (f"Replay of {first.source}: {capacity:,} tokens of KV "
-             f"({capacity * first.config.geometry.bytes_per_token / 2**30:.1f} GiB)")
-    console.print(table(results, title))
-    timed = {label(r): r.timing for r in results}
+    rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+    first = rows[0]
+    capacity = first["capacity_tokens"]
+    title = f"Replay of {first['source']}: {capacity:,} tokens of KV"
+    if "capacity_bytes" in first:
+        title += f" ({first['capacity_bytes'] / 2**30:.1f} GiB)"
+    console.print(table(rows, title))
+    timed = {label(r): r["timing"] for r in rows}
     console.print("allocator calls timed " + "; ".join(f"{name}: {where}" for name, where in timed.items())
                   + ". Inside the library, call percentiles are log2-bucket upper bounds.", style="dim")
 
@@ -79,8 +80,9 @@ def write_plot(results: Sequence[ReplayResult], path: Path) -> None:
     figure, (use_axis, hit_axis) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
     for result in results:
         times = [s.time_s for s in result.samples]
-        use_axis.plot(times, [100 * s.kv_use for s in result.samples], label=label(result), linewidth=0.8)
-        hit_axis.plot(times, [100 * s.hit_rate for s in result.samples], label=label(result), linewidth=0.8)
+        name = label(result.as_dict())
+        use_axis.plot(times, [100 * s.kv_use for s in result.samples], label=name, linewidth=0.8)
+        hit_axis.plot(times, [100 * s.hit_rate for s in result.samples], label=name, linewidth=0.8)
     use_axis.set_ylabel("KV use (%)")
     hit_axis.set_ylabel("prefix hit rate (%)")
     hit_axis.set_xlabel("simulated time (s)")

@@ -20,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from ..errors import InvalidArgument
 from .backends import ContiguousBackend, Geometry, MallocBackend, PagedBackend, Timings
 from .traces import MOONCAKE_BLOCK_TOKENS, Request, Trace
 
@@ -91,6 +92,7 @@ class ReplayResult:
         out["mode"] = self.config.mode
         out["block_tokens"] = self.config.block_tokens
         out["capacity_tokens"] = self.config.capacity_tokens
+        out["capacity_bytes"] = self.config.capacity_tokens * self.config.geometry.bytes_per_token
         out["source"] = self.source
         return out
 
@@ -138,8 +140,9 @@ def _percentile(sorted_values: list[int], fraction: float) -> float:
 
 def replay(trace: Trace, config: ReplayConfig,
            progress: Optional[Callable[[int, int], None]] = None,
-           on_step: Optional[Callable[[], None]] = None) -> ReplayResult:
-    """Runs the whole trace; ``progress(finished, total)`` is called now and then."""
+           on_step: Optional[Callable[[float], None]] = None) -> ReplayResult:
+    """Runs the whole trace; ``progress(finished, total)`` is called now and then, and
+    ``on_step(simulated_seconds)`` after every step."""
     timings = Timings()
     backend = make_backend(config, timings)
     requests = trace.requests
@@ -211,8 +214,8 @@ def replay(trace: Trace, config: ReplayConfig,
                 admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
                 if admitted is None:
                     if not running:
-                        raise RuntimeError(f"request {index} ({prompt} tokens) can never fit a KV cache of "
-                                           f"{config.capacity_tokens} tokens")
+                        raise InvalidArgument(f"request {index} ({prompt} tokens) can never fit a KV cache "
+                                              f"of {config.capacity_tokens} tokens: give it more (--kv-size)")
                     break
                 handle, capacity = admitted
                 waiting.popleft()
@@ -234,7 +237,7 @@ def replay(trace: Trace, config: ReplayConfig,
                 hits, queries = backend.prefix()
                 samples.append(Sample(now, use, hits / queries if queries else 0.0, len(running), len(waiting)))
             if on_step is not None:
-                on_step()
+                on_step(now)
             if progress is not None and steps % 256 == 0:
                 progress(finished, total)
         hits, queries = backend.prefix()
@@ -264,3 +267,16 @@ def replay(trace: Trace, config: ReplayConfig,
         prefix_hit_rate=hits / queries if queries else 0.0,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples)
+
+
+def pacer(speed: float) -> Callable[[float], None]:
+    """An on_step that holds the replay to ``speed`` simulated seconds per wall second, so that a
+    person watching it live (kvalloc top) sees it unfold."""
+    start = time.perf_counter()
+
+    def hold(simulated_s: float) -> None:
+        ahead = simulated_s / speed - (time.perf_counter() - start)
+        if ahead > 0.001:
+            time.sleep(ahead)
+
+    return hold

@@ -82,4 +82,4 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     assert Path(module).parent == REPO_ROOT / "pykvalloc"
     assert Path(tui).parent == REPO_ROOT / "tui" / "kvalloc_tui"
     assert Path(library).parent == site_packages / "pykvalloc"
-    _run([str(venv / "bin" / "kvalloc"), "demo", "--capacity", "16M"], cwd=tmp_path)
+    _run([str(venv / "bin" / "kvalloc"), "demo", "--requests", "100"], cwd=tmp_path)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from pykvalloc.cli import main
+from pykvalloc.errors import InvalidArgument
 from pykvalloc.replay.backends import Geometry, jemalloc_available
 from pykvalloc.replay.simulator import ReplayConfig, replay
 from pykvalloc.replay.traces import Request, Trace
@@ -35,7 +36,7 @@ def test_malloc_baseline_finishes_everything_within_its_budget(mode: str) -> Non
 
 
 def test_a_request_that_can_never_fit_is_reported() -> None:
-    with pytest.raises(RuntimeError, match="can never fit"):
+    with pytest.raises(InvalidArgument, match="can never fit"):
         replay(burst(1, prompt=5000, output=10), ReplayConfig(mode="malloc-glibc", capacity_tokens=4000,
                                                              geometry=SMALL_MODEL))
 
@@ -113,7 +114,7 @@ def test_a_named_replay_publishes_for_the_inspector() -> None:
     name = f"replay-{id(object())}"
     seen: list[int] = []
 
-    def look() -> None:
+    def look(simulated_s: float) -> None:
         if not seen:
             with stats.open_segment(name) as segment:
                 seen.append(int(segment.snapshot().kv["total_blocks"]))
