@@ -61,6 +61,37 @@ static void fill_bits(uint64_t *words, uint64_t n) {
     if (n % 64) words[full] = ((uint64_t)1 << (n % 64)) - 1;
 }
 
+/* The class's partial list, doubly linked through the slab descriptors. A new slab goes to the
+ * head, where claims come from. */
+static void list_push_head(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
+    kva_slab *slab = &sl->slabs[s];
+    slab->prev = KVA_NIL;
+    slab->next = cls->partial_head;
+    if (cls->partial_head != KVA_NIL) sl->slabs[cls->partial_head].prev = s;
+    else cls->partial_tail = s;
+    cls->partial_head = s;
+    slab->listed = 1;
+}
+
+static void list_push_tail(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
+    kva_slab *slab = &sl->slabs[s];
+    slab->next = KVA_NIL;
+    slab->prev = cls->partial_tail;
+    if (cls->partial_tail != KVA_NIL) sl->slabs[cls->partial_tail].next = s;
+    else cls->partial_head = s;
+    cls->partial_tail = s;
+    slab->listed = 1;
+}
+
+static void list_unlink(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
+    kva_slab *slab = &sl->slabs[s];
+    if (slab->prev != KVA_NIL) sl->slabs[slab->prev].next = slab->next;
+    else cls->partial_head = slab->next;
+    if (slab->next != KVA_NIL) sl->slabs[slab->next].prev = slab->prev;
+    else cls->partial_tail = slab->prev;
+    slab->listed = 0;
+}
+
 /* A new slab for class c at the head of its partial list; KVA_NIL if the buddy has no chunk or
  * no memory can back it (the pool then tries a buddy block, which reports why if it fails). */
 static uint32_t grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
@@ -81,19 +112,13 @@ static uint32_t grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     slab->l0 = slot + cls->l1_words;
     slab->inuse = 0;
     slab->cls = (uint8_t)c;
-    slab->prev = KVA_NIL;
-    slab->next = cls->partial_head;
-    if (cls->partial_head != KVA_NIL) sl->slabs[cls->partial_head].prev = s;
-    else cls->partial_tail = s;
-    cls->partial_head = s;
-    slab->listed = 1;
+    list_push_head(sl, cls, s);
     cls->slabs++;
     sl->live_slabs++;
     return s;
 }
 
 static void release(kva_slabs *sl, kva_buddy *buddy, uint32_t s);
-static void list_push_tail(kva_slabs *sl, kva_size_class *cls, uint32_t s);
 
 /* Slab s of class cls has just become empty. Keep one empty slab per class so that a batch that
  * frees everything and allocates again does not bounce a chunk through the buddy every round;
@@ -119,25 +144,6 @@ static void unclaim(kva_slabs *sl, kva_buddy *buddy, kva_size_class *cls) {
     slab->inuse -= (uint32_t)__builtin_popcountll(bits);
     if (!slab->listed) list_push_tail(sl, cls, s);
     if (slab->inuse == 0) emptied(sl, buddy, cls, s);
-}
-
-static void list_push_tail(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
-    kva_slab *slab = &sl->slabs[s];
-    slab->next = KVA_NIL;
-    slab->prev = cls->partial_tail;
-    if (cls->partial_tail != KVA_NIL) sl->slabs[cls->partial_tail].next = s;
-    else cls->partial_head = s;
-    cls->partial_tail = s;
-    slab->listed = 1;
-}
-
-static void list_unlink(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
-    kva_slab *slab = &sl->slabs[s];
-    if (slab->prev != KVA_NIL) sl->slabs[slab->prev].next = slab->next;
-    else cls->partial_head = slab->next;
-    if (slab->next != KVA_NIL) sl->slabs[slab->next].prev = slab->prev;
-    else cls->partial_tail = slab->prev;
-    slab->listed = 0;
 }
 
 /* Claims a word with a free object for class c from the first listed slab that has one. Full

@@ -8,6 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "kvalloc.h" /* the macros print kva_strerror and kva_last_error */
+
 static int check_failures;
 
 #define CHECK(cond)                                                                          \

@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "check.h"
+#include "proc_self.h"
 #include "cuda_driver.h"
 #include "kvalloc.h"
 
@@ -83,15 +84,6 @@ static void load_fake(const char *path) {
 #undef GET
 }
 
-static long mapping_count(void) {
-    FILE *f = fopen("/proc/self/maps", "r");
-    if (!f) return -1;
-    long n = 0;
-    int ch;
-    while ((ch = fgetc(f)) != EOF) n += ch == '\n';
-    fclose(f);
-    return n;
-}
 
 /* Nothing of the driver is held: the state after every pool is gone. */
 #define CHECK_NO_LEAKS()                                                                         \

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "proc_self.h"
 #include "kvalloc.h"
 #include "os.h"
 
@@ -48,35 +49,7 @@ static int mask_count(void) {
     return n;
 }
 
-static long mapping_count(void) {
-    FILE *f = fopen("/proc/self/maps", "r");
-    if (!f) return -1;
-    long n = 0;
-    int ch;
-    while ((ch = fgetc(f)) != EOF) n += ch == '\n';
-    fclose(f);
-    return n;
-}
 
-/* The VmFlags line of the mapping that holds addr. */
-static int vm_flags_of(const void *addr, char *flags, size_t len) {
-    FILE *f = fopen("/proc/self/smaps", "r");
-    if (!f) return 0;
-    char line[512];
-    int inside = 0, found = 0;
-    while (fgets(line, sizeof line, f)) {
-        unsigned long lo, hi;
-        if (sscanf(line, "%lx-%lx ", &lo, &hi) == 2 && strchr(line, '-') < strchr(line, ' ')) {
-            inside = (uintptr_t)addr >= lo && (uintptr_t)addr < hi;
-        } else if (inside && strncmp(line, "VmFlags:", 8) == 0) {
-            snprintf(flags, len, "%s", line + 8);
-            found = 1;
-            break;
-        }
-    }
-    fclose(f);
-    return found;
-}
 
 static kva_config config(int node, kva_numa_policy policy, kva_page_mode pages) {
     kva_config cfg;

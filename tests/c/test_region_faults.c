@@ -7,18 +7,10 @@
 #include <string.h>
 
 #include "check.h"
+#include "proc_self.h"
 #include "kvalloc.h"
 #include "os.h"
 
-static long mapping_count(void) {
-    FILE *f = fopen("/proc/self/maps", "r");
-    if (!f) return -1;
-    long n = 0;
-    int ch;
-    while ((ch = fgetc(f)) != EOF) n += ch == '\n';
-    fclose(f);
-    return n;
-}
 
 static kva_config config(kva_page_mode pages, int prefault, int node, int lock) {
     kva_config cfg;
