@@ -76,7 +76,12 @@ kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {
 
 kva_status kva_os_commit(void *addr, size_t length, int huge) {
     int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED;
+    /* Base and transparent huge pages are committed as they are first touched, and a pool is
+     * often far larger than what it will touch (a KV cache sized for the worst case): without
+     * MAP_NORESERVE the kernel's overcommit heuristic refuses a mapping larger than memory.
+     * hugetlb pages are reserved up front instead, which is what makes their failure early. */
     if (huge) flags |= MAP_HUGETLB | MAP_HUGE_2MB;
+    else flags |= MAP_NORESERVE;
     void *p = fails_now(huge ? KVA_OS_COMMIT_HUGE : KVA_OS_COMMIT)
                   ? MAP_FAILED
                   : mmap(addr, length, PROT_READ | PROT_WRITE, flags, -1, 0);

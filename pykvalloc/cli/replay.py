@@ -8,13 +8,18 @@ where installed) on the same traffic and prints them side by side.
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..replay.backends import Geometry, jemalloc_available
+from ..replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
 from ..replay.report import print_report, write_json, write_plot
 from ..replay.simulator import ReplayConfig, ReplayResult, pacer, replay
 from ..replay.traces import Trace, load_trace
@@ -88,14 +93,36 @@ def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
     out = [ReplayConfig(**{**base.__dict__, "mode": "paged", "block_tokens": b}) for b in (16, 32, 64, 128)]
     out.append(ReplayConfig(**{**base.__dict__, "mode": "contiguous"}))
     out.append(ReplayConfig(**{**base.__dict__, "mode": "malloc-glibc"}))
-    if jemalloc_available():
+    if jemalloc_path():
         out.append(ReplayConfig(**{**base.__dict__, "mode": "malloc-jemalloc"}))
     return out
 
 
-def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console,
-            pace: Optional[float] = None) -> list[ReplayResult]:
-    results: list[ReplayResult] = []
+def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str, Any]:
+    """The same replay in a child process with jemalloc preloaded; its report as a dict."""
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "report.json"
+        argv = [sys.executable, "-m", "pykvalloc", "replay", "--mode", "malloc-jemalloc", "--quiet",
+                "--kv-tokens", str(config.capacity_tokens), "--time-scale", str(config.time_scale),
+                "--max-batch-tokens", str(config.max_batch_tokens), "--layers", str(config.geometry.layers),
+                "--kv-heads", str(config.geometry.kv_heads), "--head-dim", str(config.geometry.head_dim),
+                "--dtype", config.geometry.dtype, "--json", str(out)]
+        if args.trace:
+            argv.insert(4, str(args.trace))
+        if args.requests is not None:
+            argv += ["--requests", str(args.requests)]
+        if args.skip_bad:
+            argv.append("--skip-bad")
+        env = {**os.environ, "LD_PRELOAD": str(jemalloc_path())}
+        done = subprocess.run(argv, env=env, capture_output=True, text=True)
+        if done.returncode != 0 or not out.exists():
+            raise InvalidArgument(f"the jemalloc replay failed: {done.stderr.strip()}")
+        return dict(json.loads(out.read_text()))
+
+
+def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console,
+            pace: Optional[float] = None) -> list[ReplayResult | dict[str, Any]]:
+    results: list[ReplayResult | dict[str, Any]] = []
     if trace.skipped:
         console.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
                       f"{trace.skipped_examples[0][1]})", style="yellow")
@@ -107,7 +134,10 @@ def run_all(trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Con
             def update(finished: int, total: int, task: Any = task) -> None:
                 progress.update(task, completed=finished)
 
-            results.append(replay(trace, config, progress=update, on_step=pacer(pace) if pace else None))
+            if config.mode == "malloc-jemalloc" and not jemalloc_is_malloc():
+                results.append(replay_preloaded(args, config))
+            else:
+                results.append(replay(trace, config, progress=update, on_step=pacer(pace) if pace else None))
             progress.update(task, completed=len(trace.requests))
     return results
 
@@ -117,10 +147,11 @@ def run(args: argparse.Namespace) -> int:
     trace = read_traffic(args)
     if args.pace is not None and args.pace <= 0:
         raise InvalidArgument(f"--pace must be positive, not {args.pace}")
-    results = run_all(trace, configurations(args), args.quiet, console, args.pace)
+    results = run_all(args, trace, configurations(args), args.quiet, console, args.pace)
     print_report(results, console)
     if args.json:
         write_json(results, args.json)
     if args.plot:
         write_plot(results, args.plot)
-    return 0 if all(r.finished == r.requests for r in results) else 1
+    rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+    return 0 if all(r["finished"] == r["requests"] for r in rows) else 1

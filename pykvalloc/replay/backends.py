@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -218,25 +219,38 @@ class MallocBackend:
         pass
 
 
+JEMALLOC_CANDIDATES = ("/usr/lib/x86_64-linux-gnu/libjemalloc.so.2", "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+                      "/usr/lib64/libjemalloc.so.2", "/usr/lib/libjemalloc.so.2")
+
+
+def jemalloc_path() -> Optional[str]:
+    """Where jemalloc's library is installed (Debian: libjemalloc2), or None."""
+    found = ctypes.util.find_library("jemalloc")
+    for path in (*JEMALLOC_CANDIDATES, found):
+        if path and (path.startswith("/") and os.path.exists(path)):
+            return path
+    return None
+
+
+def jemalloc_is_malloc() -> bool:
+    """Whether jemalloc is this process's malloc (it was preloaded): its own mallocx is there."""
+    return hasattr(ctypes.CDLL(None), "mallocx")
+
+
 def _malloc_library(library: str) -> ctypes.CDLL:
     if library == "glibc":
+        if library == "glibc" and jemalloc_is_malloc():
+            raise RuntimeError("this process runs jemalloc (LD_PRELOAD): glibc's malloc is not reachable")
         return ctypes.CDLL(ctypes.util.find_library("c"))
     if library == "jemalloc":
-        for name in ("libjemalloc.so.2", ctypes.util.find_library("jemalloc")):
-            if name:
-                try:
-                    # RTLD_LOCAL: jemalloc's malloc is called through this handle only; the
-                    # process keeps its own allocator.
-                    return ctypes.CDLL(name, mode=ctypes.RTLD_LOCAL)
-                except OSError:
-                    continue
-        raise FileNotFoundError("jemalloc is not installed (Debian: libjemalloc2)")
+        # jemalloc keeps its thread state in initial-exec TLS, so it cannot be dlopened into a
+        # running process; it is measured in a process started with it in LD_PRELOAD, where the
+        # C library's malloc is jemalloc's.
+        if not jemalloc_is_malloc():
+            raise FileNotFoundError("jemalloc must be preloaded (LD_PRELOAD) to be measured")
+        return ctypes.CDLL(None)
     raise ValueError(f"unknown malloc library {library!r}")
 
 
 def jemalloc_available() -> bool:
-    try:
-        _malloc_library("jemalloc")
-        return True
-    except FileNotFoundError:
-        return False
+    return jemalloc_path() is not None

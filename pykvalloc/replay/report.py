@@ -64,13 +64,16 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
                   + ". Inside the library, call percentiles are log2-bucket upper bounds.", style="dim")
 
 
-def write_json(results: Sequence[ReplayResult], path: Path) -> None:
-    payload: Any = results[0].as_dict() if len(results) == 1 else [r.as_dict() for r in results]
+def write_json(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> None:
+    rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+    payload: Any = rows[0] if len(rows) == 1 else rows
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def write_plot(results: Sequence[ReplayResult], path: Path) -> None:
-    """KV use and prefix hit rate over simulated time, one line per configuration."""
+def write_plot(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> None:
+    """KV use and prefix hit rate over simulated time, one line per configuration run in this
+    process (one replayed in a child process brings no samples)."""
+    results = [r for r in results if isinstance(r, ReplayResult)]
     try:
         import matplotlib
         matplotlib.use("Agg")

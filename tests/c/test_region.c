@@ -120,11 +120,26 @@ static void test_alignment_and_cleanup(void) {
     CHECK(!MAPS_ARE_RELIABLE || large_mapped_bytes((size_t)4 << 20) == maps_before);
 }
 
+/* A pool larger than the machine's memory: its pages are committed as they are touched, so a
+ * pool sized for the worst case (a KV cache) must not be refused up front. */
+static void test_pool_larger_than_memory(void) {
+    size_t total = (size_t)meminfo_value("MemTotal") * 1024;
+    size_t capacity = (size_t)1 << 30;
+    while (capacity < 2 * total) capacity *= 2;
+    kva_pool *pool = create(KVA_PAGES_THP, capacity, 0, KVA_OK);
+    REQUIRE(pool);
+    void *half;
+    CHECK_STATUS(kva_alloc(pool, capacity / 2, &half), KVA_OK);
+    CHECK_STATUS(kva_free(pool, half), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
     test_hugetlb();
     test_auto_chain();
     test_thp_and_small();
     test_prefault();
     test_alignment_and_cleanup();
+    test_pool_larger_than_memory();
     return CHECK_DONE();
 }

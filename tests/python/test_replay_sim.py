@@ -20,7 +20,7 @@ def burst(n: int, prompt: int, output: int, gap: float = 0.0) -> Trace:
     return Trace([Request(i * gap, prompt, output) for i in range(n)], source="burst")
 
 
-@pytest.mark.parametrize("mode", ["malloc-glibc"] + (["malloc-jemalloc"] if jemalloc_available() else []))
+@pytest.mark.parametrize("mode", ["malloc-glibc"])
 def test_malloc_baseline_finishes_everything_within_its_budget(mode: str) -> None:
     trace = default_workload(300, seed=11)
     config = ReplayConfig(mode=mode, capacity_tokens=40_000, geometry=SMALL_MODEL)
@@ -122,3 +122,15 @@ def test_a_named_replay_publishes_for_the_inspector() -> None:
     replay(default_workload(50, seed=1), ReplayConfig(mode="paged", capacity_tokens=20_000, geometry=SMALL_MODEL,
                                                        pool_name=name), on_step=look)
     assert seen == [20_000 // 16]
+
+
+@pytest.mark.skipif(not jemalloc_available(), reason="jemalloc is not installed (Debian: libjemalloc2)")
+def test_compare_runs_jemalloc_preloaded_in_a_child(tmp_path: Path) -> None:
+    out = tmp_path / "compare.json"
+    status = main(["replay", "--compare", "--requests", "150", "--kv-tokens", "60000", "--layers", "2",
+                   "--kv-heads", "2", "--head-dim", "64", "--time-scale", "10", "--json", str(out), "--quiet"])
+    assert status == 0
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows] == ["paged"] * 4 + ["contiguous", "malloc-glibc", "malloc-jemalloc"]
+    jemalloc = rows[-1]
+    assert jemalloc["finished"] == 150 and jemalloc["timing"] == "around the ctypes call"
