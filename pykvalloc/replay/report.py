@@ -70,27 +70,47 @@ def write_json(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> 
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def write_plot(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> None:
-    """KV use and prefix hit rate over simulated time, one line per configuration run in this
-    process (one replayed in a child process brings no samples)."""
-    results = [r for r in results if isinstance(r, ReplayResult)]
+def _binned(times: list[float], values: list[float], bins: int) -> tuple[list[float], list[float]]:
+    """Means of values over equal spans of time: a step-by-step series is too dense to read."""
+    if not times:
+        return [], []
+    span = (times[-1] - times[0]) / bins or 1.0
+    sums: dict[int, list[float]] = {}
+    for t, v in zip(times, values):
+        sums.setdefault(int((t - times[0]) / span), []).append(v)
+    keys = sorted(sums)
+    return [times[0] + (k + 0.5) * span for k in keys], [sum(sums[k]) / len(sums[k]) for k in keys]
+
+
+def write_plot(results: Sequence[ReplayResult | dict[str, Any]], path: Path, bins: int = 300) -> None:
+    """KV use and (where the trace has prefix ids) the prefix hit rate over simulated time, one
+    line per configuration run in this process (one replayed in a child brings no samples)."""
+    runs = [r for r in results if isinstance(r, ReplayResult) and r.samples]
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'pykvalloc[plot]'") from exc
-    figure, (use_axis, hit_axis) = plt.subplots(2, 1, sharex=True, figsize=(10, 6))
-    for result in results:
-        times = [s.time_s for s in result.samples]
+    with_hits = any(s.hit_rate for r in runs for s in r.samples)
+    figure, axes = plt.subplots(2 if with_hits else 1, 1, sharex=True, figsize=(10, 6 if with_hits else 3.6),
+                                squeeze=False)
+    use_axis = axes[0][0]
+    for result in runs:
         name = label(result.as_dict())
-        use_axis.plot(times, [100 * s.kv_use for s in result.samples], label=name, linewidth=0.8)
-        hit_axis.plot(times, [100 * s.hit_rate for s in result.samples], label=name, linewidth=0.8)
-    use_axis.set_ylabel("KV use (%)")
-    hit_axis.set_ylabel("prefix hit rate (%)")
-    hit_axis.set_xlabel("simulated time (s)")
-    use_axis.legend(loc="lower right", fontsize="small")
-    use_axis.set_title(results[0].source)
+        times = [s.time_s for s in result.samples]
+        x, y = _binned(times, [100 * s.kv_use for s in result.samples], bins)
+        use_axis.plot(x, y, label=name, linewidth=1.0)
+        if with_hits:
+            x, y = _binned(times, [100 * s.hit_rate for s in result.samples], bins)
+            axes[1][0].plot(x, y, label=name, linewidth=1.0)
+    use_axis.set_ylabel("KV use (%, mean per bin)")
+    use_axis.set_ylim(0, 105)
+    use_axis.legend(loc="lower right", fontsize="small", ncol=2)
+    use_axis.set_title(f"{Path(runs[0].source).name if runs else ''}: KV use over simulated time")
+    if with_hits:
+        axes[1][0].set_ylabel("prefix hit rate (%, cumulative)")
+    axes[-1][0].set_xlabel("simulated time (s)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
