@@ -94,13 +94,15 @@ static uint64_t observe_start(const kva_pool *pool) {
 static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const void *addr, uint64_t size,
                               uint64_t start) {
     kva_segment *seg = pool->segment;
-    if (!seg) return st;
-    if (seg->trace_all || st != KVA_OK) {
+    if (kva_likely(!seg)) return st;
+    if (kva_unlikely(seg->trace_all || st != KVA_OK)) {
         uint64_t latency = start == UINT64_MAX ? UINT64_MAX : kva_os_monotonic_ns() - start;
         uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;
         kva_segment_record(seg, op, st, offset, size, latency);
     }
-    kva_publish_due(pool);
+    /* In line, a countdown: a named pool's checked calls pay a decrement, not a function call. */
+    int due = kva_segment_due(seg);
+    if (kva_unlikely(due)) kva_publish(pool, due == 2);
     return st;
 }
 

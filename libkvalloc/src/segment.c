@@ -180,9 +180,7 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
     kva_segment_end(seg);
 }
 
-int kva_segment_due(kva_segment *seg) {
-    if (--seg->countdown) return 0;
-    seg->countdown = 16;
+int kva_segment_clock_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();
     if (now < seg->next_publish_ns) return 0;
     seg->next_publish_ns = now + seg->interval_ns;

@@ -56,9 +56,20 @@ void kva_segment_end(kva_segment *seg);
 void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_t offset, uint64_t size,
                         uint64_t latency_ns);
 
+/* Slow-path calls between two reads of the clock: enough that the reads cost nothing, few
+ * enough that even a pool making only a few thousand slow calls a second publishes on time. */
+#define KVA_SEGMENT_CHECK_EVERY 64
+
+/* Reads the clock: what to publish now (see kva_segment_due). */
+int kva_segment_clock_due(kva_segment *seg);
+
 /* What a slow-path call should publish now: 0 nothing, 1 the cheap sections (the publish
- * interval has passed), 2 everything (a second has passed since the last full publish). Reads
- * the clock once every 16 calls. */
-int kva_segment_due(kva_segment *seg);
+ * interval has passed), 2 everything (a second has passed since the last full publish). A
+ * countdown in line; the clock only every KVA_SEGMENT_CHECK_EVERY calls. */
+KVA_INLINE int kva_segment_due(kva_segment *seg) {
+    if (kva_likely(--seg->countdown)) return 0;
+    seg->countdown = KVA_SEGMENT_CHECK_EVERY;
+    return kva_segment_clock_due(seg);
+}
 
 #endif
