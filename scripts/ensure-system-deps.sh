@@ -7,7 +7,7 @@ command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v make >/dev/null || missing+=(make)
 command -v strace >/dev/null || missing+=(strace)   # the no-system-call test
 # The replay's jemalloc baseline (tests/python/test_replay_sim.py); small, the runtime only.
-ls /usr/lib/*/libjemalloc.so.2 /usr/lib*/libjemalloc.so.2 >/dev/null 2>&1 || missing+=(libjemalloc2)
+ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2 ' || missing+=(libjemalloc2)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
 # `ensure-system-deps.sh fuzz`: the fuzzer needs clang and its libFuzzer runtime.
 [ "${1:-}" = fuzz ] && ! command -v clang >/dev/null && missing+=(clang)
