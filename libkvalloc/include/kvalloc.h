@@ -192,6 +192,11 @@ KVA_API kva_status kva_alloc(kva_pool *pool, size_t size, void **out);
  * largest block, kva_stats.max_alloc_size). */
 KVA_API kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out);
 
+/* An array of count elements of size bytes each (the calloc shape, without the zeroing: the
+ * memory may be device memory). KVA_ERR_INVALID when count * size overflows, before anything
+ * else happens; otherwise as kva_alloc(pool, count * size, out). */
+KVA_API kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, void **out);
+
 /* A contiguous range of size bytes rounded up only to min_block (not to a power of two): the
  * buddy block that holds it is split and the unused tail is free at once (Linux's
  * alloc_pages_exact). For large regions whose size is not a power of two, such as one layer of a

@@ -208,6 +208,16 @@ static kva_status alloc_aligned_any(kva_pool *pool, size_t size, size_t alignmen
     return alloc_block(pool, need, out);
 }
 
+kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, void **out) {
+    size_t bytes;
+    if (__builtin_mul_overflow(count, size, &bytes)) {
+        if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+        kva_status st = reject(pool, kva_fail(KVA_ERR_INVALID, "%zu elements of %zu bytes overflow a size", count, size));
+        return observe_end(pool, KVA_SHM_OP_ALLOC, st, NULL, SIZE_MAX, UINT64_MAX);
+    }
+    return kva_alloc(pool, bytes, out);
+}
+
 kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
