@@ -143,6 +143,7 @@ class KvaLib:
     kva_alloc: CFunction
     kva_alloc_aligned: CFunction
     kva_alloc_exact: CFunction
+    kva_alloc_array: CFunction
     kva_free: CFunction
     kva_usable_size: CFunction
     kva_trim: CFunction
@@ -177,6 +178,7 @@ class KvaLib:
         status("kva_alloc", [pool_p, c_size_t, POINTER(c_void_p)])
         status("kva_alloc_aligned", [pool_p, c_size_t, c_size_t, POINTER(c_void_p)])
         status("kva_alloc_exact", [pool_p, c_size_t, POINTER(c_void_p)])
+        status("kva_alloc_array", [pool_p, c_size_t, c_size_t, POINTER(c_void_p)])
         status("kva_free", [pool_p, c_void_p])
         plain("kva_usable_size", c_size_t, [pool_p, c_void_p])
         status("kva_trim", [pool_p])

@@ -526,6 +526,15 @@ class Pool:
         buddy block is free at once; the start is aligned to the power of two above ``size``."""
         return self._allocate(self._lib.kva_alloc_exact, _size_arg("size", size))
 
+    def alloc_array(self, count: int, size: int) -> Allocation:
+        """``count`` elements of ``size`` bytes (not zeroed): InvalidArgument when the product
+        overflows a size, as the C library checks it."""
+        count, size = _size_arg("count", count), _size_arg("size", size)
+        out = c_void_p()
+        with self._lock:
+            self._lib.kva_alloc_array(self._open_handle(), count, size, byref(out))
+        return Allocation(self, _returned_address(out, "kva_alloc_array"), count * size, _key=_ALLOCATION_KEY)
+
     def _allocate(self, function: Any, nbytes: int, *arguments: int) -> Allocation:
         out = c_void_p()
         with self._lock:

@@ -291,3 +291,13 @@ def test_forced_hugetlb_without_hugetlb_pages_is_backend_error():
     assert isinstance(info.value, OSError)
     assert info.value.status == 5 and info.value.function == "kva_pool_create"
     assert "hugetlb" in str(info.value).lower()
+
+
+def test_alloc_array_refuses_an_overflowing_product():
+    with pykvalloc.Pool(16 * 1024 * 1024) as pool:
+        with pytest.raises(pykvalloc.InvalidArgument, match="overflow"):
+            pool.alloc_array(2**63, 2)
+        block = pool.alloc_array(16, 64)
+        assert block.size == 1024 and pool.usable_size(block) == 1024
+        pool.free(block)
+        pool.check()
