@@ -96,7 +96,8 @@ typedef enum kva_os_call {
     KVA_OS_METADATA,    /* kva_os_map_metadata */
     KVA_OS_MBIND,       /* kva_os_mbind */
     KVA_OS_LOCK,        /* kva_os_lock */
-    KVA_OS_LIBRARY      /* kva_os_library_open */
+    KVA_OS_LIBRARY,     /* kva_os_library_open */
+    KVA_OS_SHM          /* kva_os_shm_create */
 } kva_os_call;
 
 unsigned kva_os_fail_nth(kva_os_call call, unsigned n, int error);

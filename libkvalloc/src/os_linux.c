@@ -128,7 +128,7 @@ void kva_os_unmap(void *addr, size_t length) {
 
 kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *fd_out) {
     shm_unlink(name);
-    int fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    int fd = fails_now(KVA_OS_SHM) ? -1 : shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) return kva_fail(KVA_ERR_BACKEND, "shm_open(%s): %s", name, strerror(errno));
     const char *step = "sizing";
     if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0 || (step = "locking", flock(fd, LOCK_SH)) != 0) {

@@ -4,7 +4,9 @@
  * still yields a sound pool, and never leaves a mapping behind.
  */
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "proc_self.h"
@@ -74,6 +76,13 @@ static void refusal(kva_os_call call, const kva_config *cfg, kva_status expect, 
 
 static void test_each_refusal(void) {
     kva_config small = config(KVA_PAGES_SMALL, 0, -1, 0);
+    /* A named pool whose statistics segment cannot be created: no pool, no segment left. */
+    kva_config named = small;
+    named.name = "faulty";
+    refusal(KVA_OS_SHM, &named, KVA_ERR_BACKEND, "shm_open");
+    char path[96];
+    snprintf(path, sizeof path, "/dev/shm/kvalloc.%d.faulty", (int)getpid());
+    CHECK(access(path, F_OK) != 0);
     refusal(KVA_OS_RESERVE, &small, KVA_ERR_BACKEND, "mmap reserve");
     refusal(KVA_OS_COMMIT, &small, KVA_ERR_BACKEND, "mmap of");
     refusal(KVA_OS_METADATA, &small, KVA_ERR_BACKEND, "metadata");
