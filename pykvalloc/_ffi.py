@@ -71,6 +71,7 @@ class KvaConfig(Structure):
         ("lock", c_int),
         ("pin", c_int),
         ("trim_watermark", c_size_t),
+        ("checked", c_int),
     ]
 
 

@@ -392,7 +392,9 @@ class Pool:
     is needed to install pykvalloc): addresses are device addresses, mapped on demand;
     ``trim()`` unmaps what no allocation uses, and so does a free that leaves more than
     ``trim_watermark`` bytes mapped but unused; ``prefault`` maps everything at creation.
-    No driver or no GPU raises ``BackendError`` saying which.
+    No driver or no GPU raises ``BackendError`` saying which. ``checked`` (host, for
+    debugging) poisons free memory and puts red zones around allocations: a write after free or
+    past an allocation's ends raises ``CorruptionError`` (kvalloc.h, kva_config.checked).
 
     Use it as a context manager or call ``close()``; see the module docstring for what happens
     to views that outlive the pool.
@@ -408,7 +410,7 @@ class Pool:
                  device: int = 0, numa_node: int | None = None,
                  numa_policy: str | NumaPolicy = "bind",
                  hugepages: bool | str | PageMode | None = None, lock: bool = False,
-                 pin: bool = False, trim_watermark: int = 0) -> None:
+                 pin: bool = False, trim_watermark: int = 0, checked: bool = False) -> None:
         lib = _ffi.load()
         config = _ffi.KvaConfig()
         lib.kva_config_init(byref(config))
@@ -427,6 +429,7 @@ class Pool:
         config.lock = 1 if lock else 0
         config.pin = 1 if pin else 0
         config.trim_watermark = _size_arg("trim_watermark", trim_watermark)
+        config.checked = 1 if checked else 0
         config.trace = 1 if trace else 0
         if publish_interval_ms is not None:
             interval = _size_arg("publish_interval_ms", publish_interval_ms)

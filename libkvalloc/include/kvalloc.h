@@ -141,6 +141,15 @@ typedef struct kva_config {
                               granules down to it. 0 (default): only kva_trim unmaps. With
                               prefault everything stays mapped: prefault maps the whole capacity
                               at creation for the pool's life */
+    int checked;         /* host, for debugging: every free byte of the pool holds a poison
+                            pattern (the whole region is written at creation); an allocation
+                            checks its memory is still poisoned and reports a write after free
+                            (KVA_ERR_CORRUPT, and hands out nothing); every allocation is given
+                            a 16-byte red zone before it and one from its last requested byte to
+                            the end of its block, checked at free (KVA_ERR_CORRUPT naming the
+                            overrun; the memory is freed all the same). kva_check also
+                            verifies the poison. Every call takes the checked path; alignments
+                            above 16 are refused. Default 0 */
 } kva_config;
 
 /* Fills every field of *cfg with its default. */

@@ -2,6 +2,7 @@
  * check.c — kva_check: walks every invariant stated in buddy.h, slab.h and pool.h and names the
  * first one broken. O(capacity / min_block + slab bitmap words); never on a hot path.
  */
+#include "checked.h"
 #include "pool.h"
 
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
@@ -200,6 +201,22 @@ static kva_status check_slabs(const kva_pool *pool) {
     return KVA_OK;
 }
 
+typedef struct poison_check {
+    const unsigned char *base;
+    uint64_t bad_at; /* UINT64_MAX while every free byte holds the poison */
+} poison_check;
+
+static int check_free_range(uint64_t offset, uint64_t size, kva_walk_kind kind, void *ctx) {
+    poison_check *pc = ctx;
+    size_t bad;
+    if ((kind == KVA_WALK_FREE || kind == KVA_WALK_SLAB_FREE) &&
+        !kva_holds(pc->base + offset, size, KVA_POISON_FREE, &bad)) {
+        pc->bad_at = offset + bad;
+        return 1;
+    }
+    return 0;
+}
+
 kva_status kva_check(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     if (pool->capacity != (size_t)pool->buddy.nblocks << pool->buddy.min_shift || pool->capacity > pool->region.length)
@@ -212,6 +229,13 @@ kva_status kva_check(kva_pool *pool) {
     if (st != KVA_OK) return st;
     st = check_slabs(pool);
     if (st != KVA_OK) return st;
+    if (pool->checked) {
+        poison_check pc = {.base = pool->base, .bad_at = UINT64_MAX};
+        kva_walk(pool, check_free_range, &pc);
+        if (pc.bad_at != UINT64_MAX)
+            return BROKEN("C1: byte %llu of the pool is free but was written after it was freed",
+                          (unsigned long long)pc.bad_at);
+    }
     if (pool->block_allocs - pool->block_frees != used_blocks)
         return BROKEN("P3: %llu block allocations less %llu frees, but %llu blocks are live",
                       (unsigned long long)pool->block_allocs, (unsigned long long)pool->block_frees,

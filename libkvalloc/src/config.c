@@ -65,6 +65,7 @@ static kva_status validate_backing(const kva_config *cfg) {
     if (cfg->backend == KVA_BACKEND_CUDA) {
         const char *host_only = cfg->numa_node >= 0 ? "numa_node"
                                 : cfg->lock          ? "lock"
+                                : cfg->checked       ? "checked"
                                 : cfg->pin           ? "pin"
                                 : cfg->pages != KVA_PAGES_AUTO ? "pages"
                                                                : NULL;

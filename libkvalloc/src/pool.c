@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "checked.h"
 #include "config.h"
 #include "os.h"
 #include "pool.h"
@@ -61,6 +62,12 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     pool->base = pool->region.base;
     pool->fast_limit = KVA_SLAB_MAX_SIZE;
     pool->fast_capacity = pool->capacity;
+    if (cfg->checked) {
+        /* Every free byte holds the poison from the start (invariant C1). */
+        kva_poison(pool->base, pool->capacity);
+        pool->checked = 1;
+        pool->fast_limit = pool->fast_capacity = 0;
+    }
     if (cfg->name) {
         kva_segment_geometry sg = {.nblocks = geo.nblocks, .nchunks = pool->slabs.nchunks};
         st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pool->segment);
@@ -171,10 +178,66 @@ static kva_status alloc_any(kva_pool *pool, size_t size, void **out) {
     return alloc_block(pool, size, out);
 }
 
+/* ---- checked mode (checked.h): red zones, poison verified on the way out and in ------------ */
+
+static kva_status free_any(kva_pool *pool, void *ptr);
+static size_t usable_size(kva_pool *pool, const void *ptr);
+
+/* The allocation behind a checked pool's pointer starts a red zone earlier. */
+static unsigned char *guarded_start(const void *ptr) { return (unsigned char *)ptr - KVA_REDZONE; }
+
+static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
+                                kva_status (*alloc)(kva_pool *, size_t, void **)) {
+    if (!out || size == 0 || size > SIZE_MAX - 2 * KVA_REDZONE) return alloc(pool, size, out);
+    void *got;
+    kva_status st = alloc(pool, size + 2 * KVA_REDZONE, &got);
+    if (st != KVA_OK) return st;
+    unsigned char *start = got;
+    size_t usable = usable_size(pool, start), bad;
+    if (!kva_holds(start, usable, KVA_POISON_FREE, &bad)) {
+        uint64_t at = (uint64_t)(start + bad - pool->base);
+        kva_poison(start, usable);
+        free_any(pool, start); /* nothing is handed out; the block is clean again */
+        return kva_fail(KVA_ERR_CORRUPT, "write after free: byte %llu of the pool, in freed memory, was changed",
+                        (unsigned long long)at);
+    }
+    /* The front red zone keeps the requested size (inverted, so an overwrite shows), which puts
+     * the back red zone right after the last requested byte: the block's slack is red zone too. */
+    uint64_t stored = ~(uint64_t)size;
+    memcpy(start, &stored, sizeof stored);
+    memset(start + sizeof stored, KVA_POISON_REDZONE, KVA_REDZONE - sizeof stored);
+    memset(start + KVA_REDZONE + size, KVA_POISON_REDZONE, usable - KVA_REDZONE - size);
+    *out = start + KVA_REDZONE;
+    return KVA_OK;
+}
+
+static kva_status checked_free(kva_pool *pool, void *ptr) {
+    if (!ptr || (uintptr_t)ptr - (uintptr_t)pool->base < KVA_REDZONE ||
+        (uintptr_t)ptr - (uintptr_t)pool->base >= pool->capacity)
+        return free_any(pool, ptr);
+    unsigned char *start = guarded_start(ptr);
+    size_t usable = usable_size(pool, start), bad;
+    if (usable == 0) return free_any(pool, start); /* names the fault: double free, bad pointer */
+    const char *overrun = NULL;
+    uint64_t stored;
+    memcpy(&stored, start, sizeof stored);
+    uint64_t size = ~stored;
+    if (size > usable - 2 * KVA_REDZONE ||
+        !kva_holds(start + sizeof stored, KVA_REDZONE - sizeof stored, KVA_POISON_REDZONE, &bad))
+        overrun = "before its start";
+    else if (!kva_holds(start + KVA_REDZONE + size, usable - KVA_REDZONE - size, KVA_POISON_REDZONE, &bad))
+        overrun = "past its end";
+    kva_poison(start, usable);
+    kva_status st = free_any(pool, start);
+    if (st == KVA_OK && overrun)
+        return kva_fail(KVA_ERR_CORRUPT, "%p: a write %s ran into the red zone (the memory is freed)", ptr, overrun);
+    return st;
+}
+
 static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st = alloc_any(pool, size, out);
+    kva_status st = pool->checked ? checked_alloc(pool, size, out, alloc_any) : alloc_any(pool, size, out);
     return observe_end(pool, KVA_SHM_OP_ALLOC, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
@@ -221,7 +284,10 @@ kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, void **out
 kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st = alloc_aligned_any(pool, size, alignment, out);
+    kva_status st;
+    if (!pool->checked) st = alloc_aligned_any(pool, size, alignment, out);
+    else if (kva_is_pow2(alignment) && alignment <= KVA_REDZONE) st = checked_alloc(pool, size, out, alloc_any);
+    else st = reject(pool, kva_fail(KVA_ERR_INVALID, "a checked pool aligns to %d bytes at most, not %zu", KVA_REDZONE, alignment));
     return observe_end(pool, KVA_SHM_OP_ALLOC_ALIGNED, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
@@ -246,7 +312,7 @@ static kva_status alloc_exact_any(kva_pool *pool, size_t size, void **out) {
 kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st = alloc_exact_any(pool, size, out);
+    kva_status st = pool->checked ? checked_alloc(pool, size, out, alloc_exact_any) : alloc_exact_any(pool, size, out);
     return observe_end(pool, KVA_SHM_OP_ALLOC_EXACT, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
@@ -291,7 +357,8 @@ static kva_status free_any(kva_pool *pool, void *ptr) {
 static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    return observe_end(pool, KVA_SHM_OP_FREE, free_any(pool, ptr), ptr, 0, start);
+    kva_status st = pool->checked ? checked_free(pool, ptr) : free_any(pool, ptr);
+    return observe_end(pool, KVA_SHM_OP_FREE, st, ptr, 0, start);
 }
 
 kva_status kva_free(kva_pool *pool, void *ptr) {
@@ -306,6 +373,16 @@ kva_status kva_free(kva_pool *pool, void *ptr) {
 
 size_t kva_usable_size(kva_pool *pool, const void *ptr) {
     if (!pool || !ptr) return 0;
+    if (pool->checked) {
+        if ((uintptr_t)ptr - (uintptr_t)pool->base < KVA_REDZONE) return 0;
+        size_t usable = usable_size(pool, guarded_start(ptr));
+        return usable ? usable - 2 * KVA_REDZONE : 0;
+    }
+    return usable_size(pool, ptr);
+}
+
+/* The usable size of the allocation that starts at ptr, red zones included in a checked pool. */
+static size_t usable_size(kva_pool *pool, const void *ptr) {
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (offset >= pool->capacity) return 0;
     const kva_slab *slab = &pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)];

@@ -26,6 +26,7 @@ struct kva_pool {
      * compare with a field instead of a constant. */
     size_t fast_limit;
     size_t fast_capacity;
+    int checked;                     /* kva_config.checked: see checked.h */
     kva_slabs slabs;
     kva_buddy buddy;
     uint64_t block_allocs;   /* buddy blocks handed out (slab objects count per class) */

@@ -9,6 +9,8 @@ from ctypes import c_void_p
 from pathlib import Path
 
 import numpy as np
+import ctypes
+
 import pytest
 from support import MiB
 
@@ -300,4 +302,20 @@ def test_alloc_array_refuses_an_overflowing_product():
         block = pool.alloc_array(16, 64)
         assert block.size == 1024 and pool.usable_size(block) == 1024
         pool.free(block)
+        pool.check()
+
+
+def test_a_checked_pool_reports_writes_after_free_and_past_the_end():
+    with pykvalloc.Pool(16 * 1024 * 1024, checked=True) as pool:
+        a = pool.alloc(100)
+        view = a.view("uint8")
+        view[:] = 7
+        del view
+        pool.free(a)
+        pool.check()
+        b = pool.alloc(100)
+        raw = (ctypes.c_uint8 * 101).from_address(b.address)
+        raw[100] = 1                      # one byte past the end
+        with pytest.raises(pykvalloc.CorruptionError, match="past its end"):
+            pool.free(b)
         pool.check()

@@ -1,0 +1,26 @@
+/*
+ * checked.h — the checked mode of a host pool (kva_config.checked): poison in every free byte,
+ * red zones around every allocation. The one place the library writes into the memory it
+ * manages, which is why it is a debugging mode for host memory only.
+ *
+ * Invariant C1 (kva_check verifies it): every byte of a checked pool that belongs to no live
+ * allocation holds KVA_POISON_FREE.
+ */
+#ifndef KVA_CHECKED_H
+#define KVA_CHECKED_H
+
+#include "internal.h"
+
+#define KVA_REDZONE 16          /* bytes before each allocation (its first 8 keep the requested
+                                   size, inverted); the back red zone runs from the last requested
+                                   byte to the end of the block, at least as long */
+#define KVA_POISON_FREE 0xDD    /* in every free byte */
+#define KVA_POISON_REDZONE 0xFD /* in the red zones of live allocations */
+
+/* Fills n bytes with the free poison. */
+void kva_poison(unsigned char *p, size_t n);
+
+/* Whether n bytes hold `pattern`; if not, *bad is the offset of the first that does not. */
+int kva_holds(const unsigned char *p, size_t n, unsigned char pattern, size_t *bad);
+
+#endif

@@ -1,0 +1,100 @@
+/*
+ * test_checked.c — the checked mode (kva_config.checked): a write after free is reported by the
+ * next allocation of that memory and by kva_check; a write past either end of an allocation is
+ * reported at its free; all on slab objects, buddy blocks and exact ranges.
+ */
+#include <string.h>
+
+#include "check.h"
+#include "kvalloc.h"
+
+typedef kva_status (*alloc_fn)(kva_pool *, size_t, void **);
+
+static kva_status exact(kva_pool *pool, size_t size, void **out) { return kva_alloc_exact(pool, size, out); }
+
+static kva_pool *make_checked(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)16 << 20;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.checked = 1;
+    kva_pool *pool;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    return pool;
+}
+
+static void run(alloc_fn alloc, size_t size, const char *what) {
+    kva_pool *pool = make_checked();
+    unsigned char *p;
+    /* Clean use: the whole requested size is writable and freeing it is quiet. */
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    CHECK((uintptr_t)p % 16 == 0);
+    CHECK(kva_usable_size(pool, p) >= size);
+    memset(p, 0x5a, size);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+
+    /* A write after free: kva_check finds it, and so does the allocation that gets the memory. */
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    p[size / 2] = 1;
+    CHECK_STATUS(kva_check(pool), KVA_ERR_CORRUPT);
+    CHECK(strncmp(kva_last_error(), "C1:", 3) == 0);
+    unsigned char *again = (unsigned char *)0x1;
+    kva_status st = alloc(pool, size, (void **)&again);
+    if (st != KVA_ERR_CORRUPT || again != (unsigned char *)0x1 || !strstr(kva_last_error(), "write after free")) {
+        fprintf(stderr, "%s: write after free not reported by the next allocation (%d: %s)\n", what, st,
+                kva_last_error());
+        check_failures++;
+    }
+    CHECK_STATUS(kva_check(pool), KVA_OK); /* the memory is clean again, and free */
+    kva_stats stats;
+    kva_get_stats(pool, &stats);
+    CHECK(stats.live_allocations == 0);
+
+    /* Writes past the end and before the start. */
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    p[size] = 0;
+    CHECK_STATUS(kva_free(pool, p), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "past its end") != NULL);
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    p[-1] = 0;
+    CHECK_STATUS(kva_free(pool, p), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "before its start") != NULL);
+    kva_get_stats(pool, &stats);
+    CHECK(stats.live_allocations == 0); /* freed all the same */
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+
+    /* The usual faults keep their statuses. */
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_ERR_DOUBLE_FREE);
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    CHECK_STATUS(kva_free(pool, p + 1), KVA_ERR_BAD_POINTER);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+int main(void) {
+    run(kva_alloc, 64, "64 B slab object");
+    run(kva_alloc, 4000, "4 KiB slab object");
+    run(kva_alloc, (size_t)1 << 20, "1 MiB buddy block");
+    run(exact, (size_t)3 << 20, "3 MiB exact range");
+
+    kva_pool *pool = make_checked();
+    void *p = (void *)0x1;
+    CHECK_STATUS(kva_alloc_aligned(pool, 64, 64, &p), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_alloc_aligned(pool, 64, 16, &p), KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    kva_pool_destroy(pool);
+
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.backend = KVA_BACKEND_CUDA;
+    cfg.checked = 1;
+    kva_pool *none = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &none), KVA_ERR_INVALID);
+    CHECK(none == NULL);
+    return CHECK_DONE();
+}
