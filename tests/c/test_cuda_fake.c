@@ -158,7 +158,7 @@ static void test_no_driver(void) {
     CHECK_STATUS(kva_pool_create(&host, &pool), KVA_ERR_BACKEND);
     CHECK_ERROR_SAYS("pin");
     CHECK_ERROR_SAYS("no CUDA driver");
-    CHECK(mapping_count() == before);
+    CHECK(!MAPS_ARE_RELIABLE || mapping_count() == before); /* see proc_self.h */
 }
 
 static void test_no_gpu(const char *fake_path) {
@@ -539,7 +539,7 @@ static void test_pin(void) {
     cfg.device = 5;
     CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_ERR_INVALID);
     CHECK_ERROR_SAYS("CUDA device 5 does not exist");
-    CHECK(mapping_count() == before);
+    CHECK(!MAPS_ARE_RELIABLE || mapping_count() == before); /* see proc_self.h */
     CHECK_NO_LEAKS();
 }
 

@@ -48,7 +48,7 @@ static void sweep(const kva_config *cfg, const char *label) {
             CHECK(st == KVA_ERR_BACKEND || st == KVA_ERR_NOMEM);
             CHECK(kva_last_error()[0] != '\0');
         }
-        if (mapping_count() != before) {
+        if (MAPS_ARE_RELIABLE && mapping_count() != before) {
             fprintf(stderr, "%s: failing OS call %u leaked a mapping (%s)\n", label, n, kva_last_error());
             check_failures++;
             before = mapping_count();
@@ -71,7 +71,7 @@ static void refusal(kva_os_call call, const kva_config *cfg, kva_status expect, 
         fprintf(stderr, "expected \"%s\" in \"%s\"\n", words, kva_last_error());
         check_failures++;
     }
-    CHECK(mapping_count() == before);
+    CHECK(!MAPS_ARE_RELIABLE || mapping_count() == before); /* see proc_self.h */
 }
 
 static void test_each_refusal(void) {
