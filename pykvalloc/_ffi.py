@@ -372,6 +372,8 @@ def declare_kv_functions(lib: KvaLib) -> None:
     status("kva_kv_unpin", [kv_p, seq])
     status("kva_kv_evict", [kv_p, c_uint32, POINTER(c_uint32)])
     status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
+    # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
+    status("kva_kv_compact", [kv_p, c_void_p, c_uint32, POINTER(c_uint32)])
     status("kva_kv_check", [kv_p])
     lib._declare("kva_kv_struct_size", c_size_t, [c_enum])
     for which, struct in enumerate(KV_STRUCTS.values(), start=1):

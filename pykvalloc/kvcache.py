@@ -10,14 +10,16 @@ What an engine's scheduler calls::
     copy = seq.append(1)                                  # decoding; a CopyOnWrite or None
     child = seq.fork()                                    # beam search, parallel sampling
     seq.free()
+    moves = cache.compact()                               # (src, dst) rows: data to the low ids
     cache.stats()                                         # free/used/cached blocks, hits, ...
 
 Lifetime rules, each there so that no Python call can crash the interpreter:
 
 * ``seq.block_table`` is a read-only numpy view of the table the library keeps. The library
   may move or rewrite that table when the sequence changes, so ``append()`` and ``free()``
-  refuse (``TableInUseError``) while a view of it is alive: copy it (``np.array(...)``) to
-  keep it longer. A view keeps its sequence and its cache alive.
+  refuse (``TableInUseError``) while a view of it is alive, and ``cache.compact()`` while
+  any view of the cache is: copy it (``np.array(...)``) to keep it longer. A view keeps its
+  sequence and its cache alive.
 * A sequence nobody frees is freed when it becomes garbage; a cache nobody closes is destroyed
   when it becomes garbage and no sequence or view needs it. ``close()`` is idempotent; with
   views alive the C cache is destroyed when the last one goes.
@@ -40,7 +42,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _ffi
-from .errors import InvalidArgument, KvallocError, PoolClosedError
+from .errors import InvalidArgument, KvallocError, OutOfMemory, PoolClosedError
 
 __all__ = ["KVCache", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout", "KVMode",
            "TableInUseError", "dtype_bytes"]
@@ -334,6 +336,37 @@ class KVCache:
         with self._lock:
             self._lib.kva_kv_evict(self._open(), count, byref(evicted))
         return evicted.value
+
+    def compact(self) -> np.ndarray:
+        """Moves every block that holds data (used, or cached for prefix hits: those keep their
+        hits; ``evict()`` first to drop them instead) to the lowest ids, so that afterwards the
+        free blocks are the top ids, ``num_blocks - stats()["free_blocks"]`` onwards: the tail of
+        the KV memory (of each layer's region with the layers layout). Every sequence's and
+        pin's block table is rewritten in place, so this refuses (``TableInUseError``) while any
+        block-table view of the cache is alive.
+
+        Returns the moves as a numpy uint32 array of shape (n, 2), rows (src, dst): copy every
+        layer's K and V of block src to block dst. No block is both a source and a destination,
+        so the copies may run in any order or as one batch (``kv[:, dst] = kv[:, src]``); they
+        must all be done before the next forward pass, and any pending ``CopyOnWrite`` before
+        this call. Paged mode only (``InvalidArgument`` otherwise)."""
+        count = c_uint32()
+        with self._lock:
+            if self._views:
+                raise TableInUseError(
+                    f"cannot compact: {self._views} block_table view(s) alive; copy the tables "
+                    "(np.array(seq.block_table)) or drop the views first")
+            handle = self._open()
+            capacity = 0
+            while True:
+                moves = np.empty((capacity, 2), dtype=np.uint32)
+                try:
+                    self._lib.kva_kv_compact(handle, moves.ctypes.data if capacity else None,
+                                             capacity, byref(count))
+                except OutOfMemory:
+                    capacity = count.value  # the size the library asked for; nothing changed
+                    continue
+                return moves[:count.value]
 
     # -- introspection ----------------------------------------------------------------------
 

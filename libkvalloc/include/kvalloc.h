@@ -489,7 +489,8 @@ KVA_API kva_status kva_kv_seq_free(kva_kv *kv, kva_kv_seq seq);
 
 /* The sequence's block table (paged mode): *len block ids in order. The array is owned by the
  * cache and stays valid and unchanged until the next call that changes this sequence (append,
- * free); other sequences' calls do not move it. */
+ * free); other sequences' calls do not move it. kva_kv_compact rewrites every table in place
+ * (the array stays where it is; its ids change). */
 KVA_API kva_status kva_kv_seq_block_table(kva_kv *kv, kva_kv_seq seq, const uint32_t **table, uint32_t *len);
 
 typedef struct kva_kv_seq_info {
@@ -520,6 +521,34 @@ KVA_API kva_status kva_kv_unpin(kva_kv *kv, kva_kv_seq pin);
  * (UINT32_MAX: the whole prefix cache, as after new weights). *evicted may be NULL. */
 KVA_API kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted);
 
+/* One block the engine must copy after kva_kv_compact: all layers, K and V, of src_block to
+ * dst_block. */
+typedef struct kva_kv_move {
+    uint32_t src_block, dst_block;
+} kva_kv_move;
+
+/* Compaction (paged mode): moves every block that holds data (used by sequences or pins, or
+ * cached for prefix hits: cached blocks are moved, not dropped, so their hits survive; call
+ * kva_kv_evict first to drop them instead) to the lowest ids, so that afterwards blocks
+ * [0, n) hold data and [n, num_blocks) are free, n = num_blocks - free_blocks. With the blocks
+ * layout the free blocks are then the last free_blocks * block_bytes bytes of the KV memory;
+ * with the layers layout, the last free_blocks * block_stride bytes of each layer's region
+ * (handing that memory back is for the caller; the cache does not trim it).
+ * It rewrites every sequence's and pin's block table in place, the prefix table and the LRU
+ * lists (a block keeps its references, key, priority and place in eviction order), and
+ * rebuilds the free stack as n, n+1, ... from the top. Only blocks at ids >= n move, each to a
+ * free id < n, lowest to lowest: the fewest moves possible.
+ * The moves go to moves[0 .. *count). No id is both a source and a destination, so the engine
+ * may copy them in any order or all at once; it must copy every one before running kernels on
+ * the new tables or writing into blocks allocated after this call (a source is free at once),
+ * and must have applied any pending copy on write first.
+ * Sizing: with moves NULL (capacity is then taken as 0) or capacity below the moves needed, it
+ * changes nothing, sets *count to the number needed and returns KVA_ERR_NOMEM, so a call with
+ * NULL, 0 asks the size (and says whether compaction would move anything). Counted in the
+ * statistics' moves and moved_bytes. O(num_blocks + table entries).
+ * Errors: KVA_ERR_INVALID (NULL cache or count, contiguous mode), KVA_ERR_NOMEM (see above). */
+KVA_API kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uint32_t *count);
+
 typedef struct kva_kv_stats {
     uint32_t num_blocks;
     uint32_t free_blocks;       /* hold nothing */
@@ -535,7 +564,8 @@ typedef struct kva_kv_stats {
     uint64_t cow_copies;
     uint64_t forks;
     uint64_t allocations, frees, appends;
-    uint64_t moves, moved_bytes; /* contiguous mode: bucket changes, bytes to copy */
+    uint64_t moves, moved_bytes; /* contiguous mode: bucket changes; paged mode: compaction
+                                    moves (kva_kv_compact); and the bytes to copy */
     uint64_t alloc_failures;    /* calls that returned KVA_ERR_NOMEM */
     uint64_t rejected_calls;    /* calls that returned KVA_ERR_INVALID or KVA_ERR_DOUBLE_FREE */
     size_t bytes_in_use;        /* KV bytes held by sequences (paged: used blocks) */

@@ -19,6 +19,10 @@
  * is never written. A registered key is unique: a new block whose key is already registered
  * stays unregistered and is freed, not cached, when released.
  *
+ * Compaction (kv_compact.c) renumbers the blocks: those holding data (USED and CACHED) go to
+ * ids [0, n) and the free stack is rebuilt as n, n+1, ... from the top; every record, link and
+ * table entry is renamed with its block, so every invariant below holds across it.
+ *
  * Invariants (kva_kv_check verifies each):
  *  K1  Every block is FREE, USED or CACHED; FREE and CACHED blocks have refs == 0, USED ones
  *      refs > 0; free_count + used_count + cached_count == num_blocks.

@@ -18,6 +18,9 @@ implements, as the library documents it:
   priority's LRU list) if registered, else free.
 * Append: a copy on write first when the last block is shared and partly filled and tokens are
   added, then new blocks for the tokens beyond the last block.
+* Compaction: with n blocks holding data (used or cached), the i-th such block at an id >= n
+  moves to the i-th free id < n (both ascending); a block keeps its references, priority,
+  prefix and place on its LRU list; the free stack becomes n, n+1, ... from the top.
 """
 
 from __future__ import annotations
@@ -204,6 +207,25 @@ class KVModel:
         self.seqs[child] = seq
         self.forks += 1
         return seq
+
+    def compact(self) -> list[tuple[int, int]]:
+        n = self.num_blocks - len(self.free)
+        free = set(self.free)
+        holes = [b for b in range(n) if b in free]
+        sources = [b for b in range(n, self.num_blocks) if b not in free]
+        assert len(holes) == len(sources)
+        moves = list(zip(sources, holes))
+        where = dict(moves)
+        for src, dst in moves:
+            self.refs[dst], self.refs[src] = self.refs[src], 0
+            self.priority[dst], self.priority[src] = self.priority[src], 0
+            self.prefix_of[dst], self.prefix_of[src] = self.prefix_of[src], None
+        self.registry = {name: where.get(b, b) for name, b in self.registry.items()}
+        self.lru = [OrderedDict((where.get(b, b), None) for b in lru) for lru in self.lru]
+        for seq in self.seqs.values():
+            seq.table = [where.get(b, b) for b in seq.table]
+        self.free = deque(range(n, self.num_blocks))
+        return moves
 
     def free_seq(self, handle: int) -> None:
         self._release(self.seqs.pop(handle).table)

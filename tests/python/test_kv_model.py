@@ -1,7 +1,8 @@
 """The KV-cache manager against an independent model of its policy (kv_model.py): 100,000 random
 operations (allocations with shared prefixes by keys and by token ids in three namespaces and
-eight priorities, appends, forks, frees, pins, evictions) on a cache small enough to evict and
-to run out, comparing every block table, every copy on write and every statistic."""
+eight priorities, appends, forks, frees, pins, evictions, compactions) on a cache small enough
+to evict and to run out, comparing every block table, every copy on write, every compaction's
+moves and every statistic."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def test_random_operations_match_the_model(seed: int, num_blocks: int) -> None:
                               kv_heads=1, head_dim=4, dtype="uint8")
     model = KVModel(num_blocks, BLOCK_TOKENS)
     live: dict[int, pykvalloc.Sequence] = {}
-    counts = dict.fromkeys(("allocate", "nomem", "append", "cow", "fork", "free", "pin", "evict"), 0)
+    counts = dict.fromkeys(("allocate", "nomem", "append", "cow", "fork", "free", "pin", "evict",
+                            "compact"), 0)
 
     def same_table(handle: int) -> None:
         table = np.array(live[handle].block_table)
@@ -119,10 +121,15 @@ def test_random_operations_match_the_model(seed: int, num_blocks: int) -> None:
                 seq.free()
             model.free_seq(handle)
             counts["free"] += 1
-        else:
+        elif roll < 0.985:
             count = rng.randint(0, 6)
             assert cache.evict(count) == model.evict(count)
             counts["evict"] += 1
+        else:
+            assert cache.compact().tolist() == [list(move) for move in model.compact()]
+            for handle in live:
+                same_table(handle)
+            counts["compact"] += 1
 
         stats = cache.stats()
         assert {name: stats[name] for name in STAT_NAMES} == model.stats(), f"operation {op}"
