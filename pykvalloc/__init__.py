@@ -32,6 +32,7 @@ from .errors import (
 from .kvcache import CopyOnWrite, KVCache, KVLayout, KVMode, Move, Pin, Sequence, TableInUseError
 from .pool import Allocation, ClassStats, HeapRegion, PageKind, PageMode, Pool, Stats, WalkKind
 from .sizes import format_size, parse_size, size_class_of, size_classes
+from .varpool import VarPool, VarStats
 
 try:
     __version__: str = _metadata.version("pykvalloc")
@@ -48,6 +49,8 @@ __all__ = [
     "KVMode",
     "TableInUseError",
     "Pool",
+    "VarPool",
+    "VarStats",
     "Allocation",
     "Stats",
     "ClassStats",

@@ -196,6 +196,7 @@ class KvaLib:
         plain("kva_stats_segment_name", c_char_p, [pool_p])
         self._check_struct_sizes()
         declare_kv_functions(self)
+        declare_var_functions(self)
 
     def _check_struct_sizes(self) -> None:
         # The structs above are copies of the header's; a library of another version would read
@@ -371,9 +372,9 @@ def declare_kv_functions(lib: KvaLib) -> None:
                           POINTER(seq), POINTER(c_uint32)])
     status("kva_kv_unpin", [kv_p, seq])
     status("kva_kv_evict", [kv_p, c_uint32, POINTER(c_uint32)])
-    status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
     # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
     status("kva_kv_compact", [kv_p, c_void_p, c_uint32, POINTER(c_uint32)])
+    status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
     status("kva_kv_check", [kv_p])
     lib._declare("kva_kv_struct_size", c_size_t, [c_enum])
     for which, struct in enumerate(KV_STRUCTS.values(), start=1):
@@ -384,6 +385,72 @@ def declare_kv_functions(lib: KvaLib) -> None:
                 f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
 
 # ---- end of KV-cache manager -------------------------------------------------------------------
+
+
+# ---- variable-size pools (kva_var_*) -----------------------------------------------------------
+
+
+class KvaVarConfig(Structure):
+    """struct kva_var_config."""
+
+    _fields_ = [
+        ("capacity", c_size_t),
+        ("alignment", c_size_t),
+        ("policy", c_enum),
+        ("pages", c_enum),
+    ]
+
+
+class KvaVarStats(Structure):
+    """struct kva_var_stats."""
+
+    _fields_ = [
+        ("capacity", c_size_t),
+        ("alignment", c_size_t),
+        ("policy", c_uint32),
+        ("reserved", c_uint32),
+        ("bytes_used", c_size_t),
+        ("bytes_requested", c_size_t),
+        ("internal_waste", c_size_t),
+        ("bytes_free", c_size_t),
+        ("largest_free", c_size_t),
+        ("fragmentation", c_double),
+        ("free_ranges", c_uint64),
+        ("live_allocations", c_uint64),
+        ("alloc_count", c_uint64),
+        ("free_count", c_uint64),
+        ("alloc_failures", c_uint64),
+        ("rejected_calls", c_uint64),
+        ("metadata_bytes", c_size_t),
+    ]
+
+
+VAR_STRUCTS = {"kva_var_config": KvaVarConfig, "kva_var_stats": KvaVarStats}
+STRUCTS.update(VAR_STRUCTS)
+
+
+def declare_var_functions(lib: KvaLib) -> None:
+    """Declares the kva_var_* functions on ``lib`` and checks the variable-size pool structs."""
+    var_p = c_void_p  # kva_var * is opaque
+    status = lib._declare_status
+    lib._declare("kva_var_config_init", None, [POINTER(KvaVarConfig)])
+    status("kva_var_create", [POINTER(KvaVarConfig), c_void_p, POINTER(var_p)])
+    lib._declare("kva_var_destroy", None, [var_p])
+    status("kva_var_alloc", [var_p, c_size_t, POINTER(c_void_p)])
+    status("kva_var_free", [var_p, c_void_p])
+    lib._declare("kva_var_usable_size", c_size_t, [var_p, c_void_p])
+    status("kva_var_base", [var_p, POINTER(c_void_p)])
+    status("kva_var_get_stats", [var_p, POINTER(KvaVarStats)])
+    status("kva_var_check", [var_p])
+    lib._declare("kva_var_struct_size", c_size_t, [c_int])
+    for which, struct in enumerate(VAR_STRUCTS.values(), start=1):
+        native = lib.kva_var_struct_size(which)
+        if native != ctypes.sizeof(struct):
+            raise LibraryNotFoundError(
+                f"{lib.path} has a {struct.__name__} of {native} bytes, this package expects "
+                f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
+
+# ---- end of variable-size pools ----------------------------------------------------------------
 
 
 def candidate_paths() -> list[Path]:

@@ -1,0 +1,102 @@
+/*
+ * varpool.h — the variable-size pool (kva_var_*): ranges of any multiple of the alignment, with
+ * the boundary tags out of band.
+ *
+ * Everything is counted in units of the alignment, as u32 unit indices. ranges[] has one record
+ * per unit; only the record of a range's first unit (its head) is meaningful, every other one is
+ * all zero. That makes "the range that starts here" one load, at 16 B of address space per
+ * unit (6.25% at the default 256 B), committed lazily: the pages of records are only resident
+ * where ranges start. Each head records the start of the range before it, so a free finds both
+ * neighbours in O(1): the next one at start + length, the previous one at prev.
+ *
+ * The free ranges are kept in one structure chosen by the policy:
+ *  FIRST_FIT  a doubly linked list in address order. A merge or a split keeps the list place of
+ *             the range it changes; only a free with no free neighbour walks, back over the
+ *             ranges before it to the nearest free one.
+ *  BEST_FIT, WORST_FIT  a doubly linked list in nondecreasing length, equal lengths in address
+ *             order (head and tail): best fit scans from the head, worst fit takes the tail.
+ *             Insertion walks the list, so both are O(free ranges): simple and exact, meant as
+ *             the baselines TLSF is compared to.
+ *  TLSF       two-level segregated lists after Masmano, Ripoll, Crespo and Real, "TLSF: a New
+ *             Dynamic Memory Allocator for Real-Time Systems" (ECRTS 2004): a first level by
+ *             log2 of the length, a second by KVA_TLSF_SL linear subdivisions of it, one bitmap
+ *             word per level; a request rounded up to the next class boundary takes the head of
+ *             the first nonempty class at or above it (ctz on two words): O(1).
+ *
+ * Invariants (kva_var_check verifies each):
+ *  V1  The heads tile [0, units): walking head -> head + length from 0 visits every range once
+ *      and ends at units; every record between two heads is all zero; each head's prev is the
+ *      previous head (KVA_NIL for the first).
+ *  V2  No two free ranges are adjacent: freeing merges with both neighbours.
+ *  V3  Every free range is in the policy's structure exactly once, and nothing else is: the
+ *      lists are doubly linked (next->link_prev == self), ordered as stated above, their tail
+ *      (best and worst fit) is the last element, and they hold free_ranges elements.
+ *  V4  TLSF: a range sits in the class its length maps to; bit sl of sl_map[fl] is set iff
+ *      class (fl, sl) is not empty, and bit fl of fl_map iff sl_map[fl] is not zero.
+ *  V5  free_units counts the units of free ranges, free_ranges the free ranges, and
+ *      alloc_count - free_count the used ones; requested_bytes sums the used ranges' requested
+ *      sizes, each of which rounds up to the range's length.
+ */
+#ifndef KVA_VARPOOL_H
+#define KVA_VARPOOL_H
+
+#include "internal.h"
+
+#define KVA_VAR_FREE_BIT 0x80000000u /* in kva_var_range.length */
+#define KVA_VAR_MAX_UNITS 0x7fffffffu
+
+#define KVA_TLSF_SL_LOG2 5
+#define KVA_TLSF_SL (1u << KVA_TLSF_SL_LOG2)
+/* Lengths below KVA_TLSF_SL units share first level 0 (one class per length); a length with
+ * log2 k >= KVA_TLSF_SL_LOG2 has first level k - KVA_TLSF_SL_LOG2 + 1, up to 30 - 4. */
+#define KVA_TLSF_FL (31 - KVA_TLSF_SL_LOG2 + 1)
+
+typedef struct kva_var_range {
+    uint32_t length;    /* units, with KVA_VAR_FREE_BIT set while free; 0: not a head */
+    uint32_t prev;      /* the head of the previous range in address order, KVA_NIL if none */
+    uint32_t link_prev; /* FREE: links in the policy's structure. USED: the requested size in */
+    uint32_t link_next; /* bytes, low word in link_prev and high word in link_next */
+} kva_var_range;
+
+struct kva_var {
+    kva_var_range *ranges;
+    size_t ranges_bytes;
+    uint32_t units;         /* capacity / alignment */
+    unsigned align_shift;   /* log2(alignment) */
+    uint64_t bytes;         /* units << align_shift, and alignment - 1: the hot paths' bounds */
+    uint64_t align_mask;
+    kva_var_policy policy;
+    char *base;
+    kva_pool *pool;         /* the backing pool */
+    int owns_pool;          /* created by kva_var_create, destroyed with the variable-size pool */
+
+    uint32_t head, tail;    /* FIRST, BEST, WORST: the free list */
+    uint32_t fl_map;        /* TLSF */
+    uint32_t sl_map[KVA_TLSF_FL];
+    uint32_t bins[KVA_TLSF_FL][KVA_TLSF_SL];
+
+    uint64_t free_units;    /* the used units and the live ranges are derived: units -
+                               free_units, alloc_count - free_count */
+    uint64_t free_ranges, requested_bytes;
+    uint64_t alloc_count, free_count, alloc_failures, rejected_calls;
+};
+
+KVA_INLINE uint32_t kva_var_len(const kva_var_range *r) { return r->length & ~KVA_VAR_FREE_BIT; }
+KVA_INLINE int kva_var_is_free(const kva_var_range *r) { return (r->length & KVA_VAR_FREE_BIT) != 0; }
+KVA_INLINE uint64_t kva_var_requested(const kva_var_range *r) {
+    return (uint64_t)r->link_prev | (uint64_t)r->link_next << 32;
+}
+
+/* The TLSF class of a free range of `length` units (length >= 1). */
+KVA_INLINE void kva_tlsf_class(uint32_t length, unsigned *fl, unsigned *sl) {
+    if (length < KVA_TLSF_SL) {
+        *fl = 0;
+        *sl = length;
+        return;
+    }
+    unsigned k = kva_log2(length);
+    *fl = k - KVA_TLSF_SL_LOG2 + 1;
+    *sl = (length >> (k - KVA_TLSF_SL_LOG2)) - KVA_TLSF_SL;
+}
+
+#endif

@@ -1,0 +1,195 @@
+"""Variable-size pools: the Python face of ``kva_var``.
+
+A ``VarPool`` hands out ranges of any size, rounded up to its alignment (256 B by default),
+under one policy chosen at creation: ``"tlsf"`` (two-level segregated fit, O(1)), ``"first"``,
+``"best"`` or ``"worst"`` fit. Freed ranges merge with their free neighbours at once. As
+everywhere in libkvalloc, the bookkeeping lives beside the memory, never in it.
+
+The memory comes from a ``Pool`` the VarPool creates for itself and owns: any keyword a
+``Pool`` takes (``pages``, ``backend="cuda"``, ``device``, ``numa_node``, ...) picks its
+backing. ``alloc`` returns the address as an int (a device address in a CUDA pool).
+
+Lifetime: ``close()`` is idempotent and releases the range, then the backing pool; a
+forgotten VarPool is released when it becomes garbage. Calls are serialized by a lock, so a
+VarPool may be shared between threads. Wrong frees (twice, or an address inside a range) are
+detected by the library out of band and raised as ``DoubleFree`` or ``InvalidPointer``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from ctypes import byref, c_void_p
+from dataclasses import dataclass
+from typing import Any
+
+from . import _ffi
+from .errors import InvalidArgument, PoolClosedError
+from .pool import Pool, _returned_address, _size_arg
+
+__all__ = ["VarPool", "VarStats", "POLICIES"]
+
+# Policy names as Python spells them, to kva_var_policy.
+POLICIES = {"tlsf": 0, "first": 1, "best": 2, "worst": 3}
+_POLICY_NAMES = {value: name for name, value in POLICIES.items()}
+
+
+@dataclass(frozen=True)
+class VarStats:
+    """A snapshot of ``kva_var_stats``. ``used`` counts rounded sizes, ``requested`` the sizes
+    asked for; ``internal_waste`` is the difference; ``fragmentation`` is
+    ``1 - largest_free / free`` (0 when nothing is free)."""
+
+    capacity: int
+    alignment: int
+    policy: str
+    used: int
+    requested: int
+    internal_waste: int
+    free: int
+    largest_free: int
+    fragmentation: float
+    free_ranges: int
+    live_allocations: int
+    allocs: int
+    frees: int
+    failures: int
+    rejected_calls: int
+    metadata_bytes: int
+
+
+def _destroy(lib: _ffi.KvaLib, handle: int, pool: Pool) -> None:
+    # The range goes back to the pool before the pool goes: the finalizer holds the pool, so
+    # garbage collection cannot release them in the other order.
+    lib.kva_var_destroy(handle)
+    pool.close()
+
+
+class VarPool:
+    """A variable-size pool of ``capacity`` bytes; see the module docstring."""
+
+    __slots__ = ("_lib", "_handle", "_lock", "_pool", "_finalizer", "_base", "_policy",
+                 "_capacity", "_alignment", "__weakref__")
+
+    def __init__(self, capacity: int, policy: str = "tlsf", *, alignment: int = 256,
+                 **pool_options: Any) -> None:
+        if policy not in POLICIES:
+            raise InvalidArgument(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+        lib = _ffi.load()
+        config = _ffi.KvaVarConfig()
+        lib.kva_var_config_init(byref(config))
+        config.capacity = _size_arg("capacity", capacity)
+        config.alignment = _size_arg("alignment", alignment)
+        config.policy = POLICIES[policy]
+        # The backing pool's largest block must hold the whole range: the next power of two.
+        # Only the range is ever touched, so with THP or small pages the rest is address space.
+        backing = 1 << 20
+        while backing < config.capacity:
+            backing <<= 1
+        pool_options.setdefault("pages", "thp")
+        pool = Pool(backing, **pool_options)
+        handle = c_void_p()
+        try:
+            lib.kva_var_create(byref(config), pool._open_handle(), byref(handle))
+        except BaseException:
+            pool.close()
+            raise
+        self._lib = lib
+        self._pool = pool
+        self._handle = _returned_address(handle, "kva_var_create")
+        self._finalizer = weakref.finalize(self, _destroy, lib, self._handle, pool)
+        self._finalizer.atexit = False
+        self._lock = threading.Lock()
+        base = c_void_p()
+        lib.kva_var_base(self._handle, byref(base))
+        self._base = _returned_address(base, "kva_var_base")
+        self._policy = policy
+        stats = self.stats()
+        self._capacity = stats.capacity
+        self._alignment = stats.alignment
+
+    def close(self) -> None:
+        """Releases the range and the backing pool; idempotent. Addresses become invalid."""
+        with self._lock:
+            self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> VarPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return (f"<pykvalloc.VarPool {self._policy} {self._capacity} B at {self._base:#x} "
+                f"{state}>")
+
+    def __reduce__(self) -> Any:
+        raise TypeError("VarPool objects cannot be copied or pickled: a copy would share the C "
+                        "resource without sharing its bookkeeping")
+
+    def _open_handle(self) -> int:
+        if not self._finalizer.alive:
+            raise PoolClosedError("the VarPool is closed")
+        return self._handle
+
+    @property
+    def base(self) -> int:
+        """The address of the start of the range (offset 0)."""
+        return self._base
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def alignment(self) -> int:
+        return self._alignment
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    def alloc(self, size: int) -> int:
+        """The address of ``size`` new bytes (rounded up to the alignment). ``OutOfMemory``
+        when no free range holds them now, ``InvalidArgument`` for 0 or more than the
+        capacity."""
+        out = c_void_p()
+        nbytes = _size_arg("size", size)
+        with self._lock:
+            self._lib.kva_var_alloc(self._open_handle(), nbytes, byref(out))
+        return _returned_address(out, "kva_var_alloc")
+
+    def free(self, address: int) -> None:
+        """Frees the range that starts at ``address``."""
+        pointer = _size_arg("address", address)
+        with self._lock:
+            self._lib.kva_var_free(self._open_handle(), pointer)
+
+    def usable_size(self, address: int) -> int:
+        """The rounded size of the live range at ``address``; 0 if none starts there."""
+        pointer = _size_arg("address", address)
+        with self._lock:
+            return int(self._lib.kva_var_usable_size(self._open_handle(), pointer))
+
+    def stats(self) -> VarStats:
+        raw = _ffi.KvaVarStats()
+        with self._lock:
+            self._lib.kva_var_get_stats(self._open_handle(), byref(raw))
+        return VarStats(
+            capacity=raw.capacity, alignment=raw.alignment, policy=_POLICY_NAMES[raw.policy],
+            used=raw.bytes_used, requested=raw.bytes_requested,
+            internal_waste=raw.internal_waste, free=raw.bytes_free,
+            largest_free=raw.largest_free, fragmentation=raw.fragmentation,
+            free_ranges=raw.free_ranges, live_allocations=raw.live_allocations,
+            allocs=raw.alloc_count, frees=raw.free_count, failures=raw.alloc_failures,
+            rejected_calls=raw.rejected_calls, metadata_bytes=raw.metadata_bytes)
+
+    def check(self) -> None:
+        """Walks every invariant of the metadata; ``CorruptionError`` naming the first broken."""
+        with self._lock:
+            self._lib.kva_var_check(self._open_handle())

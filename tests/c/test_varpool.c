@@ -1,0 +1,409 @@
+/*
+ * test_varpool.c — the variable-size pool under every policy: round trips, coalescing,
+ * alignment, bad input, exhaustion, a backing pool (on GPU memory too, through the fake CUDA
+ * driver whose path is argv[1], when given), and a randomized differential test against a unit
+ * map that knows where each policy must place a request.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "check.h"
+#include "varpool.h"
+
+#define ALIGN 256u
+
+static const kva_var_policy policies[] = {KVA_VAR_TLSF, KVA_VAR_FIRST_FIT, KVA_VAR_BEST_FIT, KVA_VAR_WORST_FIT};
+static const char *const policy_names[] = {"tlsf", "first", "best", "worst"};
+
+static kva_var *make(kva_var_policy policy, size_t capacity) {
+    kva_var_config cfg;
+    kva_var_config_init(&cfg);
+    cfg.capacity = capacity;
+    cfg.policy = policy;
+    kva_var *v = NULL;
+    CHECK_STATUS(kva_var_create(&cfg, NULL, &v), KVA_OK);
+    REQUIRE(v != NULL);
+    return v;
+}
+
+static kva_var_stats stats_of(kva_var *v) {
+    kva_var_stats s;
+    CHECK_STATUS(kva_var_get_stats(v, &s), KVA_OK);
+    return s;
+}
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint64_t rnd(void) {
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return rng_state;
+}
+
+static void test_round_trip_and_coalescing(kva_var_policy policy) {
+    size_t capacity = (size_t)4 << 20;
+    kva_var *v = make(policy, capacity);
+    void *base;
+    CHECK_STATUS(kva_var_base(v, &base), KVA_OK);
+    CHECK((uintptr_t)base % ALIGN == 0);
+    enum { N = 200 };
+    void *p[N];
+    size_t requested = 0, used = 0;
+    for (int i = 0; i < N; i++) {
+        size_t size = 1 + rnd() % 20000;
+        CHECK_STATUS(kva_var_alloc(v, size, &p[i]), KVA_OK);
+        CHECK((uintptr_t)p[i] % ALIGN == 0);
+        CHECK(kva_var_usable_size(v, p[i]) == (size + ALIGN - 1) / ALIGN * ALIGN);
+        requested += size;
+        used += kva_var_usable_size(v, p[i]);
+    }
+    kva_var_stats s = stats_of(v);
+    CHECK(s.bytes_used == used && s.bytes_requested == requested && s.internal_waste == used - requested);
+    CHECK(s.bytes_free == capacity - used && s.live_allocations == N && s.alloc_count == N);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    /* Free in a random order: neighbours merge, so at the end one free range spans everything. */
+    for (int i = N - 1; i > 0; i--) {
+        int j = (int)(rnd() % (uint64_t)(i + 1));
+        void *t = p[i];
+        p[i] = p[j];
+        p[j] = t;
+    }
+    for (int i = 0; i < N; i++) {
+        CHECK_STATUS(kva_var_free(v, p[i]), KVA_OK);
+        if (i % 20 == 0) CHECK_STATUS(kva_var_check(v), KVA_OK);
+    }
+    s = stats_of(v);
+    CHECK(s.free_ranges == 1 && s.largest_free == capacity && s.bytes_free == capacity);
+    CHECK(s.bytes_used == 0 && s.internal_waste == 0 && s.fragmentation == 0.0 && s.free_count == N);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    /* The whole capacity in one range, then nothing more. */
+    void *all, *more;
+    CHECK_STATUS(kva_var_alloc(v, capacity, &all), KVA_OK);
+    CHECK(all == base);
+    CHECK_STATUS(kva_var_alloc(v, 1, &more), KVA_ERR_NOMEM);
+    CHECK(stats_of(v).alloc_failures == 1);
+    CHECK_STATUS(kva_var_free(v, all), KVA_OK);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    kva_var_destroy(v);
+}
+
+/* Three neighbours freed in each order merge into one range. */
+static void test_merge_orders(kva_var_policy policy) {
+    static const int orders[6][3] = {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {1, 2, 0}, {2, 0, 1}, {2, 1, 0}};
+    kva_var *v = make(policy, 64 * ALIGN);
+    for (int o = 0; o < 6; o++) {
+        void *p[4];
+        for (int i = 0; i < 4; i++) CHECK_STATUS(kva_var_alloc(v, 16 * ALIGN, &p[i]), KVA_OK);
+        for (int i = 0; i < 3; i++) {
+            CHECK_STATUS(kva_var_free(v, p[orders[o][i]]), KVA_OK);
+            CHECK_STATUS(kva_var_check(v), KVA_OK);
+        }
+        kva_var_stats s = stats_of(v);
+        CHECK(s.free_ranges == 1 && s.largest_free == 48 * ALIGN);
+        CHECK_STATUS(kva_var_free(v, p[3]), KVA_OK);
+        CHECK(stats_of(v).free_ranges == 1);
+    }
+    kva_var_destroy(v);
+}
+
+static int same_state(const kva_var_stats *a, const kva_var_stats *b) {
+    return a->bytes_used == b->bytes_used && a->bytes_free == b->bytes_free && a->free_ranges == b->free_ranges &&
+           a->live_allocations == b->live_allocations && a->largest_free == b->largest_free &&
+           a->alloc_count == b->alloc_count && a->free_count == b->free_count;
+}
+
+static void test_bad_input(kva_var_policy policy) {
+    size_t capacity = (size_t)1 << 20;
+    kva_var *v = make(policy, capacity);
+    void *a, *b, *c, *out = (void *)0x1;
+    CHECK_STATUS(kva_var_alloc(v, 1000, &a), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, 5000, &b), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, 300, &c), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, b), KVA_OK);
+    kva_var_stats before = stats_of(v);
+
+    CHECK_STATUS(kva_var_alloc(v, 0, &out), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_alloc(v, capacity + 1, &out), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_alloc(v, SIZE_MAX, &out), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_alloc(v, 16, NULL), KVA_ERR_INVALID);
+    CHECK(out == (void *)0x1);
+    CHECK_STATUS(kva_var_alloc(NULL, 16, &out), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_free(v, NULL), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_free(NULL, a), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_free(v, b), KVA_ERR_DOUBLE_FREE);                     /* freed, merged */
+    CHECK_STATUS(kva_var_free(v, (char *)b + ALIGN), KVA_ERR_DOUBLE_FREE);     /* inside free */
+    CHECK_STATUS(kva_var_free(v, (char *)a + 8), KVA_ERR_BAD_POINTER);         /* misaligned */
+    CHECK_STATUS(kva_var_free(v, (char *)a + ALIGN * 2), KVA_ERR_BAD_POINTER); /* interior */
+    CHECK_STATUS(kva_var_free(v, (char *)a - 1), KVA_ERR_BAD_POINTER);         /* before */
+    CHECK_STATUS(kva_var_free(v, (char *)a + capacity), KVA_ERR_BAD_POINTER);  /* after */
+    static char foreign[64];
+    CHECK_STATUS(kva_var_free(v, foreign), KVA_ERR_BAD_POINTER);
+    CHECK(kva_var_usable_size(v, (char *)a + 8) == 0 && kva_var_usable_size(v, b) == 0);
+
+    kva_var_stats after = stats_of(v);
+    CHECK(same_state(&before, &after));
+    CHECK(after.rejected_calls == before.rejected_calls + 12);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, a), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, c), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, a), KVA_ERR_DOUBLE_FREE);
+    CHECK(stats_of(v).free_ranges == 1);
+    kva_var_destroy(v);
+}
+
+static void test_config(void) {
+    kva_var_config cfg;
+    kva_var_config_init(&cfg);
+    CHECK(cfg.alignment == 256 && cfg.policy == KVA_VAR_TLSF && cfg.capacity == (size_t)64 << 20);
+    kva_var *v = (kva_var *)0x1;
+    kva_var_config bad = cfg;
+    bad.alignment = 384;
+    CHECK_STATUS(kva_var_create(&bad, NULL, &v), KVA_ERR_INVALID);
+    bad = cfg;
+    bad.alignment = 8;
+    CHECK_STATUS(kva_var_create(&bad, NULL, &v), KVA_ERR_INVALID);
+    bad = cfg;
+    bad.capacity = 100;
+    CHECK_STATUS(kva_var_create(&bad, NULL, &v), KVA_ERR_INVALID);
+    bad = cfg;
+    bad.policy = (kva_var_policy)9;
+    CHECK_STATUS(kva_var_create(&bad, NULL, &v), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_create(NULL, NULL, &v), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_create(&cfg, NULL, NULL), KVA_ERR_INVALID);
+    CHECK(v == (kva_var *)0x1);
+    CHECK(kva_var_struct_size(1) == sizeof(kva_var_config) && kva_var_struct_size(2) == sizeof(kva_var_stats));
+    CHECK(kva_var_struct_size(3) == 0);
+    kva_var_destroy(NULL);
+
+    /* A capacity that is not a multiple of the alignment is rounded down; 4 KiB alignment. */
+    cfg.capacity = 10 * 4096 + 100;
+    cfg.alignment = 4096;
+    CHECK_STATUS(kva_var_create(&cfg, NULL, &v), KVA_OK);
+    kva_var_stats s = stats_of(v);
+    CHECK(s.capacity == 10 * 4096 && s.alignment == 4096);
+    void *p;
+    CHECK_STATUS(kva_var_alloc(v, 1, &p), KVA_OK);
+    CHECK((uintptr_t)p % 4096 == 0 && stats_of(v).internal_waste == 4095);
+    kva_var_destroy(v);
+}
+
+/* On a caller's pool: the region is one exact allocation of it, given back at destroy. */
+static void test_backing_pool(void) {
+    kva_config pc;
+    kva_config_init(&pc);
+    pc.capacity = (size_t)16 << 20;
+    kva_pool *pool;
+    CHECK_STATUS(kva_pool_create(&pc, &pool), KVA_OK);
+    kva_var_config cfg;
+    kva_var_config_init(&cfg);
+    cfg.capacity = (size_t)5 << 20;
+    kva_var *v;
+    CHECK_STATUS(kva_var_create(&cfg, pool, &v), KVA_OK);
+    kva_stats ps;
+    CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
+    CHECK(ps.bytes_in_use == (size_t)5 << 20);
+    void *p, *base;
+    CHECK_STATUS(kva_var_alloc(v, 3 << 20, &p), KVA_OK);
+    CHECK_STATUS(kva_var_base(v, &base), KVA_OK);
+    CHECK(kva_usable_size(pool, base) == (size_t)5 << 20);
+    cfg.capacity = (size_t)32 << 20;
+    kva_var *too_big = NULL;
+    CHECK(kva_var_create(&cfg, pool, &too_big) != KVA_OK && too_big == NULL);
+    kva_var_destroy(v);
+    CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
+    CHECK(ps.bytes_in_use == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+/* A corrupted record is named by kva_var_check. */
+static void test_check_finds_corruption(void) {
+    kva_var *v = make(KVA_VAR_TLSF, (size_t)1 << 20);
+    void *a, *b;
+    CHECK_STATUS(kva_var_alloc(v, 1000, &a), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, 1000, &b), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, a), KVA_OK);
+    kva_var_range saved = v->ranges[0];
+    v->ranges[0].length = (saved.length + 1) | KVA_VAR_FREE_BIT;
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    v->ranges[0] = saved;
+    v->ranges[1].length = 1; /* a record inside a range */
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    v->ranges[1].length = 0;
+    v->free_units++;
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    v->free_units--;
+    v->sl_map[0] ^= 1u;
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    v->sl_map[0] ^= 1u;
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    kva_var_destroy(v);
+}
+
+/* ---- the differential test ---------------------------------------------------------------- */
+
+#define MODEL_UNITS 4096u /* 1 MiB at 256 B */
+#define MAX_LIVE 512
+
+typedef struct model {
+    uint16_t owner[MODEL_UNITS]; /* 0: free; else 1 + the live slot */
+} model;
+
+/* Where the policy may put `units`: the free runs that fit are scanned and the one each policy
+ * must choose is checked; TLSF may choose any run that fits. Returns whether any run fits. */
+static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, uint32_t got, int succeeded) {
+    uint32_t first = UINT32_MAX, min_len = UINT32_MAX, max_len = 0, got_run = 0;
+    for (uint32_t at = 0; at < MODEL_UNITS;) {
+        if (m->owner[at]) {
+            at++;
+            continue;
+        }
+        uint32_t end = at;
+        while (end < MODEL_UNITS && !m->owner[end]) end++;
+        uint32_t len = end - at;
+        if (at == got) got_run = len;
+        if (len >= units) {
+            if (first == UINT32_MAX) first = at;
+            if (len < min_len) min_len = len;
+            if (len > max_len) max_len = len;
+        }
+        at = end;
+    }
+    int fits = first != UINT32_MAX;
+    if (!succeeded) return !fits;
+    if (!fits || got_run < units) return 0;
+    switch (policy) {
+    case KVA_VAR_FIRST_FIT:
+        return got == first;
+    case KVA_VAR_BEST_FIT:
+        return got_run == min_len;
+    case KVA_VAR_WORST_FIT:
+        return got_run == max_len;
+    case KVA_VAR_TLSF:
+        return 1;
+    }
+    return 0;
+}
+
+static void model_stats(const model *m, uint64_t *free_units, uint64_t *runs, uint64_t *largest) {
+    *free_units = *runs = *largest = 0;
+    for (uint32_t at = 0; at < MODEL_UNITS;) {
+        if (m->owner[at]) {
+            at++;
+            continue;
+        }
+        uint32_t end = at;
+        while (end < MODEL_UNITS && !m->owner[end]) end++;
+        *free_units += end - at;
+        (*runs)++;
+        if (end - at > *largest) *largest = end - at;
+        at = end;
+    }
+}
+
+static void test_differential(kva_var_policy policy, const char *name, int ops) {
+    static model m;
+    memset(&m, 0, sizeof m);
+    kva_var *v = make(policy, (size_t)MODEL_UNITS * ALIGN);
+    void *base;
+    CHECK_STATUS(kva_var_base(v, &base), KVA_OK);
+    void *live[MAX_LIVE] = {0};
+    size_t live_size[MAX_LIVE] = {0};
+    int mismatches = 0;
+    uint64_t failures = 0;
+    for (int op = 1; op <= ops && mismatches < 5; op++) {
+        int slot = (int)(rnd() % MAX_LIVE);
+        if (live[slot]) {
+            uint32_t at = (uint32_t)(((char *)live[slot] - (char *)base) / ALIGN);
+            uint32_t units = (uint32_t)((live_size[slot] + ALIGN - 1) / ALIGN);
+            CHECK_STATUS(kva_var_free(v, live[slot]), KVA_OK);
+            for (uint32_t u = at; u < at + units; u++) m.owner[u] = 0;
+            live[slot] = NULL;
+        } else {
+            /* Log-uniform sizes from 1 B to 64 KiB: most requests are small, some take a lot. */
+            size_t size = ((size_t)1 << (rnd() % 17)) + rnd() % 1024;
+            uint32_t units = (uint32_t)((size + ALIGN - 1) / ALIGN);
+            void *p = NULL;
+            kva_status st = kva_var_alloc(v, size, &p);
+            CHECK(st == KVA_OK || st == KVA_ERR_NOMEM);
+            uint32_t got = st == KVA_OK ? (uint32_t)(((char *)p - (char *)base) / ALIGN) : 0;
+            if (!model_accepts(&m, policy, units, got, st == KVA_OK)) {
+                fprintf(stderr, "%s op %d: %u units %s at %u, which the model refuses\n", name, op, units,
+                        st == KVA_OK ? "placed" : "failed", got);
+                mismatches++;
+                check_failures++;
+            }
+            if (st == KVA_OK) {
+                for (uint32_t u = got; u < got + units; u++) {
+                    if (m.owner[u]) mismatches++;
+                    m.owner[u] = (uint16_t)(slot + 1);
+                }
+                live[slot] = p;
+                live_size[slot] = size;
+            } else {
+                failures++;
+            }
+        }
+        if (op % 1000 == 0) {
+            CHECK_STATUS(kva_var_check(v), KVA_OK);
+            uint64_t free_units, runs, largest;
+            model_stats(&m, &free_units, &runs, &largest);
+            kva_var_stats s = stats_of(v);
+            CHECK(s.bytes_free == free_units * ALIGN && s.free_ranges == runs && s.largest_free == largest * ALIGN);
+        }
+    }
+    CHECK(mismatches == 0);
+    CHECK(stats_of(v).alloc_failures == failures);
+    printf("differential %-5s: %d ops, %llu allocation failures (all confirmed by the model)\n", name, ops,
+           (unsigned long long)failures);
+    for (int i = 0; i < MAX_LIVE; i++)
+        if (live[i]) CHECK_STATUS(kva_var_free(v, live[i]), KVA_OK);
+    CHECK(stats_of(v).free_ranges == 1);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    kva_var_destroy(v);
+}
+
+/* On GPU memory: a CUDA pool over the fake driver of tests/fake_cuda, whose device memory is
+ * reserved PROT_NONE on the host, so a byte written into the managed memory would crash here. */
+static void test_cuda_backing(const char *fake_driver) {
+    setenv("KVA_CUDA_DRIVER", fake_driver, 1);
+    kva_config pc;
+    kva_config_init(&pc);
+    pc.capacity = (size_t)64 << 20;
+    pc.backend = KVA_BACKEND_CUDA;
+    kva_pool *pool = NULL;
+    REQUIRE(kva_pool_create(&pc, &pool) == KVA_OK);
+    for (int i = 0; i < 4; i++) {
+        kva_var_config cfg;
+        kva_var_config_init(&cfg);
+        cfg.capacity = (size_t)24 << 20;
+        cfg.policy = policies[i];
+        kva_var *v;
+        CHECK_STATUS(kva_var_create(&cfg, pool, &v), KVA_OK);
+        void *p[64];
+        for (int j = 0; j < 64; j++) CHECK_STATUS(kva_var_alloc(v, 1 + rnd() % (256 << 10), &p[j]), KVA_OK);
+        for (int j = 0; j < 64; j += 2) CHECK_STATUS(kva_var_free(v, p[j]), KVA_OK);
+        CHECK_STATUS(kva_var_free(v, p[0]), KVA_ERR_DOUBLE_FREE);
+        CHECK_STATUS(kva_var_check(v), KVA_OK);
+        for (int j = 1; j < 64; j += 2) CHECK_STATUS(kva_var_free(v, p[j]), KVA_OK);
+        CHECK(stats_of(v).free_ranges == 1);
+        kva_var_destroy(v);
+    }
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) test_cuda_backing(argv[1]);
+    test_config();
+    test_backing_pool();
+    test_check_finds_corruption();
+    for (int i = 0; i < 4; i++) {
+        test_round_trip_and_coalescing(policies[i]);
+        test_merge_orders(policies[i]);
+        test_bad_input(policies[i]);
+        test_differential(policies[i], policy_names[i], 100000);
+    }
+    return CHECK_DONE();
+}

@@ -1,0 +1,132 @@
+"""VarPool: the variable-size pool's Python API under every policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import random
+
+import pytest
+from support import MiB
+
+import pykvalloc
+from pykvalloc import VarPool
+
+POLICIES = ["tlsf", "first", "best", "worst"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_alloc_free_stats_check(policy):
+    with VarPool(4 * MiB, policy=policy) as var:
+        assert var.policy == policy and var.capacity == 4 * MiB and var.alignment == 256
+        empty = var.stats()
+        assert empty.used == 0 and empty.free == 4 * MiB and empty.largest_free == 4 * MiB
+        assert empty.fragmentation == 0.0 and empty.free_ranges == 1 and empty.policy == policy
+        a = var.alloc(1000)
+        b = var.alloc(3000)
+        c = var.alloc(256)
+        for address in (a, b, c):
+            assert address % 256 == 0 and var.base <= address < var.base + var.capacity
+        assert var.usable_size(a) == 1024 and var.usable_size(b) == 3072
+        s = var.stats()
+        assert s.used == 1024 + 3072 + 256 and s.requested == 4256 and s.internal_waste == 96
+        assert s.live_allocations == 3 and s.allocs == 3
+        var.free(b)
+        s = var.stats()
+        assert s.free_ranges == 2 and s.free == 4 * MiB - 1280
+        assert s.largest_free == 4 * MiB - 1280 - 3072
+        assert s.fragmentation == pytest.approx(1 - s.largest_free / s.free)
+        var.check()
+        var.free(a)
+        var.free(c)
+        s = var.stats()
+        assert s.free_ranges == 1 and s.largest_free == 4 * MiB and s.frees == 3
+        var.check()
+    assert var.closed
+
+
+def test_stats_fields():
+    with VarPool(1 * MiB) as var:
+        fields = {f.name for f in dataclasses.fields(var.stats())}
+    assert {"used", "free", "largest_free", "fragmentation", "internal_waste", "free_ranges",
+            "allocs", "frees", "failures"} <= fields
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_errors(policy):
+    with VarPool(1 * MiB, policy=policy) as var:
+        a = var.alloc(4096)
+        b = var.alloc(4096)
+        var.free(a)
+        with pytest.raises(pykvalloc.DoubleFree):
+            var.free(a)
+        with pytest.raises(pykvalloc.InvalidPointer):
+            var.free(b + 256)
+        with pytest.raises(pykvalloc.InvalidPointer):
+            var.free(var.base + var.capacity)
+        with pytest.raises(pykvalloc.InvalidArgument):
+            var.alloc(0)
+        with pytest.raises(ValueError):
+            var.alloc(var.capacity + 1)
+        with pytest.raises(pykvalloc.InvalidArgument):
+            var.alloc(-1)
+        with pytest.raises(TypeError):
+            var.alloc(1.5)
+        with pytest.raises(MemoryError):
+            var.alloc(var.capacity)
+        s = var.stats()
+        assert s.failures == 1 and s.rejected_calls == 5 and s.live_allocations == 1
+        var.check()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        var.alloc(16)
+    with pytest.raises(pykvalloc.PoolClosedError):
+        var.stats()
+    var.close()
+
+
+def test_bad_config():
+    with pytest.raises(pykvalloc.InvalidArgument):
+        VarPool(1 * MiB, policy="next")
+    with pytest.raises(pykvalloc.InvalidArgument):
+        VarPool(1 * MiB, alignment=300)
+    with pytest.raises(pykvalloc.InvalidArgument):
+        VarPool(100)
+
+
+def test_alignment_and_backing_options():
+    with VarPool(3 * MiB + 100, alignment=4096, pages="small") as var:
+        assert var.capacity == 3 * MiB and var.alignment == 4096
+        address = var.alloc(1)
+        assert address % 4096 == 0 and var.stats().internal_waste == 4095
+        assert repr(var).startswith("<pykvalloc.VarPool tlsf ") and repr(var).endswith(" open>")
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_random_round_trip(policy):
+    rng = random.Random(7)
+    with VarPool(8 * MiB, policy=policy) as var:
+        live = []
+        for step in range(3000):
+            if live and rng.random() < 0.5:
+                var.free(live.pop(rng.randrange(len(live))))
+            else:
+                try:
+                    live.append(var.alloc(rng.randint(1, 256 << 10)))
+                except MemoryError:
+                    pass
+            if step % 500 == 0:
+                var.check()
+        for address in live:
+            var.free(address)
+        s = var.stats()
+        assert s.free_ranges == 1 and s.used == 0
+        var.check()
+
+
+def test_garbage_collection_releases_the_pool():
+    var = VarPool(1 * MiB)
+    var.alloc(100)
+    finalizer = var._finalizer
+    del var
+    gc.collect()
+    assert not finalizer.alive
