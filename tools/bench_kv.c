@@ -16,26 +16,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_clock.h"
 #include "kvalloc.h"
 
 #define RUNS 5
 #define BT 16u
 
-static double now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
-static double median(double *v, int n) {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return v[n / 2];
-}
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint64_t next_random(void) {
@@ -75,16 +63,16 @@ static double bench_alloc_free(uint32_t blocks, long reps) {
     kva_kv *kv = make_cache(1 << 16);
     double runs[RUNS];
     for (int r = 0; r < RUNS; r++) {
-        double t0 = now_ns();
+        double t0 = bench_now_ns();
         for (long i = 0; i < reps; i++) {
             kva_kv_seq seq;
             TRY(kva_kv_seq_allocate(kv, blocks * BT, NULL, 0, NULL, 0, 0, 0, &seq, NULL));
             TRY(kva_kv_seq_free(kv, seq));
         }
-        runs[r] = (now_ns() - t0) / ((double)reps * blocks);
+        runs[r] = (bench_now_ns() - t0) / ((double)reps * blocks);
     }
     kva_kv_destroy(kv);
-    return median(runs, RUNS);
+    return bench_median(runs, RUNS);
 }
 
 /* Decoding: one token per append, a block every BT appends. ns per append call. */
@@ -94,7 +82,7 @@ static double bench_decode(long reps) {
     for (int r = 0; r < RUNS; r++) {
         kva_kv_seq seq;
         TRY(kva_kv_seq_allocate(kv, 1, NULL, 0, NULL, 0, 0, 0, &seq, NULL));
-        double t0 = now_ns();
+        double t0 = bench_now_ns();
         for (long i = 0; i < reps; i++) {
             kva_kv_copy copy;
             if (i % (1 << 19) == (1 << 19) - 1) { /* 2^15 blocks: start a new sequence */
@@ -103,11 +91,11 @@ static double bench_decode(long reps) {
             }
             TRY(kva_kv_seq_append(kv, seq, 1, &copy));
         }
-        runs[r] = (now_ns() - t0) / (double)reps;
+        runs[r] = (bench_now_ns() - t0) / (double)reps;
         TRY(kva_kv_seq_free(kv, seq));
     }
     kva_kv_destroy(kv);
-    return median(runs, RUNS);
+    return bench_median(runs, RUNS);
 }
 
 /* A cache of `cached` blocks holding prefixes of `depth` keyed blocks, all released. Then
@@ -124,7 +112,7 @@ static double bench_prefix_hits(uint32_t cached, uint32_t depth, long reps) {
     }
     double runs[RUNS];
     for (int r = 0; r < RUNS; r++) {
-        double t0 = now_ns();
+        double t0 = bench_now_ns();
         for (long i = 0; i < reps; i++) {
             uint32_t p = (uint32_t)(next_random() % prefixes);
             kva_kv_seq seq;
@@ -133,11 +121,11 @@ static double bench_prefix_hits(uint32_t cached, uint32_t depth, long reps) {
             if (hit != depth * BT) die("a prefix missed", KVA_ERR_CORRUPT);
             TRY(kva_kv_seq_free(kv, seq));
         }
-        runs[r] = (now_ns() - t0) / ((double)reps * depth);
+        runs[r] = (bench_now_ns() - t0) / ((double)reps * depth);
     }
     free(keys);
     kva_kv_destroy(kv);
-    return median(runs, RUNS);
+    return bench_median(runs, RUNS);
 }
 
 /* Fills a cache of n blocks with n one-block prefixes and releases them in random order (or in
@@ -182,12 +170,12 @@ static double bench_evict(uint32_t n, int shuffled, int cold) {
         kva_kv *kv = full_cache(n, shuffled);
         if (cold) flush_caches();
         uint32_t evicted;
-        double t0 = now_ns();
+        double t0 = bench_now_ns();
         TRY(kva_kv_evict(kv, EVICT_COUNT, &evicted));
-        runs[r] = (now_ns() - t0) / evicted;
+        runs[r] = (bench_now_ns() - t0) / evicted;
         kva_kv_destroy(kv);
     }
-    return median(runs, EVICT_RUNS);
+    return bench_median(runs, EVICT_RUNS);
 }
 
 /* The steady state of a full cache: each new 16-block keyed request evicts 16 cached blocks,
@@ -197,17 +185,17 @@ static double bench_evicting_requests(uint32_t n, long requests) {
     double runs[RUNS];
     uint64_t keys[16];
     for (int r = 0; r < RUNS; r++) {
-        double t0 = now_ns();
+        double t0 = bench_now_ns();
         for (long i = 0; i < requests; i++) {
             for (int k = 0; k < 16; k++) keys[k] = next_random();
             kva_kv_seq seq;
             TRY(kva_kv_seq_allocate(kv, 16 * BT, keys, 16, NULL, 0, 0, 0, &seq, NULL));
             TRY(kva_kv_seq_free(kv, seq));
         }
-        runs[r] = (now_ns() - t0) / ((double)requests * 16);
+        runs[r] = (bench_now_ns() - t0) / ((double)requests * 16);
     }
     kva_kv_destroy(kv);
-    return median(runs, RUNS);
+    return bench_median(runs, RUNS);
 }
 
 static double metadata_per_block(uint32_t n) {

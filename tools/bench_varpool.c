@@ -29,22 +29,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench_clock.h"
 #include "kvalloc.h"
 
 #define RUNS 5
 #define SAMPLE_EVERY 16
 #define CAPACITY ((size_t)1 << 30)
 
-static double now_ns(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec * 1e9 + (double)ts.tv_nsec;
-}
 
-static int cmp_double(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
 static uint64_t next_random(void) {
@@ -307,12 +299,12 @@ static result run_trace(int which, const trace *t) {
         /* Warm-up on the same allocator (every trace ends with everything freed): the first
          * touch of each metadata page is not what is measured. */
         replay(&a, t, live, failed);
-        double t0 = now_ns();
+        double t0 = bench_now_ns();
         size_t calls = replay(&a, t, live, failed);
-        ns[run] = (now_ns() - t0) / (double)calls;
+        ns[run] = (bench_now_ns() - t0) / (double)calls;
         close_allocator(&a);
     }
-    qsort(ns, RUNS, sizeof *ns, cmp_double);
+    qsort(ns, RUNS, sizeof *ns, bench_cmp_double);
     r.ns_per_op = ns[RUNS / 2];
     measure_quality(which, t, live, failed, &r);
     free(live);
@@ -329,7 +321,7 @@ static double batch_ns(int which, int rounds) {
         allocator a = open_allocator(which);
         double t0 = 0;
         for (int r = -1; r < rounds; r++) {
-            if (r == 0) t0 = now_ns();
+            if (r == 0) t0 = bench_now_ns();
             if (a.var) {
                 for (int i = 0; i < 1000; i++) kva_var_alloc(a.var, 64, &p[i]);
                 for (int i = 0; i < 1000; i++) kva_var_free(a.var, p[i]);
@@ -338,10 +330,10 @@ static double batch_ns(int which, int rounds) {
                 for (int i = 0; i < 1000; i++) kva_free(a.pool, p[i]);
             }
         }
-        ns[run] = (now_ns() - t0) / (2000.0 * rounds);
+        ns[run] = (bench_now_ns() - t0) / (2000.0 * rounds);
         close_allocator(&a);
     }
-    qsort(ns, RUNS, sizeof *ns, cmp_double);
+    qsort(ns, RUNS, sizeof *ns, bench_cmp_double);
     return ns[RUNS / 2];
 }
 
