@@ -48,7 +48,8 @@ class Panel(Widget):
         return self.draw(self.pool.last, size.width, size.height)
 
     def draw(self, snap: Snapshot, width: int, height: int) -> Text:
-        raise NotImplementedError
+        # Every panel below draws itself; this base class is never shown on its own.
+        raise TypeError(f"{type(self).__name__} does not say how to draw itself")
 
 
 def _lines(lines: list[Text], height: int) -> Text:
