@@ -194,15 +194,17 @@ class KvaLib:
         plain("kva_struct_size", c_size_t, [c_enum])
         status("kva_stats_publish", [pool_p])
         plain("kva_stats_segment_name", c_char_p, [pool_p])
-        self._check_struct_sizes()
+        self._check_struct_sizes("kva_struct_size", (KvaConfig, KvaStats, KvaClassStats))
         declare_kv_functions(self)
         declare_var_functions(self)
 
-    def _check_struct_sizes(self) -> None:
-        # The structs above are copies of the header's; a library of another version would read
-        # or write past them. Refuse it before the first call instead.
-        for which, struct in ((1, KvaConfig), (2, KvaStats), (3, KvaClassStats)):
-            native = self.kva_struct_size(which)
+    def _check_struct_sizes(self, size_function: str, structs: Any) -> None:
+        # The structs here are copies of the header's; a library of another version would read
+        # or write past them. Refuse it before the first call instead. ``size_function`` is the
+        # library's sizeof query for that family of structs, numbered from 1 in header order.
+        native_size = getattr(self, size_function)
+        for which, struct in enumerate(structs, start=1):
+            native = native_size(which)
             if native != ctypes.sizeof(struct):
                 raise LibraryNotFoundError(
                     f"{self.path} (version {self.kva_version().decode()}) has a "
@@ -377,12 +379,7 @@ def declare_kv_functions(lib: KvaLib) -> None:
     status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
     status("kva_kv_check", [kv_p])
     lib._declare("kva_kv_struct_size", c_size_t, [c_enum])
-    for which, struct in enumerate(KV_STRUCTS.values(), start=1):
-        native = lib.kva_kv_struct_size(which)
-        if native != ctypes.sizeof(struct):
-            raise LibraryNotFoundError(
-                f"{lib.path} has a {struct.__name__} of {native} bytes, this package expects "
-                f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
+    lib._check_struct_sizes("kva_kv_struct_size", KV_STRUCTS.values())
 
 # ---- end of KV-cache manager -------------------------------------------------------------------
 
@@ -443,12 +440,7 @@ def declare_var_functions(lib: KvaLib) -> None:
     status("kva_var_get_stats", [var_p, POINTER(KvaVarStats)])
     status("kva_var_check", [var_p])
     lib._declare("kva_var_struct_size", c_size_t, [c_int])
-    for which, struct in enumerate(VAR_STRUCTS.values(), start=1):
-        native = lib.kva_var_struct_size(which)
-        if native != ctypes.sizeof(struct):
-            raise LibraryNotFoundError(
-                f"{lib.path} has a {struct.__name__} of {native} bytes, this package expects "
-                f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
+    lib._check_struct_sizes("kva_var_struct_size", VAR_STRUCTS.values())
 
 # ---- end of variable-size pools ----------------------------------------------------------------
 
