@@ -96,7 +96,15 @@ static void list_unlink(kva_slabs *sl, kva_size_class *cls, uint32_t s) {
  * no memory can back it (the pool then tries a buddy block, which reports why if it fails). */
 static uint32_t grow(kva_slabs *sl, kva_buddy *buddy, unsigned c) {
     uint32_t head = kva_buddy_alloc(buddy, sl->chunk_order, KVA_BLOCK_SLAB);
-    if (head == KVA_NIL) return KVA_NIL;
+    if (head == KVA_NIL) {
+        /* Other classes' empty spares are free memory the buddy cannot see: give them back and
+         * ask again, so this class gets a slab rather than the pool a whole block per object. */
+        uint32_t before = sl->live_slabs;
+        kva_slab_trim(sl, buddy);
+        if (sl->live_slabs == before) return KVA_NIL;
+        head = kva_buddy_alloc(buddy, sl->chunk_order, KVA_BLOCK_SLAB);
+        if (head == KVA_NIL) return KVA_NIL;
+    }
     uint32_t s = head >> sl->chunk_order;
     uint64_t offset = (uint64_t)s << sl->chunk_shift;
     if (kva_unlikely(kva_region_commit(sl->region, offset, sl->chunk_mask + 1) != KVA_OK)) {
