@@ -72,6 +72,7 @@ class KvaConfig(Structure):
         ("pin", c_int),
         ("trim_watermark", c_size_t),
         ("checked", c_int),
+        ("arenas", c_uint),
     ]
 
 
@@ -105,6 +106,10 @@ class KvaStats(Structure):
         ("mapped_bytes", c_size_t),
         ("pinned", c_int),
         ("locked", c_int),
+        ("arenas", c_uint32),
+        ("thread_caches", c_uint32),
+        ("cached_bytes", c_size_t),
+        ("remote_frees", c_uint64),
     ]
 
 
@@ -148,6 +153,7 @@ class KvaLib:
     kva_free: CFunction
     kva_usable_size: CFunction
     kva_trim: CFunction
+    kva_thread_flush: CFunction
     kva_check: CFunction
     kva_pool_base: CFunction
     kva_get_stats: CFunction
@@ -183,6 +189,7 @@ class KvaLib:
         status("kva_free", [pool_p, c_void_p])
         plain("kva_usable_size", c_size_t, [pool_p, c_void_p])
         status("kva_trim", [pool_p])
+        status("kva_thread_flush", [pool_p])
         status("kva_check", [pool_p])
         status("kva_pool_base", [pool_p, POINTER(c_void_p)])
         status("kva_get_stats", [pool_p, POINTER(KvaStats)])

@@ -166,6 +166,12 @@ class Stats:
     mapped_bytes: int = 0            # CUDA: device memory mapped now; host: the whole region
     pinned: bool = False             # registered with the CUDA driver (Pool(pin=True))
     locked: bool = False             # mlocked (Pool(lock=True))
+    # Threads: arenas, the threads holding a cache of the pool, the free bytes those caches hold
+    # (part of slab_free_bytes), and the frees passed to another thread's cache.
+    arenas: int = 1
+    thread_caches: int = 0
+    cached_bytes: int = 0
+    remote_frees: int = 0
 
     @property
     def num_orders(self) -> int:
@@ -395,6 +401,7 @@ class Pool:
     No driver or no GPU raises ``BackendError`` saying which. ``checked`` (host, for
     debugging) poisons free memory and puts red zones around allocations: a write after free or
     past an allocation's ends raises ``CorruptionError`` (kvalloc.h, kva_config.checked).
+    ``arenas`` sets the number of per-CPU arenas (0, the default: one per CPU).
 
     Use it as a context manager or call ``close()``; see the module docstring for what happens
     to views that outlive the pool.
@@ -410,7 +417,8 @@ class Pool:
                  device: int = 0, numa_node: int | None = None,
                  numa_policy: str | NumaPolicy = "bind",
                  hugepages: bool | str | PageMode | None = None, lock: bool = False,
-                 pin: bool = False, trim_watermark: int = 0, checked: bool = False) -> None:
+                 pin: bool = False, trim_watermark: int = 0, checked: bool = False,
+                 arenas: int = 0) -> None:
         lib = _ffi.load()
         config = _ffi.KvaConfig()
         lib.kva_config_init(byref(config))
@@ -430,6 +438,7 @@ class Pool:
         config.pin = 1 if pin else 0
         config.trim_watermark = _size_arg("trim_watermark", trim_watermark)
         config.checked = 1 if checked else 0
+        config.arenas = _int_arg("arenas", arenas, 0)
         config.trace = 1 if trace else 0
         if publish_interval_ms is not None:
             interval = _size_arg("publish_interval_ms", publish_interval_ms)
@@ -614,6 +623,12 @@ class Pool:
         device memory no allocation uses."""
         with self._lock:
             self._lib.kva_trim(self._open_handle())
+
+    def thread_flush(self) -> None:
+        """Returns the calling thread's cached free objects to the pool's arenas (a thread's
+        exit does this by itself)."""
+        with self._lock:
+            self._lib.kva_thread_flush(self._open_handle())
 
     def check(self) -> None:
         """Verifies every invariant of the pool's metadata; CorruptionError names the first

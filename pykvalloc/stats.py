@@ -85,7 +85,7 @@ SHM_DIR = Path("/dev/shm")
 
 MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
 ABI_MAJOR = 1
-ABI_MINOR = 1
+ABI_MINOR = 2
 MAX_SECTIONS = 16
 LATENCY_BUCKETS = 40
 STRIP_CELLS = 64
@@ -140,8 +140,8 @@ SLABS_DTYPE = np.dtype([("count", "<u4"), ("capacity", "<u4")], align=True)
 SLAB_DTYPE = np.dtype([("chunk", "<u4"), ("size_class", "<u2"), ("reserved", "<u2"),
                        ("inuse", "<u4"), ("objects", "<u4"), ("strip", "u1", (STRIP_CELLS,))],
                       align=True)
-ARENA_DTYPE = np.dtype([("allocs", "<u8"), ("frees", "<u8"), ("alloc_failures", "<u8"),
-                        ("bytes_in_use", "<u8")], align=True)
+ARENA_DTYPE = np.dtype([("slabs", "<u8"), ("slab_bytes", "<u8"), ("spare_slabs", "<u8"),
+                        ("word_claims", "<u8")], align=True)
 LATENCY_DTYPE = np.dtype([("alloc", "<u8", (LATENCY_BUCKETS,)),
                           ("free", "<u8", (LATENCY_BUCKETS,))], align=True)
 KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "hit_tokens",

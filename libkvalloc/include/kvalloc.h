@@ -15,8 +15,12 @@
  *    CUDA pool calls the driver only from its slow paths: to map device memory when a block or
  *    a new slab first needs it, and to unmap it (kva_trim, trim_watermark).
  *
- * Thread safety: a pool is not yet safe for concurrent use; callers serialize access to one
- * pool (different pools are independent). Per-CPU arenas and thread caches lift this.
+ * Thread safety: every entry point may be called from any number of threads at once. The
+ * allocation and free fast paths touch only the calling thread's cache (bitmap words of slab
+ * objects it owns, see "Threads" below): no lock, no atomic read-modify-write, no cache line
+ * another core writes. Slow paths (once per up to 64 objects) lock one per-CPU arena; buddy
+ * blocks and slab growth lock the pool. The KV manager and variable-size pools serialize their
+ * calls with a lock of their own.
  */
 #ifndef KVALLOC_H
 #define KVALLOC_H
@@ -150,7 +154,12 @@ typedef struct kva_config {
                             overrun; the memory is freed all the same). kva_check also
                             verifies the poison. Every call takes the checked path; alignments
                             above 16 are refused. Default 0 */
+    unsigned arenas;     /* per-CPU arenas the slabs are spread over, 1 .. KVA_MAX_ARENAS; a
+                            thread's slow paths use the arena of the CPU it runs on. Default 0:
+                            one per CPU this process may run on */
 } kva_config;
+
+#define KVA_MAX_ARENAS 256
 
 /* Fills every field of *cfg with its default. */
 KVA_API void kva_config_init(kva_config *cfg);
@@ -217,6 +226,11 @@ KVA_API kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out);
  * KVA_ERR_DOUBLE_FREE, KVA_ERR_BAD_POINTER. On error nothing changes. */
 KVA_API kva_status kva_free(kva_pool *pool, void *ptr);
 
+/* Returns the calling thread's cached free objects of this pool to their arenas, so that other
+ * threads and large requests can use their memory. A thread's exit does this by itself, and so
+ * does kva_trim for the thread that calls it; a thread that goes idle for long calls it. */
+KVA_API kva_status kva_thread_flush(kva_pool *pool);
+
 /* The usable size of a live allocation (its size class or block size); 0 if ptr is not the
  * start of a live allocation of this pool. */
 KVA_API size_t kva_usable_size(kva_pool *pool, const void *ptr);
@@ -272,6 +286,13 @@ typedef struct kva_stats {
                                   pool the whole mapped region */
     int pinned;                /* host: registered with the CUDA driver (config pin) */
     int locked;                /* host: mlocked (config lock) */
+    uint32_t arenas;           /* per-CPU arenas */
+    uint32_t thread_caches;    /* threads that hold a cache of this pool now */
+    size_t cached_bytes;       /* free object bytes held in threads' caches (part of
+                                  slab_free_bytes: usable by those threads only until they
+                                  flush, exit or trim) */
+    uint64_t remote_frees;     /* frees of objects whose word another thread's cache held, passed
+                                  to that thread without a lock */
 } kva_stats;
 
 KVA_API kva_status kva_get_stats(kva_pool *pool, kva_stats *out);
@@ -315,8 +336,9 @@ typedef enum kva_walk_kind {
  * pool base. Return nonzero to stop the walk early. */
 typedef int (*kva_walk_fn)(uint64_t offset, uint64_t size, kva_walk_kind kind, void *ctx);
 
-/* Visits every live allocation and every free range. The pool must not change during the
- * walk (the callback must not allocate or free in it). */
+/* Visits every live allocation and every free range. The walk holds the pool's locks, so the
+ * callback must not call into the pool; other threads' slow paths wait for the walk to end, and
+ * objects their caches allocate or free meanwhile may show either way. */
 KVA_API kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx);
 
 /* ------------------------------------------------------------------------------------------ */

@@ -33,8 +33,9 @@ extern "C" {
 
 #define KVA_SHM_MAGIC 0x315441545341564bull /* "KVASTAT1" read as a little-endian u64 */
 #define KVA_SHM_ABI_MAJOR 1
-#define KVA_SHM_ABI_MINOR 1 /* 1.1: the summary's publish interval and backing fields, entry
-                                sizes of the array sections, the liveness lock */
+#define KVA_SHM_ABI_MINOR 2 /* 1.1: the summary's publish interval and backing fields, entry
+                                sizes of the array sections, the liveness lock. 1.2: one
+                                arenas entry per arena, with slab and claim figures */
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
 
@@ -160,9 +161,13 @@ typedef struct kva_shm_slabs {
     /* kva_shm_slab slabs[capacity]; */
 } kva_shm_slabs;
 
-/* KVA_SHM_SECTION_ARENAS: per-arena counters (one arena per pool for now). */
+/* KVA_SHM_SECTION_ARENAS: one entry per arena. Allocations and frees are counted per thread,
+ * not per arena: what an arena has is slabs, and the words of objects it hands to threads. */
 typedef struct kva_shm_arena {
-    uint64_t allocs, frees, alloc_failures, bytes_in_use;
+    uint64_t slabs;         /* slabs of every class that belong to the arena */
+    uint64_t slab_bytes;
+    uint64_t spare_slabs;   /* empty slabs it keeps, one per class at most */
+    uint64_t word_claims;   /* words of objects handed to thread caches since creation */
 } kva_shm_arena;
 typedef struct kva_shm_arenas {
     uint32_t count;

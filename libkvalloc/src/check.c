@@ -2,8 +2,11 @@
  * check.c — kva_check: walks every invariant stated in buddy.h, slab.h and pool.h and names the
  * first one broken. O(capacity / min_block + slab bitmap words); never on a hot path.
  */
+#include <stdlib.h>
+
 #include "checked.h"
 #include "pool.h"
+#include "tcache.h"
 
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
 
@@ -85,122 +88,164 @@ static kva_status check_buddy(const kva_buddy *b, uint64_t *used_blocks) {
     return KVA_OK;
 }
 
-static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_size_class *cls) {
+/* S2 for slab s; adds the slab's pending remote frees and, per owned word, its free and remote
+ * bits to *in_caches. */
+static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_geometry *g, uint64_t *in_caches) {
     const kva_slab *slab = &sl->slabs[s];
-    const uint64_t *l1 = kva_slab_bitmap(sl, s), *l0 = l1 + cls->l1_words;
+    const uint64_t *l1 = kva_slab_bitmap(sl, s), *l0 = slab->l0, *remote = kva_slab_remote(slab, g);
+    const uint32_t *owner = kva_slab_owner(slab, g);
     uint64_t free_bits = 0;
-    for (uint32_t w = 0; w < cls->l0_words; w++) {
-        free_bits += (uint64_t)__builtin_popcountll(l0[w]);
-        int listed = (l1[w >> 6] >> (w & 63)) & 1, claimed = &l0[w] == cls->cur_l0;
-        if ((l0[w] != 0 && !claimed) != listed)
-            return BROKEN("S2: slab %u l1 bit %u disagrees with its l0 word", s, w);
+    for (uint32_t w = 0; w < g->l0_words; w++) {
+        uint64_t bits = kva_load(&l0[w]), pending = kva_load(&remote[w]);
+        int owned = kva_load(&owner[w]) != KVA_NO_OWNER, listed = (l1[w >> 6] >> (w & 63)) & 1;
+        if (owned) {
+            *in_caches += (uint64_t)__builtin_popcountll(bits | pending);
+            if (listed) return BROKEN("S2: slab %u lists word %u in l1 though a thread cache owns it", s, w);
+            continue;
+        }
+        free_bits += (uint64_t)__builtin_popcountll(bits);
+        *in_caches += (uint64_t)__builtin_popcountll(pending);
+        if ((bits != 0) != listed) return BROKEN("S2: slab %u l1 bit %u disagrees with its l0 word", s, w);
     }
-    uint32_t tail = cls->nobj % 64;
-    if (tail && (l0[cls->l0_words - 1] >> tail))
-        return BROKEN("S2: slab %u marks objects past its %u objects free", s, cls->nobj);
-    for (uint32_t w = 0; w < cls->l1_words; w++)
+    uint32_t tail = g->nobj % 64;
+    if (tail && ((kva_load(&l0[g->l0_words - 1]) | kva_load(&remote[g->l0_words - 1])) >> tail))
+        return BROKEN("S2: slab %u marks objects past its %u objects free", s, g->nobj);
+    for (uint32_t w = 0; w < g->l1_words; w++)
         if ((l1[w] != 0) != ((slab->l2 >> w) & 1)) return BROKEN("S2: slab %u l2 bit %u disagrees with its l1 word", s, w);
-    if (cls->l1_words < 64 && (slab->l2 >> cls->l1_words))
-        return BROKEN("S2: slab %u l2 has bits past its %u l1 words", s, cls->l1_words);
-    uint64_t claimed_free = cls->cur_slab == s ? (uint64_t)__builtin_popcountll(*cls->cur_l0) : 0;
-    if (free_bits != cls->nobj - slab->inuse + claimed_free)
-        return BROKEN("S2: slab %u has %llu free objects in its bitmap but %u of %u in use", s,
-                      (unsigned long long)free_bits, slab->inuse, cls->nobj);
+    if (g->l1_words < 64 && (slab->l2 >> g->l1_words))
+        return BROKEN("S2: slab %u l2 has bits past its %u l1 words", s, g->l1_words);
+    if (free_bits != g->nobj - slab->inuse)
+        return BROKEN("S2: slab %u has %llu free objects in words no thread owns but %u of %u in use", s,
+                      (unsigned long long)free_bits, slab->inuse, g->nobj);
     return KVA_OK;
 }
 
-/* S6 first: the other slab checks read through each class's current-word pointer. */
-static kva_status check_claims(const kva_slabs *sl) {
-    if (sl->no_word != 0) return BROKEN("S6: the no_word sentinel was written");
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        const kva_size_class *cls = &sl->classes[c];
-        int ok = cls->cur_slab == KVA_NIL
-                     ? cls->cur_l0 == &sl->no_word
-                     : cls->cur_slab < sl->nchunks && sl->slabs[cls->cur_slab].cls == c &&
-                           cls->cur_word < cls->l0_words &&
-                           cls->cur_l0 == kva_slab_bitmap(sl, cls->cur_slab) + cls->l1_words + cls->cur_word &&
-                           cls->cur_offset == ((uint64_t)cls->cur_slab << sl->chunk_shift) +
-                                                  (uint64_t)cls->cur_word * 64 * cls->size;
-        if (!ok)
-            return BROKEN("S6: class %u's current word (slab %u, word %u) is not one of its own", c, cls->cur_slab,
-                          cls->cur_word);
+/* S6: every cache's owned words carry its id, and the owner entries of all slabs number exactly
+ * the words the caches list. Only while no other thread holds a cache: owners change their
+ * sets without a lock. */
+static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
+    const kva_slabs *sl = &pool->slabs;
+    uint64_t listed = 0;
+    for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+            const kva_tc_class *k = &tc->cls[c];
+            if (k->nowned > KVA_TC_WORDS || (k->cur != KVA_NIL && k->cur >= k->nowned))
+                return BROKEN("S6: thread cache %u holds %u words of class %u, current %u", tc->id, k->nowned, c, k->cur);
+            for (uint32_t i = 0; i < k->nowned; i++) {
+                uint32_t s = k->slab[i], w = k->word[i];
+                const kva_class_geometry *g = &sl->geom[c];
+                if (s >= sl->nchunks || sl->slabs[s].cls != c || w >= g->l0_words ||
+                    kva_slab_owner(&sl->slabs[s], g)[w] != tc->id)
+                    return BROKEN("S6: thread cache %u lists word %u of slab %u for class %u, which it does not own",
+                                  tc->id, w, s, c);
+                if (k->cur == i && (k->l0 != sl->slabs[s].l0 + w ||
+                                    k->addr != pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size))
+                    return BROKEN("S6: thread cache %u's current word of class %u points elsewhere", tc->id, c);
+                listed++;
+            }
+            if (k->cur == KVA_NIL && kva_load(k->l0) != 0)
+                return BROKEN("S6: thread cache %u has no current word of class %u but allocates from one", tc->id, c);
+        }
     }
+    if (listed != owned_entries)
+        return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,
+                      (unsigned long long)listed);
     return KVA_OK;
 }
 
-static kva_status check_slabs(const kva_pool *pool) {
+static uint64_t owned_words(const kva_slabs *sl, uint32_t s, const kva_class_geometry *g) {
+    uint64_t n = 0;
+    for (uint32_t w = 0; w < g->l0_words; w++) n += kva_load(&kva_slab_owner(&sl->slabs[s], g)[w]) != KVA_NO_OWNER;
+    return n;
+}
+
+/* S3 and S4 for one arena's lists of class c. */
+static kva_status check_lists(const kva_slabs *sl, unsigned a, unsigned c, uint64_t slabs_here, uint64_t flagged) {
+    const kva_arena_class *ac = &sl->arenas[a].classes[c];
+    uint64_t count = 0;
+    uint32_t prev = KVA_NIL;
+    for (uint32_t at = ac->partial_head; at != KVA_NIL; at = sl->slabs[at].next) {
+        if (at >= sl->nchunks || sl->slabs[at].cls != c || sl->slabs[at].arena != a)
+            return BROKEN("S3: arena %u's partial list of class %u links to %u, not one of its slabs", a, c, at);
+        if (sl->slabs[at].prev != prev) return BROKEN("S3: slab %u on arena %u's class %u list has a wrong prev link", at, a, c);
+        if (!sl->slabs[at].listed) return BROKEN("S3: slab %u is on a partial list but not flagged listed", at);
+        if (++count > slabs_here) return BROKEN("S3: arena %u's partial list of class %u loops", a, c);
+        prev = at;
+    }
+    if (count != flagged)
+        return BROKEN("S3: arena %u's partial list of class %u holds %llu slabs but %llu are flagged listed", a, c,
+                      (unsigned long long)count, (unsigned long long)flagged);
+    if (ac->partial_tail != prev)
+        return BROKEN("S3: arena %u's partial tail of class %u is %u, the list ends at %u", a, c, ac->partial_tail, prev);
+    if (ac->empty_slab != KVA_NIL && (ac->empty_slab >= sl->nchunks || sl->slabs[ac->empty_slab].cls != c ||
+                                      sl->slabs[ac->empty_slab].arena != a))
+        return BROKEN("S4: arena %u names spare %u for class %u, which is not one of its slabs", a, ac->empty_slab, c);
+    if (ac->slabs != slabs_here)
+        return BROKEN("S5: arena %u counts %u slabs of class %u; %llu exist", a, ac->slabs, c, (unsigned long long)slabs_here);
+    return KVA_OK;
+}
+
+static kva_status check_slabs(const kva_pool *pool, const kva_tc_totals *totals) {
     const kva_slabs *sl = &pool->slabs;
     const kva_buddy *b = &pool->buddy;
-    uint64_t live[KVA_NUM_SIZE_CLASSES] = {0}, slabs[KVA_NUM_SIZE_CLASSES] = {0}, listed[KVA_NUM_SIZE_CLASSES] = {0};
-    uint32_t empties[KVA_NUM_SIZE_CLASSES] = {0}, total = 0;
-    kva_status claims = check_claims(sl);
-    if (claims != KVA_OK) return claims;
-    for (uint32_t s = 0; s < sl->nchunks; s++) {
+    uint64_t live[KVA_NUM_SIZE_CLASSES] = {0}, in_caches[KVA_NUM_SIZE_CLASSES] = {0}, owned = 0;
+    uint32_t total = 0;
+    size_t cells = (size_t)sl->narenas * KVA_NUM_SIZE_CLASSES;
+    uint64_t *per_arena = calloc(2 * cells, sizeof *per_arena), *flagged = per_arena + cells;
+    if (!per_arena) return kva_fail(KVA_ERR_NOMEM, "no host memory to check the slabs");
+    kva_status st = KVA_OK;
+    for (uint32_t s = 0; s < sl->nchunks && st == KVA_OK; s++) {
         const kva_slab *slab = &sl->slabs[s];
         uint64_t head = (uint64_t)s << sl->chunk_order;
         int is_slab_block = head < b->nblocks && b->pages[head].state == KVA_BLOCK_SLAB;
-        if ((slab->cls != KVA_SLAB_NONE) != is_slab_block)
-            return BROKEN("S1: chunk %u descriptor says %s but its buddy block says %s", s,
-                          slab->cls == KVA_SLAB_NONE ? "no slab" : "slab", is_slab_block ? "slab" : "no slab");
+        if ((slab->cls != KVA_SLAB_NONE) != is_slab_block) {
+            st = BROKEN("S1: chunk %u descriptor says %s but its buddy block says %s", s,
+                        slab->cls == KVA_SLAB_NONE ? "no slab" : "slab", is_slab_block ? "slab" : "no slab");
+            break;
+        }
         if (slab->cls == KVA_SLAB_NONE) continue;
-        if (slab->cls >= KVA_NUM_SIZE_CLASSES) return BROKEN("S1: slab %u has class %u", s, slab->cls);
-        if (b->pages[head].order != sl->chunk_order)
-            return BROKEN("S1: slab %u sits in a block of order %u, not %u", s, b->pages[head].order, sl->chunk_order);
-        const kva_size_class *cls = &sl->classes[slab->cls];
-        if (slab->l0 != kva_slab_bitmap(sl, s) + cls->l1_words)
-            return BROKEN("S1: slab %u's l0 pointer is not inside its own bitmap slot", s);
-        if (slab->inuse > cls->nobj) return BROKEN("S2: slab %u has %u of %u objects in use", s, slab->inuse, cls->nobj);
-        kva_status st = check_bitmap(sl, s, cls);
-        if (st != KVA_OK) return st;
+        if (slab->cls >= KVA_NUM_SIZE_CLASSES) st = BROKEN("S1: slab %u has class %u", s, slab->cls);
+        else if (slab->arena >= sl->narenas) st = BROKEN("S1: slab %u belongs to arena %u of %u", s, slab->arena, sl->narenas);
+        else if (b->pages[head].order != sl->chunk_order)
+            st = BROKEN("S1: slab %u sits in a block of order %u, not %u", s, b->pages[head].order, sl->chunk_order);
+        if (st != KVA_OK) break;
+        const kva_class_geometry *g = &sl->geom[slab->cls];
+        if (slab->l0 != kva_slab_bitmap(sl, s) + g->l1_words) {
+            st = BROKEN("S1: slab %u's l0 pointer is not inside its own bitmap slot", s);
+            break;
+        }
+        if (slab->inuse > g->nobj) {
+            st = BROKEN("S2: slab %u has %u of %u objects in use", s, slab->inuse, g->nobj);
+            break;
+        }
+        st = check_bitmap(sl, s, g, &in_caches[slab->cls]);
+        if (st != KVA_OK) break;
+        owned += owned_words(sl, s, g);
         live[slab->cls] += slab->inuse;
-        slabs[slab->cls]++;
+        per_arena[(size_t)slab->arena * KVA_NUM_SIZE_CLASSES + slab->cls]++;
         total++;
-        if (slab->inuse == 0) {
-            empties[slab->cls]++;
-            if (cls->empty_slab != s)
-                return BROKEN("S4: slab %u of class %u is empty but the class's spare is %u", s, slab->cls, cls->empty_slab);
-        }
+        const kva_arena_class *ac = &sl->arenas[slab->arena].classes[slab->cls];
+        if (slab->inuse == 0 && ac->empty_slab != s)
+            st = BROKEN("S4: slab %u of class %u is empty but its arena's spare is %u", s, slab->cls, ac->empty_slab);
+        else if (slab->inuse < g->nobj && !slab->listed)
+            st = BROKEN("S3: slab %u has free objects but is on no partial list", s);
+        flagged[(size_t)slab->arena * KVA_NUM_SIZE_CLASSES + slab->cls] += slab->listed;
     }
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        const kva_size_class *cls = &sl->classes[c];
-        uint32_t prev = KVA_NIL;
-        for (uint32_t at = cls->partial_head; at != KVA_NIL; at = sl->slabs[at].next) {
-            if (at >= sl->nchunks || sl->slabs[at].cls != c)
-                return BROKEN("S3: partial list of class %u links to %u, not a slab of that class", c, at);
-            if (sl->slabs[at].prev != prev) return BROKEN("S3: slab %u on class %u's list has a wrong prev link", at, c);
-            if (!sl->slabs[at].listed) return BROKEN("S3: slab %u is on class %u's list but not flagged listed", at, c);
-            if (++listed[c] > slabs[c]) return BROKEN("S3: class %u's partial list loops", c);
-            prev = at;
-        }
-        if (cls->partial_tail != prev)
-            return BROKEN("S3: class %u's partial tail is %u, the list ends at %u", c, cls->partial_tail, prev);
-        if (empties[c] > 1) return BROKEN("S4: class %u keeps %u empty slabs", c, empties[c]);
-        if (cls->empty_slab != KVA_NIL && (cls->empty_slab >= sl->nchunks || sl->slabs[cls->empty_slab].cls != c))
-            return BROKEN("S4: class %u names spare %u, which is not one of its slabs", c, cls->empty_slab);
-        uint64_t cached = cls->cur_slab != KVA_NIL ? (uint64_t)__builtin_popcountll(*cls->cur_l0) : 0;
-        if (cls->allocs - cls->frees != live[c] - cached || cls->slabs != slabs[c])
-            return BROKEN("S5: class %u counts %llu live in %u slabs; the slabs hold %llu in %llu", c,
-                          (unsigned long long)(cls->allocs - cls->frees), cls->slabs, (unsigned long long)live[c],
-                          (unsigned long long)slabs[c]);
-    }
-    /* The listed flags must match list membership exactly, and every slab with a free object
-     * must be listed. */
-    for (uint32_t s = 0; s < sl->nchunks; s++) {
-        const kva_slab *slab = &sl->slabs[s];
-        if (slab->cls == KVA_SLAB_NONE) continue;
-        if (slab->inuse < sl->classes[slab->cls].nobj && !slab->listed)
-            return BROKEN("S3: slab %u has free objects but is on no partial list", s);
-        if (slab->listed) {
-            if (listed[slab->cls] == 0) return BROKEN("S3: slab %u is flagged listed but is on no list", s);
-            listed[slab->cls]--;
-        }
-    }
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-        if (listed[c]) return BROKEN("S3: class %u's partial list holds a slab not flagged listed", c);
+    for (unsigned a = 0; a < sl->narenas && st == KVA_OK; a++)
+        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES && st == KVA_OK; c++)
+            st = check_lists(sl, a, c, per_arena[(size_t)a * KVA_NUM_SIZE_CLASSES + c],
+                             flagged[(size_t)a * KVA_NUM_SIZE_CLASSES + c]);
+    free(per_arena);
+    if (st != KVA_OK) return st;
     if (total != sl->live_slabs) return BROKEN("S5: %u slabs exist, the counter says %u", total, sl->live_slabs);
-    return KVA_OK;
+    if (totals->foreign_caches) return KVA_OK; /* S5 and S6 need the other threads' caches still */
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
+        if (totals->allocs[c] - totals->frees[c] != live[c] - in_caches[c])
+            return BROKEN("S5: class %u counts %llu live objects; its slabs hold %llu", c,
+                          (unsigned long long)(totals->allocs[c] - totals->frees[c]),
+                          (unsigned long long)(live[c] - in_caches[c]));
+    return check_caches(pool, owned);
 }
-
 typedef struct poison_check {
     const unsigned char *base;
     uint64_t bad_at; /* UINT64_MAX while every free byte holds the poison */
@@ -217,8 +262,18 @@ static int check_free_range(uint64_t offset, uint64_t size, kva_walk_kind kind, 
     return 0;
 }
 
+static kva_status check_locked(kva_pool *pool);
+
+/* Every lock, so that nothing but the threads' own words moves while the invariants are read. */
 kva_status kva_check(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    kva_pool_lock_all(pool);
+    kva_status st = check_locked(pool);
+    kva_pool_unlock_all(pool);
+    return st;
+}
+
+static kva_status check_locked(kva_pool *pool) {
     if (pool->capacity != (size_t)pool->buddy.nblocks << pool->buddy.min_shift || pool->capacity > pool->region.length)
         return BROKEN("P2: capacity %zu disagrees with %u blocks or the %zu-byte region", pool->capacity,
                       pool->buddy.nblocks, pool->region.length);
@@ -227,11 +282,13 @@ kva_status kva_check(kva_pool *pool) {
     uint64_t used_blocks = 0;
     kva_status st = check_buddy(&pool->buddy, &used_blocks);
     if (st != KVA_OK) return st;
-    st = check_slabs(pool);
+    kva_tc_totals totals;
+    kva_tc_totals_locked(pool, &totals);
+    st = check_slabs(pool, &totals);
     if (st != KVA_OK) return st;
     if (pool->checked) {
         poison_check pc = {.base = pool->base, .bad_at = UINT64_MAX};
-        kva_walk(pool, check_free_range, &pc);
+        kva_walk_locked(pool, check_free_range, &pc);
         if (pc.bad_at != UINT64_MAX)
             return BROKEN("C1: byte %llu of the pool is free but was written after it was freed",
                           (unsigned long long)pc.bad_at);

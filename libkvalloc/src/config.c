@@ -101,6 +101,8 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
         return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
     if (cfg->name && !valid_name(cfg->name))
         return kva_fail(KVA_ERR_INVALID, "pool name must be 1..%d characters of [A-Za-z0-9_.-]", KVA_NAME_MAX);
+    if (cfg->arenas > KVA_MAX_ARENAS)
+        return kva_fail(KVA_ERR_INVALID, "arenas %u: at most %d (0: one per CPU)", cfg->arenas, KVA_MAX_ARENAS);
     kva_status st = validate_backing(cfg);
     if (st != KVA_OK) return st;
     out->min_shift = min_shift;

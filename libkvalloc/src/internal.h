@@ -14,6 +14,15 @@
 #define KVA_NOINLINE __attribute__((noinline))
 #define KVA_INLINE static inline __attribute__((always_inline))
 
+/* Words that one thread writes while others may read them (a thread cache's bitmap words, its
+ * counters, the owner of a word) go through these: on x86-64 and AArch64 they are the plain
+ * loads and stores a single-threaded build would emit, and they keep the concurrent reads
+ * well defined (and ThreadSanitizer quiet). */
+#define kva_load(p) __atomic_load_n((p), __ATOMIC_RELAXED)
+#define kva_store(p, v) __atomic_store_n((p), (v), __ATOMIC_RELAXED)
+/* A counter only its owning thread increments, read by others: no read-modify-write needed. */
+#define kva_bump(p) kva_store((p), kva_load(p) + 1)
+
 /* The "no index" value of every u32 index list. */
 #define KVA_NIL UINT32_MAX
 

@@ -13,13 +13,17 @@
 #include "config.h"
 #include "os.h"
 #include "pool.h"
+#include "tcache.h"
 
 void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
+    kva_tc_pool_destroyed(pool);
     kva_segment_close(pool->segment);
     kva_slabs_fini(&pool->slabs);
     kva_buddy_fini(&pool->buddy);
     kva_region_destroy(&pool->region);
+    pthread_mutex_destroy(&pool->lock);
+    pthread_mutex_destroy(&pool->publish_lock);
     free(pool);
 }
 
@@ -39,11 +43,15 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         pool->config.name = pool->name;
     }
 
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_mutex_init(&pool->publish_lock, NULL);
     st = kva_buddy_init(&pool->buddy, geo.nblocks, geo.min_shift);
     if (st != KVA_OK) goto fail_pool;
-    st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift);
+    unsigned arenas = cfg->arenas ? cfg->arenas : kva_arena_default_count();
+    st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift, arenas);
     if (st != KVA_OK) goto fail_buddy;
     pool->slabs.region = &pool->region;
+    pool->slabs.pool_lock = &pool->lock;
     if (cfg->prefault) {
         /* The metadata is committed lazily too: without this, the first calls to reach each
          * page of block records or bitmaps would take the faults prefault promises away. */
@@ -69,7 +77,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         pool->fast_limit = pool->fast_capacity = 0;
     }
     if (cfg->name) {
-        kva_segment_geometry sg = {.nblocks = geo.nblocks, .nchunks = pool->slabs.nchunks};
+        kva_segment_geometry sg = {.nblocks = geo.nblocks, .nchunks = pool->slabs.nchunks, .narenas = arenas};
         st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pool->segment);
         if (st != KVA_OK) goto fail_region;
         if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
@@ -85,8 +93,22 @@ fail_slabs:
 fail_buddy:
     kva_buddy_fini(&pool->buddy);
 fail_pool:
+    pthread_mutex_destroy(&pool->lock);
+    pthread_mutex_destroy(&pool->publish_lock);
     free(pool);
     return st;
+}
+
+void kva_pool_lock_all(kva_pool *pool) {
+    kva_tc_registry_lock();
+    for (unsigned a = 0; a < pool->slabs.narenas; a++) pthread_mutex_lock(&pool->slabs.arenas[a].lock);
+    pthread_mutex_lock(&pool->lock);
+}
+
+void kva_pool_unlock_all(kva_pool *pool) {
+    pthread_mutex_unlock(&pool->lock);
+    for (unsigned a = pool->slabs.narenas; a-- > 0;) pthread_mutex_unlock(&pool->slabs.arenas[a].lock);
+    kva_tc_registry_unlock();
 }
 
 /* ---- observation: the trace ring, latency histograms and periodic publishing --------------- */
@@ -102,6 +124,7 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
                               uint64_t start) {
     kva_segment *seg = pool->segment;
     if (kva_likely(!seg)) return st;
+    pthread_mutex_lock(&pool->publish_lock);
     if (kva_unlikely(seg->trace_all || st != KVA_OK)) {
         uint64_t latency = start == UINT64_MAX ? UINT64_MAX : kva_os_monotonic_ns() - start;
         uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;
@@ -110,58 +133,97 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
     /* In line, a countdown: a named pool's checked calls pay a decrement, not a function call. */
     int due = kva_segment_due(seg);
     if (kva_unlikely(due)) kva_publish(pool, due == 2);
+    pthread_mutex_unlock(&pool->publish_lock);
     return st;
 }
 
 /* ---- allocation ---------------------------------------------------------------------------- */
 
 static kva_status reject(kva_pool *pool, kva_status status) {
-    pool->rejected_calls++;
+    __atomic_fetch_add(&pool->rejected_calls, 1, __ATOMIC_RELAXED);
     return status;
 }
 
-/* Empty spare slabs are free memory the buddy cannot see: before a request fails for want of a
- * block, they go back and the buddy is asked again. Returns whether any went back. */
+static void count_failure(kva_pool *pool) { __atomic_fetch_add(&pool->alloc_failures, 1, __ATOMIC_RELAXED); }
+
+static kva_tcache *this_thread_cache(kva_pool *pool) {
+    kva_tcache *tc = kva_tc_get(pool);
+    if (!tc) kva_fail(KVA_ERR_NOMEM, "no host memory for this thread's cache of the pool");
+    return tc;
+}
+
+/* Free objects cached by this thread and empty spare slabs are free memory the buddy cannot
+ * see: before a request fails for want of a block, they go back and the buddy is asked again.
+ * Returns whether any slab went back. */
 static int reclaim_spares(kva_pool *pool) {
+    kva_tcache *tc = kva_tc_find(pool);
+    if (tc) kva_tc_flush(pool, tc);
+    pthread_mutex_lock(&pool->lock);
     uint32_t before = pool->slabs.live_slabs;
-    kva_slab_trim(&pool->slabs, &pool->buddy);
-    return pool->slabs.live_slabs != before;
+    pthread_mutex_unlock(&pool->lock);
+    kva_slab_trim(&pool->slabs);
+    pthread_mutex_lock(&pool->lock);
+    int changed = pool->slabs.live_slabs != before;
+    pthread_mutex_unlock(&pool->lock);
+    return changed;
 }
 
 /* Backs the block just taken from the buddy at head (a single test for host memory). If the
- * memory cannot be had, the block goes back and the pool is as it was. */
+ * memory cannot be had, the block goes back and the pool is as it was. Pool lock held. */
 static kva_status commit_block(kva_pool *pool, uint32_t head) {
     uint64_t length = (uint64_t)kva_buddy_length(&pool->buddy.pages[head]) << pool->buddy.min_shift;
     kva_status st = kva_region_commit(&pool->region, (uint64_t)head << pool->buddy.min_shift, length);
     if (kva_likely(st == KVA_OK)) return KVA_OK;
     kva_buddy_free(&pool->buddy, head);
-    if (st == KVA_ERR_NOMEM) pool->alloc_failures++;
+    if (st == KVA_ERR_NOMEM) count_failure(pool);
     return st;
 }
 
-/* A buddy block for size bytes (size already validated against max_alloc_size). */
-static kva_status alloc_block(kva_pool *pool, size_t size, void **out) {
-    unsigned order = kva_buddy_order_for(&pool->buddy, size);
-    uint32_t head = kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
-    if (head == KVA_NIL && reclaim_spares(pool)) head = kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
-    if (head == KVA_NIL) {
-        pool->alloc_failures++;
-        return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for a request of %zu (%zu bytes free)",
-                        (size_t)1 << (order + pool->buddy.min_shift), size,
-                        (size_t)pool->buddy.free_units << pool->buddy.min_shift);
+/* Takes a block of the order (exact: only its first `units` minimum blocks) and backs it, under
+ * the pool lock. KVA_NIL in *head when the buddy has none. */
+static kva_status take_block(kva_pool *pool, unsigned order, uint32_t units, uint32_t *head) {
+    pthread_mutex_lock(&pool->lock);
+    *head = units ? kva_buddy_alloc_exact(&pool->buddy, order, units) : kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
+    kva_status st = KVA_OK;
+    if (*head != KVA_NIL) {
+        st = commit_block(pool, *head);
+        if (st == KVA_OK) pool->block_allocs++;
+        else *head = KVA_NIL;
     }
-    kva_status st = commit_block(pool, head);
+    pthread_mutex_unlock(&pool->lock);
+    return st;
+}
+
+/* A buddy block for size bytes (size already validated against max_alloc_size); units > 0:
+ * only the first units minimum blocks of it (kva_alloc_exact). */
+static kva_status alloc_block_units(kva_pool *pool, size_t size, uint32_t units, void **out) {
+    unsigned order = kva_buddy_order_for(&pool->buddy, size);
+    uint32_t head;
+    kva_status st = take_block(pool, order, units, &head);
+    if (st == KVA_OK && head == KVA_NIL && reclaim_spares(pool)) st = take_block(pool, order, units, &head);
     if (st != KVA_OK) return st;
-    pool->block_allocs++;
+    if (head == KVA_NIL) {
+        count_failure(pool);
+        pthread_mutex_lock(&pool->lock);
+        size_t free_bytes = (size_t)pool->buddy.free_units << pool->buddy.min_shift;
+        pthread_mutex_unlock(&pool->lock);
+        return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for a%s request of %zu (%zu bytes free)",
+                        (size_t)1 << (order + pool->buddy.min_shift), units ? "n exact" : "", size, free_bytes);
+    }
     *out = pool->base + ((size_t)head << pool->buddy.min_shift);
     return KVA_OK;
 }
 
-/* An object of class c; when no chunk is left for a new slab, a buddy block serves the request
- * so that it fails only if the pool as a whole cannot hold it. */
+static kva_status alloc_block(kva_pool *pool, size_t size, void **out) { return alloc_block_units(pool, size, 0, out); }
+
+/* An object of class c from this thread's cache; when no slab anywhere has one and no chunk is
+ * left for a new slab, a buddy block serves the request so that it fails only if the pool as a
+ * whole cannot hold it. */
 static kva_status alloc_object(kva_pool *pool, unsigned c, size_t size, void **out) {
+    kva_tcache *tc = this_thread_cache(pool);
+    if (!tc) return KVA_ERR_NOMEM;
     uint64_t offset;
-    if (kva_slab_alloc_slow(&pool->slabs, &pool->buddy, c, &offset)) {
+    if (kva_tc_alloc(pool, tc, c, &offset)) {
         *out = pool->base + offset;
         return KVA_OK;
     }
@@ -242,14 +304,13 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
 }
 
 kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
-    /* Hot path: a valid small request and a current word with a free object. size - 1 wraps for
-     * 0, which then takes the checked path with everything else. */
-    uint64_t offset;
+    /* Hot path: a valid small request, this thread's cache of the pool, and a current word with
+     * a free object. size - 1 wraps for 0, which then takes the checked path with everything
+     * else. */
+    kva_tcache *tc = kva_tc_current;
     if (kva_likely(pool != NULL && out != NULL && size - 1 < pool->fast_limit &&
-                   kva_slab_alloc_fast(&pool->slabs, kva_class_index(size), &offset))) {
-        *out = pool->base + offset;
+                   kva_load(&tc->pool) == pool && kva_tc_alloc_fast(tc, kva_class_index(size), out)))
         return KVA_OK;
-    }
     return alloc_checked(pool, size, out);
 }
 
@@ -293,20 +354,8 @@ kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void
 
 static kva_status alloc_exact_any(kva_pool *pool, size_t size, void **out) {
     if (!out || size == 0 || size > pool->max_alloc_size) return alloc_any(pool, size, out);
-    unsigned order = kva_buddy_order_for(&pool->buddy, size);
     size_t unit = (size_t)1 << pool->buddy.min_shift;
-    uint32_t units = (uint32_t)((size + unit - 1) / unit);
-    uint32_t head = kva_buddy_alloc_exact(&pool->buddy, order, units);
-    if (head == KVA_NIL && reclaim_spares(pool)) head = kva_buddy_alloc_exact(&pool->buddy, order, units);
-    if (head == KVA_NIL) {
-        pool->alloc_failures++;
-        return kva_fail(KVA_ERR_NOMEM, "no free block of %zu bytes for an exact request of %zu", unit << order, size);
-    }
-    kva_status st = commit_block(pool, head);
-    if (st != KVA_OK) return st;
-    pool->block_allocs++;
-    *out = pool->base + ((size_t)head << pool->buddy.min_shift);
-    return KVA_OK;
+    return alloc_block_units(pool, size, (uint32_t)((size + unit - 1) / unit), out);
 }
 
 kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
@@ -318,7 +367,8 @@ kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
 
 /* ---- free ---------------------------------------------------------------------------------- */
 
-/* Why a non-slab address cannot be freed: it lies in free memory or inside a live block. */
+/* Why a non-slab address cannot be freed: it lies in free memory or inside a live block. Pool
+ * lock held. */
 static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t offset) {
     uint32_t head = kva_buddy_block_of(&pool->buddy, (uint32_t)(offset >> pool->buddy.min_shift));
     if (head == KVA_NIL) return kva_fail(KVA_ERR_CORRUPT, "no block contains offset %llu", (unsigned long long)offset);
@@ -336,22 +386,29 @@ static kva_status free_any(kva_pool *pool, void *ptr) {
     if (offset >= pool->capacity)
         return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is outside the pool [%p, %p)", ptr,
                                      (void *)pool->base, (void *)(pool->base + pool->capacity)));
-    if (pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)].cls != KVA_SLAB_NONE) {
-        kva_status st = kva_slab_free_slow(&pool->slabs, &pool->buddy, offset);
+    if (__atomic_load_n(&pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)].cls, __ATOMIC_ACQUIRE) !=
+        KVA_SLAB_NONE) {
+        kva_tcache *tc = this_thread_cache(pool);
+        if (!tc) return KVA_ERR_NOMEM;
+        kva_status st = kva_tc_free(pool, tc, offset);
         if (st == KVA_ERR_DOUBLE_FREE) return reject(pool, kva_fail(st, "slab object %p is already free", ptr));
         if (st != KVA_OK) return reject(pool, kva_fail(st, "%p is not the start of a slab object", ptr));
         return KVA_OK;
     }
     uint32_t index = (uint32_t)(offset >> pool->buddy.min_shift);
     int aligned = (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) == 0;
+    pthread_mutex_lock(&pool->lock);
     if (aligned && pool->buddy.pages[index].state == KVA_BLOCK_USED) {
         kva_region_decommit(&pool->region, offset, (uint64_t)kva_buddy_length(&pool->buddy.pages[index])
                                                        << pool->buddy.min_shift);
         kva_buddy_free(&pool->buddy, index);
         pool->block_frees++;
+        pthread_mutex_unlock(&pool->lock);
         return KVA_OK;
     }
-    return reject(pool, classify_bad_free(pool, ptr, offset));
+    kva_status st = classify_bad_free(pool, ptr, offset);
+    pthread_mutex_unlock(&pool->lock);
+    return reject(pool, st);
 }
 
 static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
@@ -362,13 +419,21 @@ static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
 }
 
 kva_status kva_free(kva_pool *pool, void *ptr) {
-    /* Hot path: a live slab object whose slab stays partial. Everything else, errors included,
-     * goes to free_checked, which starts over. */
-    if (kva_likely(pool != NULL)) {
+    /* Hot path: a live slab object in a word this thread's cache owns. Everything else, errors
+     * included, goes to free_checked, which starts over. */
+    kva_tcache *tc = kva_tc_current;
+    if (kva_likely(pool != NULL && kva_load(&tc->pool) == pool)) {
         uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
-        if (kva_likely(offset < pool->fast_capacity && kva_slab_free_fast(&pool->slabs, offset))) return KVA_OK;
+        if (kva_likely(offset < pool->fast_capacity && kva_tc_free_fast(&pool->slabs, tc, offset))) return KVA_OK;
     }
     return free_checked(pool, ptr);
+}
+
+kva_status kva_thread_flush(kva_pool *pool) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    kva_tcache *tc = kva_tc_find(pool);
+    if (tc) kva_tc_flush(pool, tc);
+    return KVA_OK;
 }
 
 size_t kva_usable_size(kva_pool *pool, const void *ptr) {
@@ -386,21 +451,28 @@ static size_t usable_size(kva_pool *pool, const void *ptr) {
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (offset >= pool->capacity) return 0;
     const kva_slab *slab = &pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)];
-    if (slab->cls != KVA_SLAB_NONE) {
+    if (__atomic_load_n(&slab->cls, __ATOMIC_ACQUIRE) != KVA_SLAB_NONE) {
         kva_object_ref ref;
-        if (!kva_slab_locate(&pool->slabs, offset, &ref) || !kva_slab_is_live(&ref)) return 0;
-        return ref.cls->size;
+        if (!kva_slab_locate(&pool->slabs, offset, &ref) || !kva_slab_is_live(&pool->slabs, &ref)) return 0;
+        return pool->slabs.geom[ref.cls].size;
     }
     if (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) return 0;
+    pthread_mutex_lock(&pool->lock);
     const kva_page *page = &pool->buddy.pages[offset >> pool->buddy.min_shift];
-    if (page->state != KVA_BLOCK_USED) return 0;
-    return (size_t)page->next << pool->buddy.min_shift;
+    size_t usable = page->state == KVA_BLOCK_USED ? (size_t)page->next << pool->buddy.min_shift : 0;
+    pthread_mutex_unlock(&pool->lock);
+    return usable;
 }
 
 kva_status kva_trim(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
-    kva_slab_trim(&pool->slabs, &pool->buddy);
-    return observe_end(pool, KVA_SHM_OP_TRIM, kva_region_trim(&pool->region), NULL, 0, UINT64_MAX);
+    kva_tcache *tc = kva_tc_find(pool);
+    if (tc) kva_tc_flush(pool, tc);
+    kva_slab_trim(&pool->slabs);
+    pthread_mutex_lock(&pool->lock);
+    kva_status st = kva_region_trim(&pool->region);
+    pthread_mutex_unlock(&pool->lock);
+    return observe_end(pool, KVA_SHM_OP_TRIM, st, NULL, 0, UINT64_MAX);
 }
 
 kva_status kva_pool_base(kva_pool *pool, void **base) {

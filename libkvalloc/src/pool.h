@@ -10,6 +10,8 @@
 #ifndef KVA_POOL_H
 #define KVA_POOL_H
 
+#include <pthread.h>
+
 #include "buddy.h"
 #include "publish.h"
 #include "region.h"
@@ -29,16 +31,38 @@ struct kva_pool {
     int checked;                     /* kva_config.checked: see checked.h */
     kva_slabs slabs;
     kva_buddy buddy;
+    /* The pool lock: the buddy, the region, the block counters and slabs.live_slabs. Taken
+     * inside an arena lock, never the other way round (arena.h). */
+    pthread_mutex_t lock;
     uint64_t block_allocs;   /* buddy blocks handed out (slab objects count per class) */
     uint64_t block_frees;
-    uint64_t alloc_failures;
-    uint64_t rejected_calls;
+    uint64_t alloc_failures; /* atomic */
+    uint64_t rejected_calls; /* atomic */
     size_t max_alloc_size;
     kva_region region;
     kva_segment *segment;            /* NULL for an anonymous pool */
+    /* The segment's writers (trace records, publishing) and the KV publisher hook. Taken before
+     * any other lock. */
+    pthread_mutex_t publish_lock;
     kva_kv_publisher kv_publisher;   /* set by a KV cache built on this pool */
+    /* Thread caches (tcache.h), under the registry lock: the live ones, and the counters of
+     * those whose threads have exited. */
+    struct kva_tcache *tcaches;
+    uint32_t next_tc_id;
+    uint32_t ncaches;
+    uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
+    uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
+    uint64_t retired_remote_frees;
     kva_config config; /* as created; config.name points at name below */
     char name[KVA_NAME_MAX + 1];
 };
+
+/* Takes every lock of the pool in order (the registry, the arenas, the pool lock), so that only
+ * the threads' own words move: kva_check, the stats and publishing read under it. */
+void kva_pool_lock_all(kva_pool *pool);
+void kva_pool_unlock_all(kva_pool *pool);
+
+/* kva_walk with the locks already held. */
+kva_status kva_walk_locked(kva_pool *pool, kva_walk_fn fn, void *ctx);
 
 #endif

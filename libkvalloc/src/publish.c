@@ -13,6 +13,7 @@
 #include "pool.h"
 #include "publish.h"
 #include "segment.h"
+#include "tcache.h"
 
 static void publish_summary(kva_pool *pool, kva_shm_summary *out) {
     kva_stats st;
@@ -74,21 +75,41 @@ static void publish_heapmap(kva_pool *pool, kva_segment *seg) {
 
 static void publish_classes(kva_pool *pool, kva_segment *seg) {
     kva_shm_class *out = (kva_shm_class *)(seg->classes + 1);
+    const kva_slabs *sl = &pool->slabs;
+    kva_tc_totals totals;
+    kva_tc_totals_locked(pool, &totals);
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        const kva_size_class *cls = &pool->slabs.classes[c];
-        out[c] = (kva_shm_class){.object_size = cls->size, .objects_per_slab = cls->nobj,
-                                 .live_objects = cls->allocs - cls->frees, .slabs = cls->slabs,
-                                 .allocs = cls->allocs, .frees = cls->frees};
+        uint64_t slabs = 0;
+        for (unsigned a = 0; a < sl->narenas; a++) slabs += sl->arenas[a].classes[c].slabs;
+        out[c] = (kva_shm_class){.object_size = sl->geom[c].size, .objects_per_slab = sl->geom[c].nobj,
+                                 .live_objects = totals.allocs[c] - totals.frees[c], .slabs = slabs,
+                                 .allocs = totals.allocs[c], .frees = totals.frees[c]};
     }
 }
 
-/* Free objects among [first, last) of an l0 bitmap, a word at a time. */
-static uint64_t count_free(const uint64_t *l0, uint64_t first, uint64_t last) {
+static void publish_arenas(kva_pool *pool, kva_segment *seg) {
+    kva_shm_arena *out = (kva_shm_arena *)(seg->arenas + 1);
+    const kva_slabs *sl = &pool->slabs;
+    for (unsigned a = 0; a < sl->narenas && a < seg->arenas->count; a++) {
+        const kva_arena *arena = &sl->arenas[a];
+        kva_shm_arena entry = {.word_claims = arena->claims};
+        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+            entry.slabs += arena->classes[c].slabs;
+            entry.spare_slabs += arena->classes[c].empty_slab != KVA_NIL;
+        }
+        entry.slab_bytes = entry.slabs << sl->chunk_shift;
+        out[a] = entry;
+    }
+}
+
+/* Free objects among [first, last) of a slab (free in l0, or passed to the word's owner and not
+ * merged yet), a word at a time. Objects in threads' caches are free ones. */
+static uint64_t count_free(const uint64_t *l0, const uint64_t *remote, uint64_t first, uint64_t last) {
     uint64_t count = 0;
     while (first < last) {
         uint64_t word = first >> 6, lo = first & 63, hi = last - (word << 6) < 64 ? last - (word << 6) : 64;
         uint64_t mask = (hi == 64 ? ~(uint64_t)0 : (((uint64_t)1 << hi) - 1)) & (~(uint64_t)0 << lo);
-        count += (uint64_t)__builtin_popcountll(l0[word] & mask);
+        count += (uint64_t)__builtin_popcountll((kva_load(&l0[word]) | kva_load(&remote[word])) & mask);
         first = (word << 6) + hi;
     }
     return count;
@@ -102,15 +123,15 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
     for (uint32_t s = 0; s < sl->nchunks && n < seg->slabs->capacity; s++) {
         const kva_slab *slab = &sl->slabs[s];
         if (slab->cls == KVA_SLAB_NONE) continue;
-        const kva_size_class *cls = &sl->classes[slab->cls];
+        const kva_class_geometry *cls = &sl->geom[slab->cls];
         kva_shm_slab *o = &out[n++];
-        /* Live objects: inuse also counts the free ones of a claimed word. */
-        uint32_t cached = cls->cur_slab == s ? (uint32_t)__builtin_popcountll(*cls->cur_l0) : 0;
-        *o = (kva_shm_slab){.chunk = s, .size_class = slab->cls, .inuse = slab->inuse - cached, .objects = cls->nobj};
+        uint64_t free_objects = count_free(slab->l0, kva_slab_remote(slab, cls), 0, cls->nobj);
+        *o = (kva_shm_slab){.chunk = s, .size_class = slab->cls, .inuse = (uint32_t)(cls->nobj - free_objects),
+                            .objects = cls->nobj};
         for (uint32_t cell = 0; cell < KVA_SHM_STRIP_CELLS; cell++) {
             uint64_t first = (uint64_t)cls->nobj * cell / KVA_SHM_STRIP_CELLS;
             uint64_t last = (uint64_t)cls->nobj * (cell + 1) / KVA_SHM_STRIP_CELLS;
-            uint64_t live = (last - first) - count_free(slab->l0, first, last);
+            uint64_t live = (last - first) - count_free(slab->l0, kva_slab_remote(slab, cls), first, last);
             o->strip[cell] = last > first ? (uint8_t)(255u * live / (last - first)) : 0;
         }
     }
@@ -122,15 +143,14 @@ void kva_publish(kva_pool *pool, int full) {
     if (!seg) return;
     kva_segment_begin(seg);
     publish_summary(pool, seg->summary);
+    kva_pool_lock_all(pool);
     publish_classes(pool, seg);
+    publish_arenas(pool, seg);
     if (full) {
         publish_heapmap(pool, seg);
         publish_slabs(pool, seg);
     }
-    kva_shm_arena *arena = (kva_shm_arena *)(seg->arenas + 1);
-    *arena = (kva_shm_arena){.allocs = seg->summary->alloc_count, .frees = seg->summary->free_count,
-                             .alloc_failures = seg->summary->alloc_failures,
-                             .bytes_in_use = seg->summary->bytes_in_use};
+    kva_pool_unlock_all(pool);
     if (pool->kv_publisher.publish)
         pool->kv_publisher.publish(pool->kv_publisher.ctx, seg->kv, full ? seg->heapmap : NULL, seg->cell_state,
                                    seg->cell_fill);
@@ -143,8 +163,10 @@ void kva_publish(kva_pool *pool, int full) {
 
 void kva_publish_due(kva_pool *pool) {
     if (!pool->segment) return;
+    pthread_mutex_lock(&pool->publish_lock);
     int due = kva_segment_due(pool->segment);
     if (due) kva_publish(pool, due == 2);
+    pthread_mutex_unlock(&pool->publish_lock);
 }
 
 void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
@@ -154,7 +176,9 @@ void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
 
 kva_status kva_stats_publish(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    pthread_mutex_lock(&pool->publish_lock);
     kva_publish(pool, 1);
+    pthread_mutex_unlock(&pool->publish_lock);
     return KVA_OK;
 }
 

@@ -74,7 +74,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
         sizeof(kva_shm_heapmap) + 2 * (size_t)cells,
         sizeof(kva_shm_classes) + KVA_NUM_SIZE_CLASSES * sizeof(kva_shm_class),
         sizeof(kva_shm_slabs) + (size_t)geo->nchunks * sizeof(kva_shm_slab),
-        sizeof(kva_shm_arenas) + sizeof(kva_shm_arena),
+        sizeof(kva_shm_arenas) + (size_t)geo->narenas * sizeof(kva_shm_arena),
         sizeof(kva_shm_latency),
         sizeof(kva_shm_kv),
         sizeof(kva_shm_trace) + KVA_TRACE_RECORDS * sizeof(kva_shm_trace_record),
@@ -116,7 +116,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     seg->slabs = add_section(seg, KVA_SHM_SECTION_SLABS, sizes[3], &end);
     seg->slabs->capacity = geo->nchunks;
     seg->arenas = add_section(seg, KVA_SHM_SECTION_ARENAS, sizes[4], &end);
-    seg->arenas->count = 1;
+    seg->arenas->count = geo->narenas;
     seg->arenas->entry_size = sizeof(kva_shm_arena);
     seg->latency = add_section(seg, KVA_SHM_SECTION_LATENCY, sizes[5], &end);
     seg->kv = add_section(seg, KVA_SHM_SECTION_KV, sizes[6], &end);

@@ -40,6 +40,7 @@ typedef struct kva_segment {
 typedef struct kva_segment_geometry {
     uint32_t nblocks;   /* minimum blocks of the pool */
     uint32_t nchunks;   /* slab descriptors */
+    uint32_t narenas;
 } kva_segment_geometry;
 
 /* Creates, maps and registers the segment of pool `pool_name`. */

@@ -4,39 +4,47 @@
  * A slab is one buddy block of chunk size, so chunk number c (offset >> chunk_shift) names both
  * the chunk and its descriptor slabs[c]: finding an object's slab is one shift, no search.
  * Occupancy lives out of band in a three-level bitmap per slab (1 = free):
- *   l0: one bit per object;  l1: one bit per l0 word that has a free bit;
+ *   l0: one bit per object;  l1: one bit per l0 word that has a free bit and no owner;
  *   l2: one bit per l1 word that has a set bit (one word: at most 2^18 objects per slab).
  * so the first free object is three ctz away whatever the slab's size.
  *
- * Each class claims one l0 word at a time (its "current word") and takes that word's bit out of
- * l1, so no other search finds it. Allocation then pops the lowest set bit of the current word:
- * a load, a ctz and a store. The three levels are walked only to claim the next word, once per
- * 64 objects at most. The l0 bits stay the truth about every object, claimed or not, so a
- * double free is caught the same way everywhere.
+ * Threads own words. A thread cache (tcache.h) takes whole l0 words from an arena (arena.h):
+ * the word's owner entry names the cache, and from then on only that thread writes the word,
+ * with plain stores, no lock and no read-modify-write; allocation pops its lowest set bit, a
+ * free sets the object's bit after checking it is clear, so a double free is caught exactly.
+ * An owned word is the thread's cache of objects: out of band, its objects never written.
+ * Another thread that frees an object of an owned word sets the object's bit in the word's
+ * remote word instead (an atomic OR: lock-free, bounded, cannot overflow); the owner merges
+ * the remote word into its word before it needs more objects and when it gives the word back.
  *
- * A slab's inuse counts the free objects of a claimed word as in use from the claim on, and
- * gives them back when the word is given up. So neither allocating from the current word nor
- * freeing into it changes any slab count: the fast paths update one counter each.
+ * Slot of slab s (kva_slab_bitmap): l1[l1_words] | l0[l0_words] | remote[l0_words] |
+ * owner[l0_words] (u32 each, 0 = nobody), sized for the class with the most words.
  *
- * Invariants (kva_check verifies each):
- *  S1  slabs[c].cls != KVA_SLAB_NONE iff the buddy block at chunk c is a SLAB head of chunk order.
- *  S2  popcount(l0) == nobj - inuse + the free bits of the class's current word if it lies in
- *      this slab (inuse counts a claimed word's free objects as in use, see below); no bit at or
- *      beyond nobj is set; an l1 bit is set iff its l0 word is nonzero and not a class's current
- *      word; an l2 bit iff its l1 word is nonzero.
- *  S3  A slab is on its class's partial list iff its listed flag is set; every slab with a free
- *      object is listed; the list is doubly linked. (A full slab leaves the list lazily, when a
- *      claim finds it at the head, so the allocation fast path never touches the list.)
- *  S4  At most one slab per class is empty (inuse == 0), and then it is the class's empty_slab;
- *      empty_slab is KVA_NIL or a slab of the class (possibly no longer empty: checked lazily).
- *  S5  A class's allocs - frees equals the sum of inuse over its slabs less the free bits of its
- *      current word; slabs is its slab count.
- *  S6  A class's current word lies in one of its own slabs and cur_offset is that word's first
- *      object; with no current word, cur_l0 points at the always-zero no_word.
+ * A slab's inuse counts its live objects in words nobody owns plus every object of its owned
+ * words, free or not. So claiming a word adds its free objects, giving it back subtracts them,
+ * and neither allocating nor freeing inside an owned word changes any shared count.
+ *
+ * Invariants (kva_check verifies each; those marked * only while no other thread holds a cache
+ * of the pool, since owners move them without a lock):
+ *  S1  slabs[c].cls != KVA_SLAB_NONE iff the buddy block at chunk c is a SLAB head of chunk order;
+ *      its arena is below the pool's arena count.
+ *  S2  The free bits of the words nobody owns number nobj - inuse; no bit at or beyond nobj is
+ *      set, in l0 or remote; an l1 bit is set iff its l0 word is nonzero and has no owner; an
+ *      l2 bit iff its l1 word is nonzero.
+ *  S3  A slab is on its arena's partial list for its class iff its listed flag is set; every
+ *      slab with a free bit in a word nobody owns is listed; the list is doubly linked. (A full
+ *      slab leaves the list lazily, when a claim finds it at the head.)
+ *  S4  At most one slab per class and arena is empty (inuse == 0), and then it is that arena
+ *      class's empty_slab, which is KVA_NIL or a slab of the class in that arena.
+ *  S5* A class's allocations less its frees equal the sum of inuse over its slabs less the free
+ *      and remote bits of owned words and the remote bits of words nobody owns.
+ *  S6* Every owner entry names a live cache of the pool that lists the word among its own for
+ *      that class, and every word a cache lists is owned by it in a slab of that class.
  */
 #ifndef KVA_SLAB_H
 #define KVA_SLAB_H
 
+#include "arena.h"
 #include "buddy.h"
 #include "region.h"
 #include "size_class.h"
@@ -46,35 +54,26 @@
 /* Object index = (offset in slab * recip) >> KVA_RECIP_SHIFT, exact for offsets below 2^26 and
  * sizes up to 2^16 (offset * size < 2^42), and the product stays below 2^64. */
 #define KVA_RECIP_SHIFT 42
+#define KVA_NO_OWNER 0u
 
 typedef struct kva_slab {
     uint64_t *l0;         /* this slab's l0 words (inside its bitmap slot) */
     uint64_t l2;          /* bit i: l1 word i is nonzero */
-    uint32_t prev, next;  /* links of the class's partial list */
-    uint32_t inuse;       /* live objects, plus the free ones of a claimed word in this slab */
+    uint32_t prev, next;  /* links of the arena's partial list for the class */
+    uint32_t inuse;       /* see above: live objects of unowned words + all of owned words */
     uint8_t cls;          /* size class, or KVA_SLAB_NONE if the chunk is not a slab */
-    uint8_t listed;       /* on the class's partial list */
-    uint8_t reserved[2];
+    uint8_t listed;       /* on the partial list */
+    uint16_t arena;       /* the arena that grew it */
 } kva_slab;
 
-typedef struct kva_size_class {
-    /* The allocation fast path reads only the first cache line. */
-    uint64_t *cur_l0;       /* the claimed l0 word, or &kva_slabs.no_word */
-    uint64_t cur_offset;    /* pool offset of the claimed word's first object */
+/* What every slab of a class shares; fixed at pool creation, read by the fast paths. */
+typedef struct kva_class_geometry {
     uint32_t size;
-    uint32_t cur_slab;      /* the slab holding the claimed word, or KVA_NIL */
     uint32_t nobj;          /* objects per slab */
-    uint32_t cur_word;      /* index of the claimed word in its slab's l0 */
-    uint64_t allocs;        /* objects handed out since creation */
-    uint64_t frees;         /* objects returned since creation */
     uint64_t recip;         /* reciprocal of size, see KVA_RECIP_SHIFT */
-    uint32_t l1_words;      /* l1 comes first in a slab's bitmap slot, l0 after it */
-    uint32_t l0_words;
-    uint32_t partial_head;  /* slabs with a free object; claims come from the head */
-    uint32_t partial_tail;
-    uint32_t empty_slab;    /* the empty slab kept as a spare, or KVA_NIL (see S4) */
-    uint32_t slabs;
-} kva_size_class;
+    uint32_t l0_words;      /* l1 comes first in a slab's bitmap slot, l0 after it */
+    uint32_t l1_words;
+} kva_class_geometry;
 
 typedef struct kva_slabs {
     kva_slab *slabs;        /* one descriptor per chunk of the pool (a partial tail chunk too) */
@@ -84,105 +83,132 @@ typedef struct kva_slabs {
     unsigned chunk_shift;
     uint64_t chunk_mask;    /* chunk size - 1 */
     unsigned chunk_order;   /* the buddy order of one chunk */
-    uint32_t live_slabs;
     size_t slabs_bytes, bitmaps_bytes;
-    uint64_t no_word;       /* always 0: the current word of a class that has none */
-    kva_size_class classes[KVA_NUM_SIZE_CLASSES];
-    kva_region *region;     /* the pool's memory: a slab's chunk is committed when the slab is
-                               made and decommitted when it is released (region.h) */
+    kva_class_geometry geom[KVA_NUM_SIZE_CLASSES];
+    kva_arena *arenas;
+    unsigned narenas;
+    uint32_t live_slabs;    /* under the pool lock */
+    /* The pool's: slab growth and release take a chunk from and give it to the buddy, and
+     * commit or decommit its memory, under the pool lock. */
+    kva_buddy *buddy;
+    kva_region *region;
+    pthread_mutex_t *pool_lock;
 } kva_slabs;
 
-kva_status kva_slabs_init(kva_slabs *sl, const kva_buddy *buddy, size_t capacity, unsigned chunk_shift);
+kva_status kva_slabs_init(kva_slabs *sl, kva_buddy *buddy, size_t capacity, unsigned chunk_shift, unsigned narenas);
 void kva_slabs_fini(kva_slabs *sl);
 
-/* The slow allocation path: claims a new current word for class c (growing a slab if needed),
- * then allocates from it. 0 if the buddy has no chunk left for a new slab. */
-KVA_NOINLINE int kva_slab_alloc_slow(kva_slabs *sl, kva_buddy *buddy, unsigned c, uint64_t *offset);
-/* The complete free of an object at pool offset `offset` inside slab chunk s: validates, frees,
- * and keeps the lists right. KVA_ERR_BAD_POINTER or KVA_ERR_DOUBLE_FREE change nothing. */
-KVA_NOINLINE kva_status kva_slab_free_slow(kva_slabs *sl, kva_buddy *buddy, uint64_t offset);
-/* Returns every empty slab to the buddy. */
-void kva_slab_trim(kva_slabs *sl, kva_buddy *buddy);
+/* ---- the slot of a slab -------------------------------------------------------------------- */
 
 KVA_INLINE uint64_t *kva_slab_bitmap(const kva_slabs *sl, uint32_t s) {
     return sl->bitmaps + (size_t)s * sl->slot_words;
+}
+
+KVA_INLINE uint64_t *kva_slab_remote(const kva_slab *slab, const kva_class_geometry *g) {
+    return slab->l0 + g->l0_words;
+}
+
+KVA_INLINE uint32_t *kva_slab_owner(const kva_slab *slab, const kva_class_geometry *g) {
+    return (uint32_t *)(slab->l0 + 2 * (size_t)g->l0_words);
+}
+
+/* Words of a slot for a class with l0_words l0 words and l1_words l1 words. */
+KVA_INLINE size_t kva_slot_words(uint32_t l0_words, uint32_t l1_words) {
+    return (size_t)l1_words + 2 * (size_t)l0_words + ((size_t)l0_words + 1) / 2;
 }
 
 KVA_INLINE uint32_t kva_slab_chunk(const kva_slabs *sl, uint64_t offset) {
     return (uint32_t)(offset >> sl->chunk_shift);
 }
 
+/* Objects in word w of a slab of the class: 64, or fewer in the last word. */
+KVA_INLINE unsigned kva_word_objects(const kva_class_geometry *g, uint32_t w) {
+    uint32_t left = g->nobj - w * 64;
+    return left < 64 ? left : 64;
+}
+
 /* Where an object lives: found from its pool offset. */
 typedef struct kva_object_ref {
     uint32_t slab;
-    kva_size_class *cls;
+    uint32_t word;  /* index of its l0 word */
+    unsigned cls;
     uint64_t *l0;   /* its l0 word */
     uint64_t bit;   /* its bit in that word */
 } kva_object_ref;
 
-/* Finds the object that starts at pool offset `offset`, which lies in slab chunk ref->slab (the
- * caller checked the chunk is a slab). 0 if the offset is not an object's first byte. */
+/* Finds the object that starts at pool offset `offset`, which lies in a slab chunk (the caller
+ * checked). 0 if the offset is not an object's first byte. */
 KVA_INLINE int kva_slab_locate(const kva_slabs *sl, uint64_t offset, kva_object_ref *ref) {
     uint32_t s = kva_slab_chunk(sl, offset);
-    kva_size_class *cls = (kva_size_class *)&sl->classes[sl->slabs[s].cls];
+    unsigned c = kva_load(&sl->slabs[s].cls);
+    if (kva_unlikely(c >= KVA_NUM_SIZE_CLASSES)) return 0;
+    const kva_class_geometry *g = &sl->geom[c];
     uint64_t rel = offset & sl->chunk_mask;
-    uint64_t object = (rel * cls->recip) >> KVA_RECIP_SHIFT;
-    if (kva_unlikely(object * cls->size != rel || object >= cls->nobj)) return 0;
+    uint64_t object = (rel * g->recip) >> KVA_RECIP_SHIFT;
+    if (kva_unlikely(object * g->size != rel || object >= g->nobj)) return 0;
     ref->slab = s;
-    ref->cls = cls;
-    ref->l0 = sl->slabs[s].l0 + (object >> 6);
+    ref->word = (uint32_t)(object >> 6);
+    ref->cls = c;
+    ref->l0 = kva_load(&sl->slabs[s].l0) + ref->word;
     ref->bit = (uint64_t)1 << (object & 63);
     return 1;
 }
 
-KVA_INLINE int kva_slab_is_live(const kva_object_ref *ref) { return !(*ref->l0 & ref->bit); }
 
-/* Marks a located, live object free in the bitmaps; the caller fixes inuse and the lists. */
-KVA_INLINE void kva_slab_mark_free(kva_slabs *sl, const kva_object_ref *ref) {
-    uint64_t w0 = *ref->l0;
-    *ref->l0 = w0 | ref->bit;
-    if (kva_unlikely(w0 == 0) && ref->l0 != ref->cls->cur_l0) {
-        /* The word has a free object again and is nobody's current word: list it. */
-        uint64_t *slot = kva_slab_bitmap(sl, ref->slab);
-        uint64_t word = (uint64_t)(ref->l0 - sl->slabs[ref->slab].l0);
-        slot[word >> 6] |= (uint64_t)1 << (word & 63);
-        sl->slabs[ref->slab].l2 |= (uint64_t)1 << (word >> 6);
-    }
-    ref->cls->frees++;
+/* Where the object's word keeps its remote frees and its owner. */
+KVA_INLINE uint64_t *kva_ref_remote(const kva_slabs *sl, const kva_object_ref *ref) {
+    return ref->l0 + sl->geom[ref->cls].l0_words;
 }
 
-/* The allocation fast path: pops the lowest free object of class c's current word. 0 when that
- * word is exhausted (the caller then takes kva_slab_alloc_slow). About 15 instructions. */
-KVA_INLINE int kva_slab_alloc_fast(kva_slabs *sl, unsigned c, uint64_t *offset) {
-    kva_size_class *cls = &sl->classes[c];
-    uint64_t bits = *cls->cur_l0;
-    if (kva_unlikely(bits == 0)) return 0;
-    *cls->cur_l0 = bits & (bits - 1);
-    cls->allocs++;
-    *offset = cls->cur_offset + (uint64_t)kva_ctz64(bits) * cls->size;
-    return 1;
+KVA_INLINE uint32_t *kva_ref_owner(const kva_slabs *sl, const kva_object_ref *ref) {
+    return (uint32_t *)(ref->l0 - ref->word + 2 * (size_t)sl->geom[ref->cls].l0_words) + ref->word;
 }
 
-/* The free fast path for a pool offset known to lie inside the pool: 1 if it freed a live slab
- * object without a list transition; 0, with nothing changed, in every other case (not a slab, a
- * bad pointer, a double free, a slab that was full or becomes empty), for the slow path. */
-KVA_INLINE int kva_slab_free_fast(kva_slabs *sl, uint64_t offset) {
-    kva_slab *slab = &sl->slabs[kva_slab_chunk(sl, offset)];
-    if (kva_unlikely(slab->cls == KVA_SLAB_NONE)) return 0;
-    kva_object_ref ref;
-    if (kva_unlikely(!kva_slab_locate(sl, offset, &ref) || !kva_slab_is_live(&ref))) return 0;
-    if (ref.l0 == ref.cls->cur_l0) {
-        /* Back into the current word: its slab already counts it as in use. */
-        *ref.l0 |= ref.bit;
-        ref.cls->frees++;
-        return 1;
-    }
-    /* Fast only while inuse stays within [1, nobj - 1] before and after: 2 <= inuse < nobj. */
-    uint32_t inuse = slab->inuse;
-    if (kva_unlikely(inuse - 2 >= ref.cls->nobj - 2)) return 0;
-    kva_slab_mark_free(sl, &ref);
-    slab->inuse = inuse - 1;
-    return 1;
+/* Free in its word or passed to its owner and not merged yet: either way not live. */
+KVA_INLINE int kva_slab_is_live(const kva_slabs *sl, const kva_object_ref *ref) {
+    return !((kva_load(ref->l0) | kva_load(kva_ref_remote(sl, ref))) & ref->bit);
+}
+
+KVA_INLINE uint32_t kva_slab_owner_of(const kva_slabs *sl, const kva_object_ref *ref) {
+    return __atomic_load_n(kva_ref_owner(sl, ref), __ATOMIC_SEQ_CST);
+}
+
+/* ---- words: the arena side (the slab's arena lock held) ------------------------------------ */
+
+/* Claims a word with free objects of class c for owner from arena a's slabs, growing a slab
+ * from the buddy when the arena has none (grow = 0: only slabs the arena has). Returns 1 with
+ * the slab and word, 0 when there is none. */
+int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int grow, uint32_t *slab, uint32_t *word);
+
+/* Claims word w of slab s, which nobody owns, for owner. */
+void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner);
+
+/* Gives back word w of slab s, owned by the caller: its free objects (remote ones merged)
+ * return to the slab and its arena. */
+void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w);
+
+/* Frees the remote bits of word w of slab s if nobody owns it (a remote free that found the
+ * word given back just as it passed the object on). The caller holds arena a's lock and read a
+ * as the slab's arena before it passed the object on: by now the slab may have been emptied and
+ * made anew elsewhere, and then there is nothing of the caller's left to drain. */
+void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
+
+/* Returns arena a's empty slabs, the classes' spares, to the buddy. */
+void kva_slab_trim_arena(kva_slabs *sl, unsigned a);
+
+/* kva_slab_trim_arena(a) for every arena, locking each in turn (no lock held by the caller). */
+void kva_slab_trim(kva_slabs *sl);
+
+/* ---- words: the owner side (no lock) ------------------------------------------------------- */
+
+/* Merges the remote frees of an owned word into it; returns the word's free bits. A remote bit
+ * whose object is already free in the word is two frees that raced; the object stays free once. */
+KVA_INLINE uint64_t kva_slab_merge_remote(uint64_t *l0, uint64_t *remote) {
+    uint64_t bits = kva_load(l0);
+    if (kva_load(remote) == 0) return bits;
+    bits |= __atomic_exchange_n(remote, 0, __ATOMIC_ACQ_REL);
+    kva_store(l0, bits);
+    return bits;
 }
 
 #endif

@@ -1,11 +1,30 @@
 /*
  * stats.c — the stats query. Everything is derived from counters the hot paths already keep,
- * so asking costs O(orders + classes) and the hot paths pay nothing extra for it.
+ * so asking costs O(orders + classes + arenas + thread caches) and the hot paths pay nothing
+ * extra for it. Taken under every lock; the threads' own counters are read as they stand (exact
+ * once those threads are quiet, an estimate while they run).
  */
 #include "pool.h"
+#include "tcache.h"
+
+static kva_status get_stats_locked(kva_pool *pool, kva_stats *out);
 
 kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
     if (!pool || !out) return kva_fail(KVA_ERR_INVALID, "pool or out is NULL");
+    kva_pool_lock_all(pool);
+    kva_status st = get_stats_locked(pool, out);
+    kva_pool_unlock_all(pool);
+    return st;
+}
+
+/* Slabs of each class over all arenas. */
+static uint64_t class_slabs(const kva_slabs *sl, unsigned c) {
+    uint64_t n = 0;
+    for (unsigned a = 0; a < sl->narenas; a++) n += sl->arenas[a].classes[c].slabs;
+    return n;
+}
+
+static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     const kva_buddy *buddy = &pool->buddy;
     const kva_slabs *sl = &pool->slabs;
     kva_stats st = {0};
@@ -21,14 +40,21 @@ kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
 
     size_t slab_object_bytes = 0, slab_capacity_bytes = 0, bitmap_bytes = 0;
     uint64_t allocs = pool->block_allocs, frees = pool->block_frees;
+    kva_tc_totals totals;
+    kva_tc_totals_locked(pool, &totals);
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        const kva_size_class *cls = &sl->classes[c];
-        allocs += cls->allocs;
-        frees += cls->frees;
-        slab_object_bytes += (size_t)(cls->allocs - cls->frees) * cls->size;
-        slab_capacity_bytes += (size_t)cls->slabs * cls->nobj * cls->size;
-        bitmap_bytes += (size_t)cls->slabs * (cls->l0_words + cls->l1_words) * sizeof(uint64_t);
+        const kva_class_geometry *g = &sl->geom[c];
+        uint64_t slabs = class_slabs(sl, c);
+        allocs += totals.allocs[c];
+        frees += totals.frees[c];
+        slab_object_bytes += (size_t)(totals.allocs[c] - totals.frees[c]) * g->size;
+        slab_capacity_bytes += (size_t)slabs * g->nobj * g->size;
+        bitmap_bytes += (size_t)slabs * kva_slot_words(g->l0_words, g->l1_words) * sizeof(uint64_t);
+        st.cached_bytes += (size_t)totals.cached[c] * g->size;
     }
+    st.arenas = sl->narenas;
+    st.thread_caches = totals.caches;
+    st.remote_frees = totals.remote_frees;
     st.slab_count = sl->live_slabs;
     st.slab_bytes = (size_t)sl->live_slabs << sl->chunk_shift;
     st.slab_free_bytes = slab_capacity_bytes - slab_object_bytes;
@@ -37,11 +63,12 @@ kva_status kva_get_stats(kva_pool *pool, kva_stats *out) {
     st.live_allocations = allocs - frees;
     st.alloc_count = allocs;
     st.free_count = frees;
-    st.alloc_failures = pool->alloc_failures;
-    st.rejected_calls = pool->rejected_calls;
+    st.alloc_failures = __atomic_load_n(&pool->alloc_failures, __ATOMIC_RELAXED);
+    st.rejected_calls = __atomic_load_n(&pool->rejected_calls, __ATOMIC_RELAXED);
     st.page_kind = pool->region.page_kind;
     st.page_size = pool->region.page_size;
-    st.metadata_bytes = sizeof *pool + buddy->pages_bytes + sl->slabs_bytes + bitmap_bytes;
+    st.metadata_bytes = sizeof *pool + buddy->pages_bytes + sl->slabs_bytes + bitmap_bytes +
+                        (size_t)sl->narenas * sizeof(kva_arena) + (size_t)totals.caches * sizeof(kva_tcache);
     st.numa_node = pool->region.numa_node;
     st.backend = (uint32_t)pool->region.backend;
     st.mapped_bytes = kva_region_mapped_bytes(&pool->region);
@@ -55,8 +82,14 @@ kva_status kva_get_class_stats(kva_pool *pool, unsigned index, kva_class_stats *
     if (!pool || !out) return kva_fail(KVA_ERR_INVALID, "pool or out is NULL");
     if (index >= KVA_NUM_SIZE_CLASSES)
         return kva_fail(KVA_ERR_INVALID, "size class %u out of range (0..%d)", index, KVA_NUM_SIZE_CLASSES - 1);
-    const kva_size_class *cls = &pool->slabs.classes[index];
-    *out = (kva_class_stats){
-        .object_size = cls->size, .objects_per_slab = cls->nobj, .live_objects = cls->allocs - cls->frees, .slabs = cls->slabs};
+    kva_pool_lock_all(pool);
+    kva_tc_totals totals;
+    kva_tc_totals_locked(pool, &totals);
+    const kva_class_geometry *g = &pool->slabs.geom[index];
+    *out = (kva_class_stats){.object_size = g->size,
+                             .objects_per_slab = g->nobj,
+                             .live_objects = totals.allocs[index] - totals.frees[index],
+                             .slabs = class_slabs(&pool->slabs, index)};
+    kva_pool_unlock_all(pool);
     return KVA_OK;
 }

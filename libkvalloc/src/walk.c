@@ -22,14 +22,17 @@ static void add_free(walker *w, uint64_t offset, uint64_t size) {
     w->free_size += size;
 }
 
+/* An object is free when its bit is set in its word or in the word's remote frees (passed to
+ * the owning thread, not merged yet). Objects cached by threads are free ones. */
 static int walk_slab(const kva_pool *pool, uint32_t s, walker *w) {
     const kva_slabs *sl = &pool->slabs;
-    const kva_size_class *cls = &sl->classes[sl->slabs[s].cls];
-    const uint64_t *l0 = kva_slab_bitmap(sl, s) + cls->l1_words;
+    const kva_slab *slab = &sl->slabs[s];
+    const kva_class_geometry *cls = &sl->geom[slab->cls];
+    const uint64_t *l0 = slab->l0, *remote = kva_slab_remote(slab, cls);
     uint64_t base = (uint64_t)s << sl->chunk_shift;
     for (uint32_t object = 0; object < cls->nobj; object++) {
         uint64_t offset = base + (uint64_t)object * cls->size;
-        if (l0[object >> 6] >> (object & 63) & 1) {
+        if ((kva_load(&l0[object >> 6]) | kva_load(&remote[object >> 6])) >> (object & 63) & 1) {
             add_free(w, offset, cls->size);
         } else if (flush_free_run(w) || w->fn(offset, cls->size, KVA_WALK_SLAB_OBJECT, w->ctx)) {
             return 1;
@@ -43,6 +46,13 @@ static int walk_slab(const kva_pool *pool, uint32_t s, walker *w) {
 
 kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx) {
     if (!pool || !fn) return kva_fail(KVA_ERR_INVALID, "pool or callback is NULL");
+    kva_pool_lock_all(pool);
+    kva_status st = kva_walk_locked(pool, fn, ctx);
+    kva_pool_unlock_all(pool);
+    return st;
+}
+
+kva_status kva_walk_locked(kva_pool *pool, kva_walk_fn fn, void *ctx) {
     const kva_buddy *buddy = &pool->buddy;
     walker w = {.fn = fn, .ctx = ctx};
     for (uint32_t index = 0; index < buddy->nblocks;) {

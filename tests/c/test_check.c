@@ -8,6 +8,7 @@
 #include "check.h"
 #include "kvalloc.h"
 #include "pool.h"
+#include "tcache.h"
 
 static kva_pool *pool;
 
@@ -48,7 +49,12 @@ int main(void) {
     uint32_t slab_chunk = (uint32_t)(((unsigned char *)objs[0] - pool->base) >> sl->chunk_shift);
     kva_slab *slab = &sl->slabs[slab_chunk];
     unsigned c = slab->cls;
-    uint64_t *l0 = kva_slab_bitmap(sl, slab_chunk) + sl->classes[c].l1_words;
+    const kva_class_geometry *g = &sl->geom[c];
+    uint64_t *l0 = slab->l0;
+    kva_arena_class *ac = &sl->arenas[slab->arena].classes[c];
+    kva_tc_class *cached = &kva_tc_current->cls[c]; /* this thread's cache: word 1 is its current */
+    REQUIRE(kva_tc_current->pool == pool && cached->nowned == 1 && cached->word[0] == 1);
+    uint32_t *owner = kva_slab_owner(slab, g);
     unsigned free_order = kva_ctz64(b->nonempty);
     uint32_t free_head = b->free_head[free_order];
 
@@ -60,15 +66,19 @@ int main(void) {
     CORRUPT("B3", b->free_count[free_order], b->free_count[free_order] + 1);
     CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
     CORRUPT("B6", b->free_units, b->free_units + 1);
-    CORRUPT("S6", slab->cls, KVA_SLAB_NONE);     /* the class's current word now lies in no slab of its own */
+    CORRUPT("S6", cached->word[0], 5);          /* the cache lists a word it does not own */
+    CORRUPT("S6", owner[1], owner[1] + 1);      /* the word names another cache as its owner */
+    CORRUPT("S6", owner[0], kva_tc_current->id); /* a word owned but listed by no cache */
     uint32_t not_a_slab = (uint32_t)(((unsigned char *)blocks[3] - pool->base) >> sl->chunk_shift);
     CORRUPT("S1", sl->slabs[not_a_slab].cls, (uint8_t)c); /* the slab says slab, the buddy says no */
     CORRUPT("S2", l0[0], l0[0] | 1);                              /* a live object marked free */
+    CORRUPT("S2", owner[2], kva_tc_current->id + 7);              /* a listed word claimed behind l1's back */
     CORRUPT("S2", slab->l2, 0);                                   /* summary disagrees with l1 */
     CORRUPT("S2", slab->inuse, slab->inuse + 1);
-    CORRUPT("S3", sl->classes[c].partial_head, KVA_NIL);          /* a partial slab on no list */
-    CORRUPT("S4", sl->classes[c].empty_slab, 3);
-    CORRUPT("S5", sl->classes[c].allocs, sl->classes[c].allocs + 1);
+    CORRUPT("S3", ac->partial_head, KVA_NIL);                     /* a partial slab on no list */
+    CORRUPT("S4", ac->empty_slab, 3);
+    CORRUPT("S5", cached->allocs, cached->allocs + 1);
+    CORRUPT("S5", ac->slabs, ac->slabs + 1);
     CORRUPT("P2", pool->capacity, pool->capacity + 4096);
     CORRUPT("P3", pool->block_allocs, pool->block_allocs + 1);
 

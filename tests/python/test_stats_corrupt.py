@@ -132,7 +132,7 @@ def counts(kind: int, dtype: np.dtype, field: str, value: int):
 @pytest.mark.parametrize("change, message", [
     (counts(stats.SECTION_HEAPMAP, stats.HEAPMAP_DTYPE, "cells", 1 << 30), "heap map"),
     (counts(stats.SECTION_CLASSES, stats.COUNTED_DTYPE, "count", 1 << 20), "classes"),
-    (counts(stats.SECTION_ARENAS, stats.COUNTED_DTYPE, "count", 2), "arenas"),
+    (counts(stats.SECTION_ARENAS, stats.COUNTED_DTYPE, "count", 1 << 20), "arenas"),
     (counts(stats.SECTION_SLABS, stats.SLABS_DTYPE, "count", 1 << 31), "slabs"),
     (counts(stats.SECTION_SLABS, stats.SLABS_DTYPE, "capacity", 1 << 31), "slabs"),
     (counts(stats.SECTION_TRACE, stats.TRACE_DTYPE, "capacity", 1 << 31), "trace"),

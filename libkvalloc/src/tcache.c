@@ -1,0 +1,344 @@
+/*
+ * tcache.c — thread caches: lookup and lifetime, refills from the arenas, the complete free
+ * (own words, words nobody owns, remote frees), flushing. See tcache.h and slab.h.
+ */
+#include <stdlib.h>
+
+#include "pool.h"
+#include "tcache.h"
+
+/* Every cache's current word before it has one, and after it is dropped: never written. */
+static uint64_t no_word;
+static kva_tcache dummy; /* pool NULL: matches no pool */
+
+__thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec"))) = &dummy;
+static __thread kva_tcache *thread_caches; /* every cache of this thread, dead ones included */
+
+static pthread_mutex_t registry = PTHREAD_MUTEX_INITIALIZER;
+static pthread_key_t exit_key;
+static int exit_key_made;
+
+void kva_tc_registry_lock(void) { pthread_mutex_lock(&registry); }
+void kva_tc_registry_unlock(void) { pthread_mutex_unlock(&registry); }
+
+static kva_pool *pool_of(const kva_tcache *tc) { return __atomic_load_n(&tc->pool, __ATOMIC_ACQUIRE); }
+
+/* ---- the owned words of a class ------------------------------------------------------------ */
+
+static uint64_t *word_l0(const kva_slabs *sl, uint32_t s, uint32_t w) { return sl->slabs[s].l0 + w; }
+
+static uint64_t *word_remote(const kva_slabs *sl, uint32_t s, uint32_t w) {
+    const kva_slab *slab = &sl->slabs[s];
+    return kva_slab_remote(slab, &sl->geom[slab->cls]) + w;
+}
+
+static void set_current(kva_pool *pool, kva_tc_class *k, uint32_t i) {
+    const kva_slabs *sl = &pool->slabs;
+    uint32_t s = k->slab[i], w = k->word[i];
+    kva_store(&k->cur, i);
+    k->addr = pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * k->size;
+    k->l0 = word_l0(sl, s, w);
+}
+
+static void no_current(kva_tc_class *k) {
+    kva_store(&k->cur, KVA_NIL);
+    k->l0 = &no_word;
+}
+
+static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {
+    uint32_t n = k->nowned;
+    kva_store(&k->slab[n], s);
+    kva_store(&k->word[n], w);
+    kva_store(&k->nowned, n + 1);
+}
+
+/* Drops owned word i from the set, keeping the order (oldest first) of the others. */
+static void remove_owned(kva_tc_class *k, uint32_t i) {
+    uint32_t n = k->nowned;
+    if (k->cur == i) no_current(k);
+    for (uint32_t j = i; j + 1 < n; j++) {
+        kva_store(&k->slab[j], k->slab[j + 1]);
+        kva_store(&k->word[j], k->word[j + 1]);
+    }
+    if (k->cur != KVA_NIL && k->cur > i) kva_store(&k->cur, k->cur - 1);
+    kva_store(&k->nowned, n - 1);
+}
+
+/* Gives owned word w of slab s back to its arena. */
+static void give_back(kva_slabs *sl, uint32_t s, uint32_t w) {
+    kva_arena *arena = &sl->arenas[sl->slabs[s].arena];
+    pthread_mutex_lock(&arena->lock);
+    kva_slab_release_word(sl, s, w);
+    pthread_mutex_unlock(&arena->lock);
+}
+
+/* Gives back an owned word with no free object without the arena lock: nothing about the slab
+ * changes (all its objects count as in use either way) except the owner. A remote free that
+ * passed an object on just before is drained under the lock (the owner store and the remote
+ * check are ordered against the remote side's OR and owner check, see slab.h). */
+static void give_back_dry(kva_slabs *sl, uint32_t s, uint32_t w) {
+    const kva_slab *slab = &sl->slabs[s];
+    const kva_class_geometry *g = &sl->geom[slab->cls];
+    /* Read while the word is still ours and the slab cannot go: see kva_slab_drain_remote. */
+    uint64_t *remote = &kva_slab_remote(slab, g)[w];
+    unsigned a = slab->arena;
+    __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(remote, __ATOMIC_SEQ_CST) == 0) return;
+    pthread_mutex_lock(&sl->arenas[a].lock);
+    kva_slab_drain_remote(sl, a, s, w);
+    pthread_mutex_unlock(&sl->arenas[a].lock);
+}
+
+/* ---- allocation ---------------------------------------------------------------------------- */
+
+static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, int may_grow) {
+    kva_slabs *sl = &pool->slabs;
+    uint32_t s, w;
+    pthread_mutex_lock(&sl->arenas[a].lock);
+    int ok = kva_slab_claim(sl, a, c, tc->id, may_grow, &s, &w);
+    pthread_mutex_unlock(&sl->arenas[a].lock);
+    if (!ok) return 0;
+    kva_tc_class *k = &tc->cls[c];
+    add_owned(k, s, w);
+    set_current(pool, k, k->nowned - 1);
+    return 1;
+}
+
+/* Makes the current word of class c one with a free object. Order: the owned words (remote
+ * frees merged in); then, with the dry ones given back, a word from the arena of this CPU,
+ * growing a slab there; then from any other arena's slabs; then, with every arena's spare slabs
+ * and this thread's other cached words back in the buddy, a new slab once more. */
+static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
+    kva_slabs *sl = &pool->slabs;
+    kva_tc_class *k = &tc->cls[c];
+    for (uint32_t i = 0; i < k->nowned; i++) {
+        uint32_t s = k->slab[i], w = k->word[i];
+        if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w))) {
+            set_current(pool, k, i);
+            return 1;
+        }
+    }
+    while (k->nowned) {
+        uint32_t last = k->nowned - 1;
+        give_back_dry(sl, k->slab[last], k->word[last]);
+        remove_owned(k, last);
+    }
+    unsigned a = kva_arena_cpu() % sl->narenas;
+    kva_arena_after_read();
+    if (claim_from(pool, tc, c, a, 1)) return 1;
+    for (unsigned i = 1; i < sl->narenas; i++)
+        if (claim_from(pool, tc, c, (a + i) % sl->narenas, 0)) return 1;
+    kva_tc_flush(pool, tc);
+    kva_slab_trim(sl);
+    return claim_from(pool, tc, c, a, 1);
+}
+
+int kva_tc_alloc(kva_pool *pool, kva_tcache *tc, unsigned c, uint64_t *offset) {
+    void *out;
+    while (!kva_tc_alloc_fast(tc, c, &out))
+        if (!refill(pool, tc, c)) return 0;
+    *offset = (uint64_t)((unsigned char *)out - pool->base);
+    return 1;
+}
+
+/* ---- free ---------------------------------------------------------------------------------- */
+
+/* A free into a word another cache owns: the object's remote bit, for the owner to merge. */
+static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *ref) {
+    kva_slabs *sl = &pool->slabs;
+    /* Everything read before the OR: once the object is passed on, its slab may be emptied and
+     * made anew (see kva_slab_drain_remote). */
+    uint64_t *remote = kva_ref_remote(sl, ref);
+    uint32_t *owner = kva_ref_owner(sl, ref);
+    unsigned a = kva_load(&sl->slabs[ref->slab].arena);
+    if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
+    if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
+    kva_bump(&tc->cls[ref->cls].frees);
+    kva_bump(&tc->remote_frees);
+    /* Given back meanwhile: nobody will merge the bit, so free it in the slab now. */
+    if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
+        pthread_mutex_lock(&sl->arenas[a].lock);
+        kva_slab_drain_remote(sl, a, ref->slab, ref->word);
+        pthread_mutex_unlock(&sl->arenas[a].lock);
+    }
+    return KVA_OK;
+}
+
+kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
+    kva_slabs *sl = &pool->slabs;
+    kva_object_ref ref;
+    if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
+    kva_tc_class *k = &tc->cls[ref.cls];
+    for (;;) {
+        uint32_t owner = kva_slab_owner_of(sl, &ref);
+        if (owner == tc->id) {
+            /* Its remote frees first: the object may be among them. */
+            uint64_t bits = kva_slab_merge_remote(ref.l0, word_remote(sl, ref.slab, ref.word));
+            if (bits & ref.bit) return KVA_ERR_DOUBLE_FREE;
+            kva_store(ref.l0, bits | ref.bit);
+            kva_bump(&k->frees);
+            return KVA_OK;
+        }
+        if (owner != KVA_NO_OWNER) return remote_free(pool, tc, &ref);
+        /* Nobody owns the word: claim it into this cache and free into it. Room first, without
+         * holding a lock while the oldest word that is not the current one goes back. */
+        if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
+        if (k->nowned == KVA_TC_WORDS) {
+            uint32_t victim = k->cur == 0 ? 1 : 0;
+            give_back(sl, k->slab[victim], k->word[victim]);
+            remove_owned(k, victim);
+        }
+        kva_arena *arena = &sl->arenas[kva_load(&sl->slabs[ref.slab].arena)];
+        pthread_mutex_lock(&arena->lock);
+        if (kva_slab_owner_of(sl, &ref) != KVA_NO_OWNER) {
+            pthread_mutex_unlock(&arena->lock); /* claimed by another thread meanwhile */
+            continue;
+        }
+        if (!kva_slab_is_live(sl, &ref)) {
+            pthread_mutex_unlock(&arena->lock);
+            return KVA_ERR_DOUBLE_FREE;
+        }
+        kva_slab_claim_word(sl, ref.slab, ref.word, tc->id);
+        pthread_mutex_unlock(&arena->lock);
+        add_owned(k, ref.slab, ref.word);
+        kva_store(ref.l0, kva_load(ref.l0) | ref.bit);
+        kva_bump(&k->frees);
+        return KVA_OK;
+    }
+}
+
+void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
+    kva_slabs *sl = &pool->slabs;
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        kva_tc_class *k = &tc->cls[c];
+        while (k->nowned) {
+            uint32_t last = k->nowned - 1;
+            give_back(sl, k->slab[last], k->word[last]);
+            remove_owned(k, last);
+        }
+    }
+}
+
+/* ---- lifetime ------------------------------------------------------------------------------ */
+
+/* Folds a live cache's counters into its pool and unlinks it (registry lock held). */
+static void retire(kva_pool *pool, kva_tcache *tc) {
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        pool->retired_allocs[c] += tc->cls[c].allocs;
+        pool->retired_frees[c] += tc->cls[c].frees;
+    }
+    pool->retired_remote_frees += tc->remote_frees;
+    if (tc->pool_prev) tc->pool_prev->pool_next = tc->pool_next;
+    else pool->tcaches = tc->pool_next;
+    if (tc->pool_next) tc->pool_next->pool_prev = tc->pool_prev;
+    pool->ncaches--;
+    __atomic_store_n(&tc->pool, NULL, __ATOMIC_RELEASE);
+}
+
+/* The thread is exiting: every cache gives its words back and goes. */
+static void thread_exit(void *unused) {
+    (void)unused;
+    kva_tcache *tc = thread_caches;
+    thread_caches = NULL;
+    kva_tc_current = &dummy;
+    while (tc) {
+        kva_tcache *next = tc->thread_next;
+        pthread_mutex_lock(&registry);
+        kva_pool *pool = pool_of(tc);
+        if (pool) {
+            kva_tc_flush(pool, tc);
+            retire(pool, tc);
+        }
+        pthread_mutex_unlock(&registry);
+        free(tc);
+        tc = next;
+    }
+}
+
+/* At load time rather than with pthread_once on a first call: the once costs a futex wake
+ * inside the first call of the process. */
+__attribute__((constructor)) static void make_key(void) { exit_key_made = pthread_key_create(&exit_key, thread_exit) == 0; }
+
+kva_tcache *kva_tc_find(kva_pool *pool) {
+    if (pool_of(kva_tc_current) == pool) return kva_tc_current;
+    for (kva_tcache **at = &thread_caches; *at;) {
+        kva_tcache *tc = *at;
+        kva_pool *owner = pool_of(tc);
+        if (owner == NULL) { /* its pool is gone */
+            *at = tc->thread_next;
+            if (kva_tc_current == tc) kva_tc_current = &dummy;
+            free(tc);
+            continue;
+        }
+        if (owner == pool) return kva_tc_current = tc;
+        at = &tc->thread_next;
+    }
+    return NULL;
+}
+
+kva_tcache *kva_tc_get(kva_pool *pool) {
+    kva_tcache *tc = kva_tc_find(pool);
+    if (tc || !exit_key_made) return tc;
+    tc = calloc(1, sizeof *tc);
+    if (!tc) return NULL;
+    if (pthread_setspecific(exit_key, tc) != 0) {
+        free(tc);
+        return NULL;
+    }
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        tc->cls[c].size = pool->slabs.geom[c].size;
+        no_current(&tc->cls[c]);
+    }
+    pthread_mutex_lock(&registry);
+    tc->id = ++pool->next_tc_id;
+    tc->pool_next = pool->tcaches;
+    if (pool->tcaches) pool->tcaches->pool_prev = tc;
+    pool->tcaches = tc;
+    pool->ncaches++;
+    __atomic_store_n(&tc->pool, pool, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&registry);
+    tc->thread_next = thread_caches;
+    thread_caches = tc;
+    return kva_tc_current = tc;
+}
+
+void kva_tc_pool_destroyed(kva_pool *pool) {
+    pthread_mutex_lock(&registry);
+    for (kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) __atomic_store_n(&tc->pool, NULL, __ATOMIC_RELEASE);
+    pool->tcaches = NULL;
+    pool->ncaches = 0;
+    pthread_mutex_unlock(&registry);
+}
+
+void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
+    const kva_slabs *sl = &pool->slabs;
+    *out = (kva_tc_totals){0};
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        out->allocs[c] = pool->retired_allocs[c];
+        out->frees[c] = pool->retired_frees[c];
+    }
+    out->remote_frees = pool->retired_remote_frees;
+    const kva_tcache *mine = NULL;
+    for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
+        if (pool_of(tc) == pool) mine = tc;
+    for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+        out->caches++;
+        if (tc != mine) out->foreign_caches++;
+        out->remote_frees += kva_load(&tc->remote_frees);
+        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+            const kva_tc_class *k = &tc->cls[c];
+            out->allocs[c] += kva_load(&k->allocs);
+            out->frees[c] += kva_load(&k->frees);
+            /* Another thread may change its set meanwhile: bounded reads, an estimate. */
+            uint32_t n = kva_load(&k->nowned);
+            for (uint32_t i = 0; i < n && i < KVA_TC_WORDS; i++) {
+                uint32_t s = kva_load(&k->slab[i]), w = kva_load(&k->word[i]);
+                if (s >= sl->nchunks || __atomic_load_n(&sl->slabs[s].cls, __ATOMIC_ACQUIRE) != c ||
+                    w >= sl->geom[c].l0_words)
+                    continue;
+                out->cached[c] += (uint64_t)__builtin_popcountll(kva_load(word_l0(sl, s, w)) |
+                                                                 kva_load(word_remote(sl, s, w)));
+            }
+        }
+    }
+}

@@ -1,0 +1,120 @@
+/*
+ * tcache.h — thread caches: the words of slab objects a thread owns, one cache per (thread,
+ * pool), and the fast paths that use them.
+ *
+ * A cache owns up to KVA_TC_WORDS l0 words per size class (slab.h explains ownership). One of
+ * them is the current word, which allocation pops from; a free into any owned word sets the
+ * object's bit. Both are a handful of instructions on memory no other thread writes. Words move
+ * in batches of up to 64 objects: a dry current word is dropped and a fresh one claimed from the
+ * arena of the thread's CPU (arena.h) under that arena's lock; a free into a word nobody owns
+ * claims that word into the cache (the oldest owned word goes back to its arena when the cache
+ * is full); a free into a word another cache owns is a remote free (slab.h).
+ *
+ * The owned words are a cache kept out of band, like the offset arrays of tcmalloc's per-CPU
+ * caches, but a bitmap word rather than an array: the object's bit is its state, so a double
+ * free into a cache is caught exactly on the fast path, with no scan and no atomic operation.
+ *
+ * Lifetime: a cache is made by the thread's first call on the pool and lives in the thread's
+ * list and the pool's list (under the registry lock). The thread's exit gives its words back and
+ * folds its counters into the pool (a pthread key destructor); a pool's destruction marks its
+ * caches dead and each thread frees its dead caches on its next lookup or at exit.
+ */
+#ifndef KVA_TCACHE_H
+#define KVA_TCACHE_H
+
+#include "slab.h"
+
+#define KVA_TC_WORDS 4
+
+typedef struct kva_tc_class {
+    /* The allocation fast path reads the first three fields. */
+    uint64_t *l0;           /* the current word, or the always-zero word when there is none */
+    unsigned char *addr;    /* the address of the current word's first object */
+    uint64_t size;          /* the class's object size */
+    uint64_t allocs, frees; /* by this thread since the cache was made (remote frees included) */
+    /* The owned words: slab[i], word[i] for i < nowned; cur indexes the current one (KVA_NIL:
+     * none). Changed by the owner only, read by the stats from other threads. */
+    uint32_t nowned;
+    uint32_t cur;
+    uint32_t slab[KVA_TC_WORDS];
+    uint32_t word[KVA_TC_WORDS];
+} kva_tc_class;
+
+typedef struct kva_tcache {
+    kva_pool *pool;           /* (atomic) NULL once the pool is destroyed */
+    uint32_t id;              /* the owner id its words carry, unique in the pool */
+    uint32_t reserved;
+    kva_tc_class cls[KVA_NUM_SIZE_CLASSES];
+    uint64_t remote_frees;
+    struct kva_tcache *thread_next;           /* the thread's caches */
+    struct kva_tcache *pool_prev, *pool_next; /* the pool's caches (registry lock) */
+} kva_tcache;
+
+/* The calling thread's most recently used cache: a dummy whose pool is NULL until it has one. */
+extern __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec")));
+
+/* This thread's cache for pool, made on first use; NULL if there is no host memory for one. */
+kva_tcache *kva_tc_get(kva_pool *pool);
+/* The same without making one: NULL if this thread has none. */
+kva_tcache *kva_tc_find(kva_pool *pool);
+
+/* An object of class c at *offset: from the current word, else after a refill. 0 when no slab
+ * anywhere in the pool has a free object of the class and no new slab can be made. */
+int kva_tc_alloc(kva_pool *pool, kva_tcache *tc, unsigned c, uint64_t *offset);
+
+/* The complete free of the object at pool offset `offset` in a slab chunk: KVA_OK,
+ * KVA_ERR_BAD_POINTER (not an object's start) or KVA_ERR_DOUBLE_FREE, which change nothing. */
+kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset);
+
+/* Gives every word of the cache back to its arena. */
+void kva_tc_flush(kva_pool *pool, kva_tcache *tc);
+
+/* The pool is going away: its caches are marked dead (their threads free them). */
+void kva_tc_pool_destroyed(kva_pool *pool);
+
+void kva_tc_registry_lock(void);
+void kva_tc_registry_unlock(void);
+
+/* What the pool's caches hold and have counted: with the registry lock held. Exact when the
+ * caches' threads are not running; a close estimate while they are. */
+typedef struct kva_tc_totals {
+    uint64_t allocs[KVA_NUM_SIZE_CLASSES];
+    uint64_t frees[KVA_NUM_SIZE_CLASSES];
+    uint64_t cached[KVA_NUM_SIZE_CLASSES]; /* free objects in owned words (remote ones too) */
+    uint64_t remote_frees;
+    uint32_t caches;
+    uint32_t foreign_caches;               /* caches of threads other than the caller */
+} kva_tc_totals;
+void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
+
+/* The free fast path: 1 if it freed a live object of a word this cache owns (with no remote
+ * frees waiting in it); 0, with nothing changed, in every other case, for kva_tc_free. */
+KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uint64_t offset) {
+    const kva_slab *slab = &sl->slabs[offset >> sl->chunk_shift];
+    unsigned c = kva_load(&slab->cls);
+    if (kva_unlikely(c == KVA_SLAB_NONE)) return 0;
+    const kva_class_geometry *g = &sl->geom[c];
+    uint64_t rel = offset & sl->chunk_mask;
+    uint64_t object = (rel * g->recip) >> KVA_RECIP_SHIFT;
+    if (kva_unlikely(object * g->size != rel || object >= g->nobj)) return 0;
+    uint64_t w = object >> 6;
+    if (kva_unlikely(kva_load(kva_slab_owner(slab, g) + w) != tc->id)) return 0;
+    uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
+    if (kva_unlikely(((bits & bit) | kva_load(l0 + g->l0_words)) != 0)) return 0;
+    kva_store(l0, bits | bit);
+    kva_bump(&tc->cls[c].frees);
+    return 1;
+}
+
+/* The allocation fast path: pops the lowest free object of the current word of class c. */
+KVA_INLINE int kva_tc_alloc_fast(kva_tcache *tc, unsigned c, void **out) {
+    kva_tc_class *k = &tc->cls[c];
+    uint64_t bits = kva_load(k->l0);
+    if (kva_unlikely(bits == 0)) return 0;
+    kva_store(k->l0, bits & (bits - 1));
+    kva_bump(&k->allocs);
+    *out = k->addr + (uint64_t)kva_ctz64(bits) * k->size;
+    return 1;
+}
+
+#endif
