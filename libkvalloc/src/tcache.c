@@ -180,16 +180,26 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
             return KVA_OK;
         }
         if (owner != KVA_NO_OWNER) return remote_free(pool, tc, &ref);
-        /* Nobody owns the word: claim it into this cache and free into it. Room first, without
-         * holding a lock while the oldest word that is not the current one goes back. */
+        /* Nobody owns the word: claim it into this cache and free into it. Room first: the
+         * oldest word that is not the current one goes back, under the same lock when it
+         * belongs to the same arena (the usual case), else before that lock is taken. */
         if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
+        unsigned a = kva_load(&sl->slabs[ref.slab].arena);
+        uint32_t victim = KVA_NIL;
         if (k->nowned == KVA_TC_WORDS) {
-            uint32_t victim = k->cur == 0 ? 1 : 0;
-            give_back(sl, k->slab[victim], k->word[victim]);
+            victim = k->cur == 0 ? 1 : 0;
+            if (sl->slabs[k->slab[victim]].arena != a) {
+                give_back(sl, k->slab[victim], k->word[victim]);
+                remove_owned(k, victim);
+                victim = KVA_NIL;
+            }
+        }
+        kva_arena *arena = &sl->arenas[a];
+        pthread_mutex_lock(&arena->lock);
+        if (victim != KVA_NIL) {
+            kva_slab_release_word(sl, k->slab[victim], k->word[victim]);
             remove_owned(k, victim);
         }
-        kva_arena *arena = &sl->arenas[kva_load(&sl->slabs[ref.slab].arena)];
-        pthread_mutex_lock(&arena->lock);
         if (kva_slab_owner_of(sl, &ref) != KVA_NO_OWNER) {
             pthread_mutex_unlock(&arena->lock); /* claimed by another thread meanwhile */
             continue;
