@@ -7,7 +7,7 @@ VENV   ?= .venv
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 45
 
-.PHONY: all deps build test test-c test-sanitize test-py test-fuzz fuzz venv demo bench clean
+.PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz fuzz venv demo bench clean
 
 all: build
 
@@ -28,6 +28,13 @@ test-sanitize: deps
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DKVA_SANITIZE=address,undefined
 	cmake --build $(BUILD)-asan -j $(JOBS)
 	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 ctest --output-on-failure -j $(JOBS) -LE 'bench|install|strace'
+
+# The multi-threaded tests (ctest label threads) under ThreadSanitizer: a data race in the
+# library's thread caches or arenas fails the run. Only those tests are built (threads_tests).
+test-tsan: deps
+	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=Debug -DKVA_SANITIZE=thread -DKVA_BUILD_TOOLS=OFF
+	cmake --build $(BUILD)-tsan -j $(JOBS) --target threads_tests
+	cd $(BUILD)-tsan && TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ctest -L threads --output-on-failure -j $(JOBS)
 
 # The virtual environment holds the package installed in editable mode (scikit-build-core
 # builds libkvalloc into it) and pytest.
@@ -56,7 +63,7 @@ fuzz:
 			corpus-$$harness $(CURDIR)/tests/fuzz/corpus/$$harness) || exit 1; \
 	done
 
-test: test-c test-sanitize test-py test-fuzz
+test: test-c test-sanitize test-tsan test-py test-fuzz
 
 demo: venv
 	$(VENV)/bin/kvalloc demo

@@ -358,11 +358,19 @@ KVA_API kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx);
  * Errors follow the pool's rules: every call returns a status, a failed call changes nothing
  * and leaves its out-parameters untouched, kva_last_error() says why.
  *
- * Thread safety: every call on a cache takes the cache's one mutex, so a cache may be shared by
- * threads; batch work (a whole prompt's blocks) happens inside one call. kva_kv_get_info and
- * kva_kv_block_address read geometry fixed at creation. A cache created on a caller's pool
- * calls kva_alloc_exact/kva_free on it under its own mutex (at creation and destruction, and on
- * sequence calls in contiguous mode): other users of that pool must be serialized with it.
+ * Thread safety: every function may be called from any number of threads at once. Each cache
+ * has one mutex, held for the whole of every call on it (batch work, such as a whole prompt's
+ * blocks, happens inside one call), so calls on one cache are serialized and calls on different
+ * caches are independent. kva_kv_get_info and kva_kv_block_address read only geometry fixed at
+ * creation and take no lock. kva_kv_destroy must not overlap any other call on the same cache
+ * (nor may one start after it). A cache calls its pool (kva_alloc_exact, kva_free,
+ * kva_usable_size: at creation and destruction, and on sequence calls in contiguous mode) under
+ * its own mutex; the pool is thread safe, so other threads may use the same pool meanwhile. The
+ * sequence handles a thread holds are its to order: two threads that append to and free the same
+ * sequence get one of the orders, each call atomic. A block table is read outside the lock: see
+ * kva_kv_seq_block_table. A named cache's section of the statistics segment is filled by
+ * whichever thread publishes the pool; publishing never waits for the cache's mutex (while a call
+ * holds it, the section keeps its last contents until the next publish).
  */
 
 typedef struct kva_kv kva_kv;
@@ -428,7 +436,7 @@ KVA_API kva_status kva_kv_block_bytes(const kva_kv_config *cfg, size_t *out);
 KVA_API kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out);
 
 /* Frees every sequence's memory and the KV memory, then the pool if the cache created it.
- * NULL is ignored. */
+ * NULL is ignored. No other call on this cache may be running or start afterwards. */
 KVA_API void kva_kv_destroy(kva_kv *kv);
 
 typedef struct kva_kv_info {
@@ -512,7 +520,10 @@ KVA_API kva_status kva_kv_seq_free(kva_kv *kv, kva_kv_seq seq);
 /* The sequence's block table (paged mode): *len block ids in order. The array is owned by the
  * cache and stays valid and unchanged until the next call that changes this sequence (append,
  * free); other sequences' calls do not move it. kva_kv_compact rewrites every table in place
- * (the array stays where it is; its ids change). */
+ * (the array stays where it is; its ids change). The caller reads the array after the call,
+ * outside the cache's mutex: it must not read it while another thread appends to or frees this
+ * sequence or runs kva_kv_compact, but orders those calls with its reads (an engine's scheduler
+ * step does). */
 KVA_API kva_status kva_kv_seq_block_table(kva_kv *kv, kva_kv_seq seq, const uint32_t **table, uint32_t *len);
 
 typedef struct kva_kv_seq_info {
@@ -634,9 +645,15 @@ KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);
  * pool manages any backing a pool has (host pages, THP, hugetlb, CUDA).
  *
  * Errors follow the pool's rules: a status from every call, a failed call changes nothing and
- * leaves its out-parameters untouched, kva_last_error() says why. Not thread safe: callers
- * serialize the calls on one variable-size pool (and on its backing pool, at create and
- * destroy).
+ * leaves its out-parameters untouched, kva_last_error() says why.
+ *
+ * Thread safety: every function may be called from any number of threads at once. Each
+ * variable-size pool has one mutex, held for the whole of kva_var_alloc, kva_var_free,
+ * kva_var_usable_size, kva_var_get_stats and kva_var_check (an uncontended lock and unlock, a
+ * few nanoseconds per call); kva_var_base reads the region's start, fixed at creation, without
+ * it. kva_var_destroy must not overlap any other call on the same pool (nor may one start after
+ * it). The backing pool is called only at create and destroy, and other threads may use it
+ * meanwhile.
  */
 
 typedef struct kva_var kva_var;
@@ -671,7 +688,8 @@ KVA_API void kva_var_config_init(kva_var_config *cfg);
 KVA_API kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var **out);
 
 /* Gives the region back to its pool (destroying the pool if it was created here). Outstanding
- * ranges become invalid. NULL is ignored. */
+ * ranges become invalid. NULL is ignored. No other call on this pool may be running or start
+ * afterwards. */
 KVA_API void kva_var_destroy(kva_var *var);
 
 /* Allocates size bytes, rounded up to the alignment. Errors: KVA_ERR_INVALID (NULL var or out,

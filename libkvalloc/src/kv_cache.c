@@ -1,6 +1,10 @@
 /*
  * kv_cache.c — a KV cache's life and geometry: configuration, creation on a pool (its own or a
  * caller's), destruction, addresses, eviction on request, statistics.
+ *
+ * Threads: creation builds the cache before any other thread can see it; destruction must not
+ * overlap any other call on it; kva_kv_get_info and kva_kv_block_address read only fields fixed
+ * at creation and take no lock; every other call holds the cache's lock throughout.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -235,8 +239,6 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
     if (pool && cfg->name)
         return kva_fail(KVA_ERR_INVALID, "name is for the pool the cache creates; the given pool has its own");
-    if (pool && cfg->name)
-        return kva_fail(KVA_ERR_INVALID, "name is for the pool the cache creates; the given pool has its own");
     st = cfg->mode == KVA_KV_PAGED ? paged_layout(cfg, &info) : contiguous_layout(cfg, &info, pool == NULL);
     if (st != KVA_OK) return st;
 
@@ -275,6 +277,8 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
 
 void kva_kv_destroy(kva_kv *kv) {
     if (!kv) return;
+    /* No other call on this cache may be running (documented): the lock is not taken. The
+     * publisher goes first, so the pool's publishes stop reaching the cache. */
     kv_publish_detach(kv);
     release_memory(kv);
     pthread_mutex_destroy(&kv->lock);
@@ -282,6 +286,7 @@ void kva_kv_destroy(kva_kv *kv) {
 }
 
 kva_status kva_kv_get_info(kva_kv *kv, kva_kv_info *out) {
+    /* kv->info is fixed at creation: no lock. */
     if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
     *out = kv->info;
     return KVA_OK;
@@ -299,22 +304,22 @@ kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_
     return KVA_OK;
 }
 
-kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
-    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
-    uint32_t count = 0;
-    if (kv->info.mode == KVA_KV_PAGED) {
-        count = kv_evict(kv, max_blocks);
-    }
+static kva_status evict_locked(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
+    uint32_t count = kv->info.mode == KVA_KV_PAGED ? kv_evict(kv, max_blocks) : 0;
     if (evicted) *evicted = count;
-    kv_unlock(kv);
     return KVA_OK;
 }
 
-kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out) {
-    if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
-    /* The plain lock: reading the figures is neither timed nor a reason to publish. */
-    pthread_mutex_lock(&kv->lock);
+kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = evict_locked(kv, max_blocks, evicted);
+    kv_unlock(kv);
+    return st;
+}
+
+/* A snapshot of the figures, taken under the lock. */
+static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
     const kva_kv_counters *c = &kv->counters;
     kva_kv_stats st = {
         .num_blocks = kv->num_blocks,
@@ -346,6 +351,15 @@ kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out) {
     size_t tables = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++) tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t);
     st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables;
+    *out = st;
+}
+
+kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out) {
+    if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
+    /* The plain lock: reading the figures is neither timed nor a reason to publish. */
+    kva_kv_stats st;
+    pthread_mutex_lock(&kv->lock);
+    get_stats_locked(kv, &st);
     pthread_mutex_unlock(&kv->lock);
     *out = st;
     return KVA_OK;

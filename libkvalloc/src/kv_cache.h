@@ -42,6 +42,18 @@
  *  K8  Contiguous mode: a live sequence owns a live pool allocation of at least bucket_tokens *
  *      token_bytes, bucket_tokens is a power of two in [KVA_KV_MIN_BUCKET, max_context] holding
  *      num_tokens; contig_bytes sums the usable sizes of every buffer and retired buffer.
+ *
+ * Threads. One mutex per cache (`lock`) guards everything below except the fields marked
+ * "fixed at creation", which are written before the cache is handed out and only read after,
+ * so kva_kv_get_info and kva_kv_block_address read them without it. Every other public entry
+ * point is a thin wrapper: NULL check, kv_lock, a static *_locked implementation, kv_unlock,
+ * so the lock is held for the whole call and released on every return path. kva_kv_destroy
+ * must not run concurrently with any other call on the cache.
+ * Lock order: the cache's lock, then the pool's locks (a cache calls kva_alloc_exact, kva_free,
+ * kva_usable_size and kva_check under its lock). The pool calls back into the cache only through
+ * the publisher hook (kv_publish.c), which never blocks on the cache's lock: it uses it when its
+ * own thread holds it at the end of a call (kv_publish_due), else takes it with trylock and
+ * leaves the KV section as it was when the lock is busy; so no cycle can form.
  */
 #ifndef KVA_KV_CACHE_H
 #define KVA_KV_CACHE_H
@@ -88,12 +100,18 @@ typedef struct kva_kv_counters {
 } kva_kv_counters;
 
 struct kva_kv {
-    pthread_mutex_t lock;
-    kva_kv_info info;         /* geometry and addresses, fixed at creation */
+    pthread_mutex_t lock;     /* guards every field not marked "fixed at creation" */
+    /* Fixed at creation (read without the lock). */
+    kva_kv_info info;         /* geometry and addresses */
     kva_pool *pool;
     int owns_pool;
     unsigned char *memory;    /* paged: the KV allocation (info.base) */
     uint64_t hash_seed;
+    uint64_t memory_offset;   /* paged, publishing: memory - the pool's base (heap-map cells) */
+    int publishing;           /* the cache's publisher is attached to a named pool */
+    int timed;                /* trace: time every call under the lock */
+
+    /* Everything below: under the lock. */
 
     /* Paged mode: read on every block operation. */
     kva_kv_block *blocks;
@@ -119,11 +137,8 @@ struct kva_kv {
     uint32_t max_context;
 
     kva_kv_counters counters;
-    int publishing;           /* the cache's publisher is attached to a named pool */
-    int timed;                /* trace: time every call under the lock */
     uint64_t call_start_ns;
     uint64_t timed_calls, timed_ns, call_ns_log2[40];
-    int in_publish;           /* this cache's own call is publishing, with the lock held */
 };
 
 /* ---- handles ----------------------------------------------------------------------------- */
@@ -223,7 +238,7 @@ void kv_contig_release(kva_kv *kv, kva_kv_seqrec *rec);
 void kv_publish_attach(kva_kv *kv);
 void kv_publish_detach(kva_kv *kv);
 /* Publishes the pool and the cache's section when the pool's interval has passed; called with
- * the lock held, at the end of every call that changed something. */
+ * the lock held, at the end of every locked call (kv_unlock), when the state is consistent. */
 void kv_publish_due(kva_kv *kv);
 
 /* Records a traced call's time (slow path, out of line). */

@@ -168,11 +168,17 @@ static kva_status check_contiguous(kva_kv *kv) {
     return KVA_OK;
 }
 
+static kva_status check_locked(kva_kv *kv) {
+    kva_status st = kv->info.mode == KVA_KV_PAGED ? check_paged(kv) : check_contiguous(kv);
+    /* Lock order: the cache's lock, then the pool's (kva_check takes them). */
+    if (st == KVA_OK && kv->owns_pool) st = kva_check(kv->pool);
+    return st;
+}
+
 kva_status kva_kv_check(kva_kv *kv) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st = kv->info.mode == KVA_KV_PAGED ? check_paged(kv) : check_contiguous(kv);
-    if (st == KVA_OK && kv->owns_pool) st = kva_check(kv->pool);
+    kva_status st = check_locked(kv);
     kv_unlock(kv);
     return st;
 }

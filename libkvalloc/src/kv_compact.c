@@ -101,13 +101,16 @@ static kva_status compact(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uin
     return KVA_OK;
 }
 
+static kva_status compact_locked(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uint32_t *count) {
+    if (!count) return INVALID("count is NULL");
+    if (kv->info.mode != KVA_KV_PAGED) return INVALID("compaction needs paged mode; this cache is contiguous");
+    return compact(kv, moves, capacity, count);
+}
+
 kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uint32_t *count) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st;
-    if (!count) st = INVALID("count is NULL");
-    else if (kv->info.mode != KVA_KV_PAGED) st = INVALID("compaction needs paged mode; this cache is contiguous");
-    else st = compact(kv, moves, capacity, count);
+    kva_status st = compact_locked(kv, moves, capacity, count);
     kv_unlock(kv);
     return st;
 }

@@ -2,11 +2,27 @@
  * kv_publish.c — a KV cache in its pool's statistics segment: its counters in the KV section and
  * its blocks' states (referenced, kept only by the prefix cache, free) painted into the heap map,
  * so that kvalloc top shows the KV cache, not just one large allocation.
+ *
+ * Threads. The pool calls the hook (publish_cb) from kva_publish, on whatever thread publishes:
+ *  - the cache's own call, at its end (kv_publish_due, the cache's lock held by this thread and
+ *    its state consistent): kv_self_publishing names the cache, and the hook reads it as is;
+ *  - a pool call made in the middle of a cache call (contiguous mode: kva_alloc_exact under the
+ *    cache's lock, whose slow path publishes): the lock is held by this very thread, in the
+ *    middle of a change; trylock fails and the hook leaves the section as it was;
+ *  - any other thread (kva_stats_publish, another user's slow path on a shared pool): trylock;
+ *    when the lock is busy the section keeps its last contents and is published again next time.
+ * The hook never blocks on the cache's lock, so a thread holding pool locks in kva_publish and a
+ * thread holding the cache's lock and waiting for pool locks cannot deadlock. It makes no pool
+ * call either (the pool's base was read at attach).
  */
 #include <string.h>
 
 #include "kv_cache.h"
 #include "publish.h"
+
+/* The cache whose kv_publish_due this thread is running, or NULL. Per thread: it says "this
+ * thread holds that cache's lock, at the end of a call", which no other thread may assume. */
+static _Thread_local const kva_kv *kv_self_publishing;
 
 /* The states of blocks first..last, as one heap-map cell: the state most of them are in (used
  * before cached before free) and the share not free. */
@@ -25,10 +41,9 @@ static void paint_cell(const kva_kv *kv, uint32_t first, uint32_t last, uint8_t 
 /* Paints every cell the paged KV memory covers. The block a byte belongs to follows from the
  * layout's strides: blocks then layers, or layers then blocks. */
 static void paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
-    void *base;
-    if (kva_pool_base(kv->pool, &base) != KVA_OK || !map->cell_bytes) return;
+    if (!map->cell_bytes) return;
     const kva_kv_info *g = &kv->info;
-    uint64_t start = (uint64_t)(kv->memory - (unsigned char *)base), bytes = g->kv_bytes;
+    uint64_t start = kv->memory_offset, bytes = g->kv_bytes;
     int by_layer = g->layout == KVA_KV_LAYOUT_LAYERS;
     for (uint64_t cell = start / map->cell_bytes; cell < map->cells && cell * map->cell_bytes < start + bytes; cell++) {
         uint64_t lo = cell * map->cell_bytes > start ? cell * map->cell_bytes - start : 0;
@@ -52,10 +67,10 @@ static void paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, 
 
 static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
     kva_kv *kv = ctx;
-    /* From the cache's own call the lock is held already; from anyone else (kva_stats_publish)
-     * it is taken if free, else this publish keeps the section it had. */
+    /* From the end of the cache's own call on this thread the lock is held already; from
+     * anywhere else it is taken if free, else this publish keeps the section it had. */
     int took = 0;
-    if (!kv->in_publish) {
+    if (kv_self_publishing != kv) {
         if (pthread_mutex_trylock(&kv->lock) != 0) return;
         took = 1;
     }
@@ -79,12 +94,14 @@ static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, u
 
 void kv_publish_attach(kva_kv *kv) {
     if (!kva_stats_segment_name(kv->pool)) return;
+    void *base;
+    if (kv->memory && kva_pool_base(kv->pool, &base) == KVA_OK)
+        kv->memory_offset = (uint64_t)(kv->memory - (unsigned char *)base);
+    kv->publishing = 1;
     kva_kv_publisher publisher = {.publish = publish_cb, .ctx = kv};
     kva_pool_attach_kv(kv->pool, &publisher);
-    kv->publishing = 1;
-    kv->in_publish = 1; /* not yet shared with any other thread */
+    /* The cache is not shared yet: its lock is free, and the hook takes it. */
     kva_stats_publish(kv->pool);
-    kv->in_publish = 0;
 }
 
 void kv_publish_detach(kva_kv *kv) {
@@ -95,7 +112,7 @@ void kv_publish_detach(kva_kv *kv) {
 }
 
 void kv_publish_due(kva_kv *kv) {
-    kv->in_publish = 1;
+    kv_self_publishing = kv;
     kva_publish_due(kv->pool);
-    kv->in_publish = 0;
+    kv_self_publishing = NULL;
 }

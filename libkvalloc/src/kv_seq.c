@@ -5,6 +5,10 @@
  * Every call checks everything first, then counts the blocks it needs against the free and
  * evictable ones and reserves host memory for the table, and only then changes state, so a
  * failure changes nothing. The per-block work of a call is a loop of O(1) steps under one lock.
+ *
+ * Each public function checks the cache pointer, then runs its static *_locked implementation
+ * between kv_lock and kv_unlock: the cache's lock is held for the whole call and released on
+ * every return path.
  */
 #include <string.h>
 
@@ -144,25 +148,30 @@ static kva_status paged_allocate(kva_kv *kv, uint32_t num_tokens, const kv_conte
     return KVA_OK;
 }
 
+static kva_status seq_allocate_locked(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys,
+                                      uint32_t num_keys, const uint32_t *tokens, uint32_t num_token_ids,
+                                      uint32_t namespace_id, uint32_t priority, kva_kv_seq *seq,
+                                      uint32_t *cached_tokens) {
+    kv_content c;
+    kva_status st = content_check(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, &c);
+    if (st != KVA_OK) return st;
+    if (!seq) return INVALID("seq is NULL");
+    if (priority >= KVA_KV_PRIORITIES) return INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
+    if (kv->info.mode == KVA_KV_CONTIGUOUS) {
+        st = kv_contig_allocate(kv, num_tokens, priority, seq);
+        if (st == KVA_OK && cached_tokens) *cached_tokens = 0;
+        return st;
+    }
+    return paged_allocate(kv, num_tokens, &c, (uint8_t)priority, seq, cached_tokens);
+}
+
 kva_status kva_kv_seq_allocate(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys, uint32_t num_keys,
                                const uint32_t *tokens, uint32_t num_token_ids, uint32_t namespace_id,
                                uint32_t priority, kva_kv_seq *seq, uint32_t *cached_tokens) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kv_content c;
-    kva_status st = content_check(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, &c);
-    if (st != KVA_OK) goto out;
-    if (!seq) {
-        st = INVALID("seq is NULL");
-    } else if (priority >= KVA_KV_PRIORITIES) {
-        st = INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
-    } else if (kv->info.mode == KVA_KV_CONTIGUOUS) {
-        st = kv_contig_allocate(kv, num_tokens, priority, seq);
-        if (st == KVA_OK && cached_tokens) *cached_tokens = 0;
-    } else {
-        st = paged_allocate(kv, num_tokens, &c, (uint8_t)priority, seq, cached_tokens);
-    }
-out:
+    kva_status st = seq_allocate_locked(kv, num_tokens, block_keys, num_keys, tokens, num_token_ids, namespace_id,
+                                        priority, seq, cached_tokens);
     kv_unlock(kv);
     return st;
 }
@@ -201,50 +210,41 @@ static kva_status paged_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_toke
     return KVA_OK;
 }
 
+static kva_status seq_append_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
+    kva_status st;
+    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
+    if (!rec) return st;
+    if (!copy) return INVALID("copy is NULL");
+    if (rec->is_pin) return INVALID("sequence %#llx is a pin; pins do not grow", (unsigned long long)seq);
+    if ((uint64_t)rec->num_tokens + num_tokens > UINT32_MAX)
+        return INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, num_tokens);
+    st = kv->info.mode == KVA_KV_CONTIGUOUS ? kv_contig_append(kv, rec, num_tokens, copy)
+                                           : paged_append(kv, rec, num_tokens, copy);
+    if (st == KVA_OK) kv->counters.appends++;
+    return st;
+}
+
 kva_status kva_kv_seq_append(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st;
-    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
-    if (!rec) {
-        /* st says why */
-    } else if (!copy) {
-        st = INVALID("copy is NULL");
-    } else if (rec->is_pin) {
-        st = INVALID("sequence %#llx is a pin; pins do not grow", (unsigned long long)seq);
-    } else if ((uint64_t)rec->num_tokens + num_tokens > UINT32_MAX) {
-        st = INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, num_tokens);
-    } else {
-        st = kv->info.mode == KVA_KV_CONTIGUOUS ? kv_contig_append(kv, rec, num_tokens, copy)
-                                               : paged_append(kv, rec, num_tokens, copy);
-        if (st == KVA_OK) kv->counters.appends++;
-    }
+    kva_status st = seq_append_locked(kv, seq, num_tokens, copy);
     kv_unlock(kv);
     return st;
 }
 
 /* ---- fork, free, pins --------------------------------------------------------------------- */
 
-kva_status kva_kv_seq_fork(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child) {
-    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
+static kva_status seq_fork_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child) {
     kva_status st;
     kva_kv_seqrec *parent = live_seq(kv, seq, &st);
-    if (!parent) goto out;
-    if (!child) {
-        st = INVALID("child is NULL");
-        goto out;
-    }
-    if (kv->info.mode != KVA_KV_PAGED || parent->is_pin) {
-        st = INVALID("fork needs a paged sequence that is not a pin");
-        goto out;
-    }
+    if (!parent) return st;
+    if (!child) return INVALID("child is NULL");
+    if (kv->info.mode != KVA_KV_PAGED || parent->is_pin) return INVALID("fork needs a paged sequence that is not a pin");
     size_t parent_slot = (size_t)(parent - kv->seqs);
     kva_kv_seqrec *rec = kv_seq_reserve(kv, parent->len);
     if (!rec) {
         kv->counters.alloc_failures++;
-        st = KVA_ERR_NOMEM;
-        goto out;
+        return KVA_ERR_NOMEM;
     }
     parent = &kv->seqs[parent_slot]; /* reserving may have moved the slots */
     for (uint32_t i = 0; i < parent->len; i++) {
@@ -259,30 +259,35 @@ kva_status kva_kv_seq_fork(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child) {
     rec->is_pin = 0;
     *child = kv_seq_publish(kv, rec);
     kv->counters.forks++;
-    st = KVA_OK;
-out:
+    return KVA_OK;
+}
+
+kva_status kva_kv_seq_fork(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = seq_fork_locked(kv, seq, child);
     kv_unlock(kv);
     return st;
+}
+
+static kva_status release_locked(kva_kv *kv, kva_kv_seq seq, int pin) {
+    kva_status st;
+    kva_kv_seqrec *rec = kv_seq_lookup(kv, seq, &st);
+    if (!rec) return kv_reject(kv, st);
+    if (rec->is_pin != pin)
+        return INVALID(pin ? "%#llx is a sequence, not a pin; use kva_kv_seq_free" : "%#llx is a pin; use kva_kv_unpin",
+                       (unsigned long long)seq);
+    if (kv->info.mode == KVA_KV_CONTIGUOUS) kv_contig_release(kv, rec);
+    else kv_release(kv, rec->table, rec->len);
+    kv_seq_retire(kv, rec);
+    if (!pin) kv->counters.frees++;
+    return KVA_OK;
 }
 
 static kva_status release(kva_kv *kv, kva_kv_seq seq, int pin) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st;
-    kva_kv_seqrec *rec = kv_seq_lookup(kv, seq, &st);
-    if (!rec) {
-        st = kv_reject(kv, st);
-    } else if (rec->is_pin != pin) {
-        st = INVALID(pin ? "%#llx is a sequence, not a pin; use kva_kv_seq_free"
-                         : "%#llx is a pin; use kva_kv_unpin",
-                     (unsigned long long)seq);
-    } else {
-        if (kv->info.mode == KVA_KV_CONTIGUOUS) kv_contig_release(kv, rec);
-        else kv_release(kv, rec->table, rec->len);
-        kv_seq_retire(kv, rec);
-        if (!pin) kv->counters.frees++;
-        st = KVA_OK;
-    }
+    kva_status st = release_locked(kv, seq, pin);
     kv_unlock(kv);
     return st;
 }
@@ -291,26 +296,17 @@ kva_status kva_kv_seq_free(kva_kv *kv, kva_kv_seq seq) { return release(kv, seq,
 
 kva_status kva_kv_unpin(kva_kv *kv, kva_kv_seq pin) { return release(kv, pin, 1); }
 
-kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
-                      uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin, uint32_t *pinned_tokens) {
-    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
+static kva_status pin_locked(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
+                             uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin, uint32_t *pinned_tokens) {
     kv_content c;
     kva_status st = content_check(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, &c);
-    if (st != KVA_OK) goto out;
-    if (!pin) {
-        st = INVALID("pin is NULL");
-        goto out;
-    }
-    if (kv->info.mode != KVA_KV_PAGED) {
-        st = INVALID("pins need paged mode");
-        goto out;
-    }
+    if (st != KVA_OK) return st;
+    if (!pin) return INVALID("pin is NULL");
+    if (kv->info.mode != KVA_KV_PAGED) return INVALID("pins need paged mode");
     kva_kv_seqrec *rec = kv_seq_reserve(kv, c.blocks);
     if (!rec) {
         kv->counters.alloc_failures++;
-        st = KVA_ERR_NOMEM;
-        goto out;
+        return KVA_ERR_NOMEM;
     }
     kva_kv_key key;
     uint32_t cached_hits;
@@ -325,56 +321,61 @@ kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys,
     rec->is_pin = 1;
     *pin = kv_seq_publish(kv, rec);
     if (pinned_tokens) *pinned_tokens = rec->num_tokens;
-    st = KVA_OK;
-out:
+    return KVA_OK;
+}
+
+kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
+                      uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin, uint32_t *pinned_tokens) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = pin_locked(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, pin, pinned_tokens);
     kv_unlock(kv);
     return st;
 }
 
 /* ---- queries ------------------------------------------------------------------------------ */
 
+static kva_status seq_block_table_locked(kva_kv *kv, kva_kv_seq seq, const uint32_t **table, uint32_t *len) {
+    kva_status st;
+    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
+    if (!rec) return st;
+    if (!table || !len) return INVALID("table or len is NULL");
+    if (kv->info.mode != KVA_KV_PAGED) return INVALID("block tables need paged mode");
+    *table = rec->table;
+    *len = rec->len;
+    return KVA_OK;
+}
+
 kva_status kva_kv_seq_block_table(kva_kv *kv, kva_kv_seq seq, const uint32_t **table, uint32_t *len) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st;
-    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
-    if (!rec) {
-        /* st says why */
-    } else if (!table || !len) {
-        st = INVALID("table or len is NULL");
-    } else if (kv->info.mode != KVA_KV_PAGED) {
-        st = INVALID("block tables need paged mode");
-    } else {
-        *table = rec->table;
-        *len = rec->len;
-        st = KVA_OK;
-    }
+    kva_status st = seq_block_table_locked(kv, seq, table, len);
     kv_unlock(kv);
     return st;
+}
+
+static kva_status seq_get_info_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq_info *out) {
+    kva_status st;
+    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
+    if (!rec) return st;
+    if (!out) return INVALID("out is NULL");
+    *out = (kva_kv_seq_info){
+        .num_tokens = rec->num_tokens,
+        .num_blocks = rec->len,
+        .cached_tokens = rec->cached_tokens,
+        .namespace_id = rec->ns,
+        .priority = rec->priority,
+        .is_pin = rec->is_pin,
+        .bucket_tokens = rec->bucket_tokens,
+        .buffer = rec->buffer,
+    };
+    return KVA_OK;
 }
 
 kva_status kva_kv_seq_get_info(kva_kv *kv, kva_kv_seq seq, kva_kv_seq_info *out) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st;
-    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
-    if (!rec) {
-        /* st says why */
-    } else if (!out) {
-        st = INVALID("out is NULL");
-    } else {
-        *out = (kva_kv_seq_info){
-            .num_tokens = rec->num_tokens,
-            .num_blocks = rec->len,
-            .cached_tokens = rec->cached_tokens,
-            .namespace_id = rec->ns,
-            .priority = rec->priority,
-            .is_pin = rec->is_pin,
-            .bucket_tokens = rec->bucket_tokens,
-            .buffer = rec->buffer,
-        };
-        st = KVA_OK;
-    }
+    kva_status st = seq_get_info_locked(kv, seq, out);
     kv_unlock(kv);
     return st;
 }

@@ -169,9 +169,13 @@ void kva_publish_due(kva_pool *pool) {
     pthread_mutex_unlock(&pool->publish_lock);
 }
 
+/* Under the publish lock: a publish on another thread must see the whole hook or none, and
+ * must not call a detached one (its KV cache may be gone). */
 void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
+    pthread_mutex_lock(&pool->publish_lock);
     if (publisher) pool->kv_publisher = *publisher;
     else memset(&pool->kv_publisher, 0, sizeof pool->kv_publisher);
+    pthread_mutex_unlock(&pool->publish_lock);
 }
 
 kva_status kva_stats_publish(kva_pool *pool) {

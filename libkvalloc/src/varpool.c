@@ -1,7 +1,8 @@
 /*
  * varpool.c — the variable-size pool: create and destroy, alloc and free under each policy,
- * statistics. See varpool.h for the layout and the invariants.
+ * statistics. See varpool.h for the layout, the invariants and the locking.
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "os.h"
@@ -252,6 +253,10 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
     kva_var *v = calloc(1, sizeof *v);
     if (!v) return kva_fail(KVA_ERR_NOMEM, "no host memory for the variable-size pool descriptor");
+    if (pthread_mutex_init(&v->lock, NULL) != 0) {
+        free(v);
+        return kva_fail(KVA_ERR_BACKEND, "pthread_mutex_init failed");
+    }
     v->align_shift = kva_log2(cfg->alignment);
     v->units = (uint32_t)(cfg->capacity >> v->align_shift);
     v->policy = cfg->policy;
@@ -291,38 +296,45 @@ fail_pool:
 fail_ranges:
     kva_os_unmap(v->ranges, v->ranges_bytes);
 fail_descriptor:
+    pthread_mutex_destroy(&v->lock);
     free(v);
     return st;
 }
 
 void kva_var_destroy(kva_var *v) {
     if (!v) return;
+    /* No other call on this pool may be running (documented): the lock is not taken. */
     if (v->owns_pool)
         kva_pool_destroy(v->pool);
     else
         kva_free(v->pool, v->base);
     kva_os_unmap(v->ranges, v->ranges_bytes);
+    pthread_mutex_destroy(&v->lock);
     free(v);
 }
 
 /* ---- alloc and free ----------------------------------------------------------------------- */
 
+/* Counts a refused call (the lock held) and returns its status. */
 static kva_status reject(kva_var *v, kva_status status) {
     v->rejected_calls++;
     return status;
 }
 
+/* The arguments are decided by fields fixed at creation; only the count takes the lock. */
 static KVA_NOINLINE kva_status alloc_rejected(kva_var *v, size_t size, void **out) {
     if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
-    if (!out) return reject(v, kva_fail(KVA_ERR_INVALID, "out is NULL"));
-    if (size == 0) return reject(v, kva_fail(KVA_ERR_INVALID, "size 0"));
-    return reject(v, kva_fail(KVA_ERR_INVALID, "size %zu exceeds the capacity (%zu)", size,
-                              (size_t)v->units << v->align_shift));
+    kva_status st = !out ? kva_fail(KVA_ERR_INVALID, "out is NULL")
+                    : size == 0 ? kva_fail(KVA_ERR_INVALID, "size 0")
+                                : kva_fail(KVA_ERR_INVALID, "size %zu exceeds the capacity (%zu)", size,
+                                           (size_t)v->units << v->align_shift);
+    pthread_mutex_lock(&v->lock);
+    reject(v, st);
+    pthread_mutex_unlock(&v->lock);
+    return st;
 }
 
-kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
-    /* One test for the arguments: size - 1 wraps for 0. */
-    if (kva_unlikely(!v || !out || size - 1 >= v->bytes)) return alloc_rejected(v, size, out);
+static kva_status alloc_locked(kva_var *v, size_t size, void **out) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     uint32_t at = free_find(v, units);
     if (kva_unlikely(at == KVA_NIL)) {
@@ -359,6 +371,15 @@ kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
     v->alloc_count++;
     *out = v->base + ((size_t)at << v->align_shift);
     return KVA_OK;
+}
+
+kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
+    /* One test for the arguments: size - 1 wraps for 0. */
+    if (kva_unlikely(!v || !out || size - 1 >= v->bytes)) return alloc_rejected(v, size, out);
+    pthread_mutex_lock(&v->lock);
+    kva_status st = alloc_locked(v, size, out);
+    pthread_mutex_unlock(&v->lock);
+    return st;
 }
 
 /* Why a unit that is not a used head cannot be freed: the range that holds it (the nearest head
@@ -444,8 +465,8 @@ static void release(kva_var *v, uint32_t at) {
     v->free_count++;
 }
 
+/* Why ptr cannot be freed (the lock held). */
 static KVA_NOINLINE kva_status free_rejected(kva_var *v, void *ptr) {
-    if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
     if (!ptr) return reject(v, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
     if (offset >= (uint64_t)v->units << v->align_shift)
@@ -454,32 +475,41 @@ static KVA_NOINLINE kva_status free_rejected(kva_var *v, void *ptr) {
     return reject(v, classify_bad_free(v, ptr, offset));
 }
 
-kva_status kva_var_free(kva_var *v, void *ptr) {
+static kva_status free_locked(kva_var *v, void *ptr) {
     /* One test for everything that is not the start of a live range: NULL falls outside the
      * region (base is never 0), and a used head has a length in [1, KVA_VAR_MAX_UNITS], so one
      * compare excludes free ranges (free bit set) and records inside ranges (0). */
-    if (kva_likely(v != NULL)) {
-        uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
-        uint32_t at = (uint32_t)(offset >> v->align_shift);
-        if (kva_likely(ptr != NULL && offset < v->bytes && (offset & v->align_mask) == 0 &&
-                       v->ranges[at].length - 1u < KVA_VAR_MAX_UNITS)) {
-            release(v, at);
-            return KVA_OK;
-        }
+    uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
+    uint32_t at = (uint32_t)(offset >> v->align_shift);
+    if (kva_likely(ptr != NULL && offset < v->bytes && (offset & v->align_mask) == 0 &&
+                   v->ranges[at].length - 1u < KVA_VAR_MAX_UNITS)) {
+        release(v, at);
+        return KVA_OK;
     }
     return free_rejected(v, ptr);
+}
+
+kva_status kva_var_free(kva_var *v, void *ptr) {
+    if (kva_unlikely(v == NULL)) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+    pthread_mutex_lock(&v->lock);
+    kva_status st = free_locked(v, ptr);
+    pthread_mutex_unlock(&v->lock);
+    return st;
 }
 
 size_t kva_var_usable_size(kva_var *v, const void *ptr) {
     if (!v || !ptr) return 0;
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
     if (offset >= (uint64_t)v->units << v->align_shift || (offset & (((uint64_t)1 << v->align_shift) - 1))) return 0;
+    pthread_mutex_lock(&v->lock);
     const kva_var_range *r = &v->ranges[offset >> v->align_shift];
-    if (r->length == 0 || kva_var_is_free(r)) return 0;
-    return (size_t)r->length << v->align_shift;
+    size_t usable = r->length == 0 || kva_var_is_free(r) ? 0 : (size_t)r->length << v->align_shift;
+    pthread_mutex_unlock(&v->lock);
+    return usable;
 }
 
 kva_status kva_var_base(kva_var *v, void **base) {
+    /* base is fixed at creation: no lock. */
     if (!v || !base) return kva_fail(KVA_ERR_INVALID, "variable-size pool or base is NULL");
     *base = v->base;
     return KVA_OK;
@@ -508,8 +538,7 @@ static uint32_t largest_free(const kva_var *v) {
     return best;
 }
 
-kva_status kva_var_get_stats(kva_var *v, kva_var_stats *out) {
-    if (!v || !out) return kva_fail(KVA_ERR_INVALID, "variable-size pool or out is NULL");
+static void get_stats_locked(const kva_var *v, kva_var_stats *out) {
     unsigned shift = v->align_shift;
     kva_var_stats s = {
         .capacity = (size_t)v->units << shift,
@@ -529,6 +558,15 @@ kva_status kva_var_get_stats(kva_var *v, kva_var_stats *out) {
     };
     s.internal_waste = s.bytes_used - s.bytes_requested;
     s.fragmentation = s.bytes_free ? 1.0 - (double)s.largest_free / (double)s.bytes_free : 0.0;
+    *out = s;
+}
+
+kva_status kva_var_get_stats(kva_var *v, kva_var_stats *out) {
+    if (!v || !out) return kva_fail(KVA_ERR_INVALID, "variable-size pool or out is NULL");
+    kva_var_stats s;
+    pthread_mutex_lock(&v->lock);
+    get_stats_locked(v, &s);
+    pthread_mutex_unlock(&v->lock);
     *out = s;
     return KVA_OK;
 }

@@ -36,9 +36,18 @@
  *  V5  free_units counts the units of free ranges, free_ranges the free ranges, and
  *      alloc_count - free_count the used ones; requested_bytes sums the used ranges' requested
  *      sizes, each of which rounds up to the range's length.
+ *
+ * Threads. One mutex per pool (`lock`) guards the ranges, the free structures and the counters.
+ * Every public entry point but kva_var_base (which reads base, fixed at creation) and
+ * kva_var_destroy (which must not overlap any other call) holds it for the whole call: a public
+ * wrapper checks what the fields fixed at creation decide, locks, runs a static *_locked
+ * implementation and unlocks, on every return path. The pool calls the backing kva_pool only at
+ * create and destroy, never under its lock.
  */
 #ifndef KVA_VARPOOL_H
 #define KVA_VARPOOL_H
+
+#include <pthread.h>
 
 #include "internal.h"
 
@@ -59,6 +68,9 @@ typedef struct kva_var_range {
 } kva_var_range;
 
 struct kva_var {
+    pthread_mutex_t lock;   /* guards everything below but the fields fixed at creation */
+    /* Fixed at creation: ranges (the pointer), ranges_bytes, units, align_shift, bytes,
+     * align_mask, policy, base, pool, owns_pool. */
     kva_var_range *ranges;
     size_t ranges_bytes;
     uint32_t units;         /* capacity / alignment */

@@ -2,6 +2,8 @@
  * varpool_check.c — kva_var_check: walks every invariant stated in varpool.h and names the first
  * one broken. O(capacity / alignment); never on a hot path.
  */
+#include <pthread.h>
+
 #include "varpool.h"
 
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
@@ -115,8 +117,7 @@ static kva_status check_free_structure(const kva_var *v, uint64_t free_ranges) {
     return KVA_OK;
 }
 
-kva_status kva_var_check(kva_var *v) {
-    if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+static kva_status check_locked(const kva_var *v) {
     tally t = {0};
     kva_status st = check_tiling(v, &t);
     if (st != KVA_OK) return st;
@@ -134,4 +135,12 @@ kva_status kva_var_check(kva_var *v) {
                       (unsigned long long)v->free_ranges, (unsigned long long)live,
                       (unsigned long long)v->requested_bytes);
     return KVA_OK;
+}
+
+kva_status kva_var_check(kva_var *v) {
+    if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+    pthread_mutex_lock(&v->lock);
+    kva_status st = check_locked(v);
+    pthread_mutex_unlock(&v->lock);
+    return st;
 }
