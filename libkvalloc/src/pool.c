@@ -124,16 +124,16 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
                               uint64_t start) {
     kva_segment *seg = pool->segment;
     if (kva_likely(!seg)) return st;
-    pthread_mutex_lock(&pool->publish_lock);
     if (kva_unlikely(seg->trace_all || st != KVA_OK)) {
         uint64_t latency = start == UINT64_MAX ? UINT64_MAX : kva_os_monotonic_ns() - start;
         uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;
+        pthread_mutex_lock(&pool->publish_lock);
         kva_segment_record(seg, op, st, offset, size, latency);
+        pthread_mutex_unlock(&pool->publish_lock);
     }
-    /* In line, a countdown: a named pool's checked calls pay a decrement, not a function call. */
-    int due = kva_segment_due(seg);
-    if (kva_unlikely(due)) kva_publish(pool, due == 2);
-    pthread_mutex_unlock(&pool->publish_lock);
+    /* In line, a countdown of the thread's own: a named pool's slow calls pay a decrement, and
+     * take the publish lock only to read the clock every KVA_SEGMENT_CHECK_EVERY of them. */
+    if (kva_unlikely(kva_segment_tick())) kva_publish_due(pool);
     return st;
 }
 

@@ -164,7 +164,7 @@ void kva_publish(kva_pool *pool, int full) {
 void kva_publish_due(kva_pool *pool) {
     if (!pool->segment) return;
     pthread_mutex_lock(&pool->publish_lock);
-    int due = kva_segment_due(pool->segment);
+    int due = kva_segment_clock_due(pool->segment);
     if (due) kva_publish(pool, due == 2);
     pthread_mutex_unlock(&pool->publish_lock);
 }

@@ -24,8 +24,9 @@ void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
  * slab strips too when full is set. */
 void kva_publish(kva_pool *pool, int full);
 
-/* Publishes when the pool's interval has passed (a countdown, then a clock read); for the
- * pool's slow paths and for a KV cache's calls. A no-op for an anonymous pool. */
+/* Reads the clock under the publish lock and publishes when the pool's interval has passed; the
+ * callers (the pool's slow paths, a KV cache's calls) come here every KVA_SEGMENT_CHECK_EVERY
+ * calls of a thread (kva_segment_tick). A no-op for an anonymous pool. */
 void kva_publish_due(kva_pool *pool);
 
 #endif

@@ -130,7 +130,6 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     seg->trace_all = trace_all;
     seg->interval_ns = (uint64_t)interval_ms * 1000000u;
     seg->summary->publish_interval_ms = interval_ms;
-    seg->countdown = 1;
     register_segment(seg);
     *out = seg;
     return KVA_OK;
@@ -179,6 +178,8 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
     }
     kva_segment_end(seg);
 }
+
+__thread unsigned kva_segment_countdown = 1; /* the first slow call of a thread reads the clock */
 
 int kva_segment_clock_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();

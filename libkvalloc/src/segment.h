@@ -31,7 +31,6 @@ typedef struct kva_segment {
     uint64_t interval_ns;
     uint64_t next_publish_ns;     /* monotonic */
     uint64_t next_full_ns;        /* monotonic: when the heap map is refreshed next */
-    unsigned countdown;           /* slow-path calls until the clock is read again */
     int trace_all;                /* every call is timed and recorded */
     struct kva_segment *next_live; /* the process-wide list removed at exit */
 } kva_segment;
@@ -61,16 +60,18 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
  * enough that even a pool making only a few thousand slow calls a second publishes on time. */
 #define KVA_SEGMENT_CHECK_EVERY 64
 
-/* Reads the clock: what to publish now (see kva_segment_due). */
+/* Reads the clock: what to publish now: 0 nothing, 1 the cheap sections (the publish interval
+ * has passed), 2 everything (a second has passed since the last full publish). */
 int kva_segment_clock_due(kva_segment *seg);
 
-/* What a slow-path call should publish now: 0 nothing, 1 the cheap sections (the publish
- * interval has passed), 2 everything (a second has passed since the last full publish). A
- * countdown in line; the clock only every KVA_SEGMENT_CHECK_EVERY calls. */
-KVA_INLINE int kva_segment_due(kva_segment *seg) {
-    if (kva_likely(--seg->countdown)) return 0;
-    seg->countdown = KVA_SEGMENT_CHECK_EVERY;
-    return kva_segment_clock_due(seg);
+/* Whether this slow-path call should read the clock (kva_segment_clock_due, under the pool's
+ * publish lock): every KVA_SEGMENT_CHECK_EVERY calls of the thread. A countdown of the thread's
+ * own, not the segment's: one all threads decremented would be a cache line they all write. */
+extern __thread unsigned kva_segment_countdown;
+KVA_INLINE int kva_segment_tick(void) {
+    if (kva_likely(--kva_segment_countdown)) return 0;
+    kva_segment_countdown = KVA_SEGMENT_CHECK_EVERY;
+    return 1;
 }
 
 #endif
