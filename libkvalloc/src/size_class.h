@@ -28,10 +28,14 @@ KVA_INLINE unsigned kva_class_index_formula(size_t size) {
 #define KVA_CLASS_SMALL_LIMIT 1024
 extern const uint8_t kva_class_small[KVA_CLASS_SMALL_LIMIT / 4 + 1];
 
-/* The class of a request of 1 .. KVA_SLAB_MAX_SIZE bytes: one table load for small sizes. */
+/* kva_class_large[(size + 255) / 256]: the same for 1,025 .. KVA_SLAB_MAX_SIZE bytes (every
+ * class above 1 KiB is a multiple of 256). */
+extern const uint8_t kva_class_large[KVA_SLAB_MAX_SIZE / 256 + 1];
+
+/* The class of a request of 1 .. KVA_SLAB_MAX_SIZE bytes: one table load. */
 KVA_INLINE unsigned kva_class_index(size_t size) {
     if (kva_likely(size <= KVA_CLASS_SMALL_LIMIT)) return kva_class_small[(size + 3) >> 2];
-    return kva_class_index_formula(size);
+    return kva_class_large[(size + 255) >> 8];
 }
 
 KVA_INLINE size_t kva_class_size(unsigned index) {

@@ -188,12 +188,15 @@ static void list_word(kva_slabs *sl, uint32_t s, uint32_t w) {
 void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner) {
     kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
-    /* The owner first, then the remote word: a remote free that ORs in after this exchange
-     * finds the word owned (slab.h's protocol), so its bit waits for this owner's next merge. */
-    __atomic_store_n(&kva_slab_owner(slab, g)[w], owner, __ATOMIC_SEQ_CST);
+    /* No fence needed: a remote free ORs its bit only into a word it saw owned by another cache;
+     * one that ORs into this word's remote bits just as it changes hands either lands before the
+     * load below (merged now) or after it, and then finds this owner, or finds no owner and
+     * takes this arena's lock, which is held here, and then finds this owner: either way its bit
+     * waits for this owner's next merge. */
+    __atomic_store_n(&kva_slab_owner(slab, g)[w], owner, __ATOMIC_RELEASE);
     uint64_t *l0 = &slab->l0[w];
-    uint64_t before = kva_load(l0);
-    uint64_t remote = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL);
+    uint64_t before = kva_load(l0), *remote_word = &kva_slab_remote(slab, g)[w];
+    uint64_t remote = kva_load(remote_word) ? __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL) : 0;
     kva_store(l0, before | remote);
     /* The word's objects all count as in use now; its remote ones were counted live already. */
     slab->inuse += (uint32_t)__builtin_popcountll(before);
@@ -232,10 +235,13 @@ int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int ma
 void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
-    /* The owner first, then the remote word: see kva_slab_claim_word. */
+    /* The owner first, with a full fence, then the remote word: a remote free ORs, then reads
+     * the owner; one of the two sides sees the other's write, so its bit is merged here or it
+     * finds no owner and drains the bit itself under this arena's lock. */
     __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
-    uint64_t *l0 = &slab->l0[w];
-    uint64_t bits = kva_load(l0) | __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL);
+    uint64_t *l0 = &slab->l0[w], *remote_word = &kva_slab_remote(slab, g)[w];
+    uint64_t bits = kva_load(l0);
+    if (__atomic_load_n(remote_word, __ATOMIC_SEQ_CST)) bits |= __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL);
     kva_store(l0, bits);
     sl->arenas[slab->arena].releases++;
     if (bits == 0) return;

@@ -39,6 +39,9 @@ int main(void) {
     }
     /* The small-size table is the formula tabulated. */
     for (size_t size = 1; size <= KVA_CLASS_SMALL_LIMIT; size++) CHECK(kva_class_index(size) == kva_class_index_formula(size));
+    /* And so is the table of the larger sizes, up to the largest class. */
+    for (size_t size = KVA_CLASS_SMALL_LIMIT + 1; size <= KVA_SLAB_MAX_SIZE; size++)
+        CHECK(kva_class_index(size) == kva_class_index_formula(size));
     CHECK(kva_size_class_of(0) == -1);
     CHECK(kva_size_class_of(KVA_SLAB_MAX_SIZE + 1) == -1);
     return CHECK_DONE();
