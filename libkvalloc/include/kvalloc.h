@@ -648,9 +648,9 @@ KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);
  * leaves its out-parameters untouched, kva_last_error() says why.
  *
  * Thread safety: every function may be called from any number of threads at once. Each
- * variable-size pool has one mutex, held for the whole of kva_var_alloc, kva_var_free,
- * kva_var_usable_size, kva_var_get_stats and kva_var_check (an uncontended lock and unlock, a
- * few nanoseconds per call); kva_var_base reads the region's start, fixed at creation, without
+ * variable-size pool has one lock, held for the whole of kva_var_alloc, kva_var_free,
+ * kva_var_usable_size, kva_var_get_stats and kva_var_check (uncontended: one atomic exchange
+ * and one store per call); kva_var_base reads the region's start, fixed at creation, without
  * it. kva_var_destroy must not overlap any other call on the same pool (nor may one start after
  * it). The backing pool is called only at create and destroy, and other threads may use it
  * meanwhile.

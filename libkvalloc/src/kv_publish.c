@@ -19,7 +19,6 @@
 
 #include "kv_cache.h"
 #include "publish.h"
-#include "segment.h"
 
 /* The cache whose kv_publish_due this thread is running, or NULL. Per thread: it says "this
  * thread holds that cache's lock, at the end of a call", which no other thread may assume. */
@@ -113,8 +112,7 @@ void kv_publish_detach(kva_kv *kv) {
 }
 
 void kv_publish_due(kva_kv *kv) {
-    if (kva_likely(!kva_segment_tick())) return;
     kv_self_publishing = kv;
-    kva_publish_due(kv->pool);
+    kva_publish_tick(kv->pool);
     kv_self_publishing = NULL;
 }

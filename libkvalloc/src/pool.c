@@ -133,7 +133,7 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
     }
     /* In line, a countdown of the thread's own: a named pool's slow calls pay a decrement, and
      * take the publish lock only to read the clock every KVA_SEGMENT_CHECK_EVERY of them. */
-    if (kva_unlikely(kva_segment_tick())) kva_publish_due(pool);
+    if (kva_unlikely(kva_segment_tick(seg))) kva_publish_due(pool);
     return st;
 }
 

@@ -171,6 +171,10 @@ void kva_publish_due(kva_pool *pool) {
 
 /* Under the publish lock: a publish on another thread must see the whole hook or none, and
  * must not call a detached one (its KV cache may be gone). */
+void kva_publish_tick(kva_pool *pool) {
+    if (pool->segment && kva_segment_tick(pool->segment)) kva_publish_due(pool);
+}
+
 void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
     pthread_mutex_lock(&pool->publish_lock);
     if (publisher) pool->kv_publisher = *publisher;

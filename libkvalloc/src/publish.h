@@ -29,4 +29,7 @@ void kva_publish(kva_pool *pool, int full);
  * calls of a thread (kva_segment_tick). A no-op for an anonymous pool. */
 void kva_publish_due(kva_pool *pool);
 
+/* A slow-path call's tick (kva_segment_tick), then kva_publish_due when it says so. */
+void kva_publish_tick(kva_pool *pool);
+
 #endif

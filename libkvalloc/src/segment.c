@@ -179,7 +179,8 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
     kva_segment_end(seg);
 }
 
-__thread unsigned kva_segment_countdown = 1; /* the first slow call of a thread reads the clock */
+__thread unsigned kva_segment_countdown = 1;
+__thread const kva_segment *kva_segment_ticked;
 
 int kva_segment_clock_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();

@@ -64,11 +64,18 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
  * has passed), 2 everything (a second has passed since the last full publish). */
 int kva_segment_clock_due(kva_segment *seg);
 
-/* Whether this slow-path call should read the clock (kva_segment_clock_due, under the pool's
- * publish lock): every KVA_SEGMENT_CHECK_EVERY calls of the thread. A countdown of the thread's
- * own, not the segment's: one all threads decremented would be a cache line they all write. */
+/* Whether this slow-path call on seg should read the clock (kva_segment_clock_due, under the
+ * pool's publish lock): every KVA_SEGMENT_CHECK_EVERY calls of the thread, and the first call
+ * of a thread on a segment other than the one it last ticked (so a pool's first slow call
+ * publishes, as an inspector expects). A countdown of the thread's own, not the segment's: one
+ * all threads decremented would be a cache line they all write. */
 extern __thread unsigned kva_segment_countdown;
-KVA_INLINE int kva_segment_tick(void) {
+extern __thread const kva_segment *kva_segment_ticked;
+KVA_INLINE int kva_segment_tick(const kva_segment *seg) {
+    if (kva_unlikely(seg != kva_segment_ticked)) {
+        kva_segment_ticked = seg;
+        kva_segment_countdown = 1;
+    }
     if (kva_likely(--kva_segment_countdown)) return 0;
     kva_segment_countdown = KVA_SEGMENT_CHECK_EVERY;
     return 1;

@@ -2,7 +2,6 @@
  * varpool.c — the variable-size pool: create and destroy, alloc and free under each policy,
  * statistics. See varpool.h for the layout, the invariants and the locking.
  */
-#include <pthread.h>
 #include <stdlib.h>
 
 #include "os.h"
@@ -253,10 +252,6 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
     kva_var *v = calloc(1, sizeof *v);
     if (!v) return kva_fail(KVA_ERR_NOMEM, "no host memory for the variable-size pool descriptor");
-    if (pthread_mutex_init(&v->lock, NULL) != 0) {
-        free(v);
-        return kva_fail(KVA_ERR_BACKEND, "pthread_mutex_init failed");
-    }
     v->align_shift = kva_log2(cfg->alignment);
     v->units = (uint32_t)(cfg->capacity >> v->align_shift);
     v->policy = cfg->policy;
@@ -296,7 +291,6 @@ fail_pool:
 fail_ranges:
     kva_os_unmap(v->ranges, v->ranges_bytes);
 fail_descriptor:
-    pthread_mutex_destroy(&v->lock);
     free(v);
     return st;
 }
@@ -309,7 +303,6 @@ void kva_var_destroy(kva_var *v) {
     else
         kva_free(v->pool, v->base);
     kva_os_unmap(v->ranges, v->ranges_bytes);
-    pthread_mutex_destroy(&v->lock);
     free(v);
 }
 
@@ -328,9 +321,9 @@ static KVA_NOINLINE kva_status alloc_rejected(kva_var *v, size_t size, void **ou
                     : size == 0 ? kva_fail(KVA_ERR_INVALID, "size 0")
                                 : kva_fail(KVA_ERR_INVALID, "size %zu exceeds the capacity (%zu)", size,
                                            (size_t)v->units << v->align_shift);
-    pthread_mutex_lock(&v->lock);
+    int token = kva_lock_acquire(&v->lock);
     reject(v, st);
-    pthread_mutex_unlock(&v->lock);
+    kva_lock_release(&v->lock, token);
     return st;
 }
 
@@ -376,9 +369,9 @@ static kva_status alloc_locked(kva_var *v, size_t size, void **out) {
 kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
     /* One test for the arguments: size - 1 wraps for 0. */
     if (kva_unlikely(!v || !out || size - 1 >= v->bytes)) return alloc_rejected(v, size, out);
-    pthread_mutex_lock(&v->lock);
+    int token = kva_lock_acquire(&v->lock);
     kva_status st = alloc_locked(v, size, out);
-    pthread_mutex_unlock(&v->lock);
+    kva_lock_release(&v->lock, token);
     return st;
 }
 
@@ -491,9 +484,9 @@ static kva_status free_locked(kva_var *v, void *ptr) {
 
 kva_status kva_var_free(kva_var *v, void *ptr) {
     if (kva_unlikely(v == NULL)) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
-    pthread_mutex_lock(&v->lock);
+    int token = kva_lock_acquire(&v->lock);
     kva_status st = free_locked(v, ptr);
-    pthread_mutex_unlock(&v->lock);
+    kva_lock_release(&v->lock, token);
     return st;
 }
 
@@ -501,10 +494,10 @@ size_t kva_var_usable_size(kva_var *v, const void *ptr) {
     if (!v || !ptr) return 0;
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
     if (offset >= (uint64_t)v->units << v->align_shift || (offset & (((uint64_t)1 << v->align_shift) - 1))) return 0;
-    pthread_mutex_lock(&v->lock);
+    int token = kva_lock_acquire(&v->lock);
     const kva_var_range *r = &v->ranges[offset >> v->align_shift];
     size_t usable = r->length == 0 || kva_var_is_free(r) ? 0 : (size_t)r->length << v->align_shift;
-    pthread_mutex_unlock(&v->lock);
+    kva_lock_release(&v->lock, token);
     return usable;
 }
 
@@ -564,9 +557,9 @@ static void get_stats_locked(const kva_var *v, kva_var_stats *out) {
 kva_status kva_var_get_stats(kva_var *v, kva_var_stats *out) {
     if (!v || !out) return kva_fail(KVA_ERR_INVALID, "variable-size pool or out is NULL");
     kva_var_stats s;
-    pthread_mutex_lock(&v->lock);
+    int token = kva_lock_acquire(&v->lock);
     get_stats_locked(v, &s);
-    pthread_mutex_unlock(&v->lock);
+    kva_lock_release(&v->lock, token);
     *out = s;
     return KVA_OK;
 }

@@ -37,8 +37,8 @@
  *      alloc_count - free_count the used ones; requested_bytes sums the used ranges' requested
  *      sizes, each of which rounds up to the range's length.
  *
- * Threads. One mutex per pool (`lock`) guards the ranges, the free structures and the counters.
- * Every public entry point but kva_var_base (which reads base, fixed at creation) and
+ * Threads. One lock per pool (`lock`, lock.h: an exchange to take it, a store to give it back)
+ * guards the ranges, the free structures and the counters. Every public entry point but kva_var_base (which reads base, fixed at creation) and
  * kva_var_destroy (which must not overlap any other call) holds it for the whole call: a public
  * wrapper checks what the fields fixed at creation decide, locks, runs a static *_locked
  * implementation and unlocks, on every return path. The pool calls the backing kva_pool only at
@@ -47,9 +47,8 @@
 #ifndef KVA_VARPOOL_H
 #define KVA_VARPOOL_H
 
-#include <pthread.h>
-
 #include "internal.h"
+#include "lock.h"
 
 #define KVA_VAR_FREE_BIT 0x80000000u /* in kva_var_range.length */
 #define KVA_VAR_MAX_UNITS 0x7fffffffu
@@ -68,7 +67,7 @@ typedef struct kva_var_range {
 } kva_var_range;
 
 struct kva_var {
-    pthread_mutex_t lock;   /* guards everything below but the fields fixed at creation */
+    kva_lock lock;          /* guards everything below but the fields fixed at creation */
     /* Fixed at creation: ranges (the pointer), ranges_bytes, units, align_shift, bytes,
      * align_mask, policy, base, pool, owns_pool. */
     kva_var_range *ranges;

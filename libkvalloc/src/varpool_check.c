@@ -2,7 +2,6 @@
  * varpool_check.c — kva_var_check: walks every invariant stated in varpool.h and names the first
  * one broken. O(capacity / alignment); never on a hot path.
  */
-#include <pthread.h>
 
 #include "varpool.h"
 
@@ -139,8 +138,8 @@ static kva_status check_locked(const kva_var *v) {
 
 kva_status kva_var_check(kva_var *v) {
     if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
-    pthread_mutex_lock(&v->lock);
+    int token = kva_lock_acquire(&v->lock);
     kva_status st = check_locked(v);
-    pthread_mutex_unlock(&v->lock);
+    kva_lock_release(&v->lock, token);
     return st;
 }
