@@ -141,7 +141,7 @@ SLAB_DTYPE = np.dtype([("chunk", "<u4"), ("size_class", "<u2"), ("reserved", "<u
                        ("inuse", "<u4"), ("objects", "<u4"), ("strip", "u1", (STRIP_CELLS,))],
                       align=True)
 ARENA_DTYPE = np.dtype([("slabs", "<u8"), ("slab_bytes", "<u8"), ("spare_slabs", "<u8"),
-                        ("word_claims", "<u8")], align=True)
+                        ("word_claims", "<u8"), ("numa_node", "<i8")], align=True)
 LATENCY_DTYPE = np.dtype([("alloc", "<u8", (LATENCY_BUCKETS,)),
                           ("free", "<u8", (LATENCY_BUCKETS,))], align=True)
 KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "hit_tokens",

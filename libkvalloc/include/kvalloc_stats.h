@@ -168,6 +168,7 @@ typedef struct kva_shm_arena {
     uint64_t slab_bytes;
     uint64_t spare_slabs;   /* empty slabs it keeps, one per class at most */
     uint64_t word_claims;   /* words of objects handed to thread caches since creation */
+    int64_t numa_node;      /* the node its slabs' memory is bound to, -1 for none */
 } kva_shm_arena;
 typedef struct kva_shm_arenas {
     uint32_t count;

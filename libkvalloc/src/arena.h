@@ -32,6 +32,13 @@ typedef struct kva_arena {
     kva_arena_class classes[KVA_NUM_SIZE_CLASSES];
     uint64_t claims;        /* words handed to thread caches from this arena */
     uint64_t releases;      /* words given back to it */
+    /* The NUMA node whose memory the arena's slabs take (the node of its CPU), or -1. On a
+     * machine with several nodes, a host pool without a numa_node of its own binds each new
+     * slab's chunk to its arena's node (MPOL_PREFERRED: a full node lends memory rather than
+     * fail) before the slab's memory is first touched; a chunk a slab of the same node had
+     * before is not bound again. Pages touched before keep their node. */
+    int node;
+    uint32_t bind_failures; /* mbind refusals: the slab was made all the same */
 } __attribute__((aligned(64))) kva_arena;
 
 /* The CPU the calling thread runs on: the kernel's rseq area when libc registered one (a load),

@@ -57,6 +57,40 @@ kva_status kva_numa_check_node(int node) {
     return kva_fail(KVA_ERR_INVALID, "numa_node %d does not exist (this process may use nodes %s)", node, nodes);
 }
 
+static int force_arenas;
+
+void kva_numa_test_force_arenas(int force) { __atomic_store_n(&force_arenas, force, __ATOMIC_RELAXED); }
+
+static unsigned allowed_nodes(unsigned long *allowed) {
+    memset(allowed, 0, MASK_WORDS * sizeof *allowed);
+    if (kva_os_get_mempolicy(NULL, allowed, KVA_NUMA_MAX_NODES, NULL, MPOL_F_MEMS_ALLOWED) != KVA_OK) return 0;
+    unsigned count = 0;
+    for (unsigned w = 0; w < MASK_WORDS; w++) count += (unsigned)__builtin_popcountl(allowed[w]);
+    return count;
+}
+
+unsigned kva_numa_allowed_count(void) {
+    unsigned long allowed[MASK_WORDS];
+    return allowed_nodes(allowed);
+}
+
+int kva_numa_arenas_wanted(void) { return __atomic_load_n(&force_arenas, __ATOMIC_RELAXED) || kva_numa_allowed_count() > 1; }
+
+int kva_numa_node_of_cpu(unsigned cpu) {
+    unsigned long allowed[MASK_WORDS];
+    if (allowed_nodes(allowed) == 0) return -1;
+    int first = -1;
+    /* sysfs links cpuN to its node as a directory entry nodeK. */
+    for (unsigned node = 0; node < KVA_NUMA_MAX_NODES; node++) {
+        if (!has_node(allowed, node)) continue;
+        if (first < 0) first = (int)node;
+        char path[96];
+        snprintf(path, sizeof path, "/sys/devices/system/cpu/cpu%u/node%u", cpu, node);
+        if (!__atomic_load_n(&force_arenas, __ATOMIC_RELAXED) && kva_os_path_exists(path)) return (int)node;
+    }
+    return __atomic_load_n(&force_arenas, __ATOMIC_RELAXED) ? first : -1;
+}
+
 kva_status kva_numa_bind(void *addr, size_t length, int node, kva_numa_policy policy) {
     unsigned long mask[MASK_WORDS];
     memset(mask, 0, sizeof mask);

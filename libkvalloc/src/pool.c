@@ -11,6 +11,7 @@
 
 #include "checked.h"
 #include "config.h"
+#include "numa.h"
 #include "os.h"
 #include "pool.h"
 #include "tcache.h"
@@ -25,6 +26,17 @@ void kva_pool_destroy(kva_pool *pool) {
     pthread_mutex_destroy(&pool->lock);
     pthread_mutex_destroy(&pool->publish_lock);
     free(pool);
+}
+
+/* Per-arena NUMA placement (arena.h): for a host pool that chose no node itself, on a machine
+ * with several nodes, unless everything was touched at creation (prefault) or the chunks are
+ * smaller than the hugetlb pages mbind would have to split. Arena a serves CPUs a, a + n, ...:
+ * it takes the node of CPU a. */
+static void place_arenas(kva_pool *pool, const kva_config *cfg) {
+    if (cfg->backend != KVA_BACKEND_HOST || cfg->numa_node >= 0 || cfg->prefault) return;
+    if (pool->region.page_kind == KVA_PAGE_KIND_HUGETLB && (pool->slabs.chunk_mask + 1) % KVA_HUGE_PAGE_SIZE) return;
+    if (!kva_numa_arenas_wanted()) return;
+    for (unsigned a = 0; a < pool->slabs.narenas; a++) pool->slabs.arenas[a].node = kva_numa_node_of_cpu(a);
 }
 
 kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
@@ -68,6 +80,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     st = kva_region_create(cfg, geo.capacity, alignment, &pool->region);
     if (st != KVA_OK) goto fail_slabs;
     pool->base = pool->region.base;
+    place_arenas(pool, cfg);
     pool->fast_limit = KVA_SLAB_MAX_SIZE;
     pool->fast_capacity = pool->capacity;
     if (cfg->checked) {

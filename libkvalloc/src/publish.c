@@ -92,7 +92,7 @@ static void publish_arenas(kva_pool *pool, kva_segment *seg) {
     const kva_slabs *sl = &pool->slabs;
     for (unsigned a = 0; a < sl->narenas && a < seg->arenas->count; a++) {
         const kva_arena *arena = &sl->arenas[a];
-        kva_shm_arena entry = {.word_claims = arena->claims};
+        kva_shm_arena entry = {.word_claims = arena->claims, .numa_node = arena->node};
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             entry.slabs += arena->classes[c].slabs;
             entry.spare_slabs += arena->classes[c].empty_slab != KVA_NIL;

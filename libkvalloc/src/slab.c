@@ -5,6 +5,7 @@
  */
 #include <stdlib.h>
 
+#include "numa.h"
 #include "os.h"
 #include "slab.h"
 
@@ -33,7 +34,7 @@ kva_status kva_slabs_init(kva_slabs *sl, kva_buddy *buddy, size_t capacity, unsi
     sl->narenas = narenas;
     for (unsigned a = 0; a < narenas; a++) {
         kva_arena *arena = &sl->arenas[a];
-        *arena = (kva_arena){0};
+        *arena = (kva_arena){.node = -1};
         pthread_mutex_init(&arena->lock, NULL);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             kva_arena_class *ac = &arena->classes[c];
@@ -135,6 +136,14 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
 
     const kva_class_geometry *g = &sl->geom[c];
     kva_slab *slab = &sl->slabs[s];
+    kva_arena *arena = &sl->arenas[a];
+    if (arena->node >= 0 && slab->bound_node != arena->node + 1) {
+        /* Before the slab's first touch below (bitmaps are metadata; the chunk is not written). */
+        if (kva_numa_bind(sl->region->base + offset, sl->chunk_mask + 1, arena->node, KVA_NUMA_PREFERRED) == KVA_OK)
+            slab->bound_node = (uint16_t)(arena->node + 1);
+        else
+            arena->bind_failures++;
+    }
     uint64_t *slot = kva_slab_bitmap(sl, s);
     fill_bits(slot, g->l0_words);
     kva_store(&slab->l0, slot + g->l1_words);

@@ -64,6 +64,7 @@ typedef struct kva_slab {
     uint8_t cls;          /* size class, or KVA_SLAB_NONE if the chunk is not a slab */
     uint8_t listed;       /* on the partial list */
     uint16_t arena;       /* the arena that grew it */
+    uint16_t bound_node;  /* 1 + the NUMA node its chunk is bound to, 0 if never bound */
     /* A cache line each: every free reads its slab's descriptor, and a claim or return of a
      * word writes it; neighbouring slabs usually belong to different arenas, hence threads on
      * other cores, and sharing a line made two threads on two cores no faster than one. */

@@ -14,7 +14,9 @@
 #include "check.h"
 #include "proc_self.h"
 #include "kvalloc.h"
+#include "numa.h"
 #include "os.h"
+#include "pool.h"
 
 #define MPOL_DEFAULT 0
 #define MPOL_PREFERRED 1
@@ -198,11 +200,73 @@ static void test_lock(void) {
     CHECK(!MAPS_ARE_RELIABLE || mapping_count() == before); /* see proc_self.h */
 }
 
+/* Per-arena placement: each new slab's chunk is bound (preferred) to its arena's node before
+ * first touch; buddy blocks outside slabs keep the default policy. A one-node machine never
+ * binds by itself (checked first); the test hook then makes every CPU count as being on the
+ * first allowed node, so the binding runs and is read back with get_mempolicy. */
+static void check_arena_slabs(int forced) {
+    int nodes[64];
+    REQUIRE(allowed_nodes(nodes, 64) >= 1);
+    kva_numa_test_force_arenas(forced);
+    kva_config cfg = config(-1, KVA_NUMA_BIND, KVA_PAGES_SMALL);
+    cfg.capacity = (size_t)32 << 20;
+    cfg.slab_chunk = (size_t)1 << 20;
+    cfg.arenas = 2;
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    REQUIRE(pool);
+    int binds = forced || kva_numa_allowed_count() > 1;
+    for (unsigned a = 0; a < pool->slabs.narenas; a++)
+        CHECK(binds ? pool->slabs.arenas[a].node >= 0 : pool->slabs.arenas[a].node == -1);
+    void *small, *block;
+    CHECK_STATUS(kva_alloc(pool, 64, &small), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, (size_t)4 << 20, &block), KVA_OK);
+    const kva_slab *slab = &pool->slabs.slabs[((unsigned char *)small - pool->base) >> pool->slabs.chunk_shift];
+    int node = pool->slabs.arenas[slab->arena].node;
+    if (binds) {
+        CHECK(policy_of(small) == MPOL_PREFERRED && mask_has(node) && mask_count() == 1);
+        CHECK(slab->bound_node == node + 1 && pool->slabs.arenas[slab->arena].bind_failures == 0);
+        /* The last byte of the chunk too: the whole chunk, not its first page. */
+        unsigned char *chunk = pool->base + ((size_t)(slab - pool->slabs.slabs) << pool->slabs.chunk_shift);
+        CHECK(policy_of(chunk + cfg.slab_chunk - 1) == MPOL_PREFERRED);
+        memset(small, 1, 64);
+        CHECK(node_of(small) == node);
+    } else {
+        CHECK(policy_of(small) == MPOL_DEFAULT && slab->bound_node == 0);
+    }
+    CHECK(policy_of(block) == MPOL_DEFAULT);
+    CHECK_STATUS(kva_free(pool, small), KVA_OK);
+    CHECK_STATUS(kva_free(pool, block), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    kva_numa_test_force_arenas(0);
+}
+
+static void test_arena_nodes(void) {
+    check_arena_slabs(0);
+    check_arena_slabs(1);
+    /* A refused mbind does not fail the allocation: placement is a preference. */
+    kva_numa_test_force_arenas(1);
+    kva_config cfg = config(-1, KVA_NUMA_BIND, KVA_PAGES_SMALL);
+    cfg.arenas = 1;
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    void *p;
+    kva_os_fail_nth(KVA_OS_MBIND, 1, EPERM);
+    CHECK_STATUS(kva_alloc(pool, 64, &p), KVA_OK);
+    CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0);
+    CHECK(pool->slabs.arenas[0].bind_failures == 1 && policy_of(p) == MPOL_DEFAULT);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    kva_numa_test_force_arenas(0);
+}
+
 int main(void) {
     test_no_policy_by_default();
     test_bind_and_preferred();
     test_missing_node();
     test_mbind_refused();
     test_lock();
+    test_arena_nodes();
     return CHECK_DONE();
 }
