@@ -13,9 +13,9 @@
 #endif
 #endif
 
-static unsigned (*_Atomic test_fake_cpu)(void *);
-static void (*_Atomic test_after_read)(void *);
-static void *_Atomic test_ctx;
+static unsigned (*test_fake_cpu)(void *);
+static void (*test_after_read)(void *);
+static void *test_ctx;
 
 void kva_arena_test_hook(unsigned (*fake_cpu)(void *ctx), void (*after_read)(void *ctx), void *ctx) {
     __atomic_store_n(&test_ctx, ctx, __ATOMIC_SEQ_CST);
