@@ -466,3 +466,40 @@ def test_pool_raw_calls_overlap() -> None:
     result = run_python(RAW_POOL, env=dict(os.environ), timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok")
+
+
+def test_thread_caches_show_in_the_stats_and_flush() -> None:
+    """A thread's cache holds the free objects of the words it owns: the stats count them
+    (cached_bytes, thread_caches), thread_flush gives them back, and a thread's exit does."""
+    with pykvalloc.Pool(64 * MiB, arenas=2) as pool:
+        blocks = [pool.alloc(64) for _ in range(10)]
+        for block in blocks[:5]:
+            pool.free(block)
+        stats = pool.stats()
+        assert stats.arenas == 2 and stats.thread_caches == 1
+        # The current word's free objects and the five freed: all cached by this thread.
+        assert stats.cached_bytes >= 5 * 64 and stats.cached_bytes % 64 == 0
+        assert stats.live_allocations == 5
+        pool.thread_flush()
+        assert pool.stats().cached_bytes == 0
+        pool.check()
+
+        def worker() -> None:
+            mine = [pool.alloc(256) for _ in range(100)]
+            for block in mine:
+                pool.free(block)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        thread.join()
+        after = pool.stats()
+        assert after.thread_caches == 1 and after.cached_bytes == 0  # the worker's went at exit
+        assert after.live_allocations == 5 and after.bytes_in_use == 5 * 64
+        for block in blocks[5:]:
+            pool.free(block)
+        pool.check()
+
+
+def test_arenas_are_validated() -> None:
+    with pytest.raises(pykvalloc.InvalidArgument, match="arenas"):
+        pykvalloc.Pool(16 * MiB, arenas=100000)
