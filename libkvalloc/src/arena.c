@@ -44,6 +44,15 @@ unsigned kva_arena_cpu(void) {
     return cpu >= 0 ? (unsigned)cpu : 0;
 }
 
+unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max) {
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
+    unsigned n = 0;
+    for (unsigned cpu = 0; cpu < CPU_SETSIZE && n < max; cpu++)
+        if (CPU_ISSET(cpu, &set)) cpus[n++] = cpu;
+    return n;
+}
+
 unsigned kva_arena_default_count(void) {
     cpu_set_t set;
     long n = 0;

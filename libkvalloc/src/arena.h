@@ -48,6 +48,10 @@ unsigned kva_arena_cpu(void);
 /* The default arena count: the CPUs this process may run on, at most KVA_MAX_ARENAS. */
 unsigned kva_arena_default_count(void);
 
+/* The CPUs this process may run on (its affinity mask), in increasing order: up to max of them
+ * into cpus; returns how many were written. */
+unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max);
+
 /* Test hook (process-wide; NULL functions restore the real CPU). fake_cpu(ctx), when set,
  * replaces the CPU id a slow path reads; after_read(ctx), when set, runs between reading the
  * CPU and locking that CPU's arena, the window in which a real migration would strike, so a

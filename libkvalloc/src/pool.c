@@ -19,6 +19,7 @@
 void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
     kva_tc_pool_destroyed(pool);
+    free(pool->free_ids);
     kva_segment_close(pool->segment);
     kva_slabs_fini(&pool->slabs);
     kva_buddy_fini(&pool->buddy);
@@ -30,13 +31,18 @@ void kva_pool_destroy(kva_pool *pool) {
 
 /* Per-arena NUMA placement (arena.h): for a host pool that chose no node itself, on a machine
  * with several nodes, unless everything was touched at creation (prefault) or the chunks are
- * smaller than the hugetlb pages mbind would have to split. Arena a serves CPUs a, a + n, ...:
- * it takes the node of CPU a. */
+ * smaller than the hugetlb pages mbind would have to split. A thread on CPU c uses arena
+ * c % narenas: each arena takes the node of the first CPU this process may run on that maps to
+ * it (so that under taskset or numactl the arenas follow the CPUs actually used). */
 static void place_arenas(kva_pool *pool, const kva_config *cfg) {
     if (cfg->backend != KVA_BACKEND_HOST || cfg->numa_node >= 0 || cfg->prefault) return;
     if (pool->region.page_kind == KVA_PAGE_KIND_HUGETLB && (pool->slabs.chunk_mask + 1) % KVA_HUGE_PAGE_SIZE) return;
     if (!kva_numa_arenas_wanted()) return;
-    for (unsigned a = 0; a < pool->slabs.narenas; a++) pool->slabs.arenas[a].node = kva_numa_node_of_cpu(a);
+    unsigned cpus[1024], count = kva_arena_allowed_cpus(cpus, 1024), n = pool->slabs.narenas;
+    for (unsigned i = 0; i < count; i++) {
+        kva_arena *arena = &pool->slabs.arenas[cpus[i] % n];
+        if (arena->node < 0) arena->node = kva_numa_node_of_cpu(cpus[i]);
+    }
 }
 
 kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
@@ -401,9 +407,19 @@ static kva_status free_any(kva_pool *pool, void *ptr) {
                                      (void *)pool->base, (void *)(pool->base + pool->capacity)));
     if (__atomic_load_n(&pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)].cls, __ATOMIC_ACQUIRE) !=
         KVA_SLAB_NONE) {
-        kva_tcache *tc = this_thread_cache(pool);
-        if (!tc) return KVA_ERR_NOMEM;
-        kva_status st = kva_tc_free(pool, tc, offset);
+        /* A thread's first free of the pool makes its cache only once the free is known to be
+         * valid (a refused call changes nothing); with no memory for one, the object is freed
+         * without a cache. */
+        kva_tcache *tc = kva_tc_find(pool);
+        kva_status st;
+        if (tc) {
+            st = kva_tc_free(pool, tc, offset);
+        } else {
+            kva_object_ref ref;
+            if (!kva_slab_locate(&pool->slabs, offset, &ref)) st = KVA_ERR_BAD_POINTER;
+            else if (!kva_slab_is_live(&pool->slabs, &ref)) st = KVA_ERR_DOUBLE_FREE;
+            else st = (tc = kva_tc_get(pool)) ? kva_tc_free(pool, tc, offset) : kva_tc_free_uncached(pool, offset);
+        }
         if (st == KVA_ERR_DOUBLE_FREE) return reject(pool, kva_fail(st, "slab object %p is already free", ptr));
         if (st != KVA_OK) return reject(pool, kva_fail(st, "%p is not the start of a slab object", ptr));
         return KVA_OK;

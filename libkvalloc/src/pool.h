@@ -53,6 +53,9 @@ struct kva_pool {
     uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_remote_frees;
+    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache */
+    uint32_t *free_ids;      /* ids of exited threads' caches, for reuse (grown by doubling) */
+    uint32_t free_ids_count, free_ids_capacity;
     kva_config config; /* as created; config.name points at name below */
     char name[KVA_NAME_MAX + 1];
 };

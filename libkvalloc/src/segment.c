@@ -61,11 +61,14 @@ static uint32_t heap_cells(uint32_t nblocks, uint32_t *cell_blocks) {
     return (nblocks + per - 1) / per;
 }
 
+static uint64_t next_uid;
+
 kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all,
                             unsigned interval_ms, kva_segment **out) {
     kva_segment *seg = calloc(1, sizeof *seg);
     if (!seg) return kva_fail(KVA_ERR_NOMEM, "no host memory for the stats segment descriptor");
     seg->fd = -1;
+    seg->uid = __atomic_add_fetch(&next_uid, 1, __ATOMIC_RELAXED);
     snprintf(seg->name, sizeof seg->name, "/%s%u.%s", KVA_SHM_PREFIX, kva_os_pid(), pool_name);
 
     uint32_t cell_blocks, cells = heap_cells(geo->nblocks, &cell_blocks);
@@ -180,7 +183,7 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
 }
 
 __thread unsigned kva_segment_countdown = 1;
-__thread const kva_segment *kva_segment_ticked;
+__thread uint64_t kva_segment_ticked; /* uid of the segment last ticked; uids start at 1 */
 
 int kva_segment_clock_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();

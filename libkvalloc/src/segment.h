@@ -14,6 +14,8 @@
 #define KVA_TRACE_RECORDS 1024
 
 typedef struct kva_segment {
+    uint64_t uid;                  /* unique in the process: another segment may later have this
+                                      one's address */
     char name[KVA_NAME_MAX + 32];  /* "/kvalloc.<pid>.<name>" */
     unsigned char *base;
     size_t size;
@@ -70,10 +72,10 @@ int kva_segment_clock_due(kva_segment *seg);
  * publishes, as an inspector expects). A countdown of the thread's own, not the segment's: one
  * all threads decremented would be a cache line they all write. */
 extern __thread unsigned kva_segment_countdown;
-extern __thread const kva_segment *kva_segment_ticked;
+extern __thread uint64_t kva_segment_ticked;
 KVA_INLINE int kva_segment_tick(const kva_segment *seg) {
-    if (kva_unlikely(seg != kva_segment_ticked)) {
-        kva_segment_ticked = seg;
+    if (kva_unlikely(seg->uid != kva_segment_ticked)) {
+        kva_segment_ticked = seg->uid;
         kva_segment_countdown = 1;
     }
     if (kva_likely(--kva_segment_countdown)) return 0;

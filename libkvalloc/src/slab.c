@@ -259,19 +259,33 @@ void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     if (slab->inuse == 0) emptied(sl, s);
 }
 
-void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w) {
+/* Frees `freed` (bits of live objects) in word w of slab s, which nobody owns. */
+static void free_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t freed) {
     kva_slab *slab = &sl->slabs[s];
-    if (kva_load(&slab->cls) == KVA_SLAB_NONE || kva_load(&slab->arena) != a) return;
-    const kva_class_geometry *g = &sl->geom[slab->cls];
-    if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return;
     uint64_t *l0 = &slab->l0[w];
-    uint64_t before = kva_load(l0);
-    uint64_t freed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL) & ~before;
-    if (freed == 0) return;
-    kva_store(l0, before | freed);
+    kva_store(l0, kva_load(l0) | freed);
     slab->inuse -= (uint32_t)__builtin_popcountll(freed);
     list_word(sl, s, w);
     if (slab->inuse == 0) emptied(sl, s);
+}
+
+void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w) {
+    kva_slab *slab = &sl->slabs[s];
+    /* cls read once, with acquire: grow() stores arena before it publishes cls. */
+    unsigned c = __atomic_load_n(&slab->cls, __ATOMIC_ACQUIRE);
+    if (c == KVA_SLAB_NONE || kva_load(&slab->arena) != a) return;
+    const kva_class_geometry *g = &sl->geom[c];
+    if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return;
+    uint64_t freed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL) & ~kva_load(&slab->l0[w]);
+    if (freed) free_unowned(sl, s, w, freed);
+}
+
+int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit) {
+    const kva_slab *slab = &sl->slabs[s];
+    const kva_class_geometry *g = &sl->geom[slab->cls];
+    if (__atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return 0;
+    free_unowned(sl, s, w, bit);
+    return 1;
 }
 
 void kva_slab_trim_arena(kva_slabs *sl, unsigned a) {

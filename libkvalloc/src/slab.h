@@ -197,6 +197,10 @@ void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w);
  * made anew elsewhere, and then there is nothing of the caller's left to drain. */
 void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
 
+/* Frees the live object `bit` of word w of slab s if nobody owns the word (1); 0 if somebody
+ * does, with nothing changed. For a thread that has no cache to free into. */
+int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit);
+
 /* Returns arena a's empty slabs, the classes' spares, to the buddy. */
 void kva_slab_trim_arena(kva_slabs *sl, unsigned a);
 

@@ -164,6 +164,57 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     return KVA_OK;
 }
 
+/* Words a cache keeps for a class: KVA_TC_WORDS while it allocates objects of the class (it has
+ * a current word), one while it only frees them, so that a thread that only frees (a consumer
+ * of objects others allocate) holds at most one word of free objects per class. */
+static uint32_t words_kept(const kva_tc_class *k) { return k->cur != KVA_NIL ? KVA_TC_WORDS : 1; }
+
+/* The oldest owned word that is not the current one, or KVA_NIL. */
+static uint32_t oldest_spare(const kva_tc_class *k, uint32_t skip) {
+    for (uint32_t i = 0; i < k->nowned; i++)
+        if (i != k->cur && i != skip) return i;
+    return KVA_NIL;
+}
+
+/* A free into a word nobody owns: the word is claimed into the cache and the object freed into
+ * it. Every check is made again under the arena lock before anything changes, so a refused
+ * call (the word claimed by another thread meanwhile, a racing double free) changes nothing;
+ * then the words beyond the cache's bound go back, the oldest first: under the same lock when
+ * they belong to the same arena, after it otherwise. Returns KVA_ERR_BAD_POINTER (never) or
+ * KVA_ERR_DOUBLE_FREE, or -1 when the word has an owner after all (the caller starts over). */
+static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *ref) {
+    kva_slabs *sl = &pool->slabs;
+    kva_tc_class *k = &tc->cls[ref->cls];
+    unsigned a = kva_load(&sl->slabs[ref->slab].arena);
+    kva_arena *arena = &sl->arenas[a];
+    pthread_mutex_lock(&arena->lock);
+    if (kva_slab_owner_of(sl, ref) != KVA_NO_OWNER) {
+        pthread_mutex_unlock(&arena->lock);
+        return -1;
+    }
+    if (!kva_slab_is_live(sl, ref)) {
+        pthread_mutex_unlock(&arena->lock);
+        return KVA_ERR_DOUBLE_FREE;
+    }
+    kva_slab_claim_word(sl, ref->slab, ref->word, tc->id);
+    add_owned(k, ref->slab, ref->word);
+    kva_store(ref->l0, kva_load(ref->l0) | ref->bit);
+    kva_bump(&k->frees);
+    uint32_t fresh = k->nowned - 1;
+    for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, fresh)) != KVA_NIL;) {
+        if (sl->slabs[k->slab[victim]].arena != a) break;
+        kva_slab_release_word(sl, k->slab[victim], k->word[victim]);
+        remove_owned(k, victim);
+        fresh--;
+    }
+    pthread_mutex_unlock(&arena->lock);
+    for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, k->nowned - 1)) != KVA_NIL;) {
+        give_back(sl, k->slab[victim], k->word[victim]);
+        remove_owned(k, victim);
+    }
+    return KVA_OK;
+}
+
 kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
     kva_slabs *sl = &pool->slabs;
     kva_object_ref ref;
@@ -180,40 +231,43 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
             return KVA_OK;
         }
         if (owner != KVA_NO_OWNER) return remote_free(pool, tc, &ref);
-        /* Nobody owns the word: claim it into this cache and free into it. Room first: the
-         * oldest word that is not the current one goes back, under the same lock when it
-         * belongs to the same arena (the usual case), else before that lock is taken. */
         if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
-        unsigned a = kva_load(&sl->slabs[ref.slab].arena);
-        uint32_t victim = KVA_NIL;
-        if (k->nowned == KVA_TC_WORDS) {
-            victim = k->cur == 0 ? 1 : 0;
-            if (sl->slabs[k->slab[victim]].arena != a) {
-                give_back(sl, k->slab[victim], k->word[victim]);
-                remove_owned(k, victim);
-                victim = KVA_NIL;
-            }
-        }
-        kva_arena *arena = &sl->arenas[a];
-        pthread_mutex_lock(&arena->lock);
-        if (victim != KVA_NIL) {
-            kva_slab_release_word(sl, k->slab[victim], k->word[victim]);
-            remove_owned(k, victim);
-        }
+        int st = claim_and_free(pool, tc, &ref);
+        if (st >= 0) return (kva_status)st;
+    }
+}
+
+kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
+    kva_slabs *sl = &pool->slabs;
+    kva_object_ref ref;
+    if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
+    for (;;) {
+        if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
         if (kva_slab_owner_of(sl, &ref) != KVA_NO_OWNER) {
-            pthread_mutex_unlock(&arena->lock); /* claimed by another thread meanwhile */
-            continue;
+            /* As a remote free, counted in the pool's own counters for want of a cache. */
+            uint64_t *remote = kva_ref_remote(sl, &ref);
+            uint32_t *owner = kva_ref_owner(sl, &ref);
+            unsigned a = kva_load(&sl->slabs[ref.slab].arena);
+            if (__atomic_fetch_or(remote, ref.bit, __ATOMIC_SEQ_CST) & ref.bit) return KVA_ERR_DOUBLE_FREE;
+            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELAXED);
+            if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
+                pthread_mutex_lock(&sl->arenas[a].lock);
+                kva_slab_drain_remote(sl, a, ref.slab, ref.word);
+                pthread_mutex_unlock(&sl->arenas[a].lock);
+            }
+            return KVA_OK;
         }
-        if (!kva_slab_is_live(sl, &ref)) {
-            pthread_mutex_unlock(&arena->lock);
-            return KVA_ERR_DOUBLE_FREE;
-        }
-        kva_slab_claim_word(sl, ref.slab, ref.word, tc->id);
+        kva_arena *arena = &sl->arenas[kva_load(&sl->slabs[ref.slab].arena)];
+        pthread_mutex_lock(&arena->lock);
+        int live = kva_slab_is_live(sl, &ref);
+        int freed = live && kva_slab_free_in_unowned(sl, ref.slab, ref.word, ref.bit);
         pthread_mutex_unlock(&arena->lock);
-        add_owned(k, ref.slab, ref.word);
-        kva_store(ref.l0, kva_load(ref.l0) | ref.bit);
-        kva_bump(&k->frees);
-        return KVA_OK;
+        if (!live) return KVA_ERR_DOUBLE_FREE;
+        if (freed) {
+            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELAXED);
+            return KVA_OK;
+        }
+        /* Claimed meanwhile: the remote way, next time round. */
     }
 }
 
@@ -238,6 +292,17 @@ static void retire(kva_pool *pool, kva_tcache *tc) {
         pool->retired_frees[c] += tc->cls[c].frees;
     }
     pool->retired_remote_frees += tc->remote_frees;
+    /* Its words are all given back: the id is free for the next cache (ids are never reused
+     * while a cache holds them, and never wrap into KVA_NO_OWNER). */
+    if (pool->free_ids_count == pool->free_ids_capacity) {
+        uint32_t capacity = pool->free_ids_capacity ? 2 * pool->free_ids_capacity : 64;
+        uint32_t *grown = realloc(pool->free_ids, capacity * sizeof *grown);
+        if (grown) {
+            pool->free_ids = grown;
+            pool->free_ids_capacity = capacity;
+        }
+    }
+    if (pool->free_ids_count < pool->free_ids_capacity) pool->free_ids[pool->free_ids_count++] = tc->id;
     if (tc->pool_prev) tc->pool_prev->pool_next = tc->pool_next;
     else pool->tcaches = tc->pool_next;
     if (tc->pool_next) tc->pool_next->pool_prev = tc->pool_prev;
@@ -300,7 +365,19 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
         no_current(&tc->cls[c]);
     }
     pthread_mutex_lock(&registry);
-    tc->id = ++pool->next_tc_id;
+    if (pool->free_ids_count > 0) {
+        tc->id = pool->free_ids[--pool->free_ids_count];
+    } else if (pool->next_tc_id < UINT32_MAX) {
+        tc->id = ++pool->next_tc_id;
+    } else {
+        /* 2^32 - 1 ids handed out and none free for reuse: refuse a new cache rather than
+         * hand out an id in use (the thread then frees without one, and allocation says
+         * KVA_ERR_NOMEM). */
+        pthread_mutex_unlock(&registry);
+        pthread_setspecific(exit_key, NULL);
+        free(tc);
+        return NULL;
+    }
     tc->pool_next = pool->tcaches;
     if (pool->tcaches) pool->tcaches->pool_prev = tc;
     pool->tcaches = tc;
@@ -328,6 +405,8 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
         out->frees[c] = pool->retired_frees[c];
     }
     out->remote_frees = pool->retired_remote_frees;
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
+        out->frees[c] += __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_RELAXED);
     const kva_tcache *mine = NULL;
     for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
         if (pool_of(tc) == pool) mine = tc;

@@ -36,8 +36,8 @@ typedef struct kva_tc_class {
      * none). Changed by the owner only, read by the stats from other threads. */
     uint32_t nowned;
     uint32_t cur;
-    uint32_t slab[KVA_TC_WORDS];
-    uint32_t word[KVA_TC_WORDS];
+    uint32_t slab[KVA_TC_WORDS + 1]; /* + 1: a claim adds its word before the oldest goes back */
+    uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;
 
 typedef struct kva_tcache {
@@ -65,6 +65,11 @@ int kva_tc_alloc(kva_pool *pool, kva_tcache *tc, unsigned c, uint64_t *offset);
 /* The complete free of the object at pool offset `offset` in a slab chunk: KVA_OK,
  * KVA_ERR_BAD_POINTER (not an object's start) or KVA_ERR_DOUBLE_FREE, which change nothing. */
 kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset);
+
+/* The free of a thread that has no cache of the pool and cannot get one (no host memory):
+ * validated as kva_tc_free, then freed into the word under its arena lock, or passed to the
+ * word's owner. KVA_OK, KVA_ERR_BAD_POINTER or KVA_ERR_DOUBLE_FREE. */
+kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset);
 
 /* Gives every word of the cache back to its arena. */
 void kva_tc_flush(kva_pool *pool, kva_tcache *tc);

@@ -1,0 +1,169 @@
+/*
+ * test_tcache.c — the edges of thread caches: owner ids are reused and never wrap into "no
+ * owner"; a thread with no cache that makes a refused free gets none (a refused call changes
+ * nothing), and one that cannot get a cache still frees; a thread that only frees a class keeps
+ * at most one word of it.
+ */
+#include <string.h>
+
+#include "pool.h"
+#include "pool_fingerprint.h"
+#include "tcache.h"
+#include "thread_util.h"
+
+#define MiB ((size_t)1 << 20)
+
+static kva_pool *pool;
+
+static kva_pool *make_pool(size_t capacity) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = capacity;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.arenas = 2;
+    kva_pool *p = NULL;
+    REQUIRE(kva_pool_create(&cfg, &p) == KVA_OK);
+    return p;
+}
+
+static kva_stats stats(void) {
+    kva_stats st;
+    REQUIRE(kva_get_stats(pool, &st) == KVA_OK);
+    return st;
+}
+
+/* ---- ids ---------------------------------------------------------------------------------- */
+
+static void *alloc_free_some(void *arg) {
+    (void)arg;
+    void *p[100];
+    for (int i = 0; i < 100; i++) TCHECK_STATUS(kva_alloc(pool, 48, &p[i]), KVA_OK);
+    for (int i = 0; i < 100; i++) TCHECK_STATUS(kva_free(pool, p[i]), KVA_OK);
+    return NULL;
+}
+
+static void run_one(void *(*fn)(void *), void *arg) {
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, fn, arg) == 0);
+    pthread_join(t, NULL);
+    thread_failures_merge();
+}
+
+static void test_ids_are_reused(void) {
+    pool = make_pool(64 * MiB);
+    for (int i = 0; i < 200; i++) run_one(alloc_free_some, NULL);
+    /* One thread at a time: every cache took the id the previous one gave back. */
+    CHECK(pool->next_tc_id == 1);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+/* A thread that finds every id taken gets no cache: it cannot allocate small objects, it still
+ * frees them (into the word under the arena lock, or to its owner), and the pool stays whole. */
+typedef struct uncached_job {
+    void *to_free[3]; /* one in a word nobody owns, one in a word the main thread owns, one twice */
+} uncached_job;
+
+static void *free_without_cache(void *arg) {
+    uncached_job *job = arg;
+    void *p = NULL;
+    TCHECK_STATUS(kva_alloc(pool, 64, &p), KVA_ERR_NOMEM);
+    TCHECK(p == NULL && strstr(kva_last_error(), "cache") != NULL);
+    for (int i = 0; i < 3; i++) TCHECK_STATUS(kva_free(pool, job->to_free[i]), KVA_OK);
+    TCHECK_STATUS(kva_free(pool, job->to_free[2]), KVA_ERR_DOUBLE_FREE);
+    TCHECK_STATUS(kva_free(pool, job->to_free[0]), KVA_ERR_DOUBLE_FREE);
+    return NULL;
+}
+
+static void test_ids_exhausted(void) {
+    pool = make_pool(64 * MiB);
+    void *objs[200];
+    for (int i = 0; i < 200; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
+    kva_tcache *mine = kva_tc_find(pool);
+    REQUIRE(mine != NULL && mine->id == 1);
+    pool->next_tc_id = UINT32_MAX; /* as if 2^32 - 1 ids were out and none given back */
+    /* objs[0] lies in a word the main thread gave back when it moved on (nobody owns it);
+     * objs[199] in its current word. */
+    uncached_job job = {{objs[0], objs[199], objs[100]}};
+    uint64_t frees_before = stats().free_count;
+    run_one(free_without_cache, &job);
+    kva_stats st = stats();
+    CHECK(st.thread_caches == 1 && st.free_count == frees_before + 3 && st.live_allocations == 197);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK_STATUS(kva_free(pool, objs[199]), KVA_ERR_DOUBLE_FREE); /* freed remotely, merged or not */
+    for (int i = 1; i < 199; i++)
+        if (i != 100) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    CHECK(stats().live_allocations == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+/* ---- refused frees make no cache ----------------------------------------------------------- */
+
+typedef struct refused_job {
+    void *freed_twice, *inside;
+    snapshot before;
+} refused_job;
+
+static void *refused_frees(void *arg) {
+    refused_job *job = arg;
+    TCHECK_STATUS(kva_free(pool, job->freed_twice), KVA_ERR_DOUBLE_FREE);
+    TCHECK_STATUS(kva_free(pool, job->inside), KVA_ERR_BAD_POINTER);
+    TCHECK(kva_tc_find(pool) == NULL);
+    return NULL;
+}
+
+static void test_refused_free_makes_no_cache(void) {
+    pool = make_pool(64 * MiB);
+    void *a, *b;
+    CHECK_STATUS(kva_alloc(pool, 256, &a), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 256, &b), KVA_OK);
+    CHECK_STATUS(kva_free(pool, a), KVA_OK);
+    refused_job job = {.freed_twice = a, .inside = (char *)b + 8, .before = take(pool)};
+    run_one(refused_frees, &job);
+    CHECK(unchanged(pool, &job.before)); /* thread_caches and metadata_bytes included */
+    CHECK_STATUS(kva_free(pool, b), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+/* ---- a thread that only frees -------------------------------------------------------------- */
+
+typedef struct consumer_job {
+    void **objs;
+    int count;
+    size_t cached_bytes;
+} consumer_job;
+
+static void *consume(void *arg) {
+    consumer_job *job = arg;
+    for (int i = 0; i < job->count; i++) TCHECK_STATUS(kva_free(pool, job->objs[i]), KVA_OK);
+    kva_tcache *tc = kva_tc_find(pool);
+    TCHECK(tc != NULL && tc->cls[kva_class_index(1024)].nowned <= 1);
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    job->cached_bytes = st.cached_bytes;
+    return NULL;
+}
+
+static void test_free_only_thread_keeps_one_word(void) {
+    pool = make_pool(64 * MiB);
+    enum { N = 512 };
+    void *objs[N];
+    for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, 1024, &objs[i]), KVA_OK);
+    kva_thread_flush(pool); /* the main thread holds no free 1 KiB object */
+    consumer_job job = {.objs = objs, .count = N};
+    run_one(consume, &job);
+    /* While it ran, the consumer held at most one word of 64 objects of 1 KiB. */
+    CHECK(job.cached_bytes <= 64 * 1024);
+    CHECK(stats().live_allocations == 0 && stats().cached_bytes == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+int main(void) {
+    test_ids_are_reused();
+    test_ids_exhausted();
+    test_refused_free_makes_no_cache();
+    test_free_only_thread_keeps_one_word();
+    return CHECK_DONE();
+}
