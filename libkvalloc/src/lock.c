@@ -95,9 +95,12 @@ int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me) {
          * to leave if it got in before the fence (lock.h). */
         __atomic_store_n(&lock->bias, NULL, __ATOMIC_RELAXED);
         /* Without the fence mutual exclusion fails silently, so it is retried until the kernel
-         * gives it (it can refuse for want of memory); registration succeeded before any bias. */
-        for (unsigned tries = 0; syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0; tries++)
+         * gives it: it can refuse for want of memory, or because this process is a child forked
+         * after the registration (which then is made again). */
+        for (unsigned tries = 0; syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0; tries++) {
+            syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0);
             backoff(tries);
+        }
         for (unsigned spins = 0; __atomic_load_n(&bias->in, __ATOMIC_ACQUIRE) == lock; spins++) backoff(spins);
         lock->revocations++;
         bias = NULL;

@@ -11,6 +11,7 @@
 
 #include "checked.h"
 #include "config.h"
+#include "fork.h"
 #include "numa.h"
 #include "os.h"
 #include "pool.h"
@@ -18,6 +19,7 @@
 
 void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
+    kva_fork_untrack(pool);
     kva_tc_pool_destroyed(pool);
     free(pool->free_ids);
     kva_segment_close(pool->segment);
@@ -102,6 +104,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
         kva_publish(pool, 1);
     }
+    kva_fork_track(pool);
     *out = pool;
     return KVA_OK;
 

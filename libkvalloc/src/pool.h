@@ -54,6 +54,7 @@ struct kva_pool {
     uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_remote_frees;
     uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache */
+    struct kva_pool *fork_prev, *fork_next; /* every live pool (fork.c) */
     uint32_t *free_ids;      /* ids of exited threads' caches, for reuse (grown by doubling) */
     uint32_t free_ids_count, free_ids_capacity;
     kva_config config; /* as created; config.name points at name below */

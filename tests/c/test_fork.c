@@ -1,0 +1,91 @@
+/*
+ * test_fork.c — fork while other threads use the pool: the child finds every lock free and the
+ * metadata consistent (kva_check), and works (what the other threads' caches held stays theirs:
+ * fork.c says why);
+ * repeated while workers churn through slow paths, so a fork lands inside them. A child that
+ * hangs on a lock is killed by the alarm and fails the test.
+ */
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "thread_util.h"
+
+#define WORKERS 3
+#define FORKS 40
+
+static kva_pool *pool;
+static atomic_int stop;
+
+static void *churn(void *arg) {
+    uint64_t rng = (uint64_t)(uintptr_t)arg + 1;
+    void *held[64] = {0};
+    while (!atomic_load(&stop)) {
+        unsigned i = (unsigned)(rng_next(&rng) % 64);
+        if (held[i]) {
+            TCHECK_STATUS(kva_free(pool, held[i]), KVA_OK);
+            held[i] = NULL;
+        } else {
+            size_t size = rng_next(&rng) % 8 == 0 ? (size_t)(rng_next(&rng) % (256 << 10)) + 1 : (size_t)(rng_next(&rng) % 4096) + 1;
+            TCHECK_STATUS(kva_alloc(pool, size, &held[i]), KVA_OK);
+        }
+        if (rng_next(&rng) % 512 == 0) kva_thread_flush(pool);
+    }
+    for (unsigned i = 0; i < 64; i++)
+        if (held[i]) TCHECK_STATUS(kva_free(pool, held[i]), KVA_OK);
+    return NULL;
+}
+
+/* The child: only this thread survives. Exit status 0 if all is well. */
+static int in_child(uint64_t live_of_mine) {
+    alarm(20);
+    if (kva_check(pool) != KVA_OK) {
+        fprintf(stderr, "child: %s\n", kva_last_error());
+        return 10;
+    }
+    kva_stats st;
+    if (kva_get_stats(pool, &st) != KVA_OK) return 11;
+    if (st.live_allocations < live_of_mine) return 13;
+    void *p[500];
+    for (int i = 0; i < 500; i++)
+        if (kva_alloc(pool, 16 + (size_t)i * 8, &p[i]) != KVA_OK) return 14;
+    for (int i = 0; i < 500; i++)
+        if (kva_free(pool, p[i]) != KVA_OK) return 15;
+    if (kva_check(pool) != KVA_OK) return 16;
+    return 0;
+}
+
+int main(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)256 << 20;
+    cfg.pages = KVA_PAGES_SMALL;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    void *mine;
+    REQUIRE(kva_alloc(pool, 100, &mine) == KVA_OK);
+    pthread_t workers[WORKERS];
+    for (long w = 0; w < WORKERS; w++) REQUIRE(pthread_create(&workers[w], NULL, churn, (void *)w) == 0);
+    int failed = 0;
+    for (int f = 0; f < FORKS; f++) {
+        usleep(2000);
+        pid_t pid = fork();
+        REQUIRE(pid >= 0);
+        if (pid == 0) _exit(in_child(1));
+        int status = 0;
+        REQUIRE(waitpid(pid, &status, 0) == pid);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+            fprintf(stderr, "fork %d: child %s %d\n", f, WIFEXITED(status) ? "exited with" : "killed by signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+            failed++;
+        }
+    }
+    atomic_store(&stop, 1);
+    for (int w = 0; w < WORKERS; w++) pthread_join(workers[w], NULL);
+    thread_failures_merge();
+    CHECK(failed == 0);
+    CHECK_STATUS(kva_free(pool, mine), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    printf("test_fork: %d forks beside %d threads\n", FORKS, WORKERS);
+    kva_pool_destroy(pool);
+    return CHECK_DONE();
+}
