@@ -132,7 +132,7 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
             uint64_t first = (uint64_t)cls->nobj * cell / KVA_SHM_STRIP_CELLS;
             uint64_t last = (uint64_t)cls->nobj * (cell + 1) / KVA_SHM_STRIP_CELLS;
             uint64_t live = (last - first) - count_free(slab->l0, kva_slab_remote(slab, cls), first, last);
-            o->strip[cell] = last > first ? (uint8_t)(255u * live / (last - first)) : 0;
+            o->strip[cell] = (uint8_t)(last > first ? 255u * live / (last - first) : 0);
         }
     }
     seg->slabs->count = n;
