@@ -215,6 +215,11 @@ static kva_status check_slabs(const kva_pool *pool, const kva_tc_totals *totals)
             st = BROKEN("S1: slab %u's l0 pointer is not inside its own bitmap slot", s);
             break;
         }
+        if (slab->size != g->size || slab->nobj != g->nobj || slab->recip != g->recip ||
+            slab->owner != kva_slab_owner(slab, g) || slab->remote != kva_slab_remote(slab, g)) {
+            st = BROKEN("S1: slab %u's copy of its class's geometry disagrees with class %u", s, slab->cls);
+            break;
+        }
         if (slab->inuse > g->nobj) {
             st = BROKEN("S2: slab %u has %u of %u objects in use", s, slab->inuse, g->nobj);
             break;

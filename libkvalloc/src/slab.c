@@ -154,6 +154,11 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
     }
     slab->l2 = g->l1_words == 64 ? ~(uint64_t)0 : ((uint64_t)1 << g->l1_words) - 1;
     slab->inuse = 0;
+    slab->size = g->size;
+    slab->nobj = g->nobj;
+    slab->recip = g->recip;
+    slab->owner = kva_slab_owner(slab, g);
+    slab->remote = kva_slab_remote(slab, g);
     kva_store(&slab->arena, (uint16_t)a);
     __atomic_store_n(&slab->cls, (uint8_t)c, __ATOMIC_RELEASE);
     kva_arena_class *ac = &sl->arenas[a].classes[c];

@@ -27,7 +27,7 @@
  * Invariants (kva_check verifies each; those marked * only while no other thread holds a cache
  * of the pool, since owners move them without a lock):
  *  S1  slabs[c].cls != KVA_SLAB_NONE iff the buddy block at chunk c is a SLAB head of chunk order;
- *      its arena is below the pool's arena count.
+ *      its arena is below the pool's arena count; its copies of the class geometry match.
  *  S2  The free bits of the words nobody owns number nobj - inuse; no bit at or beyond nobj is
  *      set, in l0 or remote; an l1 bit is set iff its l0 word is nonzero and has no owner; an
  *      l2 bit iff its l1 word is nonzero.
@@ -65,6 +65,13 @@ typedef struct kva_slab {
     uint8_t listed;       /* on the partial list */
     uint16_t arena;       /* the arena that grew it */
     uint16_t bound_node;  /* 1 + the NUMA node its chunk is bound to, 0 if never bound */
+    /* Copies of what the free fast path needs, set when the slab is made, so that it reads one
+     * line of metadata besides the object's words: the class's size, object count and
+     * reciprocal (kva_class_geometry), and where the words' owners and remote bits are. */
+    uint32_t size, nobj;
+    uint64_t recip;
+    uint32_t *owner;
+    uint64_t *remote;
     /* A cache line each: every free reads its slab's descriptor, and a claim or return of a
      * word writes it; neighbouring slabs usually belong to different arenas, hence threads on
      * other cores, and sharing a line made two threads on two cores no faster than one. */

@@ -98,14 +98,13 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uint64_t of
     const kva_slab *slab = &sl->slabs[offset >> sl->chunk_shift];
     unsigned c = kva_load(&slab->cls);
     if (kva_unlikely(c == KVA_SLAB_NONE)) return 0;
-    const kva_class_geometry *g = &sl->geom[c];
     uint64_t rel = offset & sl->chunk_mask;
-    uint64_t object = (rel * g->recip) >> KVA_RECIP_SHIFT;
-    if (kva_unlikely(object * g->size != rel || object >= g->nobj)) return 0;
+    uint64_t object = (rel * slab->recip) >> KVA_RECIP_SHIFT;
+    if (kva_unlikely(object * slab->size != rel || object >= slab->nobj)) return 0;
     uint64_t w = object >> 6;
-    if (kva_unlikely(kva_load(kva_slab_owner(slab, g) + w) != tc->id)) return 0;
+    if (kva_unlikely(kva_load(slab->owner + w) != tc->id)) return 0;
     uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
-    if (kva_unlikely(((bits & bit) | kva_load(l0 + g->l0_words)) != 0)) return 0;
+    if (kva_unlikely(((bits & bit) | kva_load(slab->remote + w)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(&tc->cls[c].frees);
     return 1;

@@ -75,6 +75,7 @@ int main(void) {
     CORRUPT("S2", owner[2], kva_tc_current->id + 7);              /* a listed word claimed behind l1's back */
     CORRUPT("S2", slab->l2, 0);                                   /* summary disagrees with l1 */
     CORRUPT("S2", slab->inuse, slab->inuse + 1);
+    CORRUPT("S1", slab->recip, slab->recip + 1);                  /* the fast path's copy */
     CORRUPT("S3", ac->partial_head, KVA_NIL);                     /* a partial slab on no list */
     CORRUPT("S4", ac->empty_slab, 3);
     CORRUPT("S5", cached->allocs, cached->allocs + 1);
