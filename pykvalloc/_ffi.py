@@ -332,7 +332,7 @@ class KvaKvStats(Structure):
         ("registered_blocks", c_uint32),
         ("sequences", c_uint32),
         ("pins", c_uint32),
-        ("reserved", c_uint32),
+        ("trimmed_blocks", c_uint32),
         ("hit_tokens", c_uint64),
         ("query_tokens", c_uint64),
         ("evictions", c_uint64),
@@ -383,6 +383,7 @@ def declare_kv_functions(lib: KvaLib) -> None:
     status("kva_kv_evict", [kv_p, c_uint32, POINTER(c_uint32)])
     # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
     status("kva_kv_compact", [kv_p, c_void_p, c_uint32, POINTER(c_uint32)])
+    status("kva_kv_trim", [kv_p, POINTER(c_uint32)])
     status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
     status("kva_kv_check", [kv_p])
     lib._declare("kva_kv_struct_size", c_size_t, [c_enum])

@@ -368,6 +368,18 @@ class KVCache:
                     continue
                 return moves[:count.value]
 
+    def trim(self) -> int:
+        """Gives back the memory of the free blocks at the top ids: after ``compact()`` every
+        free block is there, so compacting then trimming frees every whole GPU granule (or host
+        page) of the KV memory that holds no data. The trimmed blocks still count as free for
+        capacity: a call that needs them maps their memory again first. A pool whose memory must
+        stay (prefault, lock, pin) gives nothing back. Returns the number of trimmed blocks
+        (``stats()["trimmed_blocks"]``). Paged mode only (``InvalidArgument`` otherwise)."""
+        trimmed = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_trim(self._open(), byref(trimmed))
+        return trimmed.value
+
     # -- introspection ----------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -376,7 +388,7 @@ class KVCache:
         raw = _ffi.KvaKvStats()
         with self._lock:
             self._lib.kva_kv_get_stats(self._open(), byref(raw))
-        result = {name: getattr(raw, name) for name, _ in _ffi.KvaKvStats._fields_ if name != "reserved"}
+        result = {name: getattr(raw, name) for name, _ in _ffi.KvaKvStats._fields_}
         result["call_ns_log2"] = list(raw.call_ns_log2)
         result["hit_rate"] = raw.hit_tokens / raw.query_tokens if raw.query_tokens else 0.0
         return result

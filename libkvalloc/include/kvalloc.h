@@ -571,7 +571,7 @@ typedef struct kva_kv_move {
  * [0, n) hold data and [n, num_blocks) are free, n = num_blocks - free_blocks. With the blocks
  * layout the free blocks are then the last free_blocks * block_bytes bytes of the KV memory;
  * with the layers layout, the last free_blocks * block_stride bytes of each layer's region
- * (handing that memory back is for the caller; the cache does not trim it).
+ * (kva_kv_trim then hands that memory back).
  * It rewrites every sequence's and pin's block table in place, the prefix table and the LRU
  * lists (a block keeps its references, key, priority and place in eviction order), and
  * rebuilds the free stack as n, n+1, ... from the top. Only blocks at ids >= n move, each to a
@@ -587,6 +587,19 @@ typedef struct kva_kv_move {
  * Errors: KVA_ERR_INVALID (NULL cache or count, contiguous mode), KVA_ERR_NOMEM (see above). */
 KVA_API kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uint32_t *count);
 
+/* Gives back the memory of the free blocks at the top ids (paged mode): every block above the
+ * highest one holding data becomes trimmed, and the memory behind the trimmed blocks goes back
+ * to the pool's backing: whole CUDA granules are unmapped and released to the driver, whole
+ * host pages discarded, in each layer's region in the layers layout. After kva_kv_compact every
+ * free block is at the top, so compaction then trim frees every unit of memory that holds no
+ * data. Trimmed blocks count as free for capacity: a call that needs more blocks than the free
+ * ones with memory gets the trimmed ones' memory back first (before evicting cached blocks), and
+ * fails with KVA_ERR_NOMEM or KVA_ERR_BACKEND, nothing changed, if it cannot. A pool whose memory
+ * must stay (prefault, lock, pin, checked) gives nothing back, but the blocks are trimmed all
+ * the same. *trimmed_blocks (optional) is the number of trimmed blocks after the call.
+ * Errors: KVA_ERR_INVALID (NULL cache, contiguous mode). */
+KVA_API kva_status kva_kv_trim(kva_kv *kv, uint32_t *trimmed_blocks);
+
 typedef struct kva_kv_stats {
     uint32_t num_blocks;
     uint32_t free_blocks;       /* hold nothing */
@@ -595,7 +608,7 @@ typedef struct kva_kv_stats {
     uint32_t registered_blocks; /* with a key in the prefix table (cached ones and used ones) */
     uint32_t sequences;         /* live sequences, pins excluded */
     uint32_t pins;
-    uint32_t reserved;
+    uint32_t trimmed_blocks;    /* free, their memory given back (kva_kv_trim) */
     uint64_t hit_tokens;        /* cached_tokens summed over allocations */
     uint64_t query_tokens;      /* num_tokens summed over allocations */
     uint64_t evictions;

@@ -205,6 +205,7 @@ static kva_status paged_init(kva_kv *kv) {
     kv->bucket_mask = buckets - 1;
     memset(kv->buckets, 0xff, (size_t)buckets * sizeof *kv->buckets);
     kv->num_blocks = n;
+    kv->backed_blocks = n;
     for (uint32_t b = 0; b < n; b++) {
         kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .prev = KVA_NIL,
                                        .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
@@ -228,6 +229,7 @@ static void release_memory(kva_kv *kv) {
     free(kv->seqs);
     kva_os_unmap(kv->blocks, kv->blocks_length);
     kva_os_unmap(kv->buckets, kv->buckets_length);
+    /* Trimmed or not: the pool's free forgets the granules given back (region_cuda.c). */
     if (kv->memory) kva_free(kv->pool, kv->memory);
     if (kv->owns_pool) kva_pool_destroy(kv->pool);
 }
@@ -329,6 +331,7 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
         .registered_blocks = kv->registered_count,
         .sequences = kv->live_seqs,
         .pins = kv->live_pins,
+        .trimmed_blocks = kv->info.mode == KVA_KV_PAGED ? kv->num_blocks - kv->backed_blocks : 0,
         .hit_tokens = c->hit_tokens,
         .query_tokens = c->query_tokens,
         .evictions = c->evictions,

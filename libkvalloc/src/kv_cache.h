@@ -24,8 +24,9 @@
  * table entry is renamed with its block, so every invariant below holds across it.
  *
  * Invariants (kva_kv_check verifies each):
- *  K1  Every block is FREE, USED or CACHED; FREE and CACHED blocks have refs == 0, USED ones
- *      refs > 0; free_count + used_count + cached_count == num_blocks.
+ *  K1  Every block is FREE, USED, CACHED or TRIMMED; all but USED ones have refs == 0, USED
+ *      ones refs > 0; the TRIMMED blocks are exactly [backed_blocks, num_blocks);
+ *      free_count + used_count + cached_count + trimmed == num_blocks.
  *  K2  A block's refs equals the number of entries naming it in live sequences' tables.
  *  K3  The free stack holds exactly the FREE blocks, each once, free_count of them, and ends at
  *      free_bottom (KVA_NIL when empty).
@@ -63,7 +64,7 @@
 #include "kv_key.h"
 #include "os.h"
 
-enum { KV_FREE = 0, KV_USED = 1, KV_CACHED = 2 };
+enum { KV_FREE = 0, KV_USED = 1, KV_CACHED = 2, KV_TRIMMED = 3 /* free, its memory given back (kv_trim.c) */ };
 
 typedef struct kva_kv_block {
     kva_kv_key key;      /* meaningful while registered */
@@ -120,6 +121,7 @@ struct kva_kv {
     uint32_t num_blocks, block_tokens;
     uint32_t free_top, free_bottom; /* the free stack: taken from the top, evictions appended below */
     uint32_t free_count, used_count, cached_count, registered_count;
+    uint32_t backed_blocks;   /* blocks [0, backed_blocks) have memory; the rest are TRIMMED */
     uint32_t lru_nonempty;
     uint32_t lru_head[KVA_KV_PRIORITIES], lru_tail[KVA_KV_PRIORITIES], lru_count[KVA_KV_PRIORITIES];
     kva_kv_key root;
@@ -211,7 +213,14 @@ KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, kva_kv_key key, uint32_t ns
 /* Registers block b under key unless the key is taken; 1 if it registered. */
 int kv_prefix_register(kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns);
 
-KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) { return kv->free_count + kv->cached_count; }
+KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) {
+    return kv->free_count + kv->cached_count + (kv->num_blocks - kv->backed_blocks);
+}
+
+/* Before a call takes `need` blocks (within kv_blocks_available): when the free blocks with
+ * memory do not cover it, the trimmed ones get their memory back first (rather than cached
+ * blocks being evicted). Fails, with nothing changed, if the memory cannot be had. */
+kva_status kv_ensure_backed(kva_kv *kv, uint32_t need);
 
 /* Evicts up to count cached blocks, lowest priority and least recently released first, and
  * appends them below the free blocks. Returns how many it evicted. */

@@ -9,15 +9,20 @@
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
 
 static kva_status check_states(const kva_kv *kv) {
-    uint32_t counts[3] = {0, 0, 0}, registered = 0;
+    uint32_t counts[4] = {0, 0, 0, 0}, registered = 0;
+    if (kv->backed_blocks > kv->num_blocks)
+        return BROKEN("K1: %u blocks backed of %u", kv->backed_blocks, kv->num_blocks);
     for (uint32_t b = 0; b < kv->num_blocks; b++) {
         const kva_kv_block *blk = &kv->blocks[b];
-        if (blk->state > KV_CACHED) return BROKEN("K1: block %u has state %u", b, blk->state);
+        if (blk->state > KV_TRIMMED) return BROKEN("K1: block %u has state %u", b, blk->state);
+        if ((blk->state == KV_TRIMMED) != (b >= kv->backed_blocks))
+            return BROKEN("K1: block %u has state %u but %u blocks are backed", b, blk->state, kv->backed_blocks);
         if ((blk->state == KV_USED) != (blk->refs > 0))
             return BROKEN("K1: block %u has state %u and %u references", b, blk->state, blk->refs);
         if (blk->priority >= KVA_KV_PRIORITIES) return BROKEN("K4: block %u has priority %u", b, blk->priority);
         if (blk->state == KV_CACHED && !blk->registered) return BROKEN("K5: cached block %u is not registered", b);
-        if (blk->state == KV_FREE && blk->registered) return BROKEN("K5: free block %u is registered", b);
+        if (blk->state != KV_USED && blk->state != KV_CACHED && blk->registered)
+            return BROKEN("K5: free block %u is registered", b);
         counts[blk->state]++;
         registered += blk->registered;
     }

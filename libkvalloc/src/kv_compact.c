@@ -36,8 +36,8 @@ KVA_INLINE uint32_t forward(const kva_kv *kv, uint32_t b, uint32_t n) {
 static void move_records(kva_kv *kv, uint32_t n, kva_kv_move *moves) {
     uint32_t hole = 0, src = n, i = 0;
     for (;; i++) {
-        while (src < kv->num_blocks && kv->blocks[src].state == KV_FREE) src++;
-        if (src == kv->num_blocks) break;
+        while (src < kv->backed_blocks && kv->blocks[src].state == KV_FREE) src++;
+        if (src >= kv->backed_blocks) break; /* trimmed blocks hold nothing */
         while (kv->blocks[hole].state != KV_FREE) hole++; /* below n: as many holes as sources */
         kv->blocks[hole] = kv->blocks[src];
         kv->blocks[src].next = hole;
@@ -77,7 +77,7 @@ static void rewrite_tables(kva_kv *kv, uint32_t n) {
 }
 
 static void rebuild_free(kva_kv *kv, uint32_t n) {
-    uint32_t total = kv->num_blocks;
+    uint32_t total = kv->backed_blocks; /* the trimmed blocks above stay trimmed */
     for (uint32_t b = n; b < total; b++)
         kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .prev = KVA_NIL,
                                        .next = b + 1 < total ? b + 1 : KVA_NIL, .state = KV_FREE};
@@ -87,7 +87,7 @@ static void rebuild_free(kva_kv *kv, uint32_t n) {
 
 static kva_status compact(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uint32_t *count) {
     uint32_t n = kv->used_count + kv->cached_count, needed = 0;
-    for (uint32_t b = n; b < kv->num_blocks; b++) needed += kv->blocks[b].state != KV_FREE;
+    for (uint32_t b = n; b < kv->backed_blocks; b++) needed += kv->blocks[b].state != KV_FREE;
     *count = needed;
     if (!moves) capacity = 0;
     if (needed > capacity)

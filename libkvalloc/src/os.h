@@ -40,6 +40,10 @@ void kva_os_unmap(void *addr, size_t length);
 /* The system's base page size. */
 size_t kva_os_page_size(void);
 
+/* Gives the pages of [addr, addr+length) back to the kernel (madvise MADV_DONTNEED): the range
+ * stays mapped and reads zero when touched again. addr and length page aligned. */
+kva_status kva_os_discard(void *addr, size_t length);
+
 /* Creates the shared-memory object `name` ("/..."), mode 0600, of length bytes, maps it
  * read-write and returns the mapping; an object of that name that already exists is replaced
  * (it can only be a leftover of a dead process with our pid). The descriptor stays open (close

@@ -15,6 +15,7 @@
 #include "numa.h"
 #include "os.h"
 #include "pool.h"
+#include "pool_range.h"
 #include "tcache.h"
 
 void kva_pool_destroy(kva_pool *pool) {
@@ -511,4 +512,37 @@ kva_status kva_pool_base(kva_pool *pool, void **base) {
     if (!pool || !base) return kva_fail(KVA_ERR_INVALID, "pool or base is NULL");
     *base = pool->base;
     return KVA_OK;
+}
+
+/* ---- ranges of a live allocation (pool_range.h) ------------------------------------------- */
+
+size_t kva_pool_range_unit(kva_pool *pool) {
+    /* Prefaulted memory was promised to stay; locked or pinned host memory cannot be discarded;
+     * a checked pool's free bytes must keep their poison. */
+    if (pool->config.prefault || pool->region.locked || pool->region.pinned || pool->checked) return 0;
+    return pool->region.page_size;
+}
+
+kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
+    if (length == 0) return KVA_OK;
+    uint64_t offset = (uint64_t)((unsigned char *)start - pool->base);
+    pthread_mutex_lock(&pool->lock);
+    kva_status st = KVA_OK;
+    if (pool->region.device) {
+        /* Its granules' references drop to 0; the trim unmaps and releases them now. */
+        kva_cuda_region_release(pool->region.device, offset, length);
+        st = kva_region_trim(&pool->region);
+    } else {
+        st = kva_os_discard(start, length);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return st;
+}
+
+kva_status kva_pool_range_take(kva_pool *pool, void *start, size_t length) {
+    if (length == 0 || !pool->region.device) return KVA_OK; /* host pages come back when touched */
+    pthread_mutex_lock(&pool->lock);
+    kva_status st = kva_cuda_region_take(pool->region.device, (uint64_t)((unsigned char *)start - pool->base), length);
+    pthread_mutex_unlock(&pool->lock);
+    return st;
 }

@@ -32,7 +32,8 @@ typedef struct kva_granule {
     uint32_t refs;                       /* live blocks overlapping the granule */
     uint32_t prev, next;                 /* idle list links (IDLE only) */
     uint8_t state;
-    uint8_t reserved[3];
+    uint8_t released;                    /* given back while its live block lives on (R1) */
+    uint8_t reserved[2];
 } kva_granule;
 
 struct kva_cuda_region {
@@ -192,11 +193,36 @@ static kva_status trim_to(kva_cuda_region *r, size_t keep) {
 void kva_cuda_region_decommit(kva_cuda_region *r, uint64_t offset, uint64_t length) {
     if (r->resident) return;
     uint32_t first = (uint32_t)(offset >> r->shift), last = (uint32_t)((offset + length - 1) >> r->shift);
-    for (uint32_t g = first; g <= last; g++)
-        if (--r->granules[g].refs == 0) idle_push(r, g);
+    for (uint32_t g = first; g <= last; g++) {
+        kva_granule *gr = &r->granules[g];
+        /* A granule given back within its block (kva_cuda_region_release) has no reference of
+         * that block's left: the block's free only forgets it was given back. */
+        if (gr->released) gr->released = 0;
+        else if (--gr->refs == 0) idle_push(r, g);
+    }
     /* The free that got here has succeeded whatever happens next; a refusal to unmap leaves the
      * granules idle for the next trim. */
     if (r->watermark) trim_to(r, r->watermark);
+}
+
+void kva_cuda_region_release(kva_cuda_region *r, uint64_t offset, uint64_t length) {
+    if (r->resident || length == 0) return;
+    uint32_t first = (uint32_t)(offset >> r->shift), last = (uint32_t)((offset + length - 1) >> r->shift);
+    for (uint32_t g = first; g <= last; g++) {
+        kva_granule *gr = &r->granules[g];
+        if (gr->released) continue;
+        gr->released = 1;
+        if (--gr->refs == 0) idle_push(r, g);
+    }
+}
+
+kva_status kva_cuda_region_take(kva_cuda_region *r, uint64_t offset, uint64_t length) {
+    if (r->resident || length == 0) return KVA_OK;
+    kva_status st = kva_cuda_region_commit(r, offset, length);
+    if (st != KVA_OK) return st;
+    uint32_t first = (uint32_t)(offset >> r->shift), last = (uint32_t)((offset + length - 1) >> r->shift);
+    for (uint32_t g = first; g <= last; g++) r->granules[g].released = 0;
+    return KVA_OK;
 }
 
 kva_status kva_cuda_region_trim(kva_cuda_region *r) {
@@ -318,6 +344,10 @@ void kva_region_cuda_destroy(kva_region *region) {
 
 static kva_status check_granule(const kva_cuda_region *r, uint32_t g, uint32_t expected) {
     const kva_granule *gr = &r->granules[g];
+    if (gr->released) {
+        if (expected != 1) return BROKEN("R1: granule %u was given back within a block but %u live blocks overlap it", g, expected);
+        expected = 0;
+    }
     if (gr->refs != expected)
         return BROKEN("R1: granule %u has %u references but %u live blocks overlap it", g, gr->refs, expected);
     int state_ok = gr->state == GRANULE_UNMAPPED ? gr->refs == 0

@@ -8,6 +8,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "kv_cache.h"
@@ -363,10 +365,64 @@ static void test_bad_input(void) {
     kva_kv_destroy(kv);
 }
 
+/* Trim on host memory: after compaction the pages of the free tail of every layer's region are
+ * discarded (mincore says they left memory), the blocks count as trimmed, and taking them again
+ * works; kva_kv_trim refuses a contiguous cache. */
+static int resident_pages(const unsigned char *start, size_t length) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    const unsigned char *first = (const unsigned char *)((uintptr_t)start / page * page);
+    size_t pages = (size_t)(start + length - first + page - 1) / page;
+    unsigned char vec[4096];
+    REQUIRE(pages <= sizeof vec && mincore((void *)first, pages * page, vec) == 0);
+    int n = 0;
+    for (size_t i = 0; i < pages; i++) n += vec[i] & 1;
+    return n;
+}
+
+static void test_trim_on_host(void) {
+    kva_kv_config cfg = small_config(4096, 16); /* 512 B per block and layer: 2 MiB per region */
+    cfg.layout = KVA_KV_LAYOUT_LAYERS;
+    kva_kv *kv = make_cache(&cfg);
+    kva_kv_info info;
+    CHECK_STATUS(kva_kv_get_info(kv, &info), KVA_OK);
+    enum { SEQS = 16, BLOCKS = 256 };
+    kva_kv_seq seqs[SEQS];
+    for (int i = 0; i < SEQS; i++)
+        CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    memset(info.base, 7, info.kv_bytes); /* every page resident */
+    for (int i = 0; i < SEQS; i += 2) CHECK_STATUS(kva_kv_seq_free(kv, seqs[i]), KVA_OK);
+    static kva_kv_move moves[4096];
+    uint32_t count, trimmed = 0;
+    CHECK_STATUS(kva_kv_compact(kv, moves, 4096, &count), KVA_OK);
+    CHECK_STATUS(kva_kv_trim(kv, &trimmed), KVA_OK);
+    CHECK(trimmed == 2048 && stats(kv).trimmed_blocks == 2048);
+    size_t half = (size_t)2048 * info.block_stride;
+    for (uint32_t layer = 0; layer < info.layers; layer++) {
+        unsigned char *region = (unsigned char *)info.base + layer * info.layer_stride;
+        CHECK(resident_pages(region + half, half) == 0);                     /* given back */
+        CHECK(resident_pages(region, half) == (int)(half / (size_t)sysconf(_SC_PAGESIZE))); /* kept */
+    }
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    for (int i = 0; i < SEQS; i += 2)
+        CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    CHECK(stats(kv).trimmed_blocks == 0 && stats(kv).free_blocks == 0);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    kva_kv_destroy(kv);
+
+    kva_kv_config contig = small_config(64, 16);
+    contig.mode = KVA_KV_CONTIGUOUS;
+    kva_kv *c = make_cache(&contig);
+    CHECK_STATUS(kva_kv_trim(c, NULL), KVA_ERR_INVALID);
+    CHECK(strstr(kva_last_error(), "paged") != NULL);
+    kva_kv_destroy(c);
+    CHECK_STATUS(kva_kv_trim(NULL, NULL), KVA_ERR_INVALID);
+}
+
 int main(void) {
     test_compaction(KVA_KV_LAYOUT_BLOCKS);
     test_compaction(KVA_KV_LAYOUT_LAYERS);
     test_random_rounds();
     test_bad_input();
+    test_trim_on_host();
     return check_failures ? 1 : 0;
 }

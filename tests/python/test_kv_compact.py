@@ -166,3 +166,26 @@ def test_compact_needs_paged_mode_and_an_open_cache() -> None:
     cache.close()
     with pytest.raises(pykvalloc.PoolClosedError):
         cache.compact()
+
+
+def test_trim_after_compaction_and_blocks_come_back() -> None:
+    cache = make()
+    seqs = [cache.allocate(8 * BLOCK_TOKENS) for _ in range(8)]  # all 64 blocks
+    assert cache.trim() == 0
+    for s in seqs[::2]:
+        s.free()
+    assert cache.trim() == 0  # the top blocks still hold data
+    cache.compact()
+    assert cache.trim() == 32 and cache.stats()["trimmed_blocks"] == 32
+    assert cache.stats()["free_blocks"] == 0
+    cache.check()
+    more = [cache.allocate(8 * BLOCK_TOKENS) for _ in range(4)]  # the trimmed blocks again
+    assert cache.stats()["trimmed_blocks"] == 0 and cache.stats()["free_blocks"] == 0
+    assert sorted(b for s in more for b in np.array(s.block_table).tolist()) == list(range(32, 64))
+    cache.check()
+    cache.close()
+    contiguous = pykvalloc.KVCache(capacity_bytes=1 << 20, block_tokens=4, layers=2, kv_heads=1,
+                                   head_dim=4, dtype="uint8", mode="contiguous", pages="small")
+    with pytest.raises(pykvalloc.InvalidArgument):
+        contiguous.trim()
+    contiguous.close()
