@@ -95,14 +95,25 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             ORACLE(kva_kv_seq_append(kv, stale, 1, &copy) != KVA_OK);
             kva_kv_get_stats(kv, &after);
             ORACLE(after.used_blocks == before.used_blocks && after.free_blocks == before.free_blocks);
-        } else if (op == 7) {
+        } else if (op == 7 && next_byte(&in) % 2 == 0) {
             uint32_t evicted;
             ORACLE(kva_kv_evict(kv, next_byte(&in) % 8, &evicted) == KVA_OK);
+        } else if (op == 7) {
+            /* Compaction (every move an id from the top to a hole below), then a trim: the
+             * trimmed blocks are exactly the free ones above the data. */
+            kva_kv_move moves[64];
+            uint32_t count = 0, trimmed = 0;
+            ORACLE(kva_kv_compact(kv, moves, 64, &count) == KVA_OK);
+            for (uint32_t m = 0; m < count; m++) ORACLE(moves[m].dst_block < moves[m].src_block);
+            kva_kv_stats before;
+            kva_kv_get_stats(kv, &before);
+            ORACLE(kva_kv_trim(kv, &trimmed) == KVA_OK);
+            ORACLE(trimmed == before.free_blocks + before.trimmed_blocks);
         }
         ORACLE(kva_kv_check(kv) == KVA_OK);
         kva_kv_stats st2;
         kva_kv_get_stats(kv, &st2);
-        ORACLE(st2.free_blocks + st2.used_blocks + st2.cached_blocks == st2.num_blocks);
+        ORACLE(st2.free_blocks + st2.used_blocks + st2.cached_blocks + st2.trimmed_blocks == st2.num_blocks);
         ORACLE(st2.sequences + st2.pins == nlive);
     }
     for (size_t i = 0; i < nlive; i++)
@@ -110,7 +121,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     ORACLE(kva_kv_evict(kv, UINT32_MAX, NULL) == KVA_OK);
     kva_kv_stats end;
     kva_kv_get_stats(kv, &end);
-    ORACLE(end.free_blocks == end.num_blocks);
+    ORACLE(end.free_blocks + end.trimmed_blocks == end.num_blocks);
     ORACLE(kva_kv_check(kv) == KVA_OK);
     kva_kv_destroy(kv);
     return 0;
