@@ -11,16 +11,18 @@
  *  - Every entry point returns a kva_status. The library never aborts and never prints.
  *    A call that fails leaves the pool exactly as it was and leaves every out-parameter
  *    untouched; kva_last_error() then describes the failure in words.
- *  - Once a host pool exists, allocation and free make no system call and take no lock. A
- *    CUDA pool calls the driver only from its slow paths: to map device memory when a block or
- *    a new slab first needs it, and to unmap it (kva_trim, trim_watermark).
+ *  - Once a host pool exists, allocation and free make no system call (a lock waited for,
+ *    on a slow path, is the one exception: a futex wait). A CUDA pool calls the driver only
+ *    from its slow paths: to map device memory when a block or a new slab first needs it, and
+ *    to unmap it (kva_trim, trim_watermark).
  *
  * Thread safety: every entry point may be called from any number of threads at once. The
  * allocation and free fast paths touch only the calling thread's cache (bitmap words of slab
- * objects it owns, see "Threads" below): no lock, no atomic read-modify-write, no cache line
+ * objects it owns, see kva_thread_flush): no lock, no atomic read-modify-write, no cache line
  * another core writes. Slow paths (once per up to 64 objects) lock one per-CPU arena; buddy
  * blocks and slab growth lock the pool. The KV manager and variable-size pools serialize their
- * calls with a lock of their own.
+ * calls with a lock of their own. A process may fork while other threads use a pool: the child
+ * finds every pool lock free (what the other threads' caches held stays theirs).
  */
 #ifndef KVALLOC_H
 #define KVALLOC_H
