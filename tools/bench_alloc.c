@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench_host.h"
 #include "bench_protocol.h"
 #include "kvalloc.h"
 
@@ -151,8 +152,6 @@ static void parse_options(int argc, char **argv, struct settings *s)
 
 /* ---- the machine and the libraries ------------------------------------------------------ */
 
-static void trim_newline(char *text) { text[strcspn(text, "\n")] = '\0'; }
-
 static void describe_machine(struct machine *m)
 {
     snprintf(m->cpu, sizeof m->cpu, "unknown");
@@ -161,7 +160,7 @@ static void describe_machine(struct machine *m)
     while (f != NULL && fgets(line, sizeof line, f) != NULL) {
         char *colon = strchr(line, ':');
         if (strncmp(line, "model name", 10) == 0 && colon != NULL) {
-            trim_newline(colon);
+            bench_trim_newline(colon);
             snprintf(m->cpu, sizeof m->cpu, "%s", colon + 1 + (colon[1] == ' '));
             break;
         }
@@ -172,47 +171,6 @@ static void describe_machine(struct machine *m)
     struct utsname u;
     snprintf(m->kernel, sizeof m->kernel, "%s",
              uname(&u) == 0 ? u.release : "unknown");
-}
-
-/* The version of a Debian package, or "unknown" on a machine without dpkg. */
-static void package_version(const char *package, char *out, size_t size)
-{
-    char command[160];
-    snprintf(out, size, "unknown");
-    snprintf(command, sizeof command, "dpkg-query -W -f='${Version}' %s 2>/dev/null", package);
-    FILE *p = popen(command, "r");
-    if (p == NULL)
-        return;
-    char line[64];
-    if (fgets(line, sizeof line, p) != NULL && line[0] != '\0') {
-        trim_newline(line);
-        snprintf(out, size, "%s", line);
-    }
-    pclose(p);
-}
-
-/* The directory of the running libc ("/lib/x86_64-linux-gnu" on Debian) is where the
- * distribution's other libraries live too; the usual prefixes follow as fallbacks. */
-static int find_library(const char *soname, char *path, size_t size)
-{
-    char libc_dir[PATH_MAX] = "/usr/lib";
-    Dl_info info;
-    void *libc_sym = dlsym(RTLD_DEFAULT, "gnu_get_libc_version");
-    if (libc_sym != NULL && dladdr(libc_sym, &info) != 0 && info.dli_fname != NULL) {
-        snprintf(libc_dir, sizeof libc_dir, "%s", info.dli_fname);
-        char *slash = strrchr(libc_dir, '/');
-        if (slash != NULL)
-            *slash = '\0';
-    }
-    char usr_libc_dir[PATH_MAX + 4];
-    snprintf(usr_libc_dir, sizeof usr_libc_dir, "/usr%s", libc_dir);
-    const char *dirs[] = {libc_dir, usr_libc_dir, "/usr/local/lib", "/usr/lib64", "/usr/lib"};
-    for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++) {
-        if ((size_t)snprintf(path, size, "%s/%s", dirs[i], soname) < size &&
-            access(path, R_OK) == 0)
-            return 1;
-    }
-    return 0;
 }
 
 static void discover_allocators(const struct settings *s)
@@ -226,13 +184,13 @@ static void discover_allocators(const struct settings *s)
             snprintf(st->version, sizeof st->version, "%d.%d.%d (this tree)", KVA_VERSION_MAJOR,
                      KVA_VERSION_MINOR, KVA_VERSION_PATCH);
         else
-            package_version(info->package, st->version, sizeof st->version);
+            bench_package_version(info->package, st->version, sizeof st->version);
         if (info->soname == NULL) {
             snprintf(st->library, sizeof st->library, "%s", a == BENCH_KVALLOC
                                                                 ? "libkvalloc (linked)"
                                                                 : "libc (no preload)");
             st->measured = 1;
-        } else if (find_library(info->soname, st->library, sizeof st->library)) {
+        } else if (bench_find_library(info->soname, st->library, sizeof st->library)) {
             st->measured = 1;
         } else {
             snprintf(st->skip_reason, sizeof st->skip_reason,
@@ -393,7 +351,7 @@ static void run_syscall_check(const struct settings *s, struct syscall_check *ou
                 ended = 1;
             } else if (inside) {
                 if (out->syscalls++ < 4 && used < sizeof out->first_calls - 1) {
-                    trim_newline(line);
+                    bench_trim_newline(line);
                     used += (size_t)snprintf(out->first_calls + used,
                                              sizeof out->first_calls - used, "%s%s",
                                              used ? "; " : "", line);
@@ -647,29 +605,6 @@ static void print_table(const struct settings *s, const struct machine *m,
 
 /* ---- JSON ------------------------------------------------------------------------------- */
 
-static void json_string(FILE *f, const char *text)
-{
-    fputc('"', f);
-    for (const unsigned char *c = (const unsigned char *)text; *c != '\0'; c++) {
-        if (*c == '"' || *c == '\\')
-            fprintf(f, "\\%c", *c);
-        else if (*c < 0x20)
-            fprintf(f, "\\u%04x", *c);
-        else
-            fputc(*c, f);
-    }
-    fputc('"', f);
-}
-
-/* JSON has no NaN: a figure that does not exist is null. */
-static void json_number(FILE *f, double v)
-{
-    if (isnan(v) || isinf(v))
-        fputs("null", f);
-    else
-        fprintf(f, "%.15g", v);
-}
-
 static void write_json(const struct settings *s, const struct machine *m,
                        const struct syscall_check *sc, const struct target *t)
 {
@@ -677,9 +612,9 @@ static void write_json(const struct settings *s, const struct machine *m,
     if (f == NULL)
         fatal("cannot write %s: %s", s->json_path, strerror(errno));
     fputs("{\n  \"machine\": {\"cpu\": ", f);
-    json_string(f, m->cpu);
+    bench_json_string(f, m->cpu);
     fprintf(f, ", \"cores\": %ld, \"kernel\": ", m->cores);
-    json_string(f, m->kernel);
+    bench_json_string(f, m->kernel);
     fprintf(f, "},\n  \"settings\": {\"quick\": %s, \"rounds\": %u, \"processes\": %u, "
                "\"large_samples\": %u, \"touch_processes\": %u},\n  \"allocators\": {",
             s->quick ? "true" : "false", s->rounds, s->processes, s->samples,
@@ -690,13 +625,13 @@ static void write_json(const struct settings *s, const struct machine *m,
             continue;
         fprintf(f, "%s\n    ", first ? "" : ",");
         first = 0;
-        json_string(f, bench_allocators[a].name);
+        bench_json_string(f, bench_allocators[a].name);
         fputs(": {\"status\": ", f);
-        json_string(f, g_alloc[a].measured ? "measured" : g_alloc[a].skip_reason);
+        bench_json_string(f, g_alloc[a].measured ? "measured" : g_alloc[a].skip_reason);
         fputs(", \"library\": ", f);
-        json_string(f, g_alloc[a].library);
+        bench_json_string(f, g_alloc[a].library);
         fputs(", \"version\": ", f);
-        json_string(f, g_alloc[a].version);
+        bench_json_string(f, g_alloc[a].version);
         fputs(", \"metrics\": {", f);
         int first_metric = 1;
         for (int k = 0; k < BENCH_METRIC_COUNT; k++) {
@@ -704,7 +639,7 @@ static void write_json(const struct settings *s, const struct machine *m,
             if (isnan(v))
                 continue;
             fprintf(f, "%s\"%s\": ", first_metric ? "" : ", ", bench_metric_keys[k]);
-            json_number(f, v);
+            bench_json_number(f, v);
             first_metric = 0;
             /* Where the figure aggregates several processes, their spread goes along. */
             const struct reports *r = &g_reports[a][k];
@@ -712,7 +647,7 @@ static void write_json(const struct settings *s, const struct machine *m,
                 fprintf(f, ", \"%s_reports\": [", bench_metric_keys[k]);
                 for (unsigned i = 0; i < r->count; i++) {
                     fputs(i ? ", " : "", f);
-                    json_number(f, r->value[i]);
+                    bench_json_number(f, r->value[i]);
                 }
                 fputs("]", f);
             }
@@ -729,7 +664,7 @@ static void write_json(const struct settings *s, const struct machine *m,
                     continue;
                 fprintf(f, "%s\"%s\": ", first_ratio ? "" : ", ",
                         bench_metric_keys[table_rows[r].metric]);
-                json_number(f, kva / v);
+                bench_json_number(f, kva / v);
                 first_ratio = 0;
             }
             fputs("}", f);
@@ -737,26 +672,26 @@ static void write_json(const struct settings *s, const struct machine *m,
         fputs("}", f);
     }
     fputs("\n  },\n  \"syscall_check\": {\"status\": ", f);
-    json_string(f, sc->outcome == CHECK_DONE ? "done"
+    bench_json_string(f, sc->outcome == CHECK_DONE ? "done"
                    : sc->outcome == CHECK_SKIPPED ? sc->why_skipped
                                                   : "not run");
     fputs(", \"syscalls_between_markers\": ", f);
-    json_number(f, sc->outcome == CHECK_DONE ? (double)sc->syscalls : NAN);
+    bench_json_number(f, sc->outcome == CHECK_DONE ? (double)sc->syscalls : NAN);
     fputs(", \"allocator_calls\": ", f);
-    json_number(f, figure(BENCH_KVALLOC, BENCH_SYSCALL_CHECK_OPS));
+    bench_json_number(f, figure(BENCH_KVALLOC, BENCH_SYSCALL_CHECK_OPS));
     fputs("},\n  \"targets\": [", f);
     for (int i = 0; i < TARGET_COUNT; i++) {
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
-        json_string(f, t[i].key);
+        bench_json_string(f, t[i].key);
         fputs(", \"description\": ", f);
-        json_string(f, t[i].name);
+        bench_json_string(f, t[i].name);
         fprintf(f, ", \"result\": \"%s\", \"value\": ",
                 t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_FAIL ? "fail" : "n/a");
-        json_number(f, t[i].value);
+        bench_json_number(f, t[i].value);
         fputs(", \"reference\": ", f);
-        json_number(f, t[i].reference);
+        bench_json_number(f, t[i].reference);
         fputs(", \"ratio\": ", f);
-        json_number(f, t[i].ratio);
+        bench_json_number(f, t[i].ratio);
         fputs("}", f);
     }
     fputs("\n  ]\n}\n", f);

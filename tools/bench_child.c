@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_host.h"
 #include "bench_protocol.h"
 #include "kvalloc.h"
 
@@ -136,30 +137,13 @@ static void report_pool_peak(void)
     report(BENCH_PAGE_SIZE, (double)st.page_size);
 }
 
-/* A run with a preload that silently did not apply would measure glibc under another name, so
- * check both that the allocator's own symbol is present (and no other peer's) and that the
- * malloc every call resolves to lives in the expected object. */
+/* The preload must have taken effect (bench_host.h says why that is checked). */
 static void verify_allocator(enum bench_allocator want)
 {
-    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
-        const char *marker = bench_allocators[a].marker_symbol;
-        if (marker == NULL)
-            continue;
-        int present = dlsym(RTLD_DEFAULT, marker) != NULL;
-        if (a == (int)want && !present)
-            die("%s is not in this process (no symbol %s): LD_PRELOAD did not take effect",
-                bench_allocators[a].name, marker);
-        if (a != (int)want && present)
-            die("%s is loaded (symbol %s) but %s was asked for: stray LD_PRELOAD?",
-                bench_allocators[a].name, marker, bench_allocators[want].name);
-    }
-    Dl_info info;
-    void *malloc_sym = dlsym(RTLD_DEFAULT, "malloc");
-    if (malloc_sym == NULL || dladdr(malloc_sym, &info) == 0 || info.dli_fname == NULL)
-        die("cannot tell which object defines malloc");
-    if (strstr(info.dli_fname, bench_allocators[want].malloc_owner) == NULL)
-        die("malloc comes from %s, expected %s", info.dli_fname,
-            bench_allocators[want].malloc_owner);
+    char why[4096 + 160];
+    const char *problem = bench_preload_problem(want, why, sizeof why);
+    if (problem != NULL)
+        die("%s", problem);
 }
 
 /* ---- measurement helpers ---------------------------------------------------------------- */

@@ -47,6 +47,7 @@
 #include <unistd.h>
 
 #include "bench_clock.h"
+#include "bench_host.h"
 #include "bench_protocol.h"
 #include "kvalloc.h"
 
@@ -317,30 +318,13 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-/* A run with a preload that silently did not apply would measure glibc under another name:
- * the allocator's own symbol must be present (and no other peer's), and malloc must come from
- * the expected object. (bench_child.c makes the same check for bench_alloc.) */
+/* The preload must have taken effect (bench_host.h says why that is checked). */
 static void verify_allocator(enum bench_allocator want)
 {
-    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
-        const char *marker = bench_allocators[a].marker_symbol;
-        if (marker == NULL)
-            continue;
-        int present = dlsym(RTLD_DEFAULT, marker) != NULL;
-        if (a == (int)want && !present)
-            die("%s is not in this process (no symbol %s): LD_PRELOAD did not take effect",
-                bench_allocators[a].name, marker);
-        if (a != (int)want && present)
-            die("%s is loaded (symbol %s) but %s was asked for: stray LD_PRELOAD?",
-                bench_allocators[a].name, marker, bench_allocators[want].name);
-    }
-    Dl_info info;
-    void *malloc_sym = dlsym(RTLD_DEFAULT, "malloc");
-    if (malloc_sym == NULL || dladdr(malloc_sym, &info) == 0 || info.dli_fname == NULL)
-        die("cannot tell which object defines malloc");
-    if (strstr(info.dli_fname, bench_allocators[want].malloc_owner) == NULL)
-        die("malloc comes from %s, expected %s", info.dli_fname,
-            bench_allocators[want].malloc_owner);
+    char why[4096 + 160];
+    const char *problem = bench_preload_problem(want, why, sizeof why);
+    if (problem != NULL)
+        die("%s", problem);
 }
 
 static void *xcalloc(size_t n, size_t size)
@@ -681,8 +665,6 @@ static int sample_cpu(struct cpu_sample *c)
 
 static double g_children_cpu_s; /* user + system time of every child, from wait4 */
 
-static void trim_newline(char *text) { text[strcspn(text, "\n")] = '\0'; }
-
 static void describe_machine(struct machine *m)
 {
     snprintf(m->cpu, sizeof m->cpu, "unknown");
@@ -691,7 +673,7 @@ static void describe_machine(struct machine *m)
     while (f != NULL && fgets(line, sizeof line, f) != NULL) {
         char *colon = strchr(line, ':');
         if (strncmp(line, "model name", 10) == 0 && colon != NULL) {
-            trim_newline(colon);
+            bench_trim_newline(colon);
             snprintf(m->cpu, sizeof m->cpu, "%s", colon + 1 + (colon[1] == ' '));
             break;
         }
@@ -705,45 +687,6 @@ static void describe_machine(struct machine *m)
     m->others_cores = m->steal_cores = NAN;
 }
 
-/* The version of a Debian package, or "unknown" on a machine without dpkg. */
-static void package_version(const char *package, char *out, size_t size)
-{
-    char command[160];
-    snprintf(out, size, "unknown");
-    snprintf(command, sizeof command, "dpkg-query -W -f='${Version}' %s 2>/dev/null", package);
-    FILE *p = popen(command, "r");
-    if (p == NULL)
-        return;
-    char line[64];
-    if (fgets(line, sizeof line, p) != NULL && line[0] != '\0') {
-        trim_newline(line);
-        snprintf(out, size, "%s", line);
-    }
-    pclose(p);
-}
-
-/* As bench_alloc finds it: beside the running libc first, then the usual prefixes. */
-static int find_library(const char *soname, char *path, size_t size)
-{
-    char libc_dir[PATH_MAX] = "/usr/lib";
-    Dl_info info;
-    void *libc_sym = dlsym(RTLD_DEFAULT, "gnu_get_libc_version");
-    if (libc_sym != NULL && dladdr(libc_sym, &info) != 0 && info.dli_fname != NULL) {
-        snprintf(libc_dir, sizeof libc_dir, "%s", info.dli_fname);
-        char *slash = strrchr(libc_dir, '/');
-        if (slash != NULL)
-            *slash = '\0';
-    }
-    char usr_libc_dir[PATH_MAX + 4];
-    snprintf(usr_libc_dir, sizeof usr_libc_dir, "/usr%s", libc_dir);
-    const char *dirs[] = {libc_dir, usr_libc_dir, "/usr/local/lib", "/usr/lib64", "/usr/lib"};
-    for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++)
-        if ((size_t)snprintf(path, size, "%s/%s", dirs[i], soname) < size &&
-            access(path, R_OK) == 0)
-            return 1;
-    return 0;
-}
-
 static void discover_allocators(const struct settings *s)
 {
     for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
@@ -755,12 +698,12 @@ static void discover_allocators(const struct settings *s)
             snprintf(st->version, sizeof st->version, "%d.%d.%d (this tree)", KVA_VERSION_MAJOR,
                      KVA_VERSION_MINOR, KVA_VERSION_PATCH);
         else
-            package_version(info->package, st->version, sizeof st->version);
+            bench_package_version(info->package, st->version, sizeof st->version);
         if (info->soname == NULL) {
             snprintf(st->library, sizeof st->library, "%s",
                      a == BENCH_KVALLOC ? "libkvalloc (linked)" : "libc (no preload)");
             st->measured = 1;
-        } else if (find_library(info->soname, st->library, sizeof st->library)) {
+        } else if (bench_find_library(info->soname, st->library, sizeof st->library)) {
             st->measured = 1;
         } else {
             snprintf(st->skip_reason, sizeof st->skip_reason, "%s not found (Debian package %s)",
@@ -1077,29 +1020,6 @@ static void print_table(const struct settings *s, const struct machine *m, const
 
 /* ---- JSON ------------------------------------------------------------------------------- */
 
-static void json_string(FILE *f, const char *text)
-{
-    fputc('"', f);
-    for (const unsigned char *c = (const unsigned char *)text; *c != '\0'; c++) {
-        if (*c == '"' || *c == '\\')
-            fprintf(f, "\\%c", *c);
-        else if (*c < 0x20)
-            fprintf(f, "\\u%04x", *c);
-        else
-            fputc(*c, f);
-    }
-    fputc('"', f);
-}
-
-/* JSON has no NaN: a figure that does not exist is null. */
-static void json_number(FILE *f, double v)
-{
-    if (isnan(v) || isinf(v))
-        fputs("null", f);
-    else
-        fprintf(f, "%.15g", v);
-}
-
 /* Appends text to out (size bytes, used so far); text that does not fit is cut. */
 static void append(char *out, size_t size, size_t *used, const char *text)
 {
@@ -1140,15 +1060,15 @@ static void write_json(const struct settings *s, const struct machine *m, const 
     if (f == NULL)
         die("cannot write %s: %s", s->json_path, strerror(errno));
     fputs("{\n  \"tool\": \"bench_threads\",\n  \"command\": ", f);
-    json_string(f, command);
+    bench_json_string(f, command);
     fputs(",\n  \"machine\": {\"cpu\": ", f);
-    json_string(f, m->cpu);
+    bench_json_string(f, m->cpu);
     fprintf(f, ", \"cores\": %ld, \"usable_cpus\": %ld, \"kernel\": ", m->cores, m->usable);
-    json_string(f, m->kernel);
+    bench_json_string(f, m->kernel);
     fputs(", \"other_busy_cores_during_run\": ", f);
-    json_number(f, m->others_cores);
+    bench_json_number(f, m->others_cores);
     fputs(", \"steal_cores_during_run\": ", f);
-    json_number(f, m->steal_cores);
+    bench_json_number(f, m->steal_cores);
     fprintf(f, "},\n  \"settings\": {\"quick\": %s, \"processes\": %u, \"measured_ms\": %u, "
                "\"warmup_ms\": %u, \"batch_objects\": %d, \"prodcons_object_bytes\": %d, "
                "\"ring_slots\": %d, \"ring_publish\": %d, \"kvalloc_pool_bytes\": %zu, "
@@ -1167,13 +1087,13 @@ static void write_json(const struct settings *s, const struct machine *m, const 
             continue;
         fprintf(f, "%s\n    ", first ? "" : ",");
         first = 0;
-        json_string(f, bench_allocators[a].name);
+        bench_json_string(f, bench_allocators[a].name);
         fputs(": {\"status\": ", f);
-        json_string(f, g_alloc[a].measured ? "measured" : g_alloc[a].skip_reason);
+        bench_json_string(f, g_alloc[a].measured ? "measured" : g_alloc[a].skip_reason);
         fputs(", \"library\": ", f);
-        json_string(f, g_alloc[a].library);
+        bench_json_string(f, g_alloc[a].library);
         fputs(", \"version\": ", f);
-        json_string(f, g_alloc[a].version);
+        bench_json_string(f, g_alloc[a].version);
         fputs(",\n      \"results\": [", f);
         int first_result = 1;
         for (int p = 0; p < PAT_COUNT; p++) {
@@ -1184,20 +1104,20 @@ static void write_json(const struct settings *s, const struct machine *m, const 
                 fprintf(f, "%s\n        {\"pattern\": \"%s\", \"threads\": %u, \"ops_per_s\": ",
                         first_result ? "" : ",", patterns[p].key, s->threads[i]);
                 first_result = 0;
-                json_number(f, figure(a, p, i));
+                bench_json_number(f, figure(a, p, i));
                 fputs(", \"ops_per_s_reports\": [", f);
                 for (unsigned k = 0; k < r->count; k++) {
                     fputs(k ? ", " : "", f);
-                    json_number(f, r->value[k]);
+                    bench_json_number(f, r->value[k]);
                 }
                 fputs("]", f);
                 if (a != BENCH_KVALLOC) {
                     fputs(", \"kvalloc_over_peer\": ", f);
-                    json_number(f, figure(BENCH_KVALLOC, p, i) / figure(a, p, i));
+                    bench_json_number(f, figure(BENCH_KVALLOC, p, i) / figure(a, p, i));
                 }
                 if (s->threads[i] == 1) {
                     fputs(", \"ns_per_op\": ", f);
-                    json_number(f, 1e9 / figure(a, p, i));
+                    bench_json_number(f, 1e9 / figure(a, p, i));
                 }
                 fputs("}", f);
             }
@@ -1208,7 +1128,7 @@ static void write_json(const struct settings *s, const struct machine *m, const 
             if (!s->pattern_on[p])
                 continue;
             fprintf(f, "%s\"%s\": ", first_scaling ? "" : ", ", patterns[p].key);
-            json_number(f, scaling(s, a, p));
+            bench_json_number(f, scaling(s, a, p));
             first_scaling = 0;
         }
         fputs("}}", f);
@@ -1216,18 +1136,18 @@ static void write_json(const struct settings *s, const struct machine *m, const 
     fputs("\n  },\n  \"targets\": [", f);
     for (unsigned i = 0; i < targets; i++) {
         fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
-        json_string(f, t[i].key);
+        bench_json_string(f, t[i].key);
         fputs(", \"description\": ", f);
-        json_string(f, t[i].name);
+        bench_json_string(f, t[i].name);
         fprintf(f, ", \"result\": \"%s\", \"value\": ",
                 t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_MISS ? "miss" : "n/a");
-        json_number(f, t[i].value);
+        bench_json_number(f, t[i].value);
         fputs(", \"reference\": ", f);
-        json_number(f, t[i].reference);
+        bench_json_number(f, t[i].reference);
         fputs(", \"ratio\": ", f);
-        json_number(f, t[i].ratio);
+        bench_json_number(f, t[i].ratio);
         fputs(", \"detail\": ", f);
-        json_string(f, t[i].detail);
+        bench_json_string(f, t[i].detail);
         fputs("}", f);
     }
     fputs("\n  ]\n}\n", f);
