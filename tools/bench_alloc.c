@@ -681,17 +681,9 @@ static void write_json(const struct settings *s, const struct machine *m,
     bench_json_number(f, figure(BENCH_KVALLOC, BENCH_SYSCALL_CHECK_OPS));
     fputs("},\n  \"targets\": [", f);
     for (int i = 0; i < TARGET_COUNT; i++) {
-        fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
-        bench_json_string(f, t[i].key);
-        fputs(", \"description\": ", f);
-        bench_json_string(f, t[i].name);
-        fprintf(f, ", \"result\": \"%s\", \"value\": ",
-                t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_FAIL ? "fail" : "n/a");
-        bench_json_number(f, t[i].value);
-        fputs(", \"reference\": ", f);
-        bench_json_number(f, t[i].reference);
-        fputs(", \"ratio\": ", f);
-        bench_json_number(f, t[i].ratio);
+        bench_json_target(f, i == 0, t[i].key, t[i].name,
+                          t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_FAIL ? "fail" : "n/a",
+                          t[i].value, t[i].reference, t[i].ratio);
         fputs("}", f);
     }
     fputs("\n  ]\n}\n", f);

@@ -43,14 +43,6 @@
 #define TOUCH_BLOCKS 8
 #define TOUCH_STRIDE (4 * KIB)
 
-/* The allocator under test, behind two function pointers chosen at run time: every allocator
- * pays the same indirect call, and the compiler can neither elide nor merge malloc/free pairs
- * it can see through. release returns nonzero if the allocator refused the free. */
-struct backend {
-    void *(*alloc)(size_t size);
-    int (*release)(void *ptr);
-};
-
 struct child_options {
     enum bench_allocator allocator;
     const char *pattern;
@@ -61,7 +53,6 @@ struct child_options {
 };
 
 static const char *g_name = "?";
-static kva_pool *g_pool;
 
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
@@ -84,25 +75,6 @@ static void report(enum bench_metric metric, double value)
 
 /* ---- the two backends ------------------------------------------------------------------ */
 
-static void *malloc_alloc(size_t size) { return malloc(size); }
-
-static int malloc_release(void *ptr)
-{
-    free(ptr);
-    return 0;
-}
-
-/* ptr needs no initial value: kva_alloc writes it exactly when it returns KVA_OK. */
-static void *kvalloc_alloc(size_t size)
-{
-    void *ptr;
-    return kva_alloc(g_pool, size, &ptr) == KVA_OK ? ptr : NULL;
-}
-
-static int kvalloc_release(void *ptr) { return kva_free(g_pool, ptr) != KVA_OK; }
-
-static const struct backend malloc_backend = {malloc_alloc, malloc_release};
-static const struct backend kvalloc_backend = {kvalloc_alloc, kvalloc_release};
 
 /* The pool is named, as an engine's would be: it then publishes its statistics to shared
  * memory now and then from the checked paths (tracing stays off, the default), and that cost
@@ -116,7 +88,7 @@ static void create_pool(size_t capacity, int prefault, unsigned publish_ms)
     cfg.name = "bench";
     if (publish_ms != 0)
         cfg.publish_interval_ms = publish_ms;
-    kva_status st = kva_pool_create(&cfg, &g_pool);
+    kva_status st = kva_pool_create(&cfg, &bench_pool);
     if (st != KVA_OK)
         die("kva_pool_create(%zu MiB, prefault=%d): %s: %s", capacity / MIB, prefault,
             kva_strerror(st), kva_last_error());
@@ -127,7 +99,7 @@ static void create_pool(size_t capacity, int prefault, unsigned publish_ms)
 static void report_pool_peak(void)
 {
     kva_stats st;
-    kva_status status = kva_get_stats(g_pool, &st);
+    kva_status status = kva_get_stats(bench_pool, &st);
     if (status != KVA_OK)
         die("kva_get_stats: %s: %s", kva_strerror(status), kva_last_error());
     report(BENCH_METADATA_BYTES, (double)st.metadata_bytes);
@@ -259,7 +231,7 @@ static void run_batch(const struct backend *b, const struct child_options *o, si
     for (int i = 0; i < BATCH_OBJECTS; i++)
         if ((slots[i] = b->alloc(size)) == NULL)
             die("allocation of %zu bytes failed", size);
-    if (g_pool != NULL)
+    if (bench_pool != NULL)
         report_pool_peak();
     for (int i = 0; i < BATCH_OBJECTS; i++)
         if (b->release(slots[i]))
@@ -337,7 +309,7 @@ static uint64_t large_alloc(const struct backend *b, struct live_set *live, size
             live->bytes += size;
             return t1 - t0;
         }
-        if (g_pool == NULL || live->count == 0)
+        if (bench_pool == NULL || live->count == 0)
             die("allocation of %zu MiB failed", size / MIB);
         (*failures)++;
         live_release_random(b, live, rng);
@@ -364,7 +336,7 @@ static void run_large(const struct backend *b, const struct child_options *o)
             size_t size = large_next_size(b, &live, &rng);
             lat[i] = (double)large_alloc(b, &live, size, &rng, &failures, 1);
         }
-        if (rep == 0 && g_pool != NULL)
+        if (rep == 0 && bench_pool != NULL)
             report_pool_peak();
         while (live.count > 0)
             live_release(b, &live, live.count - 1);
@@ -383,7 +355,7 @@ static void run_large(const struct backend *b, const struct child_options *o)
     report(BENCH_LARGE_MAX_NS, worst);
     report(BENCH_LARGE_FAULTS,
            1000 * (minor_faults() - faults_before) / ((double)o->samples * o->reps));
-    if (g_pool != NULL)
+    if (bench_pool != NULL)
         report(BENCH_LARGE_FAILURES, (double)failures);
     free(p999);
     free(p99);
@@ -424,7 +396,7 @@ static void run_touch(const struct backend *b, const struct child_options *o)
     if (is_kvalloc) {
         report(o->prefault ? BENCH_TOUCH_PREFAULT_GBPS : BENCH_TOUCH_GBPS, gbps);
         kva_stats st;
-        if (kva_get_stats(g_pool, &st) == KVA_OK)
+        if (kva_get_stats(bench_pool, &st) == KVA_OK)
             report(BENCH_PAGE_KIND, (double)st.page_kind);
     } else {
         report(BENCH_TOUCH_GBPS, gbps);
@@ -529,7 +501,7 @@ int bench_child_main(int argc, char **argv)
     verify_allocator(o.allocator);
 
     int is_kvalloc = o.allocator == BENCH_KVALLOC;
-    const struct backend *b = is_kvalloc ? &kvalloc_backend : &malloc_backend;
+    const struct backend *b = is_kvalloc ? &bench_kvalloc_backend : &bench_malloc_backend;
     /* The touch pattern creates its own pool, because its creation is part of what it
      * reports; the others use a 1 GiB pool. The syscall check's publishes every millisecond,
      * so that publishing, which runs on the allocation path too, happens inside its window. */
@@ -549,6 +521,6 @@ int bench_child_main(int argc, char **argv)
     else
         die("unknown pattern '%s'", o.pattern);
 
-    kva_pool_destroy(g_pool);
+    kva_pool_destroy(bench_pool);
     return fflush(stdout) == 0 ? 0 : 2;
 }

@@ -4,10 +4,33 @@
 #include <dlfcn.h>
 #include <limits.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 
 #include "bench_host.h"
+
+kva_pool *bench_pool;
+
+static void *malloc_alloc(size_t size) { return malloc(size); }
+
+static int malloc_release(void *ptr)
+{
+    free(ptr);
+    return 0;
+}
+
+/* ptr needs no initial value: kva_alloc writes it exactly when it returns KVA_OK. */
+static void *kvalloc_alloc(size_t size)
+{
+    void *ptr;
+    return kva_alloc(bench_pool, size, &ptr) == KVA_OK ? ptr : NULL;
+}
+
+static int kvalloc_release(void *ptr) { return kva_free(bench_pool, ptr) != KVA_OK; }
+
+const struct backend bench_malloc_backend = {malloc_alloc, malloc_release};
+const struct backend bench_kvalloc_backend = {kvalloc_alloc, kvalloc_release};
 
 void bench_trim_newline(char *text) { text[strcspn(text, "\n")] = '\0'; }
 
@@ -96,4 +119,19 @@ void bench_json_number(FILE *f, double v)
         fputs("null", f);
     else
         fprintf(f, "%.15g", v);
+}
+
+void bench_json_target(FILE *f, int first, const char *key, const char *description, const char *result,
+                       double value, double reference, double ratio)
+{
+    fprintf(f, "%s\n    {\"name\": ", first ? "" : ",");
+    bench_json_string(f, key);
+    fputs(", \"description\": ", f);
+    bench_json_string(f, description);
+    fprintf(f, ", \"result\": \"%s\", \"value\": ", result);
+    bench_json_number(f, value);
+    fputs(", \"reference\": ", f);
+    bench_json_number(f, reference);
+    fputs(", \"ratio\": ", f);
+    bench_json_number(f, ratio);
 }

@@ -10,6 +10,19 @@
 #include <stdio.h>
 
 #include "bench_protocol.h"
+#include "kvalloc.h"
+
+/* The allocator under test, behind two function pointers chosen at run time: every allocator
+ * pays the same indirect call, and the compiler can neither elide nor merge malloc/free pairs
+ * it can see through. release returns nonzero if the allocator refused the free. */
+struct backend {
+    void *(*alloc)(size_t size);
+    int (*release)(void *ptr);
+};
+
+/* malloc/free (a peer under LD_PRELOAD, or glibc), and kva_alloc/kva_free on bench_pool. */
+extern kva_pool *bench_pool;
+extern const struct backend bench_malloc_backend, bench_kvalloc_backend;
 
 /* Cuts text at its first newline. */
 void bench_trim_newline(char *text);
@@ -29,5 +42,11 @@ const char *bench_preload_problem(enum bench_allocator want, char *why, size_t s
 /* JSON: a string with its escapes; a number, or null for NaN and infinities. */
 void bench_json_string(FILE *f, const char *text);
 void bench_json_number(FILE *f, double v);
+
+/* One target of the "targets" array, its closing brace left to the caller (which may add
+ * fields): {"name": key, "description": ..., "result": ..., "value": ..., "reference": ...,
+ * "ratio": ... */
+void bench_json_target(FILE *f, int first, const char *key, const char *description, const char *result,
+                       double value, double reference, double ratio);
 
 #endif

@@ -121,31 +121,6 @@ static unsigned parse_count(const char *flag, const char *text, unsigned long ma
 
 /* The allocator under test behind two function pointers, as in bench_child.c: every allocator
  * pays the same indirect call and the compiler cannot pair up mallocs and frees. */
-struct backend {
-    void *(*alloc)(size_t size);
-    int (*release)(void *ptr); /* nonzero: the free was refused */
-};
-
-static kva_pool *g_pool;
-
-static void *malloc_alloc(size_t size) { return malloc(size); }
-
-static int malloc_release(void *ptr)
-{
-    free(ptr);
-    return 0;
-}
-
-static void *kvalloc_alloc(size_t size)
-{
-    void *ptr;
-    return kva_alloc(g_pool, size, &ptr) == KVA_OK ? ptr : NULL;
-}
-
-static int kvalloc_release(void *ptr) { return kva_free(g_pool, ptr) != KVA_OK; }
-
-static const struct backend malloc_backend = {malloc_alloc, malloc_release};
-static const struct backend kvalloc_backend = {kvalloc_alloc, kvalloc_release};
 
 /* The single-producer/single-consumer ring of one pair. head is written by the consumer only,
  * tail by the producer only, each on a line of its own. Each side publishes its index every
@@ -384,7 +359,7 @@ static int child_main(int argc, char **argv)
         die("prodcons runs threads in pairs: %u threads is odd", threads);
     verify_allocator(allocator);
 
-    const struct backend *b = &malloc_backend;
+    const struct backend *b = &bench_malloc_backend;
     if (allocator == BENCH_KVALLOC) {
         /* One pool for all threads, default arenas; named like bench_alloc's, so it publishes
          * its statistics from its slow paths as an engine's pool would. */
@@ -392,11 +367,11 @@ static int child_main(int argc, char **argv)
         kva_config_init(&cfg);
         cfg.capacity = POOL_CAPACITY;
         cfg.name = "bench_threads";
-        kva_status st = kva_pool_create(&cfg, &g_pool);
+        kva_status st = kva_pool_create(&cfg, &bench_pool);
         if (st != KVA_OK)
             die("kva_pool_create(%zu MiB): %s: %s", POOL_CAPACITY / MIB, kva_strerror(st),
                 kva_last_error());
-        b = &kvalloc_backend;
+        b = &bench_kvalloc_backend;
     }
 
     /* Bookkeeping comes from the allocator under test too (malloc is preloaded), but before
@@ -461,12 +436,12 @@ static int child_main(int argc, char **argv)
         pthread_join(workers[t].thread, NULL);
         free(workers[t].slots);
     }
-    if (g_pool != NULL) {
+    if (bench_pool != NULL) {
         /* Every object was freed and every thread has exited: the pool must be whole. */
-        kva_status st = kva_check(g_pool);
+        kva_status st = kva_check(bench_pool);
         if (st != KVA_OK)
             die("kva_check after the run: %s: %s", kva_strerror(st), kva_last_error());
-        kva_pool_destroy(g_pool);
+        kva_pool_destroy(bench_pool);
     }
     const char *name = bench_allocators[allocator].name;
     report(name, METRIC_OPS_PER_S, ops / elapsed * 1e9);
@@ -1135,17 +1110,9 @@ static void write_json(const struct settings *s, const struct machine *m, const 
     }
     fputs("\n  },\n  \"targets\": [", f);
     for (unsigned i = 0; i < targets; i++) {
-        fprintf(f, "%s\n    {\"name\": ", i ? "," : "");
-        bench_json_string(f, t[i].key);
-        fputs(", \"description\": ", f);
-        bench_json_string(f, t[i].name);
-        fprintf(f, ", \"result\": \"%s\", \"value\": ",
-                t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_MISS ? "miss" : "n/a");
-        bench_json_number(f, t[i].value);
-        fputs(", \"reference\": ", f);
-        bench_json_number(f, t[i].reference);
-        fputs(", \"ratio\": ", f);
-        bench_json_number(f, t[i].ratio);
+        bench_json_target(f, i == 0, t[i].key, t[i].name,
+                          t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_MISS ? "miss" : "n/a",
+                          t[i].value, t[i].reference, t[i].ratio);
         fputs(", \"detail\": ", f);
         bench_json_string(f, t[i].detail);
         fputs("}", f);
