@@ -36,26 +36,7 @@
 
 #include "check.h"
 #include "kv_test.h"
-
-/* check.h's counter is a plain int: from threads it is bumped atomically. */
-#define TCHECK(cond)                                                                         \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);         \
-            __atomic_fetch_add(&check_failures, 1, __ATOMIC_RELAXED);                        \
-        }                                                                                    \
-    } while (0)
-
-#define TCHECK_STATUS(expr, expected)                                                        \
-    do {                                                                                     \
-        kva_status tcheck_got_ = (expr);                                                     \
-        if (tcheck_got_ != (expected)) {                                                     \
-            fprintf(stderr, "%s:%d: %s returned %d (%s: %s), expected %d\n", __FILE__,       \
-                    __LINE__, #expr, (int)tcheck_got_, kva_strerror(tcheck_got_),            \
-                    kva_last_error(), (int)(expected));                                      \
-            __atomic_fetch_add(&check_failures, 1, __ATOMIC_RELAXED);                        \
-        }                                                                                    \
-    } while (0)
+#include "thread_util.h" /* TCHECK, TCHECK_STATUS: counted atomically, merged at the end */
 
 static int scale = 1;
 
@@ -669,5 +650,6 @@ int main(int argc, char **argv) {
     test_varpool(KVA_VAR_FIRST_FIT);
     test_varpool(KVA_VAR_BEST_FIT);
     test_varpool(KVA_VAR_WORST_FIT);
+    thread_failures_merge();
     return CHECK_DONE();
 }
