@@ -157,8 +157,7 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
     slab->size = g->size;
     slab->nobj = g->nobj;
     slab->recip = g->recip;
-    slab->owner = kva_slab_owner(slab, g);
-    slab->remote = kva_slab_remote(slab, g);
+    slab->l0_words = g->l0_words;
     kva_store(&slab->arena, (uint16_t)a);
     __atomic_store_n(&slab->cls, (uint8_t)c, __ATOMIC_RELEASE);
     kva_arena_class *ac = &sl->arenas[a].classes[c];

@@ -66,16 +66,18 @@ typedef struct kva_slab {
     uint16_t arena;       /* the arena that grew it */
     uint16_t bound_node;  /* 1 + the NUMA node its chunk is bound to, 0 if never bound */
     /* Copies of what the free fast path needs, set when the slab is made, so that it reads one
-     * line of metadata besides the object's words: the class's size, object count and
-     * reciprocal (kva_class_geometry), and where the words' owners and remote bits are. */
+     * line of metadata besides the object's words: the class's size, object count, reciprocal
+     * and l0 word count (the remote words follow l0, the owners follow the remote words). */
     uint32_t size, nobj;
     uint64_t recip;
-    uint32_t *owner;
-    uint64_t *remote;
-    /* A cache line each: every free reads its slab's descriptor, and a claim or return of a
-     * word writes it; neighbouring slabs usually belong to different arenas, hence threads on
-     * other cores, and sharing a line made two threads on two cores no faster than one. */
+    uint32_t l0_words;
+    /* A cache line each (56 bytes used): every free reads its slab's descriptor, and a claim or
+     * return of a word writes it; neighbouring slabs usually belong to different arenas, hence
+     * threads on other cores, and sharing a line made two threads on two cores no faster than
+     * one. */
 } __attribute__((aligned(64))) kva_slab;
+
+_Static_assert(sizeof(kva_slab) == 64, "a slab descriptor is one cache line");
 
 /* What every slab of a class shares; fixed at pool creation, read by the fast paths. */
 typedef struct kva_class_geometry {

@@ -102,9 +102,11 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uint64_t of
     uint64_t object = (rel * slab->recip) >> KVA_RECIP_SHIFT;
     if (kva_unlikely(object * slab->size != rel || object >= slab->nobj)) return 0;
     uint64_t w = object >> 6;
-    if (kva_unlikely(kva_load(slab->owner + w) != tc->id)) return 0;
+    const uint64_t *words = slab->l0;
+    size_t nwords = slab->l0_words;
+    if (kva_unlikely(kva_load((const uint32_t *)(words + 2 * nwords) + w) != tc->id)) return 0;
     uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
-    if (kva_unlikely(((bits & bit) | kva_load(slab->remote + w)) != 0)) return 0;
+    if (kva_unlikely(((bits & bit) | kva_load(l0 + nwords)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(&tc->cls[c].frees);
     return 1;
