@@ -340,7 +340,7 @@ class KVCache:
     def compact(self) -> np.ndarray:
         """Moves every block that holds data (used, or cached for prefix hits: those keep their
         hits; ``evict()`` first to drop them instead) to the lowest ids, so that afterwards the
-        free blocks are the top ids, ``num_blocks - stats()["free_blocks"]`` onwards: the tail of
+        free blocks are the top ids, ``used_blocks + cached_blocks`` onwards: the tail of
         the KV memory (of each layer's region with the layers layout). Every sequence's and
         pin's block table is rewritten in place, so this refuses (``TableInUseError``) while any
         block-table view of the cache is alive.
@@ -371,10 +371,14 @@ class KVCache:
     def trim(self) -> int:
         """Gives back the memory of the free blocks at the top ids: after ``compact()`` every
         free block is there, so compacting then trimming frees every whole GPU granule (or host
-        page) of the KV memory that holds no data. The trimmed blocks still count as free for
-        capacity: a call that needs them maps their memory again first. A pool whose memory must
-        stay (prefault, lock, pin) gives nothing back. Returns the number of trimmed blocks
-        (``stats()["trimmed_blocks"]``). Paged mode only (``InvalidArgument`` otherwise)."""
+        page) of the KV memory that holds no data. Their content is gone: every copy
+        ``compact()`` returned (its sources are free top blocks) and any kernel still reading a
+        freed block must be finished, the device synchronized, before this call. The trimmed
+        blocks still count as free for capacity: a call that needs them maps their memory again
+        first (or evicts cached blocks if the memory cannot be had). A pool whose memory must
+        stay (prefault, lock, pin, hugetlb) gives nothing back. Returns the number of trimmed
+        blocks (``stats()["trimmed_blocks"]``). Paged mode only (``InvalidArgument``
+        otherwise)."""
         trimmed = c_uint32()
         with self._lock:
             self._lib.kva_kv_trim(self._open(), byref(trimmed))

@@ -570,7 +570,7 @@ typedef struct kva_kv_move {
 /* Compaction (paged mode): moves every block that holds data (used by sequences or pins, or
  * cached for prefix hits: cached blocks are moved, not dropped, so their hits survive; call
  * kva_kv_evict first to drop them instead) to the lowest ids, so that afterwards blocks
- * [0, n) hold data and [n, num_blocks) are free, n = num_blocks - free_blocks. With the blocks
+ * [0, n) hold data and [n, num_blocks) are free, n = used_blocks + cached_blocks. With the blocks
  * layout the free blocks are then the last free_blocks * block_bytes bytes of the KV memory;
  * with the layers layout, the last free_blocks * block_stride bytes of each layer's region
  * (kva_kv_trim then hands that memory back).
@@ -594,11 +594,19 @@ KVA_API kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capac
  * to the pool's backing: whole CUDA granules are unmapped and released to the driver, whole
  * host pages discarded, in each layer's region in the layers layout. After kva_kv_compact every
  * free block is at the top, so compaction then trim frees every unit of memory that holds no
- * data. Trimmed blocks count as free for capacity: a call that needs more blocks than the free
- * ones with memory gets the trimmed ones' memory back first (before evicting cached blocks), and
- * fails with KVA_ERR_NOMEM or KVA_ERR_BACKEND, nothing changed, if it cannot. A pool whose memory
- * must stay (prefault, lock, pin, checked) gives nothing back, but the blocks are trimmed all
- * the same. *trimmed_blocks (optional) is the number of trimmed blocks after the call.
+ * data.
+ * The memory of a trimmed block is gone, content included: every copy kva_kv_compact returned
+ * (their sources are free blocks at the top) and any kernel still reading a freed block must
+ * have finished, the device synchronized, before this call. On host memory, memory the engine
+ * registered itself (cudaHostRegister, ibv_reg_mr) must not include trimmed blocks: the device
+ * would keep the old pages while the CPU gets new ones.
+ * Trimmed blocks count as free for capacity: a call that needs more blocks than the free ones
+ * with memory gets back the memory of as many trimmed ones as it lacks (before evicting cached
+ * blocks; host pages are faulted in then, so a shortage is that call's error); if the memory
+ * cannot be had, the call evicts cached blocks instead when they suffice, and otherwise fails
+ * with KVA_ERR_NOMEM or KVA_ERR_BACKEND, nothing changed. A pool whose memory must stay
+ * (prefault, lock, pin, checked, hugetlb pages) gives nothing back, but the blocks are trimmed
+ * all the same. *trimmed_blocks (optional) is the number of trimmed blocks after the call.
  * Errors: KVA_ERR_INVALID (NULL cache, contiguous mode). */
 KVA_API kva_status kva_kv_trim(kva_kv *kv, uint32_t *trimmed_blocks);
 

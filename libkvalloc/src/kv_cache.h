@@ -218,9 +218,11 @@ KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) {
 }
 
 /* Before a call takes `need` blocks (within kv_blocks_available): when the free blocks with
- * memory do not cover it, the trimmed ones get their memory back first (rather than cached
- * blocks being evicted). Fails, with nothing changed, if the memory cannot be had. */
-kva_status kv_ensure_backed(kva_kv *kv, uint32_t need);
+ * memory do not cover it, as many trimmed ones as it lacks get their memory back (rather than
+ * cached blocks being evicted). When that memory cannot be had, the call goes on if the free
+ * blocks and the `evictable` cached ones cover it (eviction then serves it, as before any
+ * trim); otherwise it fails, with nothing changed. */
+kva_status kv_ensure_backed(kva_kv *kv, uint32_t need, uint32_t evictable);
 
 /* Evicts up to count cached blocks, lowest priority and least recently released first, and
  * appends them below the free blocks. Returns how many it evicted. */

@@ -126,7 +126,7 @@ static kva_status paged_allocate(kva_kv *kv, uint32_t num_tokens, const kv_conte
     uint32_t hits = prefix_probe(kv, c, table, &key, &cached_hits);
     uint32_t need = (uint32_t)blocks - hits, available = kv_blocks_available(kv) - cached_hits;
     if (need > available) return no_room(kv, need, available, "the sequence");
-    kva_status backed = kv_ensure_backed(kv, need);
+    kva_status backed = kv_ensure_backed(kv, need, kv->cached_count - cached_hits);
     if (backed != KVA_OK) return backed;
 
     for (uint32_t i = 0; i < hits; i++) kv_block_ref(kv, table[i], priority);
@@ -192,7 +192,7 @@ static kva_status paged_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_toke
         kv->counters.alloc_failures++;
         return kva_fail(KVA_ERR_NOMEM, "no host memory for a table of %u blocks", new_len);
     }
-    kva_status backed = kv_ensure_backed(kv, need);
+    kva_status backed = kv_ensure_backed(kv, need, kv->cached_count);
     if (backed != KVA_OK) return backed;
 
     kva_kv_copy out = {KVA_KV_NO_BLOCK, KVA_KV_NO_BLOCK, 0, 0, 0, NULL, NULL};

@@ -39,18 +39,18 @@ static void unit_span(const kva_kv *kv, unsigned r, size_t unit, uint32_t from, 
     *end = hi - mem;
 }
 
-/* Backs the memory of the trimmed blocks again, in every region; on failure none is. */
-static kva_status take_ranges(kva_kv *kv) {
+/* Backs the memory of blocks [backed_blocks, to) again, in every region; on failure none is. */
+static kva_status take_ranges(kva_kv *kv, uint32_t to) {
     size_t unit = kva_pool_range_unit(kv->pool);
-    uint32_t n = kv->num_blocks, from = kv->backed_blocks;
+    uint32_t from = kv->backed_blocks;
     if (!unit) return KVA_OK;
     for (unsigned r = 0; r < regions(kv); r++) {
         size_t start, end;
-        unit_span(kv, r, unit, from, n, &start, &end);
+        unit_span(kv, r, unit, from, to, &start, &end);
         kva_status st = kva_pool_range_take(kv->pool, kv->memory + start, end - start);
         if (st != KVA_OK) {
             for (unsigned back = 0; back < r; back++) { /* nothing changed: give back what was taken */
-                unit_span(kv, back, unit, from, n, &start, &end);
+                unit_span(kv, back, unit, from, to, &start, &end);
                 kva_pool_range_release(kv->pool, kv->memory + start, end - start);
             }
             return st;
@@ -59,16 +59,21 @@ static kva_status take_ranges(kva_kv *kv) {
     return KVA_OK;
 }
 
-kva_status kv_ensure_backed(kva_kv *kv, uint32_t need) {
+kva_status kv_ensure_backed(kva_kv *kv, uint32_t need, uint32_t evictable) {
     if (need <= kv->free_count || kv->backed_blocks == kv->num_blocks) return KVA_OK;
-    uint32_t n = kv->num_blocks, from = kv->backed_blocks;
-    kva_status st = take_ranges(kv);
+    /* Only as many blocks as the call lacks (their units rounded up by unit_span), not all. */
+    uint32_t from = kv->backed_blocks, lacking = need - kv->free_count, trimmed = kv->num_blocks - from;
+    uint32_t to = from + (lacking < trimmed ? lacking : trimmed);
+    kva_status st = take_ranges(kv, to);
     if (st != KVA_OK) {
+        /* The memory cannot be had: cached blocks may still serve the call by eviction, as
+         * they would have before any trim. */
+        if (need <= kv->free_count + evictable) return KVA_OK;
         kv->counters.alloc_failures++;
         return st;
     }
     /* Below the free blocks with memory: those are taken first. */
-    for (uint32_t b = from; b < n; b++) {
+    for (uint32_t b = from; b < to; b++) {
         kva_kv_block *blk = &kv->blocks[b];
         *blk = (kva_kv_block){.hash_next = KVA_NIL, .prev = KVA_NIL, .next = KVA_NIL, .state = KV_FREE};
         if (kv->free_count == 0) kv->free_top = b;
@@ -76,7 +81,7 @@ kva_status kv_ensure_backed(kva_kv *kv, uint32_t need) {
         kv->free_bottom = b;
         kv->free_count++;
     }
-    kv->backed_blocks = n;
+    kv->backed_blocks = to;
     return KVA_OK;
 }
 

@@ -518,8 +518,12 @@ kva_status kva_pool_base(kva_pool *pool, void **base) {
 
 size_t kva_pool_range_unit(kva_pool *pool) {
     /* Prefaulted memory was promised to stay; locked or pinned host memory cannot be discarded;
-     * a checked pool's free bytes must keep their poison. */
-    if (pool->config.prefault || pool->region.locked || pool->region.pinned || pool->checked) return 0;
+     * a checked pool's free bytes must keep their poison; hugetlb pages were reserved up front
+     * on purpose, and a discarded one may not come back (the reservation is not restored on
+     * every kernel: a later touch would be a SIGBUS, not an error). */
+    if (pool->config.prefault || pool->region.locked || pool->region.pinned || pool->checked ||
+        pool->region.page_kind == KVA_PAGE_KIND_HUGETLB)
+        return 0;
     return pool->region.page_size;
 }
 
@@ -529,9 +533,8 @@ kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
     pthread_mutex_lock(&pool->lock);
     kva_status st = KVA_OK;
     if (pool->region.device) {
-        /* Its granules' references drop to 0; the trim unmaps and releases them now. */
-        kva_cuda_region_release(pool->region.device, offset, length);
-        st = kva_region_trim(&pool->region);
+        /* Its granules' references drop to 0 and they are unmapped and released now. */
+        st = kva_cuda_region_release(pool->region.device, offset, length);
     } else {
         st = kva_os_discard(start, length);
     }
@@ -540,7 +543,10 @@ kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
 }
 
 kva_status kva_pool_range_take(kva_pool *pool, void *start, size_t length) {
-    if (length == 0 || !pool->region.device) return KVA_OK; /* host pages come back when touched */
+    if (length == 0) return KVA_OK;
+    /* Host pages are faulted in now, so that a shortage is this call's error rather than a
+     * later page fault's. */
+    if (!pool->region.device) return kva_os_populate(start, length, pool->region.page_size);
     pthread_mutex_lock(&pool->lock);
     kva_status st = kva_cuda_region_take(pool->region.device, (uint64_t)((unsigned char *)start - pool->base), length);
     pthread_mutex_unlock(&pool->lock);

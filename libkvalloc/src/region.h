@@ -51,7 +51,7 @@ void kva_cuda_region_decommit(kva_cuda_region *device, uint64_t offset, uint64_t
 /* Whole granules [offset, offset + length) inside one live block: given back (their reference
  * dropped, marked released so that R1 and the block's eventual decommit know), and taken again
  * (mapped, reference restored). See pool_range.h. */
-void kva_cuda_region_release(kva_cuda_region *device, uint64_t offset, uint64_t length);
+kva_status kva_cuda_region_release(kva_cuda_region *device, uint64_t offset, uint64_t length);
 kva_status kva_cuda_region_take(kva_cuda_region *device, uint64_t offset, uint64_t length);
 kva_status kva_cuda_region_trim(kva_cuda_region *device);
 size_t kva_cuda_region_mapped_bytes(const kva_cuda_region *device);

@@ -205,8 +205,8 @@ void kva_cuda_region_decommit(kva_cuda_region *r, uint64_t offset, uint64_t leng
     if (r->watermark) trim_to(r, r->watermark);
 }
 
-void kva_cuda_region_release(kva_cuda_region *r, uint64_t offset, uint64_t length) {
-    if (r->resident || length == 0) return;
+kva_status kva_cuda_region_release(kva_cuda_region *r, uint64_t offset, uint64_t length) {
+    if (r->resident || length == 0) return KVA_OK;
     uint32_t first = (uint32_t)(offset >> r->shift), last = (uint32_t)((offset + length - 1) >> r->shift);
     for (uint32_t g = first; g <= last; g++) {
         kva_granule *gr = &r->granules[g];
@@ -214,6 +214,14 @@ void kva_cuda_region_release(kva_cuda_region *r, uint64_t offset, uint64_t lengt
         gr->released = 1;
         if (--gr->refs == 0) idle_push(r, g);
     }
+    /* These granules, and no other idle one (trim_watermark keeps deciding those), are
+     * unmapped and released now. A refusal leaves them idle for the next trim. */
+    kva_status st = kva_cuda_enter(&r->dev);
+    if (st != KVA_OK) return st;
+    for (uint32_t g = first; g <= last && st == KVA_OK; g++)
+        if (r->granules[g].state == GRANULE_IDLE) st = unmap_granule(r, g);
+    kva_cuda_leave(&r->dev);
+    return st;
 }
 
 kva_status kva_cuda_region_take(kva_cuda_region *r, uint64_t offset, uint64_t length) {

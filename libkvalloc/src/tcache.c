@@ -356,7 +356,10 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
     if (tc || !exit_key_made) return tc;
     tc = calloc(1, sizeof *tc);
     if (!tc) return NULL;
-    if (pthread_setspecific(exit_key, tc) != 0) {
+    /* Any non-NULL value makes the exit run thread_exit, which walks all the thread's caches:
+     * a constant, so that no later failure here has anything to undo (a NULL set on one would
+     * have cancelled the exit of the thread's other caches). */
+    if (pthread_setspecific(exit_key, &dummy) != 0) {
         free(tc);
         return NULL;
     }
@@ -374,7 +377,6 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
          * hand out an id in use (the thread then frees without one, and allocation says
          * KVA_ERR_NOMEM). */
         pthread_mutex_unlock(&registry);
-        pthread_setspecific(exit_key, NULL);
         free(tc);
         return NULL;
     }

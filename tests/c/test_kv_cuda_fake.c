@@ -4,6 +4,7 @@
  * host, so a manager that wrote a byte of KV memory (a header, a free-list link) would crash
  * this test: every piece of its state must live in host metadata.
  */
+#include <dlfcn.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -154,15 +155,80 @@ static void test_trim_gives_granules_back(void) {
     kva_pool_destroy(pool);
 }
 
+/* When the trimmed blocks' memory cannot be had (the driver out of memory), a call that cached
+ * blocks can serve evicts them as before any trim; one they cannot serve fails with nothing
+ * changed. A call takes back only the units of the blocks it lacks, not every trimmed block. */
+static void (*fake_fail)(const char *function, unsigned long nth, int code);
+static void (*fake_disarm)(void);
+static void (*fake_granularity)(size_t bytes);
+
+static void test_trim_then_no_device_memory(void) {
+    fake_granularity(64 * 1024); /* 128 blocks of 512 B per granule and region */
+    kva_pool *pool = cuda_pool(64 * MiB);
+    kva_kv_config cfg = small_config(16384, 16);
+    kva_kv *kv = NULL;
+    CHECK_STATUS(kva_kv_create(&cfg, pool, &kv), KVA_OK);
+    REQUIRE(kv != NULL);
+    enum { SEQS = 64, BLOCKS = 256 };
+    static uint64_t keys[SEQS][BLOCKS];
+    kva_kv_seq seqs[SEQS];
+    for (int i = 0; i < SEQS; i++) {
+        for (int k = 0; k < BLOCKS; k++) keys[i][k] = (uint64_t)i * 1000 + (uint64_t)k + 1;
+        CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, keys[i], BLOCKS, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    }
+    for (int i = 0; i < SEQS; i += 2) CHECK_STATUS(kva_kv_seq_free(kv, seqs[i]), KVA_OK); /* 8,192 cached */
+    uint32_t evicted, count, trimmed;
+    CHECK_STATUS(kva_kv_evict(kv, 4096, &evicted), KVA_OK); /* 4,096 free, 4,096 cached */
+    static kva_kv_move moves[16384];
+    CHECK_STATUS(kva_kv_compact(kv, moves, 16384, &count), KVA_OK);
+    CHECK_STATUS(kva_kv_trim(kv, &trimmed), KVA_OK);
+    CHECK(trimmed == 4096 && stats(kv).cached_blocks == 4096 && stats(kv).free_blocks == 0);
+    /* One block: one granule per region taken back, not the 4,096 blocks' 32. */
+    size_t before = mapped(pool);
+    kva_kv_seq one;
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 16, NULL, 0, NULL, 0, 0, 0, &one, NULL), KVA_OK);
+    CHECK(mapped(pool) - before == 3 * 64 * 1024 && stats(kv).trimmed_blocks == 4095);
+    CHECK_STATUS(kva_kv_seq_free(kv, one), KVA_OK);
+    /* Out of device memory: a request the cached blocks cover evicts them instead. */
+    kva_kv_stats now = stats(kv);
+    fake_fail("cuMemCreate", 1, 2 /* CUDA_ERROR_OUT_OF_MEMORY */);
+    CHECK_STATUS(kva_kv_seq_allocate(kv, (now.free_blocks + 300) * 16, NULL, 0, NULL, 0, 0, 0, &one, NULL), KVA_OK);
+    fake_disarm();
+    CHECK(stats(kv).evictions == now.evictions + 300 && stats(kv).trimmed_blocks == now.trimmed_blocks);
+    CHECK_STATUS(kva_kv_seq_free(kv, one), KVA_OK);
+    /* A request only the trimmed blocks could complete: refused, nothing changed. */
+    now = stats(kv);
+    fake_fail("cuMemCreate", 1, 2);
+    CHECK_STATUS(kva_kv_seq_allocate(kv, (now.free_blocks + now.cached_blocks + 1) * 16, NULL, 0, NULL, 0, 0, 0, &one, NULL),
+                 KVA_ERR_NOMEM);
+    fake_disarm();
+    kva_kv_stats after = stats(kv);
+    CHECK(after.free_blocks == now.free_blocks && after.cached_blocks == now.cached_blocks &&
+          after.trimmed_blocks == now.trimmed_blocks && after.used_blocks == now.used_blocks &&
+          after.evictions == now.evictions);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_kv_destroy(kv);
+    kva_pool_destroy(pool);
+    fake_granularity(2 * MiB);
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s path/to/libfakecuda.so\n", argv[0]);
         return 2;
     }
     setenv("KVA_CUDA_DRIVER", argv[1], 1);
+    void *fake = dlopen(argv[1], RTLD_NOW);
+    REQUIRE(fake != NULL);
+    *(void **)&fake_fail = dlsym(fake, "fake_cuda_fail");
+    *(void **)&fake_disarm = dlsym(fake, "fake_cuda_disarm");
+    *(void **)&fake_granularity = dlsym(fake, "fake_cuda_set_granularity");
+    REQUIRE(fake_fail && fake_disarm && fake_granularity);
     test_paged_on_gpu_memory(KVA_KV_LAYOUT_LAYERS);
     test_paged_on_gpu_memory(KVA_KV_LAYOUT_BLOCKS);
     test_contiguous_on_gpu_memory();
     test_trim_gives_granules_back();
+    test_trim_then_no_device_memory();
     return CHECK_DONE();
 }

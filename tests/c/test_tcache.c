@@ -160,10 +160,38 @@ static void test_free_only_thread_keeps_one_word(void) {
     kva_pool_destroy(pool);
 }
 
+/* A thread whose cache of one pool is refused (no id left) still gives back its cache of
+ * another pool when it exits. */
+static kva_pool *other;
+
+static void *two_pools(void *arg) {
+    (void)arg;
+    void *p;
+    TCHECK_STATUS(kva_alloc(other, 64, &p), KVA_OK);
+    TCHECK_STATUS(kva_free(other, p), KVA_OK);      /* a cache of `other`, holding a word */
+    TCHECK_STATUS(kva_alloc(pool, 64, &p), KVA_ERR_NOMEM); /* no cache of `pool` to be had */
+    return NULL;
+}
+
+static void test_refused_cache_keeps_the_others(void) {
+    pool = make_pool(16 * MiB);
+    other = make_pool(16 * MiB);
+    pool->next_tc_id = UINT32_MAX;
+    run_one(two_pools, NULL);
+    kva_stats st;
+    REQUIRE(kva_get_stats(other, &st) == KVA_OK);
+    CHECK(st.thread_caches == 0 && st.cached_bytes == 0 && st.live_allocations == 0);
+    CHECK(other->free_ids_count == 1); /* its id came back for reuse */
+    CHECK_STATUS(kva_check(other), KVA_OK);
+    kva_pool_destroy(other);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
     test_ids_are_reused();
     test_ids_exhausted();
     test_refused_free_makes_no_cache();
     test_free_only_thread_keeps_one_word();
+    test_refused_cache_keeps_the_others();
     return CHECK_DONE();
 }
