@@ -17,6 +17,7 @@ import os
 import random
 import sys
 import threading
+import time
 import textwrap
 from collections.abc import Callable
 from ctypes import byref, c_uint32, c_uint64, c_void_p
@@ -492,6 +493,11 @@ def test_thread_caches_show_in_the_stats_and_flush() -> None:
         thread = threading.Thread(target=worker)
         thread.start()
         thread.join()
+        # join() returns when the Python thread is done; the C thread's exit (and its cache's
+        # return, a pthread key destructor) follows a moment later.
+        deadline = time.monotonic() + 10
+        while pool.stats().thread_caches != 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
         after = pool.stats()
         assert after.thread_caches == 1 and after.cached_bytes == 0  # the worker's went at exit
         assert after.live_allocations == 5 and after.bytes_in_use == 5 * 64
