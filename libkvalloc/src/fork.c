@@ -19,6 +19,7 @@
 
 #include "fork.h"
 #include "pool.h"
+#include "segment.h"
 #include "tcache.h"
 
 /* Every live pool, for the handlers; first in the lock order. */
@@ -66,4 +67,13 @@ static void parent(void) {
     pthread_mutex_unlock(&pools_lock);
 }
 
-__attribute__((constructor)) static void install(void) { pthread_atfork(prepare, parent, parent); }
+/* The child also stops writing the parent's statistics segments: they describe the parent's
+ * pools (named after its pid, read by its inspectors), and the child's destroy must not remove
+ * them. */
+static void child(void) {
+    for (kva_pool *p = pools; p; p = p->fork_next)
+        if (p->segment) p->segment->inherited = 1;
+    parent();
+}
+
+__attribute__((constructor)) static void install(void) { pthread_atfork(prepare, parent, child); }

@@ -146,7 +146,7 @@ static uint64_t observe_start(const kva_pool *pool) {
 static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const void *addr, uint64_t size,
                               uint64_t start) {
     kva_segment *seg = pool->segment;
-    if (kva_likely(!seg)) return st;
+    if (kva_likely(!seg) || seg->inherited) return st;
     if (kva_unlikely(seg->trace_all || st != KVA_OK)) {
         uint64_t latency = start == UINT64_MAX ? UINT64_MAX : kva_os_monotonic_ns() - start;
         uint64_t offset = addr ? (uint64_t)((uintptr_t)addr - (uintptr_t)pool->base) : UINT64_MAX;

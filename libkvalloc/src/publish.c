@@ -140,7 +140,7 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
 
 void kva_publish(kva_pool *pool, int full) {
     kva_segment *seg = pool->segment;
-    if (!seg) return;
+    if (!seg || seg->inherited) return;
     kva_segment_begin(seg);
     publish_summary(pool, seg->summary);
     kva_pool_lock_all(pool);

@@ -141,7 +141,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
 void kva_segment_close(kva_segment *seg) {
     if (!seg) return;
     unregister_segment(seg);
-    kva_os_shm_unlink(seg->name);
+    if (!seg->inherited) kva_os_shm_unlink(seg->name);
     kva_os_unmap(seg->base, seg->size);
     kva_os_close(seg->fd); /* drops the liveness lock */
     free(seg);

@@ -34,6 +34,8 @@ typedef struct kva_segment {
     uint64_t next_publish_ns;     /* monotonic */
     uint64_t next_full_ns;        /* monotonic: when the heap map is refreshed next */
     int trace_all;                /* every call is timed and recorded */
+    int inherited;                /* this process is a child forked from the segment's writer:
+                                     it neither writes the segment nor removes it (fork.c) */
     struct kva_segment *next_live; /* the process-wide list removed at exit */
 } kva_segment;
 

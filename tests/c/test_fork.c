@@ -55,6 +55,34 @@ static int in_child(uint64_t live_of_mine) {
     return 0;
 }
 
+/* A named pool: the child, which destroys it, neither writes nor removes the parent's segment. */
+static void named_pool_survives_the_child(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)16 << 20;
+    cfg.name = "forktest";
+    kva_pool *named = NULL;
+    REQUIRE(kva_pool_create(&cfg, &named) == KVA_OK);
+    char path[256];
+    snprintf(path, sizeof path, "/dev/shm%s", kva_stats_segment_name(named));
+    REQUIRE(access(path, F_OK) == 0);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        void *p;
+        int ok = kva_alloc(named, 64, &p) == KVA_OK && kva_stats_publish(named) == KVA_OK;
+        kva_pool_destroy(named);
+        _exit(ok ? 0 : 1);
+    }
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK(access(path, F_OK) == 0); /* still there for the parent's inspectors */
+    CHECK_STATUS(kva_stats_publish(named), KVA_OK);
+    kva_pool_destroy(named);
+    CHECK(access(path, F_OK) != 0);
+}
+
 int main(void) {
     kva_config cfg;
     kva_config_init(&cfg);
@@ -85,6 +113,7 @@ int main(void) {
     CHECK(failed == 0);
     CHECK_STATUS(kva_free(pool, mine), KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
+    named_pool_survives_the_child();
     printf("test_fork: %d forks beside %d threads\n", FORKS, WORKERS);
     kva_pool_destroy(pool);
     return CHECK_DONE();
