@@ -2,6 +2,10 @@
  * bench_host.c — see bench_host.h.
  */
 #include <dlfcn.h>
+#include <errno.h>
+#include <signal.h>
+#include <sys/utsname.h>
+#include <sys/wait.h>
 #include <limits.h>
 #include <math.h>
 #include <stdlib.h>
@@ -134,4 +138,96 @@ void bench_json_target(FILE *f, int first, const char *key, const char *descript
     bench_json_number(f, reference);
     fputs(", \"ratio\": ", f);
     bench_json_number(f, ratio);
+}
+
+void bench_discover_allocator(enum bench_allocator a, struct allocator_state *st)
+{
+    const struct bench_allocator_info *info = &bench_allocators[a];
+    if (a == BENCH_KVALLOC)
+        snprintf(st->version, sizeof st->version, "%d.%d.%d (this tree)", KVA_VERSION_MAJOR, KVA_VERSION_MINOR,
+                 KVA_VERSION_PATCH);
+    else
+        bench_package_version(info->package, st->version, sizeof st->version);
+    if (info->soname == NULL) {
+        snprintf(st->library, sizeof st->library, "%s", a == BENCH_KVALLOC ? "libkvalloc (linked)" : "libc (no preload)");
+        st->measured = 1;
+    } else if (bench_find_library(info->soname, st->library, sizeof st->library)) {
+        st->measured = 1;
+    } else {
+        snprintf(st->skip_reason, sizeof st->skip_reason, "%s not found (Debian package %s)", info->soname,
+                 info->package);
+        printf("skipping %s: %s\n", info->name, st->skip_reason);
+    }
+}
+
+void bench_describe_host(char *cpu, size_t cpu_size, long *cores, char *kernel, size_t kernel_size)
+{
+    snprintf(cpu, cpu_size, "unknown");
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    char line[512];
+    while (f != NULL && fgets(line, sizeof line, f) != NULL) {
+        char *colon = strchr(line, ':');
+        if (strncmp(line, "model name", 10) == 0 && colon != NULL) {
+            bench_trim_newline(colon);
+            snprintf(cpu, cpu_size, "%s", colon + 1 + (colon[1] == ' '));
+            break;
+        }
+    }
+    if (f != NULL)
+        fclose(f);
+    *cores = sysconf(_SC_NPROCESSORS_ONLN);
+    struct utsname u;
+    snprintf(kernel, kernel_size, "%s", uname(&u) == 0 ? u.release : "unknown");
+}
+
+void bench_json_allocator(FILE *f, int first, enum bench_allocator a, const struct allocator_state *st)
+{
+    fprintf(f, "%s\n    ", first ? "" : ",");
+    bench_json_string(f, bench_allocators[a].name);
+    fputs(": {\"status\": ", f);
+    bench_json_string(f, st->measured ? "measured" : st->skip_reason);
+    fputs(", \"library\": ", f);
+    bench_json_string(f, st->library);
+    fputs(", \"version\": ", f);
+    bench_json_string(f, st->version);
+}
+
+int bench_spawn_child(const char *tool, enum bench_allocator a, const struct allocator_state *st,
+                      const char *const *argv, FILE **out)
+{
+    int fds[2];
+    if (pipe(fds) != 0)
+        return -1;
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid < 0) {
+        int saved = errno;
+        close(fds[0]);
+        close(fds[1]);
+        errno = saved;
+        return -1;
+    }
+    if (pid == 0) {
+        dup2(fds[1], STDOUT_FILENO);
+        close(fds[0]);
+        close(fds[1]);
+        if (bench_allocators[a].soname != NULL)
+            setenv("LD_PRELOAD", st->library, 1);
+        else
+            unsetenv("LD_PRELOAD");
+        execvp(argv[0], (char *const *)argv); /* a path, or a program on PATH (strace) */
+        fprintf(stderr, "%s: cannot run %s: %s\n", tool, argv[0], strerror(errno));
+        _exit(127);
+    }
+    close(fds[1]);
+    *out = fdopen(fds[0], "r");
+    if (*out == NULL) {
+        int saved = errno;
+        close(fds[0]);
+        kill(pid, SIGKILL);
+        waitpid(pid, NULL, 0);
+        errno = saved;
+        return -1;
+    }
+    return pid;
 }

@@ -24,6 +24,27 @@ struct backend {
 extern kva_pool *bench_pool;
 extern const struct backend bench_malloc_backend, bench_kvalloc_backend;
 
+/* What was found of one allocator: whether it can be measured (its library is there), what is
+ * preloaded (the libc path for glibc, "linked" for kvalloc), why not, and its version. */
+struct allocator_state {
+    int measured;
+    char library[4096];
+    char skip_reason[160];
+    char version[64];
+};
+
+/* Fills st for allocator a, and says on stdout when it must be skipped. */
+void bench_discover_allocator(enum bench_allocator a, struct allocator_state *st);
+
+/* The CPU model (from /proc/cpuinfo), the online CPUs and the kernel release. */
+void bench_describe_host(char *cpu, size_t cpu_size, long *cores, char *kernel, size_t kernel_size);
+
+/* Starts argv (argv[0] a path, or a program found on PATH) with allocator a preloaded (st->library; none for
+ * glibc and kvalloc), its standard output into a pipe: returns the child's pid and the pipe's
+ * read end in *out, or -1 with errno. The caller must be single-threaded (setenv after fork). */
+int bench_spawn_child(const char *tool, enum bench_allocator a, const struct allocator_state *st,
+                      const char *const *argv, FILE **out);
+
 /* Cuts text at its first newline. */
 void bench_trim_newline(char *text);
 
@@ -42,6 +63,10 @@ const char *bench_preload_problem(enum bench_allocator want, char *why, size_t s
 /* JSON: a string with its escapes; a number, or null for NaN and infinities. */
 void bench_json_string(FILE *f, const char *text);
 void bench_json_number(FILE *f, double v);
+
+/* One allocator of the "allocators" object, its closing brace left to the caller (which adds
+ * its figures): "name": {"status": ..., "library": ..., "version": ... */
+void bench_json_allocator(FILE *f, int first, enum bench_allocator a, const struct allocator_state *st);
 
 /* One target of the "targets" array, its closing brace left to the caller (which may add
  * fields): {"name": key, "description": ..., "result": ..., "value": ..., "reference": ...,

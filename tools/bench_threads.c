@@ -481,13 +481,6 @@ struct machine {
     double others_cores, steal_cores;
 };
 
-struct allocator_state {
-    int measured;
-    char library[PATH_MAX];
-    char skip_reason[160];
-    char version[64];
-};
-
 struct reports {
     double value[MAX_PROCESSES];
     unsigned count;
@@ -642,50 +635,16 @@ static double g_children_cpu_s; /* user + system time of every child, from wait4
 
 static void describe_machine(struct machine *m)
 {
-    snprintf(m->cpu, sizeof m->cpu, "unknown");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    char line[512];
-    while (f != NULL && fgets(line, sizeof line, f) != NULL) {
-        char *colon = strchr(line, ':');
-        if (strncmp(line, "model name", 10) == 0 && colon != NULL) {
-            bench_trim_newline(colon);
-            snprintf(m->cpu, sizeof m->cpu, "%s", colon + 1 + (colon[1] == ' '));
-            break;
-        }
-    }
-    if (f != NULL)
-        fclose(f);
-    m->cores = sysconf(_SC_NPROCESSORS_ONLN);
+    bench_describe_host(m->cpu, sizeof m->cpu, &m->cores, m->kernel, sizeof m->kernel);
     m->usable = usable_cpus();
-    struct utsname u;
-    snprintf(m->kernel, sizeof m->kernel, "%s", uname(&u) == 0 ? u.release : "unknown");
     m->others_cores = m->steal_cores = NAN;
 }
 
 static void discover_allocators(const struct settings *s)
 {
-    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
-        const struct bench_allocator_info *info = &bench_allocators[a];
-        struct allocator_state *st = &g_alloc[a];
-        if (!s->selected[a])
-            continue;
-        if (a == BENCH_KVALLOC)
-            snprintf(st->version, sizeof st->version, "%d.%d.%d (this tree)", KVA_VERSION_MAJOR,
-                     KVA_VERSION_MINOR, KVA_VERSION_PATCH);
-        else
-            bench_package_version(info->package, st->version, sizeof st->version);
-        if (info->soname == NULL) {
-            snprintf(st->library, sizeof st->library, "%s",
-                     a == BENCH_KVALLOC ? "libkvalloc (linked)" : "libc (no preload)");
-            st->measured = 1;
-        } else if (bench_find_library(info->soname, st->library, sizeof st->library)) {
-            st->measured = 1;
-        } else {
-            snprintf(st->skip_reason, sizeof st->skip_reason, "%s not found (Debian package %s)",
-                     info->soname, info->package);
-            printf("skipping %s: %s\n", info->name, st->skip_reason);
-        }
-    }
+    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
+        if (s->selected[a])
+            bench_discover_allocator((enum bench_allocator)a, &g_alloc[a]);
 }
 
 /* Runs one child to completion and stores its ops/s; any failure ends the run, since a partial
@@ -703,30 +662,10 @@ static void run_child(const struct settings *s, enum bench_allocator a, int patt
     if (isatty(STDERR_FILENO))
         fprintf(stderr, "\r  running %-8s %-8s %4s threads   ", bench_allocators[a].name,
                 patterns[pattern].key, threads);
-    int fds[2];
-    if (pipe(fds) != 0)
-        die("pipe: %s", strerror(errno));
-    fflush(NULL);
-    pid_t pid = fork();
+    FILE *in;
+    pid_t pid = bench_spawn_child("bench_threads", a, &g_alloc[a], argv, &in);
     if (pid < 0)
-        die("fork: %s", strerror(errno));
-    if (pid == 0) {
-        /* This parent is single-threaded, so setenv between fork and exec is safe. */
-        dup2(fds[1], STDOUT_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        if (bench_allocators[a].soname != NULL)
-            setenv("LD_PRELOAD", g_alloc[a].library, 1);
-        else
-            unsetenv("LD_PRELOAD");
-        execv(argv[0], (char *const *)argv);
-        fprintf(stderr, "bench_threads: cannot run %s: %s\n", argv[0], strerror(errno));
-        _exit(127);
-    }
-    close(fds[1]);
-    FILE *in = fdopen(fds[0], "r");
-    if (in == NULL)
-        die("fdopen: %s", strerror(errno));
+        die("starting a child: %s", strerror(errno));
     char line[512];
     double ops_per_s = NAN;
     while (fgets(line, sizeof line, in) != NULL) {
@@ -1060,15 +999,8 @@ static void write_json(const struct settings *s, const struct machine *m, const 
     for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
         if (!s->selected[a])
             continue;
-        fprintf(f, "%s\n    ", first ? "" : ",");
+        bench_json_allocator(f, first, (enum bench_allocator)a, &g_alloc[a]);
         first = 0;
-        bench_json_string(f, bench_allocators[a].name);
-        fputs(": {\"status\": ", f);
-        bench_json_string(f, g_alloc[a].measured ? "measured" : g_alloc[a].skip_reason);
-        fputs(", \"library\": ", f);
-        bench_json_string(f, g_alloc[a].library);
-        fputs(", \"version\": ", f);
-        bench_json_string(f, g_alloc[a].version);
         fputs(",\n      \"results\": [", f);
         int first_result = 1;
         for (int p = 0; p < PAT_COUNT; p++) {
