@@ -31,7 +31,6 @@ typedef struct kva_arena {
     pthread_mutex_t lock;
     kva_arena_class classes[KVA_NUM_SIZE_CLASSES];
     uint64_t claims;        /* words handed to thread caches from this arena */
-    uint64_t releases;      /* words given back to it */
     /* The NUMA node whose memory the arena's slabs take (the node of its CPU), or -1. On a
      * machine with several nodes, a host pool without a numa_node of its own binds each new
      * slab's chunk to its arena's node (MPOL_PREFERRED: a full node lends memory rather than

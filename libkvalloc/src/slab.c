@@ -256,7 +256,6 @@ void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     uint64_t bits = kva_load(l0);
     if (__atomic_load_n(remote_word, __ATOMIC_SEQ_CST)) bits |= __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL);
     kva_store(l0, bits);
-    sl->arenas[slab->arena].releases++;
     if (bits == 0) return;
     slab->inuse -= (uint32_t)__builtin_popcountll(bits);
     list_word(sl, s, w);
@@ -292,7 +291,8 @@ int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit
     return 1;
 }
 
-void kva_slab_trim_arena(kva_slabs *sl, unsigned a) {
+/* Returns arena a's empty slabs, the classes' spares, to the buddy (its lock held). */
+static void trim_arena(kva_slabs *sl, unsigned a) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_arena_class *ac = &sl->arenas[a].classes[c];
         uint32_t spare = ac->empty_slab;
@@ -304,7 +304,7 @@ void kva_slab_trim_arena(kva_slabs *sl, unsigned a) {
 void kva_slab_trim(kva_slabs *sl) {
     for (unsigned a = 0; a < sl->narenas; a++) {
         pthread_mutex_lock(&sl->arenas[a].lock);
-        kva_slab_trim_arena(sl, a);
+        trim_arena(sl, a);
         pthread_mutex_unlock(&sl->arenas[a].lock);
     }
 }

@@ -210,10 +210,8 @@ void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
  * does, with nothing changed. For a thread that has no cache to free into. */
 int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit);
 
-/* Returns arena a's empty slabs, the classes' spares, to the buddy. */
-void kva_slab_trim_arena(kva_slabs *sl, unsigned a);
-
-/* kva_slab_trim_arena(a) for every arena, locking each in turn (no lock held by the caller). */
+/* Returns every arena's empty slabs, the classes' spares, to the buddy, locking each arena in
+ * turn (no lock held by the caller). */
 void kva_slab_trim(kva_slabs *sl);
 
 /* ---- words: the owner side (no lock) ------------------------------------------------------- */
