@@ -181,14 +181,7 @@ static kva_tcache *this_thread_cache(kva_pool *pool) {
 static int reclaim_spares(kva_pool *pool) {
     kva_tcache *tc = kva_tc_find(pool);
     if (tc) kva_tc_flush(pool, tc);
-    pthread_mutex_lock(&pool->lock);
-    uint32_t before = pool->slabs.live_slabs;
-    pthread_mutex_unlock(&pool->lock);
-    kva_slab_trim(&pool->slabs);
-    pthread_mutex_lock(&pool->lock);
-    int changed = pool->slabs.live_slabs != before;
-    pthread_mutex_unlock(&pool->lock);
-    return changed;
+    return kva_slab_trim(&pool->slabs) > 0;
 }
 
 /* Backs the block just taken from the buddy at head (a single test for host memory). If the

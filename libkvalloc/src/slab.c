@@ -292,19 +292,26 @@ int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit
 }
 
 /* Returns arena a's empty slabs, the classes' spares, to the buddy (its lock held). */
-static void trim_arena(kva_slabs *sl, unsigned a) {
+static unsigned trim_arena(kva_slabs *sl, unsigned a) {
+    unsigned released = 0;
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_arena_class *ac = &sl->arenas[a].classes[c];
         uint32_t spare = ac->empty_slab;
         ac->empty_slab = KVA_NIL;
-        if (spare != KVA_NIL && sl->slabs[spare].inuse == 0) release(sl, spare);
+        if (spare != KVA_NIL && sl->slabs[spare].inuse == 0) {
+            release(sl, spare);
+            released++;
+        }
     }
+    return released;
 }
 
-void kva_slab_trim(kva_slabs *sl) {
+unsigned kva_slab_trim(kva_slabs *sl) {
+    unsigned released = 0;
     for (unsigned a = 0; a < sl->narenas; a++) {
         pthread_mutex_lock(&sl->arenas[a].lock);
-        trim_arena(sl, a);
+        released += trim_arena(sl, a);
         pthread_mutex_unlock(&sl->arenas[a].lock);
     }
+    return released;
 }

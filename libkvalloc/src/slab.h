@@ -211,8 +211,8 @@ void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
 int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit);
 
 /* Returns every arena's empty slabs, the classes' spares, to the buddy, locking each arena in
- * turn (no lock held by the caller). */
-void kva_slab_trim(kva_slabs *sl);
+ * turn (no lock held by the caller); how many went back. */
+unsigned kva_slab_trim(kva_slabs *sl);
 
 /* ---- words: the owner side (no lock) ------------------------------------------------------- */
 
