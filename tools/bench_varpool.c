@@ -35,6 +35,7 @@
 #define RUNS 5
 #define SAMPLE_EVERY 16
 #define CAPACITY ((size_t)1 << 30)
+#define TIGHT_HEADROOM 1.25 /* the tight forward-pass pool: this times the trace's peak live bytes */
 
 
 
@@ -66,6 +67,7 @@ typedef struct trace {
     op *ops;
     size_t len, cap;
     uint32_t ids;
+    size_t capacity; /* of the pools that replay it */
 } trace;
 
 static void push(trace *t, uint32_t id, uint32_t is_free, size_t size) {
@@ -77,8 +79,8 @@ static void push(trace *t, uint32_t id, uint32_t is_free, size_t size) {
     t->ops[t->len++] = (op){.id = id, .free = is_free, .size = size};
 }
 
-static trace activation_trace(uint32_t allocations) {
-    trace t = {.name = "activations"};
+static trace random_trace(uint32_t allocations) {
+    trace t = {.name = "random"};
     enum { MAX_LIFE = 1000 };
     /* dying[d % (MAX_LIFE + 1)] lists the ids to free before allocation d, linked through next. */
     uint32_t *head = malloc((MAX_LIFE + 1) * sizeof *head), *next = malloc(allocations * sizeof *next);
@@ -96,8 +98,128 @@ static trace activation_trace(uint32_t allocations) {
         head[death] = i;
     }
     t.ids = allocations;
+    t.capacity = CAPACITY;
     free(head);
     free(next);
+    return t;
+}
+
+/* The most bytes a trace holds live at once (every allocation succeeding). */
+static size_t peak_live_bytes(const trace *t) {
+    size_t *size = calloc(t->ids ? t->ids : 1, sizeof *size), live = 0, peak = 0;
+    if (!size) die("calloc", KVA_ERR_NOMEM);
+    for (size_t i = 0; i < t->len; i++) {
+        const op *o = &t->ops[i];
+        if (o->free) {
+            live -= size[o->id];
+        } else {
+            size[o->id] = o->size;
+            live += o->size;
+            if (live > peak) peak = live;
+        }
+    }
+    free(size);
+    return peak;
+}
+
+/* A decoder-only transformer served with continuous batching and chunked prefill: every step
+ * runs a forward pass over the step's tokens, whose activations live from one operator to the
+ * next, and the logits of a step stay alive into the next step's pass (the sampler runs while
+ * the next pass starts). Each request holds a vocabulary-sized sampling buffer (penalties, logit
+ * bias) from admission to its last token. The dimensions are Llama-2-7B's (hidden 4096,
+ * intermediate 11008, vocabulary 32000, 32 layers; Touvron et al., 2023), activations in fp16
+ * and logits in fp32. The scheduler follows vLLM's chunked prefill: decodes first, then prompt
+ * chunks, within 2,048 tokens per step; at most 256 running requests, up to 4 admitted per step,
+ * prompts log-uniform 16 .. 4,096 tokens, outputs log-uniform 1 .. 1,024. */
+static trace forward_trace(uint32_t allocations) {
+    enum { HIDDEN = 4096, INTER = 11008, VOCAB = 32000, LAYERS = 32, MAX_RUNNING = 256, BUDGET = 2048, ADMIT = 4 };
+    const size_t half = 2, single = 4; /* bytes per fp16 and fp32 element */
+    trace t = {.name = "forward passes"};
+    struct request {
+        uint32_t prompt, prefilled, output, generated, state;
+    } run[MAX_RUNNING];
+    int running = 0;
+    uint32_t ids = 0, logits = UINT32_MAX;
+    while (ids < allocations || running > 0) {
+        for (int k = 0; k < ADMIT && running < MAX_RUNNING && ids < allocations; k++) {
+            struct request *r = &run[running++];
+            r->prompt = (uint32_t)log_uniform(16.0, 4096.0);
+            r->output = (uint32_t)log_uniform(1.0, 1024.999);
+            r->prefilled = r->generated = 0;
+            r->state = ids++;
+            push(&t, r->state, 0, VOCAB * single);
+        }
+        size_t tokens = 0, producing = 0;
+        for (int i = 0; i < running; i++) /* decodes first */
+            if (run[i].prefilled == run[i].prompt && tokens < BUDGET) {
+                tokens++;
+                producing++;
+                run[i].generated++;
+            }
+        for (int i = 0; i < running && tokens < BUDGET; i++) { /* then prompt chunks */
+            struct request *r = &run[i];
+            if (r->prefilled == r->prompt) continue;
+            uint32_t chunk = r->prompt - r->prefilled;
+            if (chunk > BUDGET - tokens) chunk = (uint32_t)(BUDGET - tokens);
+            tokens += chunk;
+            r->prefilled += chunk;
+            if (r->prefilled == r->prompt) {
+                producing++;
+                r->generated++;
+            }
+        }
+        const size_t row = tokens * HIDDEN * half;
+        uint32_t hidden = ids++;
+        push(&t, hidden, 0, row);
+        for (int layer = 0; layer < LAYERS; layer++) {
+            if (layer == LAYERS / 2 && logits != UINT32_MAX) { /* the previous step's sampler is done */
+                push(&t, logits, 1, 0);
+                logits = UINT32_MAX;
+            }
+            uint32_t norm = ids++, qkv = ids++, attn = ids++, proj = ids++, resid = ids++;
+            push(&t, norm, 0, row);
+            push(&t, qkv, 0, 3 * row);
+            push(&t, norm, 1, 0);
+            push(&t, attn, 0, row);
+            push(&t, qkv, 1, 0);
+            push(&t, proj, 0, row);
+            push(&t, attn, 1, 0);
+            push(&t, resid, 0, row);
+            push(&t, proj, 1, 0);
+            push(&t, hidden, 1, 0);
+            hidden = resid;
+            uint32_t norm2 = ids++, gate_up = ids++, act = ids++, down = ids++, resid2 = ids++;
+            push(&t, norm2, 0, row);
+            push(&t, gate_up, 0, tokens * 2 * INTER * half);
+            push(&t, norm2, 1, 0);
+            push(&t, act, 0, tokens * INTER * half);
+            push(&t, gate_up, 1, 0);
+            push(&t, down, 0, row);
+            push(&t, act, 1, 0);
+            push(&t, resid2, 0, row);
+            push(&t, down, 1, 0);
+            push(&t, hidden, 1, 0);
+            hidden = resid2;
+        }
+        if (logits != UINT32_MAX) push(&t, logits, 1, 0);
+        logits = UINT32_MAX;
+        if (producing > 0) {
+            logits = ids++;
+            push(&t, logits, 0, producing * VOCAB * single);
+        }
+        push(&t, hidden, 1, 0);
+        for (int i = 0; i < running;) /* finished requests leave; the rest keep their order */
+            if (run[i].generated >= run[i].output) {
+                push(&t, run[i].state, 1, 0);
+                memmove(&run[i], &run[i + 1], (size_t)(running - i - 1) * sizeof run[0]);
+                running--;
+            } else {
+                i++;
+            }
+    }
+    if (logits != UINT32_MAX) push(&t, logits, 1, 0);
+    t.ids = ids;
+    t.capacity = CAPACITY;
     return t;
 }
 
@@ -143,6 +265,7 @@ static trace kv_trace(uint32_t sequences) {
         }
     }
     t.ids = ids;
+    t.capacity = CAPACITY;
     return t;
 }
 
@@ -153,6 +276,7 @@ static trace batch_trace(int rounds) {
         for (uint32_t i = 0; i < 1000; i++) push(&t, i, 1, 0);
     }
     t.ids = 1000;
+    t.capacity = CAPACITY;
     return t;
 }
 
@@ -169,19 +293,19 @@ typedef struct allocator {
     kva_var *var;
 } allocator;
 
-static allocator open_allocator(int which) {
+static allocator open_allocator(int which, size_t capacity) {
     allocator a = {.which = which};
     kva_status st;
     if (which == BUDDY) {
         kva_config cfg;
         kva_config_init(&cfg);
-        cfg.capacity = CAPACITY;
+        cfg.capacity = capacity;
         cfg.pages = KVA_PAGES_THP;
         st = kva_pool_create(&cfg, &a.pool);
     } else {
         kva_var_config cfg;
         kva_var_config_init(&cfg);
-        cfg.capacity = CAPACITY;
+        cfg.capacity = capacity;
         cfg.policy = policy_of[which];
         st = kva_var_create(&cfg, NULL, &a.var);
     }
@@ -226,15 +350,20 @@ static size_t replay(allocator *a, const trace *t, void **live, uint8_t *failed)
 
 typedef struct result {
     double ns_per_op, fragmentation, waste, failures;
+    double footprint; /* the highest offset any allocation reached, over the peak live bytes */
 } result;
 
 /* The untimed replay with samples: fragmentation, internal waste, failures. */
 static void measure_quality(int which, const trace *t, void **live, uint8_t *failed, result *r) {
-    allocator a = open_allocator(which);
+    allocator a = open_allocator(which, t->capacity);
     size_t *usable = calloc(t->ids, sizeof *usable), *asked = calloc(t->ids, sizeof *asked);
     if (!usable || !asked) die("calloc", KVA_ERR_NOMEM);
     double frag_sum = 0, waste_sum = 0;
     size_t samples = 0, waste_samples = 0, failures = 0, requested = 0, allocated = 0;
+    size_t high = 0, live_peak = 0; /* the footprint's two terms */
+    char *base;
+    kva_status bst = a.var ? kva_var_base(a.var, (void **)&base) : kva_pool_base(a.pool, (void **)&base);
+    if (bst != KVA_OK) die("base", bst);
     for (size_t i = 0; i < t->len; i++) {
         const op *o = &t->ops[i];
         if (o->free) {
@@ -253,6 +382,9 @@ static void measure_quality(int which, const trace *t, void **live, uint8_t *fai
                 asked[o->id] = o->size;
                 allocated += usable[o->id];
                 requested += o->size;
+                size_t end = (size_t)((char *)live[o->id] - base) + usable[o->id];
+                if (end > high) high = end;
+                if (requested > live_peak) live_peak = requested;
             } else {
                 failures++;
             }
@@ -283,6 +415,7 @@ static void measure_quality(int which, const trace *t, void **live, uint8_t *fai
     r->fragmentation = samples ? frag_sum / (double)samples : 0;
     r->waste = waste_samples ? waste_sum / (double)waste_samples : 0;
     r->failures = (double)failures;
+    r->footprint = live_peak ? (double)high / (double)live_peak : 0;
     free(usable);
     free(asked);
     close_allocator(&a);
@@ -295,7 +428,7 @@ static result run_trace(int which, const trace *t) {
     result r;
     double ns[RUNS];
     for (int run = 0; run < RUNS; run++) {
-        allocator a = open_allocator(which);
+        allocator a = open_allocator(which, t->capacity);
         /* Warm-up on the same allocator (every trace ends with everything freed): the first
          * touch of each metadata page is not what is measured. */
         replay(&a, t, live, failed);
@@ -318,7 +451,7 @@ static double batch_ns(int which, int rounds) {
     static void *p[1000];
     double ns[RUNS];
     for (int run = 0; run < RUNS; run++) {
-        allocator a = open_allocator(which);
+        allocator a = open_allocator(which, CAPACITY);
         double t0 = 0;
         for (int r = -1; r < rounds; r++) {
             if (r == 0) t0 = bench_now_ns();
@@ -349,36 +482,49 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    trace traces[3] = {activation_trace(quick ? 10000 : 100000), kv_trace(quick ? 400 : 4000),
-                       batch_trace(quick ? 100 : 1000)};
-    result results[3][NUM_ALLOCATORS];
-    for (int t = 0; t < 3; t++)
+    enum { QUALITY_TRACES = 4, BATCH = 4, TRACES = 5 }; /* the batch trace is last */
+    trace forward = forward_trace(quick ? 10000 : 100000);
+    /* The same passes in a pool sized as an engine sizes its activation pool: from a profiling
+     * pass over the largest batch (vLLM does this), leaving the rest of the device to the KV
+     * cache. With little room to spare, fragmentation shows as failures. */
+    trace tight = forward;
+    tight.name = "forward passes, tight pool";
+    tight.capacity = (size_t)((double)peak_live_bytes(&forward) * TIGHT_HEADROOM);
+    tight.capacity = (tight.capacity + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
+    trace traces[TRACES] = {forward, tight, random_trace(quick ? 10000 : 100000), kv_trace(quick ? 400 : 4000),
+                            batch_trace(quick ? 100 : 1000)};
+    printf("forward passes: peak live %.1f MiB; pools of %.1f MiB (tight) and %zu MiB (the others)\n\n",
+           (double)peak_live_bytes(&forward) / 1048576.0, (double)tight.capacity / 1048576.0, CAPACITY >> 20);
+    result results[TRACES][NUM_ALLOCATORS];
+    for (int t = 0; t < TRACES; t++)
         for (int a = 0; a < NUM_ALLOCATORS; a++) results[t][a] = run_trace(a, &traces[t]);
-    for (int a = 0; a < NUM_ALLOCATORS; a++) results[2][a].ns_per_op = batch_ns(a, quick ? 100 : 1000);
+    for (int a = 0; a < NUM_ALLOCATORS; a++) results[BATCH][a].ns_per_op = batch_ns(a, quick ? 100 : 1000);
 
     printf("| trace | figure |");
     for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %s |", allocator_names[a]);
     printf("\n|---|---|");
     for (int a = 0; a < NUM_ALLOCATORS; a++) printf("---:|");
     printf("\n");
-    for (int t = 0; t < 3; t++) {
+    for (int t = 0; t < TRACES; t++) {
         printf("| %s (%zu calls) | ns/op |", traces[t].name, traces[t].len);
         for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %.2f |", results[t][a].ns_per_op);
         printf("\n| | external fragmentation |");
         for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %.1f%% |", 100 * results[t][a].fragmentation);
         printf("\n| | internal waste |");
         for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %.2f%% |", 100 * results[t][a].waste);
+        printf("\n| | footprint / peak live |");
+        for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %.3f |", results[t][a].footprint);
         printf("\n| | failed allocations |");
         for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %.0f |", results[t][a].failures);
         printf("\n");
     }
 
     enum { FIRST = 1, BEST = 2, TLSF = 4 };
-    double slab = results[2][BUDDY].ns_per_op, tlsf = results[2][TLSF].ns_per_op;
+    double slab = results[BATCH][BUDDY].ns_per_op, tlsf = results[BATCH][TLSF].ns_per_op;
     int ok = tlsf <= 2 * slab;
     printf("\nTLSF %.2f ns/op vs the slab path %.2f on the 64 B batch: %.2fx (target <= 2x): %s\n", tlsf, slab,
            tlsf / slab, tlsf <= 2 * slab ? "pass" : "FAIL");
-    for (int t = 0; t < 2; t++) {
+    for (int t = 0; t < QUALITY_TRACES; t++) {
         const result *r = results[t];
         int pass = r[BEST].fragmentation <= r[FIRST].fragmentation && r[TLSF].fragmentation <= r[FIRST].fragmentation;
         printf("%s: fragmentation best %.1f%%, TLSF %.1f%% vs first fit %.1f%% (target <=): %s\n", traces[t].name,
@@ -386,6 +532,6 @@ int main(int argc, char **argv) {
                pass ? "pass" : "FAIL");
         ok &= pass;
     }
-    for (int t = 0; t < 3; t++) free(traces[t].ops);
+    for (int t = 1; t < TRACES; t++) free(traces[t].ops); /* tight shares forward's */
     return ok ? 0 : 1;
 }

@@ -67,16 +67,27 @@ void kva_lock_release_plain(kva_lock *lock);
 
 enum { KVA_LOCK_PLAIN = 0, KVA_LOCK_BIASED = 1 };
 
-KVA_INLINE int kva_lock_acquire(kva_lock *lock) {
+/* The biased way in alone: this thread's flag when it entered by its bias (leave with
+ * kva_lock_leave_biased), NULL when it must take the lock with kva_lock_acquire. A caller with a
+ * separate slow path keeps no token and loads the thread-local flag once. */
+KVA_INLINE kva_lock_owner *kva_lock_enter_biased(kva_lock *lock) {
     kva_lock_owner *me = kva_lock_me;
-    if (kva_unlikely(me == NULL)) me = kva_lock_me_slow();
     if (kva_likely(me != NULL && __atomic_load_n(&lock->bias, __ATOMIC_RELAXED) == me &&
                    __atomic_load_n(&me->in, __ATOMIC_RELAXED) == NULL)) {
         __atomic_store_n(&me->in, lock, __ATOMIC_RELAXED);
         __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the revoker's membarrier is the real fence */
-        if (kva_likely(__atomic_load_n(&lock->bias, __ATOMIC_ACQUIRE) == me)) return KVA_LOCK_BIASED;
+        if (kva_likely(__atomic_load_n(&lock->bias, __ATOMIC_ACQUIRE) == me)) return me;
         __atomic_store_n(&me->in, NULL, __ATOMIC_RELEASE);
     }
+    return NULL;
+}
+
+KVA_INLINE void kva_lock_leave_biased(kva_lock_owner *me) { __atomic_store_n(&me->in, NULL, __ATOMIC_RELEASE); }
+
+KVA_INLINE int kva_lock_acquire(kva_lock *lock) {
+    if (kva_likely(kva_lock_enter_biased(lock) != NULL)) return KVA_LOCK_BIASED;
+    kva_lock_owner *me = kva_lock_me;
+    if (kva_unlikely(me == NULL)) me = kva_lock_me_slow();
     return kva_lock_acquire_slow(lock, me);
 }
 

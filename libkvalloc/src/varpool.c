@@ -55,13 +55,28 @@ static void list_replace(kva_var *v, uint32_t old, uint32_t fresh) {
         ranges[next].link_prev = fresh;
 }
 
+/* Adds a free range to its class. The list order within a class is free to choose (every range
+ * there is within 1/KVA_TLSF_SL of the others' length); the lower address of the new range and
+ * the current head goes first, so the head is the lowest-addressed range of those added since it
+ * became head. That is a constant-time approximation of address order, which keeps allocations
+ * toward the low end and the large ranges whole: on bench_varpool's forward-pass trace it took
+ * TLSF from above first fit's fragmentation to at or below it on each of 5 seeds. */
 static void tlsf_push(kva_var *v, uint32_t r) {
     unsigned fl, sl;
     kva_tlsf_class(kva_var_len(&v->ranges[r]), &fl, &sl);
+    kva_var_range *ranges = v->ranges;
     uint32_t head = v->bins[fl][sl];
-    v->ranges[r].link_prev = KVA_NIL;
-    v->ranges[r].link_next = head;
-    if (head != KVA_NIL) v->ranges[head].link_prev = r;
+    if (head != KVA_NIL && head < r) { /* second place */
+        uint32_t next = ranges[head].link_next;
+        ranges[r].link_prev = head;
+        ranges[r].link_next = next;
+        if (next != KVA_NIL) ranges[next].link_prev = r;
+        ranges[head].link_next = r;
+        return;
+    }
+    ranges[r].link_prev = KVA_NIL;
+    ranges[r].link_next = head;
+    if (head != KVA_NIL) ranges[head].link_prev = r;
     v->bins[fl][sl] = r;
     v->sl_map[fl] |= 1u << sl;
     v->fl_map |= 1u << fl;
@@ -82,10 +97,21 @@ static void tlsf_unlink(kva_var *v, uint32_t r) {
     }
 }
 
-/* The slow half of tlsf_resize: the class changes. */
-static KVA_NOINLINE void tlsf_move(kva_var *v, uint32_t old, uint32_t fresh, uint32_t new_len) {
-    tlsf_unlink(v, old);
-    v->ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
+/* The slow half of tlsf_resize: the class changes. The old class is computed from old_len, the
+ * new one once, and each list and bitmap touched once. */
+static KVA_NOINLINE void tlsf_move(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len) {
+    kva_var_range *ranges = v->ranges;
+    unsigned fl, sl;
+    kva_tlsf_class(old_len, &fl, &sl);
+    uint32_t prev = ranges[old].link_prev, next = ranges[old].link_next;
+    if (prev == KVA_NIL) {
+        v->bins[fl][sl] = next;
+        if (next == KVA_NIL && (v->sl_map[fl] &= ~(1u << sl)) == 0) v->fl_map &= ~(1u << fl);
+    } else {
+        ranges[prev].link_next = next;
+    }
+    if (next != KVA_NIL) ranges[next].link_prev = prev;
+    ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
     tlsf_push(v, fresh);
 }
 
@@ -115,7 +141,7 @@ KVA_INLINE void tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, uint32_t
         ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
         return;
     }
-    tlsf_move(v, old, fresh, new_len);
+    tlsf_move(v, old, old_len, fresh, new_len);
 }
 
 /* The first range of the request's own class that holds it, or KVA_NIL. */
@@ -125,30 +151,6 @@ static KVA_NOINLINE uint32_t tlsf_scan_class(const kva_var *v, uint32_t units) {
     for (uint32_t r = v->bins[fl][sl]; r != KVA_NIL; r = v->ranges[r].link_next)
         if (kva_var_len(&v->ranges[r]) >= units) return r;
     return KVA_NIL;
-}
-
-/* TLSF find: round the request up to the next class boundary, so that every range of the class
- * found holds it, then take the first nonempty class at or above: two ctz. When that finds
- * nothing, the request's own class may still hold a range long enough (the rounding skipped
- * it): that class is scanned, on the failure path only, so TLSF fails no more often than an
- * exact fit would. */
-static uint32_t tlsf_find(const kva_var *v, uint32_t units) {
-    uint64_t rounded = units;
-    if (units >= KVA_TLSF_SL) rounded += ((uint64_t)1 << (kva_log2(units) - KVA_TLSF_SL_LOG2)) - 1;
-    if (rounded <= KVA_VAR_MAX_UNITS) {
-        unsigned fl, sl;
-        kva_tlsf_class((uint32_t)rounded, &fl, &sl);
-        uint32_t sl_bits = v->sl_map[fl] & (~0u << sl);
-        if (sl_bits == 0) {
-            uint32_t fl_bits = fl + 1 < 32 ? v->fl_map & (~0u << (fl + 1)) : 0;
-            if (fl_bits != 0) {
-                fl = (unsigned)__builtin_ctz(fl_bits);
-                sl_bits = v->sl_map[fl];
-            }
-        }
-        if (kva_likely(sl_bits != 0)) return v->bins[fl][__builtin_ctz(sl_bits)];
-    }
-    return tlsf_scan_class(v, units);
 }
 
 /* Adds the free range r (its length already set) to the policy's structure. */
@@ -195,12 +197,12 @@ static void free_remove(kva_var *v, uint32_t r) {
         list_unlink(v, r);
 }
 
-/* A free range of at least `units`, or KVA_NIL. */
+/* First, best and worst fit: a free range of at least `units`, or KVA_NIL. */
 static uint32_t free_find(const kva_var *v, uint32_t units) {
     const kva_var_range *ranges = v->ranges;
     switch (v->policy) {
-    case KVA_VAR_TLSF:
-        return tlsf_find(v, units);
+    case KVA_VAR_TLSF: /* tlsf_alloc searches itself */
+        return KVA_NIL;
     case KVA_VAR_FIRST_FIT:
     case KVA_VAR_BEST_FIT: /* the first that fits: lowest address, or shortest */
         for (uint32_t at = v->head; at != KVA_NIL; at = ranges[at].link_next)
@@ -327,14 +329,28 @@ static KVA_NOINLINE kva_status alloc_rejected(kva_var *v, size_t size, void **ou
     return st;
 }
 
-static kva_status alloc_locked(kva_var *v, size_t size, void **out) {
+/* Marks the range at `at` (no longer in any free structure) used for `size` bytes. */
+KVA_INLINE void mark_used(kva_var *v, uint32_t at, uint32_t units, size_t size) {
+    kva_var_range *r = &v->ranges[at];
+    r->length = units;
+    r->link_prev = (uint32_t)size;
+    r->link_next = (uint32_t)((uint64_t)size >> 32);
+    v->free_units -= units;
+    v->requested_bytes += size;
+    v->alloc_count++;
+}
+
+static KVA_NOINLINE kva_status alloc_failed(kva_var *v, size_t size, uint32_t units) {
+    v->alloc_failures++;
+    return kva_fail(KVA_ERR_NOMEM, "no free range of %u units of %zu B for %zu B (%llu units free)", units,
+                    (size_t)1 << v->align_shift, size, (unsigned long long)v->free_units);
+}
+
+/* First, best and worst fit. */
+static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     uint32_t at = free_find(v, units);
-    if (kva_unlikely(at == KVA_NIL)) {
-        v->alloc_failures++;
-        return kva_fail(KVA_ERR_NOMEM, "no free range of %u units of %zu B for %zu B (%llu units free)", units,
-                        (size_t)1 << v->align_shift, size, (unsigned long long)v->free_units);
-    }
+    if (kva_unlikely(at == KVA_NIL)) return alloc_failed(v, size, units);
     kva_var_range *ranges = v->ranges;
     uint32_t length = kva_var_len(&ranges[at]);
     if (length > units) {
@@ -342,36 +358,150 @@ static kva_status alloc_locked(kva_var *v, size_t size, void **out) {
         uint32_t rest = at + units, after = at + length;
         ranges[rest].prev = at;
         if (after < v->units) ranges[after].prev = rest;
-        if (kva_likely(v->policy == KVA_VAR_TLSF)) {
-            tlsf_resize(v, at, length, rest, length - units);
-        } else {
-            if (v->policy == KVA_VAR_FIRST_FIT)
-                list_replace(v, at, rest);
-            else
-                free_remove(v, at);
-            ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
-            if (v->policy != KVA_VAR_FIRST_FIT) free_insert(v, rest);
-        }
+        if (v->policy == KVA_VAR_FIRST_FIT)
+            list_replace(v, at, rest);
+        else
+            free_remove(v, at);
+        ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
+        if (v->policy != KVA_VAR_FIRST_FIT) free_insert(v, rest);
     } else {
         free_remove(v, at);
         v->free_ranges--;
     }
-    ranges[at].length = units;
-    ranges[at].link_prev = (uint32_t)size;
-    ranges[at].link_next = (uint32_t)((uint64_t)size >> 32);
-    v->free_units -= units;
-    v->requested_bytes += size;
-    v->alloc_count++;
+    mark_used(v, at, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     return KVA_OK;
+}
+
+/* Takes `units` from the front of the free range at `at`, wherever it sits in its class: the
+ * tail goes back to its own class. */
+static void tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
+    kva_var_range *ranges = v->ranges;
+    uint32_t length = kva_var_len(&ranges[at]);
+    tlsf_unlink(v, at);
+    if (length > units) {
+        uint32_t rest = at + units, after = at + length;
+        ranges[rest].prev = at;
+        if (after < v->units) ranges[after].prev = rest;
+        ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
+        tlsf_push(v, rest);
+    } else {
+        v->free_ranges--;
+    }
+}
+
+/* TLSF when the two-ctz search finds nothing: the request's own class may still hold a range
+ * long enough beyond its head (the search skipped it). */
+static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **out, uint32_t units) {
+    uint32_t at = tlsf_scan_class(v, units);
+    if (at == KVA_NIL) return alloc_failed(v, size, units);
+    tlsf_take(v, at, units);
+    mark_used(v, at, units, size);
+    *out = v->base + ((size_t)at << v->align_shift);
+    return KVA_OK;
+}
+
+/* The shortest length class (fl, sl) holds. */
+KVA_INLINE uint32_t tlsf_class_floor(unsigned fl, unsigned sl) {
+    return fl == 0 ? sl : (KVA_TLSF_SL + sl) << (fl - 1);
+}
+
+/* Removes the head of class (fl, sl), whose successor is `next`. */
+KVA_INLINE void tlsf_pop_head(kva_var *v, unsigned fl, unsigned sl, uint32_t next) {
+    v->bins[fl][sl] = next;
+    if (next != KVA_NIL)
+        v->ranges[next].link_prev = KVA_NIL;
+    else if ((v->sl_map[fl] &= ~(1u << sl)) == 0)
+        v->fl_map &= ~(1u << fl);
+}
+
+/* A split's tail falls below its class: the head of (fl, sl), already used, leaves the class and
+ * the tail `rest` (its length set) joins its own. */
+static KVA_NOINLINE void tlsf_requeue(kva_var *v, unsigned fl, unsigned sl, uint32_t next, uint32_t rest) {
+    tlsf_pop_head(v, fl, sl, next);
+    tlsf_push(v, rest);
+}
+
+/* TLSF allocation, inlined into kva_var_alloc. The search: first the head of the request's own
+ * class, which when it holds the request fits more closely than anything above (a tensor shape
+ * that recurs finds the range its last instance freed instead of splitting a larger one); else
+ * the first nonempty class above the request's own, where every range holds it: two ctz. Below
+ * KVA_TLSF_SL units a class is one length, so the search starts at the request's class. When
+ * that finds nothing the own class may still hold a long enough range beyond its head: it is
+ * scanned on that failure path only (tlsf_alloc_slow), so TLSF fails no more often than an exact
+ * fit would.
+ * The range found is the head of class (fl, sl), so unlinking it needs no neighbour's link, and
+ * the tail a split leaves stays in the class exactly when it is at least the class's floor; then
+ * it takes the head's place and no bitmap changes. */
+KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out) {
+    uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
+    kva_var_range *ranges = v->ranges;
+    unsigned fl, sl;
+    uint32_t at, sl_bits;
+    if (units < KVA_TLSF_SL) { /* one length per class: the first nonempty at or above */
+        fl = 0;
+        sl_bits = v->sl_map[0] & (~0u << units);
+    } else {
+        kva_tlsf_class(units, &fl, &sl);
+        at = v->bins[fl][sl]; /* the own class's head, if it holds the request */
+        if (at != KVA_NIL && kva_var_len(&ranges[at]) >= units) goto found;
+        sl_bits = sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0;
+    }
+    if (sl_bits == 0) {
+        uint32_t fl_bits = v->fl_map & (~0u << (fl + 1)); /* fl + 1 <= KVA_TLSF_FL < 32 */
+        if (kva_unlikely(fl_bits == 0)) return tlsf_alloc_slow(v, size, out, units);
+        fl = (unsigned)__builtin_ctz(fl_bits);
+        sl_bits = v->sl_map[fl];
+    }
+    sl = (unsigned)__builtin_ctz(sl_bits);
+    at = v->bins[fl][sl];
+found:;
+    /* The range is marked used and handed out first, so that little stays live across the
+     * list work that follows. */
+    kva_var_range *r = &ranges[at];
+    uint32_t length = kva_var_len(r), next = r->link_next;
+    mark_used(v, at, units, size);
+    *out = v->base + ((size_t)at << v->align_shift);
+    if (length > units) {
+        uint32_t rest = at + units, rest_len = length - units, after = at + length;
+        kva_var_range *t = &ranges[rest];
+        t->prev = at;
+        if (after < v->units) ranges[after].prev = rest;
+        t->length = rest_len | KVA_VAR_FREE_BIT;
+        if (kva_unlikely(rest_len < tlsf_class_floor(fl, sl))) {
+            tlsf_requeue(v, fl, sl, next, rest);
+            return KVA_OK;
+        }
+        t->link_prev = KVA_NIL; /* the tail takes the head's place */
+        t->link_next = next;
+        if (next != KVA_NIL) ranges[next].link_prev = rest;
+        v->bins[fl][sl] = rest;
+    } else {
+        tlsf_pop_head(v, fl, sl, next);
+        v->free_ranges--;
+    }
+    return KVA_OK;
+}
+
+KVA_INLINE kva_status alloc_locked(kva_var *v, size_t size, void **out) {
+    return kva_likely(v->policy == KVA_VAR_TLSF) ? tlsf_alloc(v, size, out) : list_alloc(v, size, out);
+}
+
+/* The lock taken the plain way (kva_var_alloc's slow path). */
+static KVA_NOINLINE kva_status alloc_plain(kva_var *v, size_t size, void **out) {
+    int token = kva_lock_acquire(&v->lock);
+    kva_status st = alloc_locked(v, size, out);
+    kva_lock_release(&v->lock, token);
+    return st;
 }
 
 kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
     /* One test for the arguments: size - 1 wraps for 0. */
     if (kva_unlikely(!v || !out || size - 1 >= v->bytes)) return alloc_rejected(v, size, out);
-    int token = kva_lock_acquire(&v->lock);
+    kva_lock_owner *me = kva_lock_enter_biased(&v->lock);
+    if (kva_unlikely(me == NULL)) return alloc_plain(v, size, out);
     kva_status st = alloc_locked(v, size, out);
-    kva_lock_release(&v->lock, token);
+    kva_lock_leave_biased(me);
     return st;
 }
 
@@ -388,8 +518,46 @@ static kva_status classify_bad_free(const kva_var *v, const void *ptr, uint64_t 
                     (unsigned long long)offset, (unsigned long long)head);
 }
 
-/* Frees the used range at `at`, merging it with free neighbours. */
-static void release(kva_var *v, uint32_t at) {
+/* TLSF free of the used range at `at`, merging it with free neighbours; inlined into
+ * kva_var_free. The merged range keeps the place of a free neighbour when its class does not
+ * change (tlsf_resize). */
+KVA_INLINE void tlsf_release(kva_var *v, uint32_t at) {
+    /* The records and counters are written first and the class lists last, so that little stays
+     * live across the list work (which may call out). */
+    kva_var_range *ranges = v->ranges, *r = &ranges[at];
+    uint32_t length = r->length, next = at + length, prev = r->prev;
+    v->free_units += length;
+    v->requested_bytes -= kva_var_requested(r);
+    v->free_count++;
+    int next_free = next < v->units && kva_var_is_free(&ranges[next]);
+    if (prev != KVA_NIL && kva_var_is_free(&ranges[prev])) {
+        uint32_t prev_len = kva_var_len(&ranges[prev]), total = prev_len + length;
+        *r = (kva_var_range){0};
+        if (kva_unlikely(next_free)) {
+            uint32_t next_len = kva_var_len(&ranges[next]);
+            total += next_len;
+            if (prev + total < v->units) ranges[prev + total].prev = prev;
+            v->free_ranges--;
+            tlsf_unlink(v, next);
+            ranges[next] = (kva_var_range){0};
+        } else if (next < v->units) {
+            ranges[next].prev = prev;
+        }
+        tlsf_resize(v, prev, prev_len, prev, total);
+    } else if (next_free) {
+        uint32_t next_len = kva_var_len(&ranges[next]), total = length + next_len;
+        if (at + total < v->units) ranges[at + total].prev = at;
+        tlsf_resize(v, next, next_len, at, total);
+        ranges[next] = (kva_var_range){0};
+    } else {
+        r->length = length | KVA_VAR_FREE_BIT; /* the range after it still names it as prev */
+        v->free_ranges++;
+        tlsf_push(v, at);
+    }
+}
+
+/* First, best and worst fit: frees the used range at `at`, merging it with free neighbours. */
+static KVA_NOINLINE void list_release(kva_var *v, uint32_t at) {
     kva_var_range *ranges = v->ranges;
     uint32_t length = ranges[at].length;
     v->free_units += length;
@@ -398,29 +566,7 @@ static void release(kva_var *v, uint32_t at) {
     int next_free = next < v->units && kva_var_is_free(&ranges[next]);
     int prev_free = prev != KVA_NIL && kva_var_is_free(&ranges[prev]);
     uint32_t start = at, total = length;
-    if (kva_likely(v->policy == KVA_VAR_TLSF)) {
-        /* The merged range keeps the place of a free neighbour when its class does not change. */
-        if (prev_free) {
-            uint32_t prev_len = kva_var_len(&ranges[prev]);
-            if (next_free) {
-                total += kva_var_len(&ranges[next]);
-                tlsf_unlink(v, next);
-                ranges[next] = (kva_var_range){0};
-            }
-            ranges[at] = (kva_var_range){0};
-            start = prev;
-            total += prev_len;
-            tlsf_resize(v, prev, prev_len, prev, total);
-        } else if (next_free) {
-            uint32_t next_len = kva_var_len(&ranges[next]);
-            total += next_len;
-            tlsf_resize(v, next, next_len, at, total);
-            ranges[next] = (kva_var_range){0};
-        } else {
-            ranges[at].length = length | KVA_VAR_FREE_BIT;
-            tlsf_push(v, at);
-        }
-    } else if (v->policy == KVA_VAR_FIRST_FIT) {
+    if (v->policy == KVA_VAR_FIRST_FIT) {
         /* Address order survives every merge: the merged range takes the place of the free
          * neighbour before it, or else of the one after it; only a lone range walks. */
         if (next_free) {
@@ -468,25 +614,38 @@ static KVA_NOINLINE kva_status free_rejected(kva_var *v, void *ptr) {
     return reject(v, classify_bad_free(v, ptr, offset));
 }
 
-static kva_status free_locked(kva_var *v, void *ptr) {
+KVA_INLINE kva_status free_locked(kva_var *v, void *ptr) {
     /* One test for everything that is not the start of a live range: NULL falls outside the
-     * region (base is never 0), and a used head has a length in [1, KVA_VAR_MAX_UNITS], so one
-     * compare excludes free ranges (free bit set) and records inside ranges (0). */
+     * region (its offset, 0 - base, exceeds any user-space region's size), and a used head has a
+     * length in [1, KVA_VAR_MAX_UNITS], so one compare excludes free ranges (free bit set) and
+     * records inside ranges (0). */
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
     uint32_t at = (uint32_t)(offset >> v->align_shift);
-    if (kva_likely(ptr != NULL && offset < v->bytes && (offset & v->align_mask) == 0 &&
+    if (kva_likely(offset < v->bytes && (offset & v->align_mask) == 0 &&
                    v->ranges[at].length - 1u < KVA_VAR_MAX_UNITS)) {
-        release(v, at);
+        if (kva_likely(v->policy == KVA_VAR_TLSF))
+            tlsf_release(v, at);
+        else
+            list_release(v, at);
         return KVA_OK;
     }
     return free_rejected(v, ptr);
 }
 
-kva_status kva_var_free(kva_var *v, void *ptr) {
-    if (kva_unlikely(v == NULL)) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+/* The lock taken the plain way (kva_var_free's slow path). */
+static KVA_NOINLINE kva_status free_plain(kva_var *v, void *ptr) {
     int token = kva_lock_acquire(&v->lock);
     kva_status st = free_locked(v, ptr);
     kva_lock_release(&v->lock, token);
+    return st;
+}
+
+kva_status kva_var_free(kva_var *v, void *ptr) {
+    if (kva_unlikely(v == NULL)) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+    kva_lock_owner *me = kva_lock_enter_biased(&v->lock);
+    if (kva_unlikely(me == NULL)) return free_plain(v, ptr);
+    kva_status st = free_locked(v, ptr);
+    kva_lock_leave_biased(me);
     return st;
 }
 

@@ -20,8 +20,10 @@
  *  TLSF       two-level segregated lists after Masmano, Ripoll, Crespo and Real, "TLSF: a New
  *             Dynamic Memory Allocator for Real-Time Systems" (ECRTS 2004): a first level by
  *             log2 of the length, a second by KVA_TLSF_SL linear subdivisions of it, one bitmap
- *             word per level; a request rounded up to the next class boundary takes the head of
- *             the first nonempty class at or above it (ctz on two words): O(1).
+ *             word per level; a request takes the head of its own class when that range holds
+ *             it, else, rounded up to the next class boundary, the head of the first nonempty
+ *             class at or above it (ctz on two words): O(1). A class's head is the lower-
+ *             addressed of itself and each range added after it (tlsf_push).
  *
  * Invariants (kva_var_check verifies each):
  *  V1  The heads tile [0, units): walking head -> head + length from 0 visits every range once

@@ -250,10 +250,21 @@ typedef struct model {
     uint16_t owner[MODEL_UNITS]; /* 0: free; else 1 + the live slot */
 } model;
 
+/* The TLSF size class of a length, as one ordered index: lengths below 32 units have a class
+ * each; above, each power of two is split into 32 equal classes (a second level of 5 bits). */
+static uint32_t tlsf_class_index(uint32_t len) {
+    if (len < 32) return len;
+    unsigned k = 31u - (unsigned)__builtin_clz(len);
+    return (k - 4) * 32 + ((len >> (k - 5)) - 32);
+}
+
 /* Where the policy may put `units`: the free runs that fit are scanned and the one each policy
- * must choose is checked; TLSF may choose any run that fits. Returns whether any run fits. */
+ * must choose is checked. TLSF takes a run of the request's own class (the head of its list,
+ * which the model cannot see), or else one of the lowest class above it that holds a fitting
+ * run (every run there fits). Returns whether any run fits. */
 static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, uint32_t got, int succeeded) {
     uint32_t first = UINT32_MAX, min_len = UINT32_MAX, max_len = 0, got_run = 0;
+    uint32_t own = tlsf_class_index(units), above = UINT32_MAX; /* the lowest fitting class > own */
     for (uint32_t at = 0; at < MODEL_UNITS;) {
         if (m->owner[at]) {
             at++;
@@ -267,6 +278,8 @@ static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, 
             if (first == UINT32_MAX) first = at;
             if (len < min_len) min_len = len;
             if (len > max_len) max_len = len;
+            uint32_t c = tlsf_class_index(len);
+            if (c > own && c < above) above = c;
         }
         at = end;
     }
@@ -281,7 +294,7 @@ static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, 
     case KVA_VAR_WORST_FIT:
         return got_run == max_len;
     case KVA_VAR_TLSF:
-        return 1;
+        return tlsf_class_index(got_run) == own || tlsf_class_index(got_run) == above;
     }
     return 0;
 }
