@@ -97,9 +97,19 @@ static void tlsf_unlink(kva_var *v, uint32_t r) {
     }
 }
 
+/* How every locked path of alloc and free ends. A caller that entered by the lock's bias passes
+ * its flag (me) and the path leaves the lock; one that took the plain lock passes NULL and
+ * releases it itself. The slow parts of a path are tail calls that take `me` and end here in
+ * their turn, so the fast paths call nothing, and need no callee-saved registers. */
+KVA_INLINE kva_status leave(kva_lock_owner *me, kva_status st) {
+    if (me) kva_lock_leave_biased(me);
+    return st;
+}
+
 /* The slow half of tlsf_resize: the class changes. The old class is computed from old_len, the
  * new one once, and each list and bitmap touched once. */
-static KVA_NOINLINE void tlsf_move(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len) {
+static KVA_NOINLINE kva_status tlsf_move(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len,
+                                         kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges;
     unsigned fl, sl;
     kva_tlsf_class(old_len, &fl, &sl);
@@ -111,37 +121,40 @@ static KVA_NOINLINE void tlsf_move(kva_var *v, uint32_t old, uint32_t old_len, u
         ranges[prev].link_next = next;
     }
     if (next != KVA_NIL) ranges[next].link_prev = prev;
+    if (old != fresh) ranges[old] = (kva_var_range){0};
     ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
     tlsf_push(v, fresh);
+    return leave(me, KVA_OK);
 }
 
-/* The free range `old` of old_len units becomes `fresh` of new_len units (a split leaves its tail,
- * a merge grows it at either end). While the class stays the same, which is the common case for
- * a large free range, fresh takes old's place in the class list and no bitmap changes. */
-KVA_INLINE void tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len) {
+/* The free range `old` of old_len units becomes `fresh` of new_len units by a merge at either
+ * end; old's record is cleared when fresh is another. While the class stays the same, which is
+ * the common case for a large free range, fresh takes old's place in the class list and no bitmap
+ * changes. Ends the locked path (leave). */
+KVA_INLINE kva_status tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len,
+                                  kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges;
     /* Same class: below KVA_TLSF_SL the same length; above, the same bits down to the second
      * level's, which a shift of the XOR tests without computing either class. */
     int same = old_len < KVA_TLSF_SL ? old_len == new_len
                                      : ((old_len ^ new_len) >> (kva_log2(old_len) - KVA_TLSF_SL_LOG2)) == 0;
-    if (kva_likely(same)) {
-        if (old != fresh) {
-            uint32_t prev = ranges[old].link_prev, next = ranges[old].link_next;
-            ranges[fresh].link_prev = prev;
-            ranges[fresh].link_next = next;
-            if (prev == KVA_NIL) {
-                unsigned fl, sl;
-                kva_tlsf_class(old_len, &fl, &sl);
-                v->bins[fl][sl] = fresh;
-            } else {
-                ranges[prev].link_next = fresh;
-            }
-            if (next != KVA_NIL) ranges[next].link_prev = fresh;
+    if (kva_unlikely(!same)) return tlsf_move(v, old, old_len, fresh, new_len, me);
+    if (old != fresh) {
+        uint32_t prev = ranges[old].link_prev, next = ranges[old].link_next;
+        ranges[fresh].link_prev = prev;
+        ranges[fresh].link_next = next;
+        if (prev == KVA_NIL) {
+            unsigned fl, sl;
+            kva_tlsf_class(old_len, &fl, &sl);
+            v->bins[fl][sl] = fresh;
+        } else {
+            ranges[prev].link_next = fresh;
         }
-        ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
-        return;
+        if (next != KVA_NIL) ranges[next].link_prev = fresh;
+        ranges[old] = (kva_var_range){0};
     }
-    tlsf_move(v, old, old_len, fresh, new_len);
+    ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
+    return leave(me, KVA_OK);
 }
 
 /* The first range of the request's own class that holds it, or KVA_NIL. */
@@ -340,17 +353,17 @@ KVA_INLINE void mark_used(kva_var *v, uint32_t at, uint32_t units, size_t size) 
     v->alloc_count++;
 }
 
-static KVA_NOINLINE kva_status alloc_failed(kva_var *v, size_t size, uint32_t units) {
+static KVA_NOINLINE kva_status alloc_failed(kva_var *v, size_t size, uint32_t units, kva_lock_owner *me) {
     v->alloc_failures++;
-    return kva_fail(KVA_ERR_NOMEM, "no free range of %u units of %zu B for %zu B (%llu units free)", units,
-                    (size_t)1 << v->align_shift, size, (unsigned long long)v->free_units);
+    return leave(me, kva_fail(KVA_ERR_NOMEM, "no free range of %u units of %zu B for %zu B (%llu units free)", units,
+                              (size_t)1 << v->align_shift, size, (unsigned long long)v->free_units));
 }
 
 /* First, best and worst fit. */
-static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out) {
+static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     uint32_t at = free_find(v, units);
-    if (kva_unlikely(at == KVA_NIL)) return alloc_failed(v, size, units);
+    if (kva_unlikely(at == KVA_NIL)) return alloc_failed(v, size, units, me);
     kva_var_range *ranges = v->ranges;
     uint32_t length = kva_var_len(&ranges[at]);
     if (length > units) {
@@ -370,7 +383,7 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out) {
     }
     mark_used(v, at, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
-    return KVA_OK;
+    return leave(me, KVA_OK);
 }
 
 /* Takes `units` from the front of the free range at `at`, wherever it sits in its class: the
@@ -392,13 +405,14 @@ static void tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
 
 /* TLSF when the two-ctz search finds nothing: the request's own class may still hold a range
  * long enough beyond its head (the search skipped it). */
-static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **out, uint32_t units) {
+static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **out, uint32_t units,
+                                                kva_lock_owner *me) {
     uint32_t at = tlsf_scan_class(v, units);
-    if (at == KVA_NIL) return alloc_failed(v, size, units);
+    if (at == KVA_NIL) return alloc_failed(v, size, units, me);
     tlsf_take(v, at, units);
     mark_used(v, at, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
-    return KVA_OK;
+    return leave(me, KVA_OK);
 }
 
 /* The shortest length class (fl, sl) holds. */
@@ -417,9 +431,11 @@ KVA_INLINE void tlsf_pop_head(kva_var *v, unsigned fl, unsigned sl, uint32_t nex
 
 /* A split's tail falls below its class: the head of (fl, sl), already used, leaves the class and
  * the tail `rest` (its length set) joins its own. */
-static KVA_NOINLINE void tlsf_requeue(kva_var *v, unsigned fl, unsigned sl, uint32_t next, uint32_t rest) {
+static KVA_NOINLINE kva_status tlsf_requeue(kva_var *v, unsigned fl, unsigned sl, uint32_t next, uint32_t rest,
+                                             kva_lock_owner *me) {
     tlsf_pop_head(v, fl, sl, next);
     tlsf_push(v, rest);
+    return leave(me, KVA_OK);
 }
 
 /* TLSF allocation, inlined into kva_var_alloc. The search: first the head of the request's own
@@ -433,7 +449,7 @@ static KVA_NOINLINE void tlsf_requeue(kva_var *v, unsigned fl, unsigned sl, uint
  * The range found is the head of class (fl, sl), so unlinking it needs no neighbour's link, and
  * the tail a split leaves stays in the class exactly when it is at least the class's floor; then
  * it takes the head's place and no bitmap changes. */
-KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out) {
+KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     kva_var_range *ranges = v->ranges;
     unsigned fl, sl;
@@ -449,7 +465,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out) {
     }
     if (sl_bits == 0) {
         uint32_t fl_bits = v->fl_map & (~0u << (fl + 1)); /* fl + 1 <= KVA_TLSF_FL < 32 */
-        if (kva_unlikely(fl_bits == 0)) return tlsf_alloc_slow(v, size, out, units);
+        if (kva_unlikely(fl_bits == 0)) return tlsf_alloc_slow(v, size, out, units, me);
         fl = (unsigned)__builtin_ctz(fl_bits);
         sl_bits = v->sl_map[fl];
     }
@@ -468,10 +484,7 @@ found:;
         t->prev = at;
         if (after < v->units) ranges[after].prev = rest;
         t->length = rest_len | KVA_VAR_FREE_BIT;
-        if (kva_unlikely(rest_len < tlsf_class_floor(fl, sl))) {
-            tlsf_requeue(v, fl, sl, next, rest);
-            return KVA_OK;
-        }
+        if (kva_unlikely(rest_len < tlsf_class_floor(fl, sl))) return tlsf_requeue(v, fl, sl, next, rest, me);
         t->link_prev = KVA_NIL; /* the tail takes the head's place */
         t->link_next = next;
         if (next != KVA_NIL) ranges[next].link_prev = rest;
@@ -480,17 +493,18 @@ found:;
         tlsf_pop_head(v, fl, sl, next);
         v->free_ranges--;
     }
-    return KVA_OK;
+    return leave(me, KVA_OK);
 }
 
-KVA_INLINE kva_status alloc_locked(kva_var *v, size_t size, void **out) {
-    return kva_likely(v->policy == KVA_VAR_TLSF) ? tlsf_alloc(v, size, out) : list_alloc(v, size, out);
+KVA_INLINE kva_status alloc_locked(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
+    if (kva_likely(v->policy == KVA_VAR_TLSF)) return tlsf_alloc(v, size, out, me);
+    return list_alloc(v, size, out, me);
 }
 
 /* The lock taken the plain way (kva_var_alloc's slow path). */
 static KVA_NOINLINE kva_status alloc_plain(kva_var *v, size_t size, void **out) {
     int token = kva_lock_acquire(&v->lock);
-    kva_status st = alloc_locked(v, size, out);
+    kva_status st = alloc_locked(v, size, out, NULL);
     kva_lock_release(&v->lock, token);
     return st;
 }
@@ -500,9 +514,7 @@ kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
     if (kva_unlikely(!v || !out || size - 1 >= v->bytes)) return alloc_rejected(v, size, out);
     kva_lock_owner *me = kva_lock_enter_biased(&v->lock);
     if (kva_unlikely(me == NULL)) return alloc_plain(v, size, out);
-    kva_status st = alloc_locked(v, size, out);
-    kva_lock_leave_biased(me);
-    return st;
+    return alloc_locked(v, size, out, me);
 }
 
 /* Why a unit that is not a used head cannot be freed: the range that holds it (the nearest head
@@ -518,12 +530,32 @@ static kva_status classify_bad_free(const kva_var *v, const void *ptr, uint64_t 
                     (unsigned long long)offset, (unsigned long long)head);
 }
 
+/* A freed range with free ranges on both sides: the three become the previous one. */
+static KVA_NOINLINE kva_status tlsf_merge_three(kva_var *v, uint32_t at, uint32_t prev, uint32_t next,
+                                                kva_lock_owner *me) {
+    kva_var_range *ranges = v->ranges;
+    uint32_t prev_len = kva_var_len(&ranges[prev]);
+    uint32_t total = prev_len + ranges[at].length + kva_var_len(&ranges[next]);
+    tlsf_unlink(v, next);
+    ranges[next] = (kva_var_range){0};
+    ranges[at] = (kva_var_range){0};
+    if (prev + total < v->units) ranges[prev + total].prev = prev;
+    v->free_ranges--;
+    return tlsf_resize(v, prev, prev_len, prev, total, me);
+}
+
+/* A freed range with no free neighbour joins its class. */
+static KVA_NOINLINE kva_status tlsf_insert(kva_var *v, uint32_t at, kva_lock_owner *me) {
+    v->ranges[at].length |= KVA_VAR_FREE_BIT; /* the range after it still names it as prev */
+    v->free_ranges++;
+    tlsf_push(v, at);
+    return leave(me, KVA_OK);
+}
+
 /* TLSF free of the used range at `at`, merging it with free neighbours; inlined into
  * kva_var_free. The merged range keeps the place of a free neighbour when its class does not
- * change (tlsf_resize). */
-KVA_INLINE void tlsf_release(kva_var *v, uint32_t at) {
-    /* The records and counters are written first and the class lists last, so that little stays
-     * live across the list work (which may call out). */
+ * change (tlsf_resize). Ends the locked path (leave). */
+KVA_INLINE kva_status tlsf_release(kva_var *v, uint32_t at, kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges, *r = &ranges[at];
     uint32_t length = r->length, next = at + length, prev = r->prev;
     v->free_units += length;
@@ -531,33 +563,22 @@ KVA_INLINE void tlsf_release(kva_var *v, uint32_t at) {
     v->free_count++;
     int next_free = next < v->units && kva_var_is_free(&ranges[next]);
     if (prev != KVA_NIL && kva_var_is_free(&ranges[prev])) {
-        uint32_t prev_len = kva_var_len(&ranges[prev]), total = prev_len + length;
+        if (kva_unlikely(next_free)) return tlsf_merge_three(v, at, prev, next, me);
+        uint32_t prev_len = kva_var_len(&ranges[prev]);
         *r = (kva_var_range){0};
-        if (kva_unlikely(next_free)) {
-            uint32_t next_len = kva_var_len(&ranges[next]);
-            total += next_len;
-            if (prev + total < v->units) ranges[prev + total].prev = prev;
-            v->free_ranges--;
-            tlsf_unlink(v, next);
-            ranges[next] = (kva_var_range){0};
-        } else if (next < v->units) {
-            ranges[next].prev = prev;
-        }
-        tlsf_resize(v, prev, prev_len, prev, total);
-    } else if (next_free) {
+        if (next < v->units) ranges[next].prev = prev;
+        return tlsf_resize(v, prev, prev_len, prev, prev_len + length, me);
+    }
+    if (next_free) {
         uint32_t next_len = kva_var_len(&ranges[next]), total = length + next_len;
         if (at + total < v->units) ranges[at + total].prev = at;
-        tlsf_resize(v, next, next_len, at, total);
-        ranges[next] = (kva_var_range){0};
-    } else {
-        r->length = length | KVA_VAR_FREE_BIT; /* the range after it still names it as prev */
-        v->free_ranges++;
-        tlsf_push(v, at);
+        return tlsf_resize(v, next, next_len, at, total, me);
     }
+    return tlsf_insert(v, at, me);
 }
 
 /* First, best and worst fit: frees the used range at `at`, merging it with free neighbours. */
-static KVA_NOINLINE void list_release(kva_var *v, uint32_t at) {
+static KVA_NOINLINE kva_status list_release(kva_var *v, uint32_t at, kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges;
     uint32_t length = ranges[at].length;
     v->free_units += length;
@@ -602,10 +623,11 @@ static KVA_NOINLINE void list_release(kva_var *v, uint32_t at) {
     if (start + total < v->units) ranges[start + total].prev = start;
     v->free_ranges = v->free_ranges + 1 - (uint64_t)next_free - (uint64_t)prev_free;
     v->free_count++;
+    return leave(me, KVA_OK);
 }
 
 /* Why ptr cannot be freed (the lock held). */
-static KVA_NOINLINE kva_status free_rejected(kva_var *v, void *ptr) {
+static kva_status why_not_freed(kva_var *v, void *ptr) {
     if (!ptr) return reject(v, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
     if (offset >= (uint64_t)v->units << v->align_shift)
@@ -614,7 +636,11 @@ static KVA_NOINLINE kva_status free_rejected(kva_var *v, void *ptr) {
     return reject(v, classify_bad_free(v, ptr, offset));
 }
 
-KVA_INLINE kva_status free_locked(kva_var *v, void *ptr) {
+static KVA_NOINLINE kva_status free_rejected(kva_var *v, void *ptr, kva_lock_owner *me) {
+    return leave(me, why_not_freed(v, ptr));
+}
+
+KVA_INLINE kva_status free_locked(kva_var *v, void *ptr, kva_lock_owner *me) {
     /* One test for everything that is not the start of a live range: NULL falls outside the
      * region (its offset, 0 - base, exceeds any user-space region's size), and a used head has a
      * length in [1, KVA_VAR_MAX_UNITS], so one compare excludes free ranges (free bit set) and
@@ -623,19 +649,16 @@ KVA_INLINE kva_status free_locked(kva_var *v, void *ptr) {
     uint32_t at = (uint32_t)(offset >> v->align_shift);
     if (kva_likely(offset < v->bytes && (offset & v->align_mask) == 0 &&
                    v->ranges[at].length - 1u < KVA_VAR_MAX_UNITS)) {
-        if (kva_likely(v->policy == KVA_VAR_TLSF))
-            tlsf_release(v, at);
-        else
-            list_release(v, at);
-        return KVA_OK;
+        if (kva_likely(v->policy == KVA_VAR_TLSF)) return tlsf_release(v, at, me);
+        return list_release(v, at, me);
     }
-    return free_rejected(v, ptr);
+    return free_rejected(v, ptr, me);
 }
 
 /* The lock taken the plain way (kva_var_free's slow path). */
 static KVA_NOINLINE kva_status free_plain(kva_var *v, void *ptr) {
     int token = kva_lock_acquire(&v->lock);
-    kva_status st = free_locked(v, ptr);
+    kva_status st = free_locked(v, ptr, NULL);
     kva_lock_release(&v->lock, token);
     return st;
 }
@@ -644,9 +667,7 @@ kva_status kva_var_free(kva_var *v, void *ptr) {
     if (kva_unlikely(v == NULL)) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
     kva_lock_owner *me = kva_lock_enter_biased(&v->lock);
     if (kva_unlikely(me == NULL)) return free_plain(v, ptr);
-    kva_status st = free_locked(v, ptr);
-    kva_lock_leave_biased(me);
-    return st;
+    return free_locked(v, ptr, me);
 }
 
 size_t kva_var_usable_size(kva_var *v, const void *ptr) {
