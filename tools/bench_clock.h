@@ -1,6 +1,7 @@
 /*
  * bench_clock.h — the clock and the median the benchmark tools share: wall time in nanoseconds
- * from CLOCK_MONOTONIC, and the median of repeated measurements (sorted in place).
+ * from CLOCK_MONOTONIC, the median of repeated measurements (sorted in place), and a flush of
+ * the processor's caches for measurements that start cold.
  */
 #ifndef KVA_BENCH_CLOCK_H
 #define KVA_BENCH_CLOCK_H
@@ -22,6 +23,16 @@ static inline int bench_cmp_double(const void *a, const void *b) {
 static inline double bench_median(double *values, size_t n) {
     qsort(values, n, sizeof *values, bench_cmp_double);
     return values[n / 2];
+}
+
+/* Evicts everything the processor caches hold, as a scheduler step's other work would: a 1 GiB
+ * buffer (allocated once, kept) is written a cache line at a time. */
+static inline void bench_flush_caches(void) {
+    static unsigned char *junk;
+    static const size_t size = (size_t)1 << 30;
+    if (!junk) junk = malloc(size);
+    if (!junk) abort();
+    for (size_t i = 0; i < size; i += 64) junk[i] = (unsigned char)(junk[i] + 1);
 }
 
 #endif

@@ -149,14 +149,6 @@ static kva_kv *full_cache(uint32_t n, int shuffled) {
     return kv;
 }
 
-/* Evicts everything the processor caches hold, as a scheduler step's other work would. */
-static void flush_caches(void) {
-    static unsigned char *junk;
-    static const size_t size = (size_t)1 << 30;
-    if (!junk) junk = malloc(size);
-    for (size_t i = 0; i < size; i += 64) junk[i] = (unsigned char)(junk[i] + 1);
-}
-
 /* Evictions alone: the next 2,048 evictions of a full cache (the same work at every size), ns
  * per block, median of 9 runs. Warm: the processor's caches as the fill left them (all of the
  * metadata in them at 10^4 blocks, little of it at 10^6); cold: flushed first, the same start
@@ -168,7 +160,7 @@ static double bench_evict(uint32_t n, int shuffled, int cold) {
     double runs[EVICT_RUNS];
     for (int r = 0; r < EVICT_RUNS; r++) {
         kva_kv *kv = full_cache(n, shuffled);
-        if (cold) flush_caches();
+        if (cold) bench_flush_caches();
         uint32_t evicted;
         double t0 = bench_now_ns();
         TRY(kva_kv_evict(kv, EVICT_COUNT, &evicted));
