@@ -630,7 +630,7 @@ typedef struct kva_kv_stats {
     uint64_t alloc_failures;    /* calls that returned KVA_ERR_NOMEM */
     uint64_t rejected_calls;    /* calls that returned KVA_ERR_INVALID or KVA_ERR_DOUBLE_FREE */
     size_t bytes_in_use;        /* KV bytes held by sequences (paged: used blocks) */
-    size_t block_metadata_bytes; /* host bytes of per-block metadata: records and prefix table */
+    size_t block_metadata_bytes; /* host bytes of per-block metadata: records, prefix table, LRU segments in use */
     size_t metadata_bytes;      /* all host bytes of the cache's bookkeeping */
     /* A cache created with trace on times every call that takes its lock, from taking the lock
      * to giving it up: the time the engine spends in the KV manager. Zero otherwise. */

@@ -1,20 +1,20 @@
 /*
  * kv_blocks.c — the life of a paged block: taken, referenced, released to the LRU lists or the
  * free stack, evicted; and its entry in the prefix table. Every step is O(1) per block (a
- * prefix-table chain is about one block long: at least two buckets per block).
+ * prefix-table chain is about one block long: at least 1.5 buckets per block).
  *
  * Eviction happens in batches, before a call takes its blocks: the call evicts as many cached
  * blocks as it needs beyond the free ones, lowest priority and least recently released first,
  * and appends them below the free blocks, so the call takes the free blocks first and the
- * evicted ones after, in eviction order. Batching lets the victims' prefix-table buckets load
- * in parallel instead of one cache miss after another, which keeps the cost per eviction flat
- * as the cache grows past the processor's caches.
+ * evicted ones after, in eviction order. The victims come from the LRU segments (kv_lru.c)
+ * KV_EVICT_BATCH at a time, before any of their records is read, so their records and then
+ * their prefix-table buckets load in parallel instead of one cache miss after another.
  */
 #include "kv_cache.h"
 
-/* How far the victim walk runs ahead of the evictions: enough independent bucket loads in
- * flight to cover a memory latency. A power of two. */
-#define KV_EVICT_AHEAD 32
+/* Victims collected and loaded together: enough independent loads in flight to cover a memory
+ * latency. */
+#define KV_EVICT_BATCH 32
 
 int kv_prefix_register(kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns) {
     /* Appended at the end of its chain: chains then run oldest first, and eviction, which takes
@@ -56,41 +56,24 @@ static void free_append(kva_kv *kv, uint32_t b) {
     kv->free_count++;
 }
 
-/* Walks the LRU lists in eviction order ahead of the evictions themselves. */
-typedef struct kv_victim_walk {
-    uint32_t mask;   /* priorities not yet walked past, the current one lowest */
-    uint32_t cursor; /* the next block to collect, or KVA_NIL */
-} kv_victim_walk;
-
-static uint32_t walk_next(kva_kv *kv, kv_victim_walk *w) {
-    while (w->cursor == KVA_NIL) {
-        w->mask &= w->mask - 1;
-        if (!w->mask) return KVA_NIL;
-        w->cursor = kv->lru_head[__builtin_ctz(w->mask)];
-    }
-    uint32_t b = w->cursor;
-    const kva_kv_block *blk = &kv->blocks[b];
-    __builtin_prefetch(&kv->buckets[blk->key.lo & kv->bucket_mask], 1);
-    w->cursor = blk->next;
-    return b;
-}
-
 uint32_t kv_evict(kva_kv *kv, uint32_t count) {
     if (count > kv->cached_count) count = kv->cached_count;
-    if (count == 0) return 0;
-    /* A software pipeline: the victim KV_EVICT_AHEAD places ahead is collected (and its bucket
-     * starts loading) while this one is evicted. Evicting a victim unlinks the head of its list,
-     * which leaves the links ahead of it, and so the walk, intact. */
-    uint32_t ahead[KV_EVICT_AHEAD];
-    kv_victim_walk w = {kv->lru_nonempty, kv->lru_head[__builtin_ctz(kv->lru_nonempty)]};
-    uint32_t collected = 0;
-    while (collected < count && collected < KV_EVICT_AHEAD) ahead[collected++] = walk_next(kv, &w);
-    for (uint32_t done = 0; done < count; done++) {
-        uint32_t b = ahead[done % KV_EVICT_AHEAD];
-        if (collected < count) ahead[collected++ % KV_EVICT_AHEAD] = walk_next(kv, &w);
-        kv_lru_unlink(kv, b);
-        prefix_unregister(kv, b);
-        free_append(kv, b);
+    uint32_t victims[KV_EVICT_BATCH];
+    for (uint32_t done = 0; done < count;) {
+        uint32_t want = count - done < KV_EVICT_BATCH ? count - done : KV_EVICT_BATCH;
+        uint32_t n = kv_lru_collect(kv, victims, want);
+        /* Three passes: the records start loading together; their keys give the buckets, which
+         * start loading together; then the evictions find both in cache. */
+        for (uint32_t i = 0; i < n; i++) __builtin_prefetch(&kv->blocks[victims[i]], 1);
+        for (uint32_t i = 0; i < n; i++)
+            __builtin_prefetch(&kv->buckets[kv->blocks[victims[i]].key.lo & kv->bucket_mask], 1);
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t b = victims[i];
+            kv_lru_remove(kv, b);
+            prefix_unregister(kv, b);
+            free_append(kv, b);
+        }
+        done += n;
     }
     kv->counters.evictions += count;
     return count;
@@ -121,7 +104,7 @@ void kv_take(kva_kv *kv, uint32_t *table, uint32_t n, uint8_t priority) {
 void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority) {
     kva_kv_block *blk = &kv->blocks[b];
     if (blk->state == KV_CACHED) {
-        kv_lru_unlink(kv, b);
+        kv_lru_remove(kv, b);
         blk->state = KV_USED;
         kv->used_count++;
     }

@@ -12,7 +12,7 @@
 #include "kv_cache.h"
 #include "os.h"
 
-/* At most 2^30 blocks, so the prefix table (a power of two, at least two buckets per block)
+/* At most 2^30 blocks, so the prefix table (a power of two, at least 1.5 buckets per block)
  * keeps a u32 mask. */
 #define KV_MAX_BLOCKS ((uint32_t)1 << 30)
 /* Contiguous mode: buckets up to 2^30 tokens. */
@@ -164,7 +164,7 @@ static kva_status contiguous_limit(kva_kv *kv, const kva_kv_config *cfg) {
 /* Host memory for a per-block array. Arrays of 2 MiB and more are 2 MiB-aligned and advised to
  * transparent huge pages (without the advice THP set to "madvise" leaves them on 4 KiB pages):
  * over a million blocks a random record access then costs a cache miss but no TLB miss. */
-static kva_status metadata_map(size_t bytes, void **out, size_t *length) {
+kva_status kv_metadata_map(size_t bytes, void **out, size_t *length) {
     int huge = bytes >= KVA_HUGE_PAGE_SIZE;
     size_t unit = huge ? KVA_HUGE_PAGE_SIZE : kva_os_page_size();
     size_t len = (bytes + unit - 1) / unit * unit;
@@ -193,13 +193,15 @@ static kva_status paged_init(kva_kv *kv) {
     kv->memory = memory;
     kv->info.base = memory;
 
+    /* At least 1.5 buckets per block (a load factor of at most 2/3: chains of about one block),
+     * a power of two so that a key's bucket is a mask: 1.5 to 3 buckets, 6 to 12 bytes. */
     uint32_t buckets = 2;
-    while (buckets < 2 * n) buckets *= 2;
+    while (buckets < n + n / 2) buckets *= 2;
     void *blocks, *heads;
-    st = metadata_map((size_t)n * sizeof *kv->blocks, &blocks, &kv->blocks_length);
+    st = kv_metadata_map((size_t)n * sizeof *kv->blocks, &blocks, &kv->blocks_length);
     if (st != KVA_OK) return st;
     kv->blocks = blocks;
-    st = metadata_map((size_t)buckets * sizeof *kv->buckets, &heads, &kv->buckets_length);
+    st = kv_metadata_map((size_t)buckets * sizeof *kv->buckets, &heads, &kv->buckets_length);
     if (st != KVA_OK) return st;
     kv->buckets = heads;
     kv->bucket_mask = buckets - 1;
@@ -207,15 +209,14 @@ static kva_status paged_init(kva_kv *kv) {
     kv->num_blocks = n;
     kv->backed_blocks = n;
     for (uint32_t b = 0; b < n; b++) {
-        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .prev = KVA_NIL,
+        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .lru_slot = KVA_NIL,
                                        .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
     }
     kv->free_top = 0;
     kv->free_bottom = n - 1;
     kv->free_count = n;
-    for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) kv->lru_head[p] = kv->lru_tail[p] = KVA_NIL;
     kv->root = kv_key_root(kv->hash_seed);
-    return KVA_OK;
+    return kv_lru_init(kv);
 }
 
 static void release_memory(kva_kv *kv) {
@@ -229,6 +230,7 @@ static void release_memory(kva_kv *kv) {
     free(kv->seqs);
     kva_os_unmap(kv->blocks, kv->blocks_length);
     kva_os_unmap(kv->buckets, kv->buckets_length);
+    kv_lru_release(kv);
     /* Trimmed or not: the pool's free forgets the granules given back (region_cuda.c). */
     if (kv->memory) kva_free(kv->pool, kv->memory);
     if (kv->owns_pool) kva_pool_destroy(kv->pool);
@@ -350,7 +352,8 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
     memcpy(st.call_ns_log2, kv->call_ns_log2, sizeof st.call_ns_log2);
     st.bytes_in_use = kv->info.mode == KVA_KV_PAGED ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
     st.block_metadata_bytes =
-        (size_t)kv->num_blocks * sizeof *kv->blocks + (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0);
+        (size_t)kv->num_blocks * sizeof *kv->blocks + (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
+        (size_t)kv->lru_used * (KV_LRU_SEG * sizeof *kv->lru_ids + sizeof *kv->lru_segs);
     size_t tables = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++) tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t);
     st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables;

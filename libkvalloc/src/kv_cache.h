@@ -3,16 +3,20 @@
  * the prefix table and the sequences. Nothing here is public.
  *
  * Paged mode. The KV memory is one exact allocation from a pool cut into num_blocks blocks.
- * Each block has a 40-byte record indexed by its id, and the prefix table has two to four u32
- * buckets per block: 48 to 56 bytes of metadata per block. A block is in exactly one state:
+ * Each block has a 40-byte record indexed by its id, the prefix table has 1.5 to 3 u32 buckets
+ * per block, and the LRU lists' segments take at most 8.4 bytes per block in a large cache
+ * (kv_lru.c): 46 to 61 bytes of metadata per block. A block is in exactly one state:
  *   FREE    on the free stack (linked through `next`; released blocks go on top, evicted
  *           ones below the rest); holds nothing.
  *   USED    refs > 0: that many block-table entries of live sequences (pins included) name it.
  *   CACHED  refs == 0, registered, on the LRU list of its priority: its KV is kept for a future
  *           prefix hit and is given up only when a block is needed and the free stack is empty.
  * LRU lists run from the least recently released block (head, evicted first) to the most
- * recent (tail). Eviction takes the head of the lowest nonempty priority: a ctz, an unlink and
- * a prefix-table unlink.
+ * recent (tail). Each is a doubly linked list of segments, arrays of KV_LRU_SEG block ids in
+ * release order, with KVA_NIL (a tombstone) where a block left; a CACHED block records its
+ * position (lru_slot). Eviction takes the oldest entries of the lowest nonempty priority: the
+ * victims are known from the arrays before their records are read, so their records and
+ * prefix-table buckets load in parallel (kv_lru.c explains the segments).
  *
  * A block is registered, with its key in the prefix table, only while it is full in every
  * table that names it: appends write only into a sequence's partial last block, so cached KV
@@ -30,8 +34,13 @@
  *  K2  A block's refs equals the number of entries naming it in live sequences' tables.
  *  K3  The free stack holds exactly the FREE blocks, each once, free_count of them, and ends at
  *      free_bottom (KVA_NIL when empty).
- *  K4  LRU list p is doubly linked, holds exactly the CACHED blocks of priority p (lru_count[p]
- *      of them); bit p of lru_nonempty is set iff list p is not empty.
+ *  K4  The segments of LRU list p are doubly linked from lru_head[p] to lru_tail[p]; each holds
+ *      fill <= KV_LRU_SEG entries, tombstones before `first`, `live` entries that are not
+ *      tombstones (at least one), and every live entry names a CACHED block of priority p
+ *      whose lru_slot is that entry's position; two adjacent segments hold more than
+ *      KV_LRU_SEG live entries between them. The lists hold exactly the CACHED blocks, p's
+ *      lru_count[p] of them; bit p of lru_nonempty is set iff list p is not empty. Every other
+ *      segment below lru_used is on the free-segment list, with fill 0.
  *  K5  Every CACHED block is registered; no FREE block is. Each registered block is on the chain
  *      of bucket (key.lo & bucket_mask) exactly once, every chained block is registered, and no
  *      two registered blocks share (key, namespace); registered_count counts them.
@@ -70,7 +79,8 @@ typedef struct kva_kv_block {
     kva_kv_key key;      /* meaningful while registered */
     uint32_t refs;
     uint32_t hash_next;  /* the next block on the same prefix-table bucket */
-    uint32_t prev, next; /* LRU links while CACHED; next is the free-stack link while FREE */
+    uint32_t lru_slot;   /* while CACHED: its entry in the LRU segments (segment * KV_LRU_SEG + i) */
+    uint32_t next;       /* while FREE: the next block on the free stack */
     uint32_t ns;         /* the namespace of the key */
     uint8_t state;
     uint8_t priority;    /* the highest priority of referencing sequences since leaving FREE */
@@ -79,6 +89,16 @@ typedef struct kva_kv_block {
 } kva_kv_block;
 
 _Static_assert(sizeof(kva_kv_block) == 40, "a block record is 40 bytes");
+
+/* One segment of an LRU list (kv_lru.c). */
+#define KV_LRU_SEG 64 /* block ids per segment: one 256-byte array */
+typedef struct kv_lru_seg {
+    uint32_t prev, next; /* the segments before and after it in its list; next links free ones */
+    uint8_t first;       /* entries [0, first) are tombstones */
+    uint8_t fill;        /* entries [0, fill) are written */
+    uint8_t live;        /* entries that are not tombstones */
+    uint8_t priority;    /* the list it is on */
+} kv_lru_seg;
 
 typedef struct kva_kv_seqrec {
     uint32_t *table;          /* paged: block ids; cap entries allocated, kept across reuse */
@@ -123,9 +143,16 @@ struct kva_kv {
     uint32_t free_count, used_count, cached_count, registered_count;
     uint32_t backed_blocks;   /* blocks [0, backed_blocks) have memory; the rest are TRIMMED */
     uint32_t lru_nonempty;
-    uint32_t lru_head[KVA_KV_PRIORITIES], lru_tail[KVA_KV_PRIORITIES], lru_count[KVA_KV_PRIORITIES];
+    uint32_t lru_head[KVA_KV_PRIORITIES], lru_tail[KVA_KV_PRIORITIES]; /* segments, or KVA_NIL */
+    uint32_t lru_count[KVA_KV_PRIORITIES];
+    uint32_t *lru_ids;        /* lru_segments * KV_LRU_SEG block ids (KVA_NIL: a tombstone) */
+    kv_lru_seg *lru_segs;
+    uint32_t lru_segments;    /* reserved: enough for any cache state (kv_lru.c) */
+    uint32_t lru_used;        /* segments [0, lru_used) have been handed out */
+    uint32_t lru_free;        /* the free-segment list (of used ones) */
     kva_kv_key root;
     size_t blocks_length, buckets_length; /* bytes mapped for blocks and buckets */
+    size_t lru_ids_length, lru_segs_length;
 
     /* Sequences. */
     kva_kv_seqrec *seqs;
@@ -166,33 +193,27 @@ void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec);
 /* Grows a table to hold `blocks` entries; 0 if host memory runs out (nothing changed). */
 int kv_table_reserve(kva_kv_seqrec *rec, uint32_t blocks);
 
-/* ---- the LRU lists (O(1)) ------------------------------------------------------------------ */
+/* ---- the LRU lists (kv_lru.c) ------------------------------------------------------------ */
 
-/* Appends a block at the newest end of the LRU list of its priority. */
-KVA_INLINE void kv_lru_push(kva_kv *kv, uint32_t b) {
-    kva_kv_block *blk = &kv->blocks[b];
-    unsigned p = blk->priority;
-    blk->state = KV_CACHED;
-    blk->next = KVA_NIL;
-    blk->prev = kv->lru_tail[p];
-    if (blk->prev == KVA_NIL) kv->lru_head[p] = b;
-    else kv->blocks[blk->prev].next = b;
-    kv->lru_tail[p] = b;
-    kv->lru_count[p]++;
-    kv->lru_nonempty |= 1u << p;
-    kv->cached_count++;
-}
+/* Host memory for a per-block array, committed (kv_cache.c). */
+kva_status kv_metadata_map(size_t bytes, void **out, size_t *length);
 
-KVA_INLINE void kv_lru_unlink(kva_kv *kv, uint32_t b) {
-    kva_kv_block *blk = &kv->blocks[b];
-    unsigned p = blk->priority;
-    if (blk->prev == KVA_NIL) kv->lru_head[p] = blk->next;
-    else kv->blocks[blk->prev].next = blk->next;
-    if (blk->next == KVA_NIL) kv->lru_tail[p] = blk->prev;
-    else kv->blocks[blk->next].prev = blk->prev;
-    if (--kv->lru_count[p] == 0) kv->lru_nonempty &= ~(1u << p);
-    kv->cached_count--;
-}
+/* Maps the segments for a cache of num_blocks blocks; unmaps them. */
+kva_status kv_lru_init(kva_kv *kv);
+void kv_lru_release(kva_kv *kv);
+/* Appends a block at the newest end of the LRU list of its priority: CACHED. O(1), or
+ * O(KV_LRU_SEG) when the tail segment is compacted. */
+void kv_lru_push(kva_kv *kv, uint32_t b);
+/* Takes a CACHED block off its list (a hit, or its eviction); the caller sets its new state.
+ * O(1), or O(KV_LRU_SEG) when two segments merge. */
+void kv_lru_remove(kva_kv *kv, uint32_t b);
+/* Copies up to max of the next victims, in eviction order, into out; returns how many. Reads
+ * only the segments. */
+uint32_t kv_lru_collect(const kva_kv *kv, uint32_t *out, uint32_t max);
+/* Renames every listed block through fwd (compaction, kv_compact.c). */
+void kv_lru_rename(kva_kv *kv, uint32_t (*fwd)(const kva_kv *kv, uint32_t b, uint32_t n), uint32_t n);
+/* K4 (kv_check.c calls it): marks each listed block in seen. */
+kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen);
 
 /* ---- the prefix table and the blocks (kv_blocks.c) ---------------------------------------- */
 

@@ -48,30 +48,6 @@ static kva_status check_free_stack(const kva_kv *kv, uint8_t *seen) {
     return KVA_OK;
 }
 
-static kva_status check_lru(const kva_kv *kv, uint8_t *seen) {
-    uint32_t total = 0;
-    for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) {
-        uint32_t count = 0, prev = KVA_NIL;
-        for (uint32_t b = kv->lru_head[p]; b != KVA_NIL; b = kv->blocks[b].next) {
-            if (b >= kv->num_blocks) return BROKEN("K4: LRU list %u links to %u, past the end", p, b);
-            const kva_kv_block *blk = &kv->blocks[b];
-            if (blk->state != KV_CACHED || blk->priority != p)
-                return BROKEN("K4: block %u on LRU list %u has state %u priority %u", b, p, blk->state, blk->priority);
-            if (blk->prev != prev) return BROKEN("K4: block %u on LRU list %u has a wrong prev link", b, p);
-            if (seen[b]++) return BROKEN("K4: block %u is listed twice", b);
-            if (++count > kv->lru_count[p]) return BROKEN("K4: LRU list %u is longer than its count", p);
-            prev = b;
-        }
-        if (kv->lru_tail[p] != prev) return BROKEN("K4: LRU list %u's tail is %u, the list ends at %u", p, kv->lru_tail[p], prev);
-        if (count != kv->lru_count[p]) return BROKEN("K4: LRU list %u holds %u blocks, its count says %u", p, count, kv->lru_count[p]);
-        if (((kv->lru_nonempty >> p) & 1) != (count != 0)) return BROKEN("K4: nonempty bit %u disagrees with list %u", p, p);
-        total += count;
-    }
-    if (kv->lru_nonempty >> KVA_KV_PRIORITIES) return BROKEN("K4: nonempty bits beyond the priorities");
-    if (total != kv->cached_count) return BROKEN("K4: %u blocks on the LRU lists, %u cached", total, kv->cached_count);
-    return KVA_OK;
-}
-
 static kva_status check_prefix_table(const kva_kv *kv) {
     uint32_t chained = 0;
     for (uint32_t bucket = 0; bucket <= kv->bucket_mask; bucket++) {
@@ -136,7 +112,7 @@ static kva_status check_paged(kva_kv *kv) {
         return kva_fail(KVA_ERR_NOMEM, "no host memory to check %u blocks", kv->num_blocks);
     }
     st = check_free_stack(kv, seen);
-    if (st == KVA_OK) st = check_lru(kv, seen);
+    if (st == KVA_OK) st = kv_lru_check(kv, seen);
     if (st == KVA_OK) st = check_prefix_table(kv);
     if (st == KVA_OK) st = check_sequences(kv, refs);
     for (uint32_t b = 0; st == KVA_OK && b < kv->num_blocks; b++)

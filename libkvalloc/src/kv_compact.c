@@ -13,9 +13,10 @@
  *   1. count the moves; refuse (nothing changed) if the caller's array is too small;
  *   2. copy each source's record to its hole and leave a forwarding id in the source's `next`
  *      (every source is above n and becomes free in pass 5, so its record is scratch);
- *   3. rewrite the links of the records now in [0, n): LRU prev/next of CACHED blocks and the
- *      prefix-chain link of registered ones; then the bucket heads that named a source (a
- *      source's bucket follows from its key) and the LRU heads and tails;
+ *   3. rewrite the links of the records now in [0, n): the prefix-chain link of registered
+ *      ones; then the bucket heads that named a source (a source's bucket follows from its
+ *      key) and the ids in the LRU segments (a CACHED block's lru_slot, its position there,
+ *      moved with its record);
  *   4. rewrite every live sequence's and pin's table entries >= n;
  *   5. rebuild [n, num_blocks) as free records, stacked n, n+1, ... from the top (as at
  *      creation, so later allocations fill the low ids first).
@@ -28,7 +29,7 @@
 #define INVALID(...) kv_reject(kv, kva_fail(KVA_ERR_INVALID, __VA_ARGS__))
 
 /* The id a block has after pass 2: unchanged below n, else the hole it moved to. */
-KVA_INLINE uint32_t forward(const kva_kv *kv, uint32_t b, uint32_t n) {
+static uint32_t forward(const kva_kv *kv, uint32_t b, uint32_t n) {
     return b == KVA_NIL || b < n ? b : kv->blocks[b].next;
 }
 
@@ -50,10 +51,6 @@ static void move_records(kva_kv *kv, uint32_t n, kva_kv_move *moves) {
 static void relink(kva_kv *kv, uint32_t n, const kva_kv_move *moves, uint32_t count) {
     for (uint32_t b = 0; b < n; b++) {
         kva_kv_block *blk = &kv->blocks[b];
-        if (blk->state == KV_CACHED) {
-            blk->prev = forward(kv, blk->prev, n);
-            blk->next = forward(kv, blk->next, n);
-        }
         if (blk->registered) blk->hash_next = forward(kv, blk->hash_next, n);
     }
     for (uint32_t i = 0; i < count; i++) {
@@ -62,10 +59,7 @@ static void relink(kva_kv *kv, uint32_t n, const kva_kv_move *moves, uint32_t co
         uint32_t *head = &kv->buckets[blk->key.lo & kv->bucket_mask];
         if (*head == moves[i].src_block) *head = moves[i].dst_block;
     }
-    for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) {
-        kv->lru_head[p] = forward(kv, kv->lru_head[p], n);
-        kv->lru_tail[p] = forward(kv, kv->lru_tail[p], n);
-    }
+    kv_lru_rename(kv, forward, n);
 }
 
 static void rewrite_tables(kva_kv *kv, uint32_t n) {
@@ -79,7 +73,7 @@ static void rewrite_tables(kva_kv *kv, uint32_t n) {
 static void rebuild_free(kva_kv *kv, uint32_t n) {
     uint32_t total = kv->backed_blocks; /* the trimmed blocks above stay trimmed */
     for (uint32_t b = n; b < total; b++)
-        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .prev = KVA_NIL,
+        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .lru_slot = KVA_NIL,
                                        .next = b + 1 < total ? b + 1 : KVA_NIL, .state = KV_FREE};
     kv->free_top = n < total ? n : KVA_NIL;
     kv->free_bottom = n < total ? total - 1 : KVA_NIL;
