@@ -62,11 +62,20 @@ uint32_t kv_evict(kva_kv *kv, uint32_t count) {
     for (uint32_t done = 0; done < count;) {
         uint32_t want = count - done < KV_EVICT_BATCH ? count - done : KV_EVICT_BATCH;
         uint32_t n = kv_lru_collect(kv, victims, want);
-        /* Three passes: the records start loading together; their keys give the buckets, which
-         * start loading together; then the evictions find both in cache. */
-        for (uint32_t i = 0; i < n; i++) __builtin_prefetch(&kv->blocks[victims[i]], 1);
+        /* Passes: the records start loading together; their keys give the buckets, which start
+         * loading together; a victim that is not first on its chain (about one in five) has its
+         * unlink walk from the chain's first block, whose record starts loading; then the
+         * evictions find everything in cache. */
+        for (uint32_t i = 0; i < n; i++) { /* both lines of a record that straddles two */
+            __builtin_prefetch(&kv->blocks[victims[i]], 1);
+            __builtin_prefetch((const char *)&kv->blocks[victims[i]] + sizeof(kva_kv_block) - 1, 1);
+        }
         for (uint32_t i = 0; i < n; i++)
             __builtin_prefetch(&kv->buckets[kv->blocks[victims[i]].key.lo & kv->bucket_mask], 1);
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t first = kv->buckets[kv->blocks[victims[i]].key.lo & kv->bucket_mask];
+            if (first != victims[i]) __builtin_prefetch(&kv->blocks[first].hash_next, 1);
+        }
         for (uint32_t i = 0; i < n; i++) {
             uint32_t b = victims[i];
             kv_lru_remove(kv, b);

@@ -201,12 +201,55 @@ kva_status kv_metadata_map(size_t bytes, void **out, size_t *length);
 /* Maps the segments for a cache of num_blocks blocks; unmaps them. */
 kva_status kv_lru_init(kva_kv *kv);
 void kv_lru_release(kva_kv *kv);
+/* The slow halves of push and remove: the tail segment of list p, s, is full (returns the
+ * tail to append to); segment s lost an entry and may merge with a neighbour (K4). */
+uint32_t kv_lru_make_room(kva_kv *kv, uint32_t s, unsigned p);
+void kv_lru_settle(kva_kv *kv, uint32_t s);
+
+KVA_INLINE uint32_t *kv_lru_seg_ids(const kva_kv *kv, uint32_t s) { return kv->lru_ids + (size_t)s * KV_LRU_SEG; }
+
+/* Whether segments a and b (either may be KVA_NIL) hold few enough live entries to merge. */
+KVA_INLINE int kv_lru_mergeable(const kva_kv *kv, uint32_t a, uint32_t b) {
+    return a != KVA_NIL && b != KVA_NIL && kv->lru_segs[a].live + kv->lru_segs[b].live <= KV_LRU_SEG;
+}
+
 /* Appends a block at the newest end of the LRU list of its priority: CACHED. O(1), or
  * O(KV_LRU_SEG) when the tail segment is compacted. */
-void kv_lru_push(kva_kv *kv, uint32_t b);
-/* Takes a CACHED block off its list (a hit, or its eviction); the caller sets its new state.
- * O(1), or O(KV_LRU_SEG) when two segments merge. */
-void kv_lru_remove(kva_kv *kv, uint32_t b);
+KVA_INLINE void kv_lru_push(kva_kv *kv, uint32_t b) {
+    kva_kv_block *blk = &kv->blocks[b];
+    unsigned p = blk->priority;
+    uint32_t s = kv->lru_tail[p];
+    if (kva_unlikely(s == KVA_NIL || kv->lru_segs[s].fill == KV_LRU_SEG)) s = kv_lru_make_room(kv, s, p);
+    kv_lru_seg *g = &kv->lru_segs[s];
+    uint32_t at = g->fill;
+    kv_lru_seg_ids(kv, s)[at] = b;
+    blk->lru_slot = s * KV_LRU_SEG + at;
+    g->fill = (uint8_t)(at + 1);
+    g->live++;
+    blk->state = KV_CACHED;
+    kv->lru_count[p]++;
+    kv->lru_nonempty |= 1u << p;
+    kv->cached_count++;
+}
+
+/* Takes a CACHED block off its list (a hit, or its eviction), leaving a tombstone; the caller
+ * sets its new state. O(1), or O(KV_LRU_SEG) when two segments merge. */
+KVA_INLINE void kv_lru_remove(kva_kv *kv, uint32_t b) {
+    kva_kv_block *blk = &kv->blocks[b];
+    uint32_t s = blk->lru_slot / KV_LRU_SEG, i = blk->lru_slot % KV_LRU_SEG;
+    kv_lru_seg *g = &kv->lru_segs[s];
+    uint32_t *ids = kv_lru_seg_ids(kv, s);
+    unsigned p = g->priority;
+    ids[i] = KVA_NIL;
+    blk->lru_slot = KVA_NIL;
+    g->live--;
+    if (i == g->first)
+        while (g->first < g->fill && ids[g->first] == KVA_NIL) g->first++;
+    if (kva_unlikely(g->live == 0 || kv_lru_mergeable(kv, g->prev, s) || kv_lru_mergeable(kv, s, g->next)))
+        kv_lru_settle(kv, s);
+    if (--kv->lru_count[p] == 0) kv->lru_nonempty &= ~(1u << p);
+    kv->cached_count--;
+}
 /* Copies up to max of the next victims, in eviction order, into out; returns how many. Reads
  * only the segments. */
 uint32_t kv_lru_collect(const kva_kv *kv, uint32_t *out, uint32_t max);

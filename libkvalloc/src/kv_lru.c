@@ -40,7 +40,7 @@
 
 #define SEG KV_LRU_SEG
 
-KVA_INLINE uint32_t *seg_ids(const kva_kv *kv, uint32_t s) { return kv->lru_ids + (size_t)s * SEG; }
+#define seg_ids kv_lru_seg_ids
 
 static uint32_t segments_needed(uint32_t num_blocks) {
     uint32_t bound = 2 * ((num_blocks + SEG - 1) / SEG) + 3 * KVA_KV_PRIORITIES;
@@ -144,12 +144,9 @@ static uint32_t merge(kva_kv *kv, uint32_t a, uint32_t b) {
     return b;
 }
 
-KVA_INLINE int mergeable(const kva_kv *kv, uint32_t a, uint32_t b) {
-    return a != KVA_NIL && b != KVA_NIL && kv->lru_segs[a].live + kv->lru_segs[b].live <= SEG;
-}
+#define mergeable kv_lru_mergeable
 
-/* Restores K4's density after segment s lost an entry. */
-static void settle(kva_kv *kv, uint32_t s) {
+void kv_lru_settle(kva_kv *kv, uint32_t s) {
     kv_lru_seg *g = &kv->lru_segs[s];
     if (g->live == 0) {
         uint32_t prev = g->prev, next = g->next;
@@ -161,46 +158,12 @@ static void settle(kva_kv *kv, uint32_t s) {
     while (mergeable(kv, s, kv->lru_segs[s].next)) s = merge(kv, s, kv->lru_segs[s].next);
 }
 
-/* The tail of list p has no room: it is compacted when it holds tombstones (K4: a new segment
- * follows only a full one), else a new segment follows. Returns the new tail. */
-static KVA_NOINLINE uint32_t make_room(kva_kv *kv, uint32_t s, unsigned p) {
+uint32_t kv_lru_make_room(kva_kv *kv, uint32_t s, unsigned p) {
     if (s != KVA_NIL && kv->lru_segs[s].live < SEG) {
         compact_segment(kv, s);
         return s;
     }
     return segment_append(kv, p);
-}
-
-void kv_lru_push(kva_kv *kv, uint32_t b) {
-    kva_kv_block *blk = &kv->blocks[b];
-    unsigned p = blk->priority;
-    uint32_t s = kv->lru_tail[p];
-    if (kva_unlikely(s == KVA_NIL || kv->lru_segs[s].fill == SEG)) s = make_room(kv, s, p);
-    kv_lru_seg *g = &kv->lru_segs[s];
-    seg_ids(kv, s)[g->fill] = b;
-    blk->lru_slot = s * SEG + g->fill;
-    g->fill++;
-    g->live++;
-    blk->state = KV_CACHED;
-    kv->lru_count[p]++;
-    kv->lru_nonempty |= 1u << p;
-    kv->cached_count++;
-}
-
-void kv_lru_remove(kva_kv *kv, uint32_t b) {
-    kva_kv_block *blk = &kv->blocks[b];
-    uint32_t s = blk->lru_slot / SEG, i = blk->lru_slot % SEG;
-    kv_lru_seg *g = &kv->lru_segs[s];
-    uint32_t *ids = seg_ids(kv, s);
-    unsigned p = g->priority;
-    ids[i] = KVA_NIL;
-    blk->lru_slot = KVA_NIL;
-    g->live--;
-    if (i == g->first)
-        while (g->first < g->fill && ids[g->first] == KVA_NIL) g->first++;
-    settle(kv, s);
-    if (--kv->lru_count[p] == 0) kv->lru_nonempty &= ~(1u << p);
-    kv->cached_count--;
 }
 
 uint32_t kv_lru_collect(const kva_kv *kv, uint32_t *out, uint32_t max) {

@@ -79,7 +79,13 @@ static uint32_t prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *ta
             uint32_t b = kv_prefix_find_from(kv, heads[j], keys[j], c->ns);
             if (b == KVA_NIL) goto done;
             table[hits++] = b;
-            cached += kv->blocks[b].state == KV_CACHED;
+            if (kv->blocks[b].state == KV_CACHED) {
+                /* The hit takes it off its LRU list (kv_block_ref): its entry starts loading. */
+                uint32_t slot = kv->blocks[b].lru_slot;
+                __builtin_prefetch(&kv->lru_ids[slot], 1);
+                __builtin_prefetch(&kv->lru_segs[slot / KV_LRU_SEG], 1);
+                cached++;
+            }
             at = keys[j];
         }
     }
