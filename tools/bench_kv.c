@@ -190,6 +190,49 @@ static double bench_evicting_requests(uint32_t n, long requests) {
     return bench_median(runs, RUNS);
 }
 
+/* Single-block hits: n one-block prefixes (keys 1 .. n) released in a random order; then each
+ * call allocates one of them (a hit: the block leaves the middle of its LRU list) and frees it
+ * (it goes back at the newest end). The key is drawn from all n, or from the `window` released
+ * last at the start, which stay the most recent ones as they are hit: a hot working set near
+ * the end of the list. ns per allocate + free. */
+static double bench_single_hits(uint32_t n, uint32_t window, long reps) {
+    kva_kv *kv = make_cache(n);
+    kva_kv_seq *seqs = malloc((size_t)n * sizeof *seqs);
+    uint64_t *keys = malloc((size_t)n * sizeof *keys);
+    if (!seqs || !keys) die("malloc", KVA_ERR_NOMEM);
+    for (uint32_t i = 0; i < n; i++) {
+        keys[i] = i + 1;
+        TRY(kva_kv_seq_allocate(kv, BT, &keys[i], 1, NULL, 0, 0, 0, &seqs[i], NULL));
+    }
+    for (uint32_t i = n - 1; i > 0; i--) {
+        uint32_t j = (uint32_t)(next_random() % (i + 1));
+        kva_kv_seq t = seqs[i];
+        seqs[i] = seqs[j];
+        seqs[j] = t;
+        uint64_t k = keys[i];
+        keys[i] = keys[j];
+        keys[j] = k;
+    }
+    for (uint32_t i = 0; i < n; i++) TRY(kva_kv_seq_free(kv, seqs[i]));
+    double runs[RUNS];
+    for (int r = 0; r < RUNS; r++) {
+        double t0 = bench_now_ns();
+        for (long i = 0; i < reps; i++) {
+            uint64_t key = keys[n - 1 - (uint32_t)(next_random() % window)];
+            kva_kv_seq seq;
+            uint32_t hit;
+            TRY(kva_kv_seq_allocate(kv, BT, &key, 1, NULL, 0, 0, 0, &seq, &hit));
+            if (hit != BT) die("a single-block prefix missed", KVA_ERR_CORRUPT);
+            TRY(kva_kv_seq_free(kv, seq));
+        }
+        runs[r] = (bench_now_ns() - t0) / (double)reps;
+    }
+    free(seqs);
+    free(keys);
+    kva_kv_destroy(kv);
+    return bench_median(runs, RUNS);
+}
+
 /* Every block cached (the LRU segments hold them all, in a random order): the most metadata a
  * cache of n blocks uses outside adversarial hit patterns (kv_lru.c bounds those). */
 static double metadata_per_block(uint32_t n) {
@@ -222,6 +265,10 @@ int main(int argc, char **argv) {
     printf("| allocate + free, 256-block sequences | %.2f ns/block | <= 5 |\n", a256);
     missed += a256 > 5.0;
     printf("| decode append, 1 token | %.1f ns/call | |\n", bench_decode(200000 * scale));
+    printf("| single-block hit + release, uniform over 65536 cached | %.1f ns/call | |\n",
+           bench_single_hits(1 << 16, 1 << 16, 20000 * scale));
+    printf("| single-block hit + release, the 512 most recent of 65536 cached | %.1f ns/call | |\n",
+           bench_single_hits(1 << 16, 512, 20000 * scale));
 
     uint32_t sizes[3] = {10000, 100000, 1000000};
     double hits[3], steady[3], evict[2][2][3]; /* [cold][shuffled][size] */

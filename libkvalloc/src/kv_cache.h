@@ -36,9 +36,11 @@
  *      free_bottom (KVA_NIL when empty).
  *  K4  The segments of LRU list p are doubly linked from lru_head[p] to lru_tail[p]; each holds
  *      fill <= KV_LRU_SEG entries, tombstones before `first`, `live` entries that are not
- *      tombstones (at least one), and every live entry names a CACHED block of priority p
- *      whose lru_slot is that entry's position; two adjacent segments hold more than
- *      KV_LRU_SEG live entries between them. The lists hold exactly the CACHED blocks, p's
+ *      tombstones (at least one, but for a tail with fill 0), and every live entry names a
+ *      CACHED block of priority p
+ *      whose lru_slot is that entry's position, and the last of `fill` is live; two adjacent
+ *      segments, unless the second is the tail, hold more than KV_LRU_SEG live entries between
+ *      them. The lists hold exactly the CACHED blocks, p's
  *      lru_count[p] of them; bit p of lru_nonempty is set iff list p is not empty. Every other
  *      segment below lru_used is on the free-segment list, with fill 0.
  *  K5  Every CACHED block is registered; no FREE block is. Each registered block is on the chain
@@ -213,6 +215,11 @@ KVA_INLINE int kv_lru_mergeable(const kva_kv *kv, uint32_t a, uint32_t b) {
     return a != KVA_NIL && b != KVA_NIL && kv->lru_segs[a].live + kv->lru_segs[b].live <= KV_LRU_SEG;
 }
 
+/* Whether K4 requires them to merge: b, after a, is not its list's tail (kv_lru.c). */
+KVA_INLINE int kv_lru_must_merge(const kva_kv *kv, uint32_t a, uint32_t b) {
+    return kv_lru_mergeable(kv, a, b) && kv->lru_segs[b].next != KVA_NIL;
+}
+
 /* Appends a block at the newest end of the LRU list of its priority: CACHED. O(1), or
  * O(KV_LRU_SEG) when the tail segment is compacted. */
 KVA_INLINE void kv_lru_push(kva_kv *kv, uint32_t b) {
@@ -245,7 +252,9 @@ KVA_INLINE void kv_lru_remove(kva_kv *kv, uint32_t b) {
     g->live--;
     if (i == g->first)
         while (g->first < g->fill && ids[g->first] == KVA_NIL) g->first++;
-    if (kva_unlikely(g->live == 0 || kv_lru_mergeable(kv, g->prev, s) || kv_lru_mergeable(kv, s, g->next)))
+    if (i + 1 == g->fill)
+        while (g->fill > g->first && ids[g->fill - 1] == KVA_NIL) g->fill--;
+    if (kva_unlikely(g->live == 0 || kv_lru_must_merge(kv, g->prev, s) || kv_lru_must_merge(kv, s, g->next)))
         kv_lru_settle(kv, s);
     if (--kv->lru_count[p] == 0) kv->lru_nonempty &= ~(1u << p);
     kv->cached_count--;

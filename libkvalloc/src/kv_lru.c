@@ -12,29 +12,38 @@
  * Entries. A release appends the block's id at the tail segment's end and records its position
  * in the block (lru_slot). A block leaving the list (a hit, or its eviction) leaves a tombstone
  * (KVA_NIL) in its entry: O(1), and the order of the others is untouched. A segment's `first`
- * skips the tombstones at its front, so the head is found without rescanning them.
+ * skips the tombstones at its front and `fill` ends after its last live entry, so neither end
+ * is rescanned and a block hit and released again at the very end of a list costs no moves.
  *
  * Bounded space. Tombstones must not accumulate, or a cache whose blocks are hit and released
  * again and again would grow its lists without bound. Three rules keep the segments dense:
- *  - a segment whose last live entry leaves is unlinked and freed;
- *  - when two adjacent segments hold at most KV_LRU_SEG live entries between them, they merge
- *    into the first (its live entries, then the second's, in order; the moved blocks' lru_slot
- *    follow): so any two adjacent segments hold more than KV_LRU_SEG (K4);
- *  - an append to a full tail segment that holds tombstones compacts it in place instead of
- *    starting a new segment: a new segment follows only a tail with KV_LRU_SEG live entries.
- * A list of m segments then holds more than floor(m / 2) * KV_LRU_SEG blocks, so m is at most
- * 2 * ceil(L / KV_LRU_SEG) + 1 for L blocks, and all lists together need at most
- * 2 * ceil(num_blocks / KV_LRU_SEG) + 3 * KVA_KV_PRIORITIES segments (and never more than
- * num_blocks: a segment holds a live entry): that much address space is reserved at creation,
- * so a segment is never lacking. Segments are handed out from the bottom as they are first
- * needed (lru_used) and recycled through a free list, so the memory touched follows the lists'
- * high-water mark: at most 8.4 bytes per block for a large cache at KV_LRU_SEG = 64, and no
- * fixed cost per priority for a small one until its lists hold blocks.
+ *  - a segment whose last live entry leaves is unlinked and freed, unless it is the tail, which
+ *    stays (empty) for the next release: a block hit and released again and again would
+ *    otherwise free and take a segment each time;
+ *  - two adjacent segments that hold at most KV_LRU_SEG live entries between them merge (the
+ *    side with fewer moves into the other, in order; the moved blocks' lru_slot follow), unless
+ *    the second is the list's tail: so any two adjacent segments but the last two of a list hold
+ *    more than KV_LRU_SEG (K4);
+ *  - an append to a full tail segment compacts it in place when at most half its entries are
+ *    live; otherwise a new tail follows, and the old one, no longer exempt, merges with the one
+ *    before it if the two fit in one.
+ * A list of m segments then holds more than floor((m - 2) / 2) * KV_LRU_SEG blocks (the tail may
+ * be empty), so m is at most 2 * ceil(L / KV_LRU_SEG) + 1 for L blocks, and all lists together
+ * need at most 2 * ceil(num_blocks / KV_LRU_SEG) + 3 * KVA_KV_PRIORITIES segments (and never more
+ * than num_blocks + KVA_KV_PRIORITIES: every segment but a tail holds a live entry). That much
+ * address space is reserved at creation, so a segment is never lacking. Segments are handed out from the bottom as they
+ * are first needed (lru_used) and recycled through a free list, so the memory touched follows
+ * the lists' high-water mark: at most 8.4 bytes per block for a large cache at KV_LRU_SEG = 64,
+ * and no fixed cost per priority for a small one until its lists hold blocks.
  *
- * Cost. Appends and removals are O(1); a merge or a compaction moves at most KV_LRU_SEG entries,
- * and since a segment is created only once per KV_LRU_SEG appends and each merge removes one,
- * that work is O(1) per operation amortized and O(KV_LRU_SEG) at worst. Nothing here reads a
- * block record except to follow a moved entry.
+ * Cost. Appends and removals are O(1) but for the moves of merges and compactions, at most
+ * KV_LRU_SEG entries each. The tail's exemption is what keeps those O(1) amortized: the work of
+ * a list's end happens only when its tail fills, which takes at least KV_LRU_SEG / 2 appends
+ * since the last time (a compaction frees at least that many entries, a new tail has all of
+ * them), and costs at most KV_LRU_SEG / 2 moves for the compaction or the merge; a merge
+ * elsewhere removes a segment, and segments are created only at the tail. (Without the
+ * exemption a block hit and released again beside a full tail cost 63 moves every time.)
+ * Nothing here reads a block record except to follow a moved entry.
  */
 #include "kv_cache.h"
 
@@ -44,7 +53,7 @@
 
 static uint32_t segments_needed(uint32_t num_blocks) {
     uint32_t bound = 2 * ((num_blocks + SEG - 1) / SEG) + 3 * KVA_KV_PRIORITIES;
-    return bound < num_blocks ? bound : num_blocks;
+    return bound < num_blocks + KVA_KV_PRIORITIES ? bound : num_blocks + KVA_KV_PRIORITIES;
 }
 
 kva_status kv_lru_init(kva_kv *kv) {
@@ -103,13 +112,15 @@ static void segment_free(kva_kv *kv, uint32_t s) {
 static uint32_t move_entries(kva_kv *kv, uint32_t dst, uint32_t at, uint32_t src) {
     const kv_lru_seg *g = &kv->lru_segs[src];
     uint32_t *from = seg_ids(kv, src), *to = seg_ids(kv, dst);
-    for (uint32_t i = g->first; i < g->fill; i++)
-        if (from[i] != KVA_NIL) __builtin_prefetch(&kv->blocks[from[i]], 1);
+    for (uint32_t i = g->first, to_at = at; i < g->fill; i++)
+        if (from[i] != KVA_NIL && to + to_at++ != from + i) __builtin_prefetch(&kv->blocks[from[i]], 1);
     for (uint32_t i = g->first; i < g->fill; i++) {
         uint32_t b = from[i];
         if (b == KVA_NIL) continue;
-        to[at] = b;
-        kv->blocks[b].lru_slot = dst * SEG + at;
+        if (to + at != from + i) { /* a compaction leaves the entries before its first gap */
+            to[at] = b;
+            kv->blocks[b].lru_slot = dst * SEG + at;
+        }
         at++;
     }
     return at;
@@ -144,24 +155,35 @@ static uint32_t merge(kva_kv *kv, uint32_t a, uint32_t b) {
     return b;
 }
 
-#define mergeable kv_lru_mergeable
+#define must_merge kv_lru_must_merge
 
 void kv_lru_settle(kva_kv *kv, uint32_t s) {
     kv_lru_seg *g = &kv->lru_segs[s];
     if (g->live == 0) {
+        if (g->next == KVA_NIL) { /* the tail stays, empty */
+            g->first = g->fill = 0;
+            return;
+        }
         uint32_t prev = g->prev, next = g->next;
         segment_free(kv, s);
-        if (mergeable(kv, prev, next)) merge(kv, prev, next);
+        if (must_merge(kv, prev, next)) merge(kv, prev, next);
         return;
     }
-    if (mergeable(kv, g->prev, s)) s = merge(kv, g->prev, s);
-    while (mergeable(kv, s, kv->lru_segs[s].next)) s = merge(kv, s, kv->lru_segs[s].next);
+    if (must_merge(kv, g->prev, s)) s = merge(kv, g->prev, s);
+    while (must_merge(kv, s, kv->lru_segs[s].next)) s = merge(kv, s, kv->lru_segs[s].next);
 }
 
 uint32_t kv_lru_make_room(kva_kv *kv, uint32_t s, unsigned p) {
-    if (s != KVA_NIL && kv->lru_segs[s].live < SEG) {
+    if (s == KVA_NIL) return segment_append(kv, p);
+    kv_lru_seg *g = &kv->lru_segs[s];
+    if (g->live <= SEG / 2) {
         compact_segment(kv, s);
         return s;
+    }
+    /* s stops being the tail: the pair it ends loses its exemption from K4. */
+    if (kv_lru_mergeable(kv, g->prev, s)) {
+        s = merge(kv, g->prev, s);
+        if (kv->lru_segs[s].fill < SEG) return s;
     }
     return segment_append(kv, p);
 }
@@ -193,6 +215,8 @@ static kva_status check_segment(const kva_kv *kv, uint32_t s, unsigned p, uint8_
     if (g->priority != p) return BROKEN("K4: segment %u on LRU list %u says priority %u", s, p, g->priority);
     if (g->fill > SEG || g->first > g->fill) return BROKEN("K4: segment %u has first %u, fill %u", s, g->first, g->fill);
     uint32_t live = 0;
+    if (g->fill > g->first && ids[g->fill - 1] == KVA_NIL)
+        return BROKEN("K4: segment %u ends in a tombstone at %u", s, g->fill - 1);
     for (uint32_t i = 0; i < g->fill; i++) {
         uint32_t b = ids[i];
         if (b == KVA_NIL) continue;
@@ -205,7 +229,9 @@ static kva_status check_segment(const kva_kv *kv, uint32_t s, unsigned p, uint8_
         if (seen[b]++) return BROKEN("K4: block %u is listed twice", b);
         live++;
     }
-    if (live != g->live || live == 0) return BROKEN("K4: segment %u holds %u live entries, it says %u", s, live, g->live);
+    if (live != g->live) return BROKEN("K4: segment %u holds %u live entries, it says %u", s, live, g->live);
+    if (live == 0 && (g->next != KVA_NIL || g->fill != 0))
+        return BROKEN("K4: segment %u holds no live entry but is not an empty tail", s);
     *count += live;
     return KVA_OK;
 }
@@ -220,7 +246,8 @@ kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
             if (++linked > kv->lru_used) return BROKEN("K4: the LRU lists loop");
             kva_status st = check_segment(kv, s, p, seen, &count);
             if (st != KVA_OK) return st;
-            if (prev != KVA_NIL && kv->lru_segs[prev].live + kv->lru_segs[s].live <= SEG)
+            if (prev != KVA_NIL && kv->lru_segs[s].next != KVA_NIL &&
+                kv->lru_segs[prev].live + kv->lru_segs[s].live <= SEG)
                 return BROKEN("K4: adjacent segments %u and %u hold %u live entries, few enough to merge", prev, s,
                               kv->lru_segs[prev].live + kv->lru_segs[s].live);
             prev = s;

@@ -151,6 +151,7 @@ static void run(uint64_t seed, int ops) {
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);
     /* Space: the segments handed out stay within the bound kv_lru.c derives. */
     CHECK(kv->lru_used <= 2 * ((BLOCKS + KV_LRU_SEG - 1) / KV_LRU_SEG) + 3 * KVA_KV_PRIORITIES);
+    CHECK(kv->lru_used <= kv->lru_segments);
     kva_kv_destroy(kv);
 }
 
