@@ -5,7 +5,7 @@ PYTHON ?= python3
 BUILD  ?= build
 VENV   ?= .venv
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
-FUZZ_SECONDS ?= 45
+FUZZ_SECONDS ?= 30
 
 .PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz fuzz venv demo bench clean
 
@@ -50,14 +50,14 @@ venv: $(VENV)/.installed
 test-py: venv
 	$(VENV)/bin/python -m pytest -q tests/python
 
-# libFuzzer on the pool and on the KV manager, FUZZ_SECONDS each, starting from the seed corpora
+# libFuzzer on the pool, the KV manager and the variable-size pools, FUZZ_SECONDS each, starting from the seed corpora
 # in the repository; a crash fails the run and leaves the input in $(BUILD)-fuzz (crash-*).
 test-fuzz: fuzz
 fuzz:
 	scripts/ensure-system-deps.sh fuzz
 	CC=clang cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVA_FUZZ=ON -DKVA_BUILD_TESTS=OFF -DKVA_BUILD_TOOLS=OFF
-	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_pool fuzz_kv
-	for harness in pool kv; do \
+	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_pool fuzz_kv fuzz_var
+	for harness in pool kv var; do \
 		mkdir -p $(BUILD)-fuzz/corpus-$$harness && \
 		(cd $(BUILD)-fuzz && ./tests/fuzz/fuzz_$$harness -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 			corpus-$$harness $(CURDIR)/tests/fuzz/corpus/$$harness) || exit 1; \
