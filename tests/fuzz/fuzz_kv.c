@@ -8,23 +8,10 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fuzz_input.h"
 #include "kvalloc.h"
 
 #define MAX_SEQS 64
-
-typedef struct input {
-    const uint8_t *data;
-    size_t size, at;
-} input;
-
-static unsigned next_byte(input *in) { return in->at < in->size ? in->data[in->at++] : 0; }
-
-#define ORACLE(cond)                                                                         \
-    do {                                                                                     \
-        if (!(cond)) __builtin_trap();                                                       \
-    } while (0)
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input in = {data, size, 0};

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_input.h"
 #include "kvalloc.h"
 
 #define MAX_LIVE 512
@@ -20,19 +21,6 @@ typedef struct live_alloc {
     size_t size;
     unsigned char stamp;
 } live_alloc;
-
-typedef struct input {
-    const uint8_t *data;
-    size_t size, at;
-} input;
-
-static unsigned next_byte(input *in) { return in->at < in->size ? in->data[in->at++] : 0; }
-static unsigned next_u16(input *in) { return next_byte(in) | next_byte(in) << 8; }
-
-#define ORACLE(cond)                                                                         \
-    do {                                                                                     \
-        if (!(cond)) __builtin_trap();                                                       \
-    } while (0)
 
 /* Request sizes that reach every path: tiny slab objects, the KV page sizes, slab boundaries,
  * buddy blocks, odd sizes and ones larger than the pool. */
@@ -60,8 +48,6 @@ static int overlaps(const live_alloc *live, size_t n, const unsigned char *p, si
 static int intact(const live_alloc *a) {
     return a->ptr[0] == a->stamp && a->ptr[a->size - 1] == a->stamp;
 }
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input in = {data, size, 0};

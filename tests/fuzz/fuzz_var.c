@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_input.h"
 #include "kvalloc.h"
 
 #define MAX_LIVE 256
@@ -22,19 +23,6 @@ typedef struct live_range {
     size_t size, rounded;
     unsigned char stamp;
 } live_range;
-
-typedef struct input {
-    const uint8_t *data;
-    size_t size, at;
-} input;
-
-static unsigned next_byte(input *in) { return in->at < in->size ? in->data[in->at++] : 0; }
-static unsigned next_u16(input *in) { return next_byte(in) | next_byte(in) << 8; }
-
-#define ORACLE(cond)                                                                         \
-    do {                                                                                     \
-        if (!(cond)) __builtin_trap();                                                       \
-    } while (0)
 
 /* Sizes that reach every path: a unit or less, exact multiples, sizes just past a TLSF class
  * boundary, large ranges, zero and more than the pool. */
@@ -59,8 +47,6 @@ static int overlaps(const live_range *live, size_t n, const unsigned char *p, si
 }
 
 static int intact(const live_range *r) { return r->ptr[0] == r->stamp && r->ptr[r->size - 1] == r->stamp; }
-
-int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input in = {data, size, 0};
