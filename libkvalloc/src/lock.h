@@ -84,11 +84,17 @@ KVA_INLINE kva_lock_owner *kva_lock_enter_biased(kva_lock *lock) {
 
 KVA_INLINE void kva_lock_leave_biased(kva_lock_owner *me) { __atomic_store_n(&me->in, NULL, __ATOMIC_RELEASE); }
 
-KVA_INLINE int kva_lock_acquire(kva_lock *lock) {
-    if (kva_likely(kva_lock_enter_biased(lock) != NULL)) return KVA_LOCK_BIASED;
+/* The plain way in, for a caller whose kva_lock_enter_biased just failed (release with
+ * kva_lock_release and the token it returns). */
+KVA_INLINE int kva_lock_acquire_plain(kva_lock *lock) {
     kva_lock_owner *me = kva_lock_me;
     if (kva_unlikely(me == NULL)) me = kva_lock_me_slow();
     return kva_lock_acquire_slow(lock, me);
+}
+
+KVA_INLINE int kva_lock_acquire(kva_lock *lock) {
+    if (kva_likely(kva_lock_enter_biased(lock) != NULL)) return KVA_LOCK_BIASED;
+    return kva_lock_acquire_plain(lock);
 }
 
 KVA_INLINE void kva_lock_release(kva_lock *lock, int token) {

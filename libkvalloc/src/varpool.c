@@ -203,12 +203,6 @@ static void free_insert(kva_var *v, uint32_t r) {
     list_link_after(v, r, after);
 }
 
-static void free_remove(kva_var *v, uint32_t r) {
-    if (v->policy == KVA_VAR_TLSF)
-        tlsf_unlink(v, r);
-    else
-        list_unlink(v, r);
-}
 
 /* First, best and worst fit: a free range of at least `units`, or KVA_NIL. */
 static uint32_t free_find(const kva_var *v, uint32_t units) {
@@ -374,11 +368,11 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
         if (v->policy == KVA_VAR_FIRST_FIT)
             list_replace(v, at, rest);
         else
-            free_remove(v, at);
+            list_unlink(v, at);
         ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
         if (v->policy != KVA_VAR_FIRST_FIT) free_insert(v, rest);
     } else {
-        free_remove(v, at);
+        list_unlink(v, at);
         v->free_ranges--;
     }
     mark_used(v, at, units, size);
@@ -503,7 +497,7 @@ KVA_INLINE kva_status alloc_locked(kva_var *v, size_t size, void **out, kva_lock
 
 /* The lock taken the plain way (kva_var_alloc's slow path). */
 static KVA_NOINLINE kva_status alloc_plain(kva_var *v, size_t size, void **out) {
-    int token = kva_lock_acquire(&v->lock);
+    int token = kva_lock_acquire_plain(&v->lock);
     kva_status st = alloc_locked(v, size, out, NULL);
     kva_lock_release(&v->lock, token);
     return st;
@@ -607,12 +601,12 @@ static KVA_NOINLINE kva_status list_release(kva_var *v, uint32_t at, kva_lock_ow
         if (!next_free && !prev_free) free_insert(v, start);
     } else {
         if (next_free) {
-            free_remove(v, next);
+            list_unlink(v, next);
             total += kva_var_len(&ranges[next]);
             ranges[next] = (kva_var_range){0};
         }
         if (prev_free) {
-            free_remove(v, prev);
+            list_unlink(v, prev);
             total += kva_var_len(&ranges[prev]);
             ranges[at] = (kva_var_range){0};
             start = prev;
@@ -657,7 +651,7 @@ KVA_INLINE kva_status free_locked(kva_var *v, void *ptr, kva_lock_owner *me) {
 
 /* The lock taken the plain way (kva_var_free's slow path). */
 static KVA_NOINLINE kva_status free_plain(kva_var *v, void *ptr) {
-    int token = kva_lock_acquire(&v->lock);
+    int token = kva_lock_acquire_plain(&v->lock);
     kva_status st = free_locked(v, ptr, NULL);
     kva_lock_release(&v->lock, token);
     return st;

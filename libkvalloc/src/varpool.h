@@ -39,11 +39,16 @@
  *      alloc_count - free_count the used ones; requested_bytes sums the used ranges' requested
  *      sizes, each of which rounds up to the range's length.
  *
- * Threads. One lock per pool (`lock`, lock.h: an exchange to take it, a store to give it back)
- * guards the ranges, the free structures and the counters. Every public entry point but kva_var_base (which reads base, fixed at creation) and
- * kva_var_destroy (which must not overlap any other call) holds it for the whole call: a public
- * wrapper checks what the fields fixed at creation decide, locks, runs a static *_locked
- * implementation and unlocks, on every return path. The pool calls the backing kva_pool only at
+ * Threads. One lock per pool (`lock`, lock.h: biased to the thread that keeps using it, else an
+ * exchange to take it and a store to give it back) guards the ranges, the free structures and
+ * the counters. Every public entry point but kva_var_base (which reads base, fixed at creation)
+ * and kva_var_destroy (which must not overlap any other call) holds it for the whole call: a
+ * public wrapper checks what the fields fixed at creation decide, then locks and runs a static
+ * *_locked implementation. Alloc and free enter by the bias when they can, and then their
+ * locked code releases the lock on every return path (leave() in varpool.c, so that the slow
+ * parts are tail calls); when they cannot, alloc_plain and free_plain take the plain lock, run
+ * the same code (which then leaves the lock alone) and release it. Every other entry point
+ * locks and unlocks around its *_locked call. The pool calls the backing kva_pool only at
  * create and destroy, never under its lock.
  */
 #ifndef KVA_VARPOOL_H
