@@ -9,6 +9,22 @@
 
 /* ---- the free structures ------------------------------------------------------------------ */
 
+/* The range after the one at `start` of `length` units, if there is one, names it as prev. */
+KVA_INLINE void link_follower(kva_var *v, uint32_t start, uint32_t length) {
+    if (start + length < v->units) v->ranges[start + length].prev = start;
+}
+
+/* Splits the free range at `at` of `length` units after its first `units`: the tail becomes a
+ * free range of its own, linked both ways in address order, in no free structure yet. Returns
+ * the tail. `ranges` is v->ranges, which a caller on the hot path already holds. */
+KVA_INLINE uint32_t split_tail(kva_var *v, kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    uint32_t rest = at + units, end = at + length;
+    ranges[rest].prev = at;
+    ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
+    if (end < v->units) ranges[end].prev = rest; /* link_follower(v, rest, length - units) */
+    return rest;
+}
+
 /* Links r after `after` (KVA_NIL: at the head) in the first, best or worst fit list. */
 static void list_link_after(kva_var *v, uint32_t r, uint32_t after) {
     kva_var_range *ranges = v->ranges;
@@ -362,15 +378,13 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
     uint32_t length = kva_var_len(&ranges[at]);
     if (length > units) {
         /* Split: the tail stays free. In address order it takes the place of the whole. */
-        uint32_t rest = at + units, after = at + length;
-        ranges[rest].prev = at;
-        if (after < v->units) ranges[after].prev = rest;
-        if (v->policy == KVA_VAR_FIRST_FIT)
+        uint32_t rest = split_tail(v, ranges, at, length, units);
+        if (v->policy == KVA_VAR_FIRST_FIT) {
             list_replace(v, at, rest);
-        else
+        } else {
             list_unlink(v, at);
-        ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
-        if (v->policy != KVA_VAR_FIRST_FIT) free_insert(v, rest);
+            free_insert(v, rest);
+        }
     } else {
         list_unlink(v, at);
         v->free_ranges--;
@@ -383,18 +397,12 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
 /* Takes `units` from the front of the free range at `at`, wherever it sits in its class: the
  * tail goes back to its own class. */
 static void tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
-    kva_var_range *ranges = v->ranges;
-    uint32_t length = kva_var_len(&ranges[at]);
+    uint32_t length = kva_var_len(&v->ranges[at]);
     tlsf_unlink(v, at);
-    if (length > units) {
-        uint32_t rest = at + units, after = at + length;
-        ranges[rest].prev = at;
-        if (after < v->units) ranges[after].prev = rest;
-        ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
-        tlsf_push(v, rest);
-    } else {
+    if (length > units)
+        tlsf_push(v, split_tail(v, v->ranges, at, length, units));
+    else
         v->free_ranges--;
-    }
 }
 
 /* TLSF when the two-ctz search finds nothing: the request's own class may still hold a range
@@ -473,12 +481,9 @@ found:;
     mark_used(v, at, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     if (length > units) {
-        uint32_t rest = at + units, rest_len = length - units, after = at + length;
+        uint32_t rest = split_tail(v, ranges, at, length, units);
         kva_var_range *t = &ranges[rest];
-        t->prev = at;
-        if (after < v->units) ranges[after].prev = rest;
-        t->length = rest_len | KVA_VAR_FREE_BIT;
-        if (kva_unlikely(rest_len < tlsf_class_floor(fl, sl))) return tlsf_requeue(v, fl, sl, next, rest, me);
+        if (kva_unlikely(length - units < tlsf_class_floor(fl, sl))) return tlsf_requeue(v, fl, sl, next, rest, me);
         t->link_prev = KVA_NIL; /* the tail takes the head's place */
         t->link_next = next;
         if (next != KVA_NIL) ranges[next].link_prev = rest;
@@ -533,7 +538,7 @@ static KVA_NOINLINE kva_status tlsf_merge_three(kva_var *v, uint32_t at, uint32_
     tlsf_unlink(v, next);
     ranges[next] = (kva_var_range){0};
     ranges[at] = (kva_var_range){0};
-    if (prev + total < v->units) ranges[prev + total].prev = prev;
+    link_follower(v, prev, total);
     v->free_ranges--;
     return tlsf_resize(v, prev, prev_len, prev, total, me);
 }
@@ -560,12 +565,12 @@ KVA_INLINE kva_status tlsf_release(kva_var *v, uint32_t at, kva_lock_owner *me) 
         if (kva_unlikely(next_free)) return tlsf_merge_three(v, at, prev, next, me);
         uint32_t prev_len = kva_var_len(&ranges[prev]);
         *r = (kva_var_range){0};
-        if (next < v->units) ranges[next].prev = prev;
+        if (next < v->units) ranges[next].prev = prev; /* link_follower, with `next` known */
         return tlsf_resize(v, prev, prev_len, prev, prev_len + length, me);
     }
     if (next_free) {
         uint32_t next_len = kva_var_len(&ranges[next]), total = length + next_len;
-        if (at + total < v->units) ranges[at + total].prev = at;
+        link_follower(v, at, total);
         return tlsf_resize(v, next, next_len, at, total, me);
     }
     return tlsf_insert(v, at, me);
@@ -614,7 +619,7 @@ static KVA_NOINLINE kva_status list_release(kva_var *v, uint32_t at, kva_lock_ow
         ranges[start].length = total | KVA_VAR_FREE_BIT;
         free_insert(v, start);
     }
-    if (start + total < v->units) ranges[start + total].prev = start;
+    link_follower(v, start, total);
     v->free_ranges = v->free_ranges + 1 - (uint64_t)next_free - (uint64_t)prev_free;
     v->free_count++;
     return leave(me, KVA_OK);
