@@ -58,7 +58,7 @@ static void free_append(kva_kv *kv, uint32_t b) {
 
 uint32_t kv_evict(kva_kv *kv, uint32_t count) {
     if (count > kv->cached_count) count = kv->cached_count;
-    uint32_t victims[KV_EVICT_BATCH];
+    uint32_t victims[KV_EVICT_BATCH], bucket[KV_EVICT_BATCH];
     for (uint32_t done = 0; done < count;) {
         uint32_t want = count - done < KV_EVICT_BATCH ? count - done : KV_EVICT_BATCH;
         uint32_t n = kv_lru_collect(kv, victims, want);
@@ -70,10 +70,12 @@ uint32_t kv_evict(kva_kv *kv, uint32_t count) {
             __builtin_prefetch(&kv->blocks[victims[i]], 1);
             __builtin_prefetch((const char *)&kv->blocks[victims[i]] + sizeof(kva_kv_block) - 1, 1);
         }
-        for (uint32_t i = 0; i < n; i++)
-            __builtin_prefetch(&kv->buckets[kv->blocks[victims[i]].key.lo & kv->bucket_mask], 1);
         for (uint32_t i = 0; i < n; i++) {
-            uint32_t first = kv->buckets[kv->blocks[victims[i]].key.lo & kv->bucket_mask];
+            bucket[i] = (uint32_t)(kv->blocks[victims[i]].key.lo & kv->bucket_mask);
+            __builtin_prefetch(&kv->buckets[bucket[i]], 1);
+        }
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t first = kv->buckets[bucket[i]];
             if (first != victims[i]) __builtin_prefetch(&kv->blocks[first].hash_next, 1);
         }
         for (uint32_t i = 0; i < n; i++) {

@@ -49,8 +49,6 @@
 
 #define SEG KV_LRU_SEG
 
-#define seg_ids kv_lru_seg_ids
-
 static uint32_t segments_needed(uint32_t num_blocks) {
     uint32_t bound = 2 * ((num_blocks + SEG - 1) / SEG) + 3 * KVA_KV_PRIORITIES;
     return bound < num_blocks + KVA_KV_PRIORITIES ? bound : num_blocks + KVA_KV_PRIORITIES;
@@ -111,7 +109,7 @@ static void segment_free(kva_kv *kv, uint32_t s) {
  * be src (compaction, at <= first). */
 static uint32_t move_entries(kva_kv *kv, uint32_t dst, uint32_t at, uint32_t src) {
     const kv_lru_seg *g = &kv->lru_segs[src];
-    uint32_t *from = seg_ids(kv, src), *to = seg_ids(kv, dst);
+    uint32_t *from = kv_lru_seg_ids(kv, src), *to = kv_lru_seg_ids(kv, dst);
     for (uint32_t i = g->first, to_at = at; i < g->fill; i++)
         if (from[i] != KVA_NIL && to + to_at++ != from + i) __builtin_prefetch(&kv->blocks[from[i]], 1);
     for (uint32_t i = g->first; i < g->fill; i++) {
@@ -155,8 +153,6 @@ static uint32_t merge(kva_kv *kv, uint32_t a, uint32_t b) {
     return b;
 }
 
-#define must_merge kv_lru_must_merge
-
 void kv_lru_settle(kva_kv *kv, uint32_t s) {
     kv_lru_seg *g = &kv->lru_segs[s];
     if (g->live == 0) {
@@ -166,11 +162,11 @@ void kv_lru_settle(kva_kv *kv, uint32_t s) {
         }
         uint32_t prev = g->prev, next = g->next;
         segment_free(kv, s);
-        if (must_merge(kv, prev, next)) merge(kv, prev, next);
+        if (kv_lru_must_merge(kv, prev, next)) merge(kv, prev, next);
         return;
     }
-    if (must_merge(kv, g->prev, s)) s = merge(kv, g->prev, s);
-    while (must_merge(kv, s, kv->lru_segs[s].next)) s = merge(kv, s, kv->lru_segs[s].next);
+    if (kv_lru_must_merge(kv, g->prev, s)) s = merge(kv, g->prev, s);
+    while (kv_lru_must_merge(kv, s, kv->lru_segs[s].next)) s = merge(kv, s, kv->lru_segs[s].next);
 }
 
 uint32_t kv_lru_make_room(kva_kv *kv, uint32_t s, unsigned p) {
@@ -193,7 +189,7 @@ uint32_t kv_lru_collect(const kva_kv *kv, uint32_t *out, uint32_t max) {
     for (uint32_t mask = kv->lru_nonempty; mask && n < max; mask &= mask - 1)
         for (uint32_t s = kv->lru_head[__builtin_ctz(mask)]; s != KVA_NIL && n < max; s = kv->lru_segs[s].next) {
             const kv_lru_seg *g = &kv->lru_segs[s];
-            const uint32_t *ids = seg_ids(kv, s);
+            const uint32_t *ids = kv_lru_seg_ids(kv, s);
             for (uint32_t i = g->first; i < g->fill && n < max; i++)
                 if (ids[i] != KVA_NIL) out[n++] = ids[i];
         }
@@ -202,7 +198,7 @@ uint32_t kv_lru_collect(const kva_kv *kv, uint32_t *out, uint32_t max) {
 
 void kv_lru_rename(kva_kv *kv, uint32_t (*fwd)(const kva_kv *kv, uint32_t b, uint32_t n), uint32_t n) {
     for (uint32_t s = 0; s < kv->lru_used; s++) { /* free segments have fill 0 */
-        uint32_t *ids = seg_ids(kv, s);
+        uint32_t *ids = kv_lru_seg_ids(kv, s);
         for (uint32_t i = 0; i < kv->lru_segs[s].fill; i++) ids[i] = fwd(kv, ids[i], n);
     }
 }
@@ -211,7 +207,7 @@ void kv_lru_rename(kva_kv *kv, uint32_t (*fwd)(const kva_kv *kv, uint32_t b, uin
 
 static kva_status check_segment(const kva_kv *kv, uint32_t s, unsigned p, uint8_t *seen, uint32_t *count) {
     const kv_lru_seg *g = &kv->lru_segs[s];
-    const uint32_t *ids = seg_ids(kv, s);
+    const uint32_t *ids = kv_lru_seg_ids(kv, s);
     if (g->priority != p) return BROKEN("K4: segment %u on LRU list %u says priority %u", s, p, g->priority);
     if (g->fill > SEG || g->first > g->fill) return BROKEN("K4: segment %u has first %u, fill %u", s, g->first, g->fill);
     uint32_t live = 0;
