@@ -129,13 +129,17 @@ static double bench_prefix_hits(uint32_t cached, uint32_t depth, long reps) {
 }
 
 /* Fills a cache of n blocks with n one-block prefixes and releases them in random order (or in
- * order), so the LRU list is a random (or sequential) permutation of the block ids. */
-static kva_kv *full_cache(uint32_t n, int shuffled) {
+ * order), so the LRU list is a random (or sequential) permutation of the block ids. When keys
+ * is given, keys[i] is the key of the i-th block released. */
+static kva_kv *full_cache_keys(uint32_t n, int shuffled, uint64_t *keys) {
     kva_kv *kv = make_cache(n);
     kva_kv_seq *seqs = malloc((size_t)n * sizeof *seqs);
+    uint64_t *own = keys ? NULL : malloc((size_t)n * sizeof *own);
+    if (!seqs || (!keys && !own)) die("malloc", KVA_ERR_NOMEM);
+    if (!keys) keys = own;
     for (uint32_t i = 0; i < n; i++) {
-        uint64_t key = next_random();
-        TRY(kva_kv_seq_allocate(kv, BT, &key, 1, NULL, 0, 0, 0, &seqs[i], NULL));
+        keys[i] = next_random();
+        TRY(kva_kv_seq_allocate(kv, BT, &keys[i], 1, NULL, 0, 0, 0, &seqs[i], NULL));
     }
     if (shuffled)
         for (uint32_t i = n - 1; i > 0; i--) {
@@ -143,11 +147,17 @@ static kva_kv *full_cache(uint32_t n, int shuffled) {
             kva_kv_seq t = seqs[i];
             seqs[i] = seqs[j];
             seqs[j] = t;
+            uint64_t k = keys[i];
+            keys[i] = keys[j];
+            keys[j] = k;
         }
     for (uint32_t i = 0; i < n; i++) TRY(kva_kv_seq_free(kv, seqs[i]));
     free(seqs);
+    free(own);
     return kv;
 }
+
+static kva_kv *full_cache(uint32_t n, int shuffled) { return full_cache_keys(n, shuffled, NULL); }
 
 /* Evictions alone: the next 2,048 evictions of a full cache (the same work at every size), ns
  * per block, median of 9 runs. Warm: the processor's caches as the fill left them (all of the
@@ -190,30 +200,15 @@ static double bench_evicting_requests(uint32_t n, long requests) {
     return bench_median(runs, RUNS);
 }
 
-/* Single-block hits: n one-block prefixes (keys 1 .. n) released in a random order; then each
+/* Single-block hits: n one-block prefixes released in a random order (full_cache_keys); then each
  * call allocates one of them (a hit: the block leaves the middle of its LRU list) and frees it
  * (it goes back at the newest end). The key is drawn from all n, or from the `window` released
  * last at the start, which stay the most recent ones as they are hit: a hot working set near
  * the end of the list. ns per allocate + free. */
 static double bench_single_hits(uint32_t n, uint32_t window, long reps) {
-    kva_kv *kv = make_cache(n);
-    kva_kv_seq *seqs = malloc((size_t)n * sizeof *seqs);
     uint64_t *keys = malloc((size_t)n * sizeof *keys);
-    if (!seqs || !keys) die("malloc", KVA_ERR_NOMEM);
-    for (uint32_t i = 0; i < n; i++) {
-        keys[i] = i + 1;
-        TRY(kva_kv_seq_allocate(kv, BT, &keys[i], 1, NULL, 0, 0, 0, &seqs[i], NULL));
-    }
-    for (uint32_t i = n - 1; i > 0; i--) {
-        uint32_t j = (uint32_t)(next_random() % (i + 1));
-        kva_kv_seq t = seqs[i];
-        seqs[i] = seqs[j];
-        seqs[j] = t;
-        uint64_t k = keys[i];
-        keys[i] = keys[j];
-        keys[j] = k;
-    }
-    for (uint32_t i = 0; i < n; i++) TRY(kva_kv_seq_free(kv, seqs[i]));
+    if (!keys) die("malloc", KVA_ERR_NOMEM);
+    kva_kv *kv = full_cache_keys(n, 1, keys);
     double runs[RUNS];
     for (int r = 0; r < RUNS; r++) {
         double t0 = bench_now_ns();
@@ -227,7 +222,6 @@ static double bench_single_hits(uint32_t n, uint32_t window, long reps) {
         }
         runs[r] = (bench_now_ns() - t0) / (double)reps;
     }
-    free(seqs);
     free(keys);
     kva_kv_destroy(kv);
     return bench_median(runs, RUNS);

@@ -250,6 +250,16 @@ typedef struct model {
     uint16_t owner[MODEL_UNITS]; /* 0: free; else 1 + the live slot */
 } model;
 
+/* The next free run at or after *at: returns its start (MODEL_UNITS when there is none) and
+ * its length in *len, and moves *at past it. */
+static uint32_t next_free_run(const model *m, uint32_t *at, uint32_t *len) {
+    while (*at < MODEL_UNITS && m->owner[*at]) (*at)++;
+    uint32_t start = *at;
+    while (*at < MODEL_UNITS && !m->owner[*at]) (*at)++;
+    *len = *at - start;
+    return start;
+}
+
 /* The TLSF size class of a length, as one ordered index: lengths below 32 units have a class
  * each; above, each power of two is split into 32 equal classes (a second level of 5 bits). */
 static uint32_t tlsf_class_index(uint32_t len) {
@@ -265,14 +275,7 @@ static uint32_t tlsf_class_index(uint32_t len) {
 static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, uint32_t got, int succeeded) {
     uint32_t first = UINT32_MAX, min_len = UINT32_MAX, max_len = 0, got_run = 0;
     uint32_t own = tlsf_class_index(units), above = UINT32_MAX; /* the lowest fitting class > own */
-    for (uint32_t at = 0; at < MODEL_UNITS;) {
-        if (m->owner[at]) {
-            at++;
-            continue;
-        }
-        uint32_t end = at;
-        while (end < MODEL_UNITS && !m->owner[end]) end++;
-        uint32_t len = end - at;
+    for (uint32_t next = 0, at, len; (at = next_free_run(m, &next, &len)) < MODEL_UNITS;) {
         if (at == got) got_run = len;
         if (len >= units) {
             if (first == UINT32_MAX) first = at;
@@ -281,7 +284,6 @@ static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, 
             uint32_t c = tlsf_class_index(len);
             if (c > own && c < above) above = c;
         }
-        at = end;
     }
     int fits = first != UINT32_MAX;
     if (!succeeded) return !fits;
@@ -301,17 +303,10 @@ static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, 
 
 static void model_stats(const model *m, uint64_t *free_units, uint64_t *runs, uint64_t *largest) {
     *free_units = *runs = *largest = 0;
-    for (uint32_t at = 0; at < MODEL_UNITS;) {
-        if (m->owner[at]) {
-            at++;
-            continue;
-        }
-        uint32_t end = at;
-        while (end < MODEL_UNITS && !m->owner[end]) end++;
-        *free_units += end - at;
+    for (uint32_t next = 0, len; next_free_run(m, &next, &len) < MODEL_UNITS;) {
+        *free_units += len;
         (*runs)++;
-        if (end - at > *largest) *largest = end - at;
-        at = end;
+        if (len > *largest) *largest = len;
     }
 }
 
