@@ -489,12 +489,13 @@ int main(int argc, char **argv) {
      * cache. With little room to spare, fragmentation shows as failures. */
     trace tight = forward;
     tight.name = "forward passes, tight pool";
-    tight.capacity = (size_t)((double)peak_live_bytes(&forward) * TIGHT_HEADROOM);
+    const size_t peak = peak_live_bytes(&forward);
+    tight.capacity = (size_t)((double)peak * TIGHT_HEADROOM);
     tight.capacity = (tight.capacity + ((size_t)2 << 20) - 1) & ~(((size_t)2 << 20) - 1);
     trace traces[TRACES] = {forward, tight, random_trace(quick ? 10000 : 100000), kv_trace(quick ? 400 : 4000),
                             batch_trace(quick ? 100 : 1000)};
     printf("forward passes: peak live %.1f MiB; pools of %.1f MiB (tight) and %zu MiB (the others)\n\n",
-           (double)peak_live_bytes(&forward) / 1048576.0, (double)tight.capacity / 1048576.0, CAPACITY >> 20);
+           (double)peak / 1048576.0, (double)tight.capacity / 1048576.0, CAPACITY >> 20);
     result results[TRACES][NUM_ALLOCATORS];
     for (int t = 0; t < TRACES; t++)
         for (int a = 0; a < NUM_ALLOCATORS; a++) results[t][a] = run_trace(a, &traces[t]);
