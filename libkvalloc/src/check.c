@@ -129,7 +129,7 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
     for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
-            if (k->nowned > KVA_TC_WORDS || (k->cur != KVA_NIL && k->cur >= k->nowned) ||
+            if (k->nowned > k->limit || k->limit > KVA_TC_WORDS || (k->cur != KVA_NIL && k->cur >= k->nowned) ||
                 (k->cur == KVA_NIL && k->nowned > 1))
                 return BROKEN("S6: thread cache %u holds %u words of class %u, current %u", tc->id, k->nowned, c, k->cur);
             for (uint32_t i = 0; i < k->nowned; i++) {

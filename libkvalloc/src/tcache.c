@@ -104,24 +104,26 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
     return 1;
 }
 
-/* Makes the current word of class c one with a free object. Order: the owned words (remote
- * frees merged in); then, with the dry ones given back, a word from the arena of this CPU,
- * growing a slab there; then from any other arena's slabs; then, with every arena's spare slabs
- * and this thread's other cached words back in the buddy, a new slab once more. */
+/* Makes the current word of class c one with a free object. Order: the owned words after the
+ * current one, round the ring (remote frees merged in); then a fresh word from the arena of this
+ * CPU, growing a slab there, with the oldest dry word given back first when the cache is at its
+ * limit; then from any other arena's slabs; then, with every arena's spare slabs and this
+ * thread's other cached words back in the buddy, a new slab once more. */
 static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
     kva_slabs *sl = &pool->slabs;
     kva_tc_class *k = &tc->cls[c];
-    for (uint32_t i = 0; i < k->nowned; i++) {
-        uint32_t s = k->slab[i], w = k->word[i];
+    uint32_t n = k->nowned, start = k->cur == KVA_NIL ? 0 : k->cur + 1;
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = (start + j) % n, s = k->slab[i], w = k->word[i];
         if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w))) {
             set_current(pool, k, i);
             return 1;
         }
     }
-    while (k->nowned) {
-        uint32_t last = k->nowned - 1;
-        give_back_dry(sl, k->slab[last], k->word[last]);
-        remove_owned(k, last);
+    /* Every owned word is dry: make room for one more. */
+    while (k->nowned >= k->limit) {
+        give_back_dry(sl, k->slab[0], k->word[0]);
+        remove_owned(k, 0);
     }
     unsigned a = kva_arena_cpu() % sl->narenas;
     kva_arena_after_read();
@@ -164,10 +166,10 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     return KVA_OK;
 }
 
-/* Words a cache keeps for a class: KVA_TC_WORDS while it allocates objects of the class (it has
- * a current word), one while it only frees them, so that a thread that only frees (a consumer
+/* Words a cache keeps for a class: its limit while it allocates objects of the class (it has a
+ * current word), one while it only frees them, so that a thread that only frees (a consumer
  * of objects others allocate) holds at most one word of free objects per class. */
-static uint32_t words_kept(const kva_tc_class *k) { return k->cur != KVA_NIL ? KVA_TC_WORDS : 1; }
+static uint32_t words_kept(const kva_tc_class *k) { return k->cur != KVA_NIL ? k->limit : 1; }
 
 /* The oldest owned word that is not the current one, or KVA_NIL. */
 static uint32_t oldest_spare(const kva_tc_class *k, uint32_t skip) {
@@ -364,8 +366,11 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
         return NULL;
     }
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        tc->cls[c].size = pool->slabs.geom[c].size;
-        no_current(&tc->cls[c]);
+        kva_tc_class *k = &tc->cls[c];
+        k->size = pool->slabs.geom[c].size;
+        uint64_t span = 64 * k->size, words = span ? KVA_TC_BYTES / span : KVA_TC_MIN_WORDS;
+        k->limit = (uint32_t)(words < KVA_TC_MIN_WORDS ? KVA_TC_MIN_WORDS : words > KVA_TC_WORDS ? KVA_TC_WORDS : words);
+        no_current(k);
     }
     pthread_mutex_lock(&registry);
     if (pool->free_ids_count > 0) {

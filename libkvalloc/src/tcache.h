@@ -2,13 +2,22 @@
  * tcache.h — thread caches: the words of slab objects a thread owns, one cache per (thread,
  * pool), and the fast paths that use them.
  *
- * A cache owns up to KVA_TC_WORDS l0 words per size class (slab.h explains ownership). One of
- * them is the current word, which allocation pops from; a free into any owned word sets the
- * object's bit. Both are a handful of instructions on memory no other thread writes. Words move
- * in batches of up to 64 objects: a dry current word is dropped and a fresh one claimed from the
- * arena of the thread's CPU (arena.h) under that arena's lock; a free into a word nobody owns
- * claims that word into the cache (the oldest owned word goes back to its arena when the cache
- * is full); a free into a word another cache owns is a remote free (slab.h).
+ * A cache owns up to a class's word limit of l0 words per size class (slab.h explains
+ * ownership). One of them is the current word, which allocation pops from; a free into any
+ * owned word sets the object's bit. Both are a handful of instructions on memory no other thread
+ * writes. Words move in batches of up to 64 objects: a dry current word makes the next owned
+ * word with free objects current; when none has any, a fresh word is claimed from the arena of
+ * the thread's CPU (arena.h) under that arena's lock, and the oldest dry word goes back only when
+ * the cache is at its limit; a free into a word nobody owns claims that word into the cache (the
+ * oldest owned word goes back to its arena when the cache is full); a free into a word another
+ * cache owns is a remote free (slab.h).
+ *
+ * The limit is KVA_TC_BYTES of object span, between KVA_TC_MIN_WORDS and KVA_TC_WORDS words:
+ * 32 words (2,048 objects, 128 KiB) of 64 B objects, 4 words from 512 B up. Dry words are kept
+ * because they cost nothing (no free memory in them) and the objects now live in them are the
+ * ones the thread frees next: a batch of up to the limit's objects then cycles through owned
+ * words with no lock at all, as a batch within one mimalloc page (64 KiB of small objects) does.
+ * The free memory a cache can hold is bounded by KVA_TC_BYTES per class it allocates from.
  *
  * The owned words are a cache kept out of band, like the offset arrays of tcmalloc's per-CPU
  * caches, but a bitmap word rather than an array: the object's bit is its state, so a double
@@ -24,7 +33,9 @@
 
 #include "slab.h"
 
-#define KVA_TC_WORDS 4
+#define KVA_TC_WORDS 32              /* the most words a class keeps */
+#define KVA_TC_MIN_WORDS 4           /* the fewest, whatever the object size */
+#define KVA_TC_BYTES (128u << 10)    /* object span kept per class: 64 objects x size per word */
 
 typedef struct kva_tc_class {
     /* The allocation fast path reads the first three fields. */
@@ -36,6 +47,7 @@ typedef struct kva_tc_class {
      * none). Changed by the owner only, read by the stats from other threads. */
     uint32_t nowned;
     uint32_t cur;
+    uint32_t limit;         /* the words kept while allocating (see above) */
     uint32_t slab[KVA_TC_WORDS + 1]; /* + 1: a claim adds its word before the oldest goes back */
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;

@@ -2,7 +2,8 @@
  * test_tcache.c — the edges of thread caches: owner ids are reused and never wrap into "no
  * owner"; a thread with no cache that makes a refused free gets none (a refused call changes
  * nothing), and one that cannot get a cache still frees; a thread that only frees a class keeps
- * at most one word of it.
+ * at most one word of it; one that allocates keeps up to its class's word limit, dry words
+ * included, so a batch that fits cycles through the same words.
  */
 #include <string.h>
 
@@ -160,6 +161,40 @@ static void test_free_only_thread_keeps_one_word(void) {
     kva_pool_destroy(pool);
 }
 
+/* 64 B objects: 32 words (128 KiB of span); 1 KiB objects: the minimum, 4 words. */
+static void check_word_limit(size_t size, uint32_t limit) {
+    pool = make_pool(64 * MiB);
+    enum { N = 3000 };
+    static void *objs[N];
+    unsigned c = kva_class_index(size);
+    for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, size, &objs[i]), KVA_OK);
+    kva_tc_class *k = &kva_tc_find(pool)->cls[c];
+    CHECK(k->limit == limit && k->nowned == limit);
+    for (int i = 0; i < N; i++) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    CHECK(k->nowned == limit && stats().cached_bytes <= (uint64_t)limit * 64 * size);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    /* A batch of the limit's objects, twice: the second uses exactly the words of the first. */
+    uint32_t batch = limit * 64, slab[KVA_TC_WORDS], word[KVA_TC_WORDS];
+    for (int round = 0; round < 2; round++) {
+        for (uint32_t i = 0; i < batch; i++) CHECK_STATUS(kva_alloc(pool, size, &objs[i]), KVA_OK);
+        if (round == 0) {
+            memcpy(slab, k->slab, sizeof slab);
+            memcpy(word, k->word, sizeof word);
+        } else {
+            CHECK(memcmp(slab, k->slab, limit * sizeof *slab) == 0 && memcmp(word, k->word, limit * sizeof *word) == 0);
+        }
+        for (uint32_t i = 0; i < batch; i++) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    }
+    CHECK(k->nowned == limit);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+static void test_allocating_thread_keeps_its_limit(void) {
+    check_word_limit(64, KVA_TC_WORDS);
+    check_word_limit(1024, KVA_TC_MIN_WORDS);
+}
+
 /* A thread whose cache of one pool is refused (no id left) still gives back its cache of
  * another pool when it exits. */
 static kva_pool *other;
@@ -192,6 +227,7 @@ int main(void) {
     test_ids_exhausted();
     test_refused_free_makes_no_cache();
     test_free_only_thread_keeps_one_word();
+    test_allocating_thread_keeps_its_limit();
     test_refused_cache_keeps_the_others();
     return CHECK_DONE();
 }
