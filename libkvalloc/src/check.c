@@ -120,15 +120,30 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_
     return KVA_OK;
 }
 
+/* S6 for a cache's free window: closed, or on a word the cache owns, with that word's object
+ * range, division magic, remote word and the counter of the word's class. */
+static int window_names_word(const kva_pool *pool, const kva_tcache *tc, unsigned c, uint32_t s, uint32_t w) {
+    const kva_slabs *sl = &pool->slabs;
+    const kva_tc_window *win = &tc->window;
+    const kva_slab *slab = &sl->slabs[s];
+    const kva_class_geometry *g = &sl->geom[c];
+    return win->l0 == slab->l0 + w && win->remote == kva_slab_remote(slab, g) + w &&
+           win->base == (uintptr_t)pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size &&
+           win->span == (uint64_t)kva_word_objects(g, w) * g->size && win->magic == g->magic &&
+           win->frees == &tc->frees[c];
+}
+
 /* S6: every cache's owned words carry its id, and the owner entries of all slabs number exactly
- * the words the caches list. Only while no other thread holds a cache: owners change their
- * sets without a lock. */
+ * the words the caches list; a cache's current words and free window are words it owns. Only
+ * while no other thread holds a cache: owners change their sets without a lock. */
 static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
     const kva_slabs *sl = &pool->slabs;
     uint64_t listed = 0;
     for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+        int window_found = tc->window.span == 0;
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
+            const kva_tc_hot *h = &tc->hot[c];
             if (k->nowned > k->limit || k->limit > KVA_TC_WORDS || (k->cur != KVA_NIL && k->cur >= k->nowned) ||
                 (k->cur == KVA_NIL && k->nowned > 1))
                 return BROKEN("S6: thread cache %u holds %u words of class %u, current %u", tc->id, k->nowned, c, k->cur);
@@ -139,14 +154,17 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
                     kva_slab_owner(&sl->slabs[s], g)[w] != tc->id)
                     return BROKEN("S6: thread cache %u lists word %u of slab %u for class %u, which it does not own",
                                   tc->id, w, s, c);
-                if (k->cur == i && (k->l0 != sl->slabs[s].l0 + w ||
-                                    k->addr != pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size))
+                if (k->cur == i && (h->l0 != sl->slabs[s].l0 + w ||
+                                    h->addr != pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size))
                     return BROKEN("S6: thread cache %u's current word of class %u points elsewhere", tc->id, c);
+                if (!window_found) window_found = window_names_word(pool, tc, c, s, w);
                 listed++;
             }
-            if (k->cur == KVA_NIL && kva_load(k->l0) != 0)
+            if (k->cur == KVA_NIL && kva_load(h->l0) != 0)
                 return BROKEN("S6: thread cache %u has no current word of class %u but allocates from one", tc->id, c);
         }
+        if (!window_found)
+            return BROKEN("S6: thread cache %u's free window is not on a word it owns, as that word is", tc->id);
     }
     if (listed != owned_entries)
         return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,
@@ -215,7 +233,7 @@ static kva_status check_slabs(const kva_pool *pool, const kva_tc_totals *totals)
             st = BROKEN("S1: slab %u's l0 pointer is not inside its own bitmap slot", s);
             break;
         }
-        if (slab->size != g->size || slab->nobj != g->nobj || slab->recip != g->recip || slab->l0_words != g->l0_words) {
+        if (slab->size != g->size || slab->nobj != g->nobj || slab->magic != g->magic || slab->l0_words != g->l0_words) {
             st = BROKEN("S1: slab %u's copy of its class's geometry disagrees with class %u", s, slab->cls);
             break;
         }

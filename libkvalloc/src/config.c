@@ -8,7 +8,7 @@
 #define MIN_BLOCK_LOW ((size_t)256)
 #define MIN_BLOCK_HIGH ((size_t)1 << 30)
 #define CHUNK_LOW ((size_t)64 << 10)
-#define CHUNK_HIGH ((size_t)64 << 20) /* the slab reciprocal is exact below 2^26 bytes */
+#define CHUNK_HIGH ((size_t)64 << 20) /* slab offsets stay below 2^32 (kva_div_exact) */
 #define DEFAULT_CHUNK ((size_t)2 << 20)
 
 void kva_config_init(kva_config *cfg) {

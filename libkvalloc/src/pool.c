@@ -320,12 +320,12 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
 }
 
 kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
-    /* Hot path: a valid small request, this thread's cache of the pool, and a current word with
-     * a free object. size - 1 wraps for 0, which then takes the checked path with everything
-     * else. */
+    /* Hot path: this thread's cache of the pool (never the case for a NULL pool, see
+     * KVA_TC_NO_POOL), a valid small request and a current word with a free object. size - 1
+     * wraps for 0, which then takes the checked path with everything else. */
     kva_tcache *tc = kva_tc_current;
-    if (kva_likely(pool != NULL && out != NULL && size - 1 < pool->fast_limit &&
-                   kva_load(&tc->pool) == pool && kva_tc_alloc_fast(tc, kva_class_index(size), out)))
+    if (kva_likely(kva_load(&tc->pool) == pool && out != NULL && size - 1 < pool->fast_limit &&
+                   kva_tc_alloc_fast(tc, kva_class_index(size), out)))
         return KVA_OK;
     return alloc_checked(pool, size, out);
 }
@@ -445,12 +445,17 @@ static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
 }
 
 kva_status kva_free(kva_pool *pool, void *ptr) {
-    /* Hot path: a live slab object in a word this thread's cache owns. Everything else, errors
-     * included, goes to free_checked, which starts over. */
+    /* Hot path: a live slab object in the word this thread's cache last freed into, or else in
+     * any word it owns (which then becomes the window). Everything else, errors included, goes
+     * to free_checked, which starts over. The window is only ever opened by the second test,
+     * so never in a pool whose fast paths are off (fast_capacity 0). */
     kva_tcache *tc = kva_tc_current;
-    if (kva_likely(pool != NULL && kva_load(&tc->pool) == pool)) {
+    if (kva_likely(kva_load(&tc->pool) == pool)) {
+        if (kva_likely(kva_tc_free_window(tc, ptr))) return KVA_OK;
         uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
-        if (kva_likely(offset < pool->fast_capacity && kva_tc_free_fast(&pool->slabs, tc, offset))) return KVA_OK;
+        if (kva_likely(offset < pool->fast_capacity &&
+                       kva_tc_free_fast(&pool->slabs, tc, (uintptr_t)pool->base, offset)))
+            return KVA_OK;
     }
     return free_checked(pool, ptr);
 }

@@ -23,7 +23,7 @@ kva_status kva_slabs_init(kva_slabs *sl, kva_buddy *buddy, size_t capacity, unsi
         g->size = (uint32_t)kva_class_size(c);
         uint64_t nobj = chunk / g->size;
         g->nobj = (uint32_t)(nobj < KVA_SLAB_MAX_OBJECTS ? nobj : KVA_SLAB_MAX_OBJECTS);
-        g->recip = ((uint64_t)1 << KVA_RECIP_SHIFT) / g->size + 1;
+        g->magic = kva_div_magic(g->size);
         g->l0_words = words_for(g->nobj);
         g->l1_words = words_for(g->l0_words);
         size_t words = kva_slot_words(g->l0_words, g->l1_words);
@@ -156,7 +156,7 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
     slab->inuse = 0;
     slab->size = g->size;
     slab->nobj = g->nobj;
-    slab->recip = g->recip;
+    slab->magic = g->magic;
     slab->l0_words = g->l0_words;
     kva_store(&slab->arena, (uint16_t)a);
     __atomic_store_n(&slab->cls, (uint8_t)c, __ATOMIC_RELEASE);

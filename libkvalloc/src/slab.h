@@ -39,7 +39,9 @@
  *  S5* A class's allocations less its frees equal the sum of inuse over its slabs less the free
  *      and remote bits of owned words and the remote bits of words nobody owns.
  *  S6* Every owner entry names a live cache of the pool that lists the word among its own for
- *      that class, and every word a cache lists is owned by it in a slab of that class.
+ *      that class, and every word a cache lists is owned by it in a slab of that class;
+ *      a cache's current word of each class and its free window (tcache.h), when open, are
+ *      words it lists, described as they are.
  */
 #ifndef KVA_SLAB_H
 #define KVA_SLAB_H
@@ -51,9 +53,19 @@
 
 #define KVA_SLAB_NONE 0xffu
 #define KVA_SLAB_MAX_OBJECTS (1u << 18)
-/* Object index = (offset in slab * recip) >> KVA_RECIP_SHIFT, exact for offsets below 2^26 and
- * sizes up to 2^16 (offset * size < 2^42), and the product stays below 2^64. */
-#define KVA_RECIP_SHIFT 42
+/* The quotient d / size and whether it is exact, for d < 2^32, from one 64 x 64 -> 128-bit
+ * multiply by magic = kva_div_magic(size): the high half is the quotient, and size divides d iff
+ * the low half is below magic (Lemire, Kaser and Kurz, "Faster remainder by direct
+ * computation", Software: Practice and Experience 49(6), 2019). Offsets in a slab are below the
+ * largest chunk, 64 MiB; test_size_class checks every class over every offset of a word and of
+ * a 2 MiB slab. */
+KVA_INLINE uint64_t kva_div_magic(uint64_t size) { return UINT64_MAX / size + 1; }
+
+KVA_INLINE int kva_div_exact(uint64_t d, uint64_t magic, uint64_t *quotient) {
+    unsigned __int128 product = (unsigned __int128)d * magic;
+    *quotient = (uint64_t)(product >> 64);
+    return (uint64_t)product < magic;
+}
 #define KVA_NO_OWNER 0u
 
 typedef struct kva_slab {
@@ -66,10 +78,10 @@ typedef struct kva_slab {
     uint16_t arena;       /* the arena that grew it */
     uint16_t bound_node;  /* 1 + the NUMA node its chunk is bound to, 0 if never bound */
     /* Copies of what the free fast path needs, set when the slab is made, so that it reads one
-     * line of metadata besides the object's words: the class's size, object count, reciprocal
-     * and l0 word count (the remote words follow l0, the owners follow the remote words). */
+     * line of metadata besides the object's words: the class's size, object count, division
+     * magic and l0 word count (the remote words follow l0, the owners follow the remote words). */
     uint32_t size, nobj;
-    uint64_t recip;
+    uint64_t magic;         /* kva_div_magic(size) */
     uint32_t l0_words;
     /* A cache line each (56 bytes used): every free reads its slab's descriptor, and a claim or
      * return of a word writes it; neighbouring slabs usually belong to different arenas, hence
@@ -83,7 +95,7 @@ _Static_assert(sizeof(kva_slab) == 64, "a slab descriptor is one cache line");
 typedef struct kva_class_geometry {
     uint32_t size;
     uint32_t nobj;          /* objects per slab */
-    uint64_t recip;         /* reciprocal of size, see KVA_RECIP_SHIFT */
+    uint64_t magic;         /* kva_div_magic(size) */
     uint32_t l0_words;      /* l1 comes first in a slab's bitmap slot, l0 after it */
     uint32_t l1_words;
 } kva_class_geometry;
@@ -156,9 +168,8 @@ KVA_INLINE int kva_slab_locate(const kva_slabs *sl, uint64_t offset, kva_object_
     unsigned c = kva_load(&sl->slabs[s].cls);
     if (kva_unlikely(c >= KVA_NUM_SIZE_CLASSES)) return 0;
     const kva_class_geometry *g = &sl->geom[c];
-    uint64_t rel = offset & sl->chunk_mask;
-    uint64_t object = (rel * g->recip) >> KVA_RECIP_SHIFT;
-    if (kva_unlikely(object * g->size != rel || object >= g->nobj)) return 0;
+    uint64_t rel = offset & sl->chunk_mask, object;
+    if (kva_unlikely(!kva_div_exact(rel, g->magic, &object) || object >= g->nobj)) return 0;
     ref->slab = s;
     ref->word = (uint32_t)(object >> 6);
     ref->cls = c;

@@ -9,7 +9,8 @@
 
 /* Every cache's current word before it has one, and after it is dropped: never written. */
 static uint64_t no_word;
-static kva_tcache dummy; /* pool NULL: matches no pool */
+const char kva_tc_nowhere;
+static kva_tcache dummy = {.pool = KVA_TC_NO_POOL}; /* matches no pool */
 
 __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec"))) = &dummy;
 static __thread kva_tcache *thread_caches; /* every cache of this thread, dead ones included */
@@ -32,17 +33,19 @@ static uint64_t *word_remote(const kva_slabs *sl, uint32_t s, uint32_t w) {
     return kva_slab_remote(slab, &sl->geom[slab->cls]) + w;
 }
 
-static void set_current(kva_pool *pool, kva_tc_class *k, uint32_t i) {
+static void set_current(kva_pool *pool, kva_tcache *tc, unsigned c, uint32_t i) {
     const kva_slabs *sl = &pool->slabs;
+    kva_tc_class *k = &tc->cls[c];
+    kva_tc_hot *h = &tc->hot[c];
     uint32_t s = k->slab[i], w = k->word[i];
     kva_store(&k->cur, i);
-    k->addr = pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * k->size;
-    k->l0 = word_l0(sl, s, w);
+    h->addr = pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * h->size;
+    h->l0 = word_l0(sl, s, w);
 }
 
-static void no_current(kva_tc_class *k) {
-    kva_store(&k->cur, KVA_NIL);
-    k->l0 = &no_word;
+static void no_current(kva_tcache *tc, unsigned c) {
+    kva_store(&tc->cls[c].cur, KVA_NIL);
+    tc->hot[c].l0 = &no_word;
 }
 
 static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {
@@ -52,10 +55,13 @@ static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {
     kva_store(&k->nowned, n + 1);
 }
 
-/* Drops owned word i from the set, keeping the order (oldest first) of the others. */
-static void remove_owned(kva_tc_class *k, uint32_t i) {
+/* Drops owned word i of class c from the set, keeping the order (oldest first) of the others.
+ * The free window closes: it may be on that word. */
+static void remove_owned(kva_tcache *tc, unsigned c, uint32_t i) {
+    kva_tc_class *k = &tc->cls[c];
     uint32_t n = k->nowned;
-    if (k->cur == i) no_current(k);
+    tc->window.span = 0;
+    if (k->cur == i) no_current(tc, c);
     for (uint32_t j = i; j + 1 < n; j++) {
         kva_store(&k->slab[j], k->slab[j + 1]);
         kva_store(&k->word[j], k->word[j + 1]);
@@ -100,7 +106,7 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
     if (!ok) return 0;
     kva_tc_class *k = &tc->cls[c];
     add_owned(k, s, w);
-    set_current(pool, k, k->nowned - 1);
+    set_current(pool, tc, c, k->nowned - 1);
     return 1;
 }
 
@@ -116,14 +122,14 @@ static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
     for (uint32_t j = 0; j < n; j++) {
         uint32_t i = (start + j) % n, s = k->slab[i], w = k->word[i];
         if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w))) {
-            set_current(pool, k, i);
+            set_current(pool, tc, c, i);
             return 1;
         }
     }
     /* Every owned word is dry: make room for one more. */
     while (k->nowned >= k->limit) {
         give_back_dry(sl, k->slab[0], k->word[0]);
-        remove_owned(k, 0);
+        remove_owned(tc, c, 0);
     }
     unsigned a = kva_arena_cpu() % sl->narenas;
     kva_arena_after_read();
@@ -155,7 +161,7 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
     if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
-    kva_bump(&tc->cls[ref->cls].frees);
+    kva_bump(&tc->frees[ref->cls]);
     kva_bump(&tc->remote_frees);
     /* Given back meanwhile: nobody will merge the bit, so free it in the slab now. */
     if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
@@ -201,18 +207,18 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
     kva_slab_claim_word(sl, ref->slab, ref->word, tc->id);
     add_owned(k, ref->slab, ref->word);
     kva_store(ref->l0, kva_load(ref->l0) | ref->bit);
-    kva_bump(&k->frees);
+    kva_bump(&tc->frees[ref->cls]);
     uint32_t fresh = k->nowned - 1;
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, fresh)) != KVA_NIL;) {
         if (sl->slabs[k->slab[victim]].arena != a) break;
         kva_slab_release_word(sl, k->slab[victim], k->word[victim]);
-        remove_owned(k, victim);
+        remove_owned(tc, ref->cls, victim);
         fresh--;
     }
     pthread_mutex_unlock(&arena->lock);
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, k->nowned - 1)) != KVA_NIL;) {
         give_back(sl, k->slab[victim], k->word[victim]);
-        remove_owned(k, victim);
+        remove_owned(tc, ref->cls, victim);
     }
     return KVA_OK;
 }
@@ -221,7 +227,6 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
     kva_slabs *sl = &pool->slabs;
     kva_object_ref ref;
     if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
-    kva_tc_class *k = &tc->cls[ref.cls];
     for (;;) {
         uint32_t owner = kva_slab_owner_of(sl, &ref);
         if (owner == tc->id) {
@@ -229,7 +234,7 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
             uint64_t bits = kva_slab_merge_remote(ref.l0, word_remote(sl, ref.slab, ref.word));
             if (bits & ref.bit) return KVA_ERR_DOUBLE_FREE;
             kva_store(ref.l0, bits | ref.bit);
-            kva_bump(&k->frees);
+            kva_bump(&tc->frees[ref.cls]);
             return KVA_OK;
         }
         if (owner != KVA_NO_OWNER) return remote_free(pool, tc, &ref);
@@ -280,7 +285,7 @@ void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
         while (k->nowned) {
             uint32_t last = k->nowned - 1;
             give_back(sl, k->slab[last], k->word[last]);
-            remove_owned(k, last);
+            remove_owned(tc, c, last);
         }
     }
 }
@@ -290,8 +295,8 @@ void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
 /* Folds a live cache's counters into its pool and unlinks it (registry lock held). */
 static void retire(kva_pool *pool, kva_tcache *tc) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        pool->retired_allocs[c] += tc->cls[c].allocs;
-        pool->retired_frees[c] += tc->cls[c].frees;
+        pool->retired_allocs[c] += tc->hot[c].allocs;
+        pool->retired_frees[c] += tc->frees[c];
     }
     pool->retired_remote_frees += tc->remote_frees;
     /* Its words are all given back: the id is free for the next cache (ids are never reused
@@ -309,7 +314,7 @@ static void retire(kva_pool *pool, kva_tcache *tc) {
     else pool->tcaches = tc->pool_next;
     if (tc->pool_next) tc->pool_next->pool_prev = tc->pool_prev;
     pool->ncaches--;
-    __atomic_store_n(&tc->pool, NULL, __ATOMIC_RELEASE);
+    __atomic_store_n(&tc->pool, KVA_TC_NO_POOL, __ATOMIC_RELEASE);
 }
 
 /* The thread is exiting: every cache gives its words back and goes. */
@@ -322,7 +327,7 @@ static void thread_exit(void *unused) {
         kva_tcache *next = tc->thread_next;
         pthread_mutex_lock(&registry);
         kva_pool *pool = pool_of(tc);
-        if (pool) {
+        if (pool != KVA_TC_NO_POOL) {
             kva_tc_flush(pool, tc);
             retire(pool, tc);
         }
@@ -341,7 +346,7 @@ kva_tcache *kva_tc_find(kva_pool *pool) {
     for (kva_tcache **at = &thread_caches; *at;) {
         kva_tcache *tc = *at;
         kva_pool *owner = pool_of(tc);
-        if (owner == NULL) { /* its pool is gone */
+        if (owner == KVA_TC_NO_POOL) { /* its pool is gone */
             *at = tc->thread_next;
             if (kva_tc_current == tc) kva_tc_current = &dummy;
             free(tc);
@@ -367,10 +372,10 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
     }
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_tc_class *k = &tc->cls[c];
-        k->size = pool->slabs.geom[c].size;
-        uint64_t span = 64 * k->size, words = span ? KVA_TC_BYTES / span : KVA_TC_MIN_WORDS;
+        tc->hot[c].size = pool->slabs.geom[c].size;
+        uint64_t span = 64 * tc->hot[c].size, words = span ? KVA_TC_BYTES / span : KVA_TC_MIN_WORDS;
         k->limit = (uint32_t)(words < KVA_TC_MIN_WORDS ? KVA_TC_MIN_WORDS : words > KVA_TC_WORDS ? KVA_TC_WORDS : words);
-        no_current(k);
+        no_current(tc, c);
     }
     pthread_mutex_lock(&registry);
     if (pool->free_ids_count > 0) {
@@ -398,7 +403,7 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
 
 void kva_tc_pool_destroyed(kva_pool *pool) {
     pthread_mutex_lock(&registry);
-    for (kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) __atomic_store_n(&tc->pool, NULL, __ATOMIC_RELEASE);
+    for (kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) __atomic_store_n(&tc->pool, KVA_TC_NO_POOL, __ATOMIC_RELEASE);
     pool->tcaches = NULL;
     pool->ncaches = 0;
     pthread_mutex_unlock(&registry);
@@ -423,8 +428,8 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
         out->remote_frees += kva_load(&tc->remote_frees);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
-            out->allocs[c] += kva_load(&k->allocs);
-            out->frees[c] += kva_load(&k->frees);
+            out->allocs[c] += kva_load(&tc->hot[c].allocs);
+            out->frees[c] += kva_load(&tc->frees[c]);
             /* Another thread may change its set meanwhile: bounded reads, an estimate. */
             uint32_t n = kva_load(&k->nowned);
             for (uint32_t i = 0; i < n && i < KVA_TC_WORDS; i++) {

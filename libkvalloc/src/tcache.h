@@ -26,7 +26,8 @@
  * Lifetime: a cache is made by the thread's first call on the pool and lives in the thread's
  * list and the pool's list (under the registry lock). The thread's exit gives its words back and
  * folds its counters into the pool (a pthread key destructor); a pool's destruction marks its
- * caches dead and each thread frees its dead caches on its next lookup or at exit.
+ * caches dead (pool KVA_TC_NO_POOL) and each thread frees its dead caches on its next lookup or
+ * at exit.
  */
 #ifndef KVA_TCACHE_H
 #define KVA_TCACHE_H
@@ -37,14 +38,19 @@
 #define KVA_TC_MIN_WORDS 4           /* the fewest, whatever the object size */
 #define KVA_TC_BYTES (128u << 10)    /* object span kept per class: 64 objects x size per word */
 
-typedef struct kva_tc_class {
-    /* The allocation fast path reads the first three fields. */
+/* What allocation of a class reads: 32 bytes, so that finding it is one shift. */
+typedef struct kva_tc_hot {
     uint64_t *l0;           /* the current word, or the always-zero word when there is none */
     unsigned char *addr;    /* the address of the current word's first object */
     uint64_t size;          /* the class's object size */
-    uint64_t allocs, frees; /* by this thread since the cache was made (remote frees included) */
-    /* The owned words: slab[i], word[i] for i < nowned; cur indexes the current one (KVA_NIL:
-     * none). Changed by the owner only, read by the stats from other threads. */
+    uint64_t allocs;        /* by this thread since the cache was made */
+} kva_tc_hot;
+
+_Static_assert(sizeof(kva_tc_hot) == 32, "a class's allocation record is 32 bytes");
+
+/* The owned words of a class: slab[i], word[i] for i < nowned; cur indexes the current one
+ * (KVA_NIL: none). Changed by the owner only, read by the stats from other threads. */
+typedef struct kva_tc_class {
     uint32_t nowned;
     uint32_t cur;
     uint32_t limit;         /* the words kept while allocating (see above) */
@@ -52,15 +58,37 @@ typedef struct kva_tc_class {
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;
 
+/* The free window: the owned word the last fast free landed in. A free inside it needs neither
+ * the slab's descriptor nor the word's owner entry (the cache owns it: only this thread could
+ * have given it back, and doing so closes the window), so it is an offset, one multiply and the
+ * word. Frees come in runs within a word (a batch frees in the order it allocated, a request's
+ * objects were carved together), which is what makes one window pay. span 0: closed. */
+typedef struct kva_tc_window {
+    uintptr_t base;         /* the address of the word's first object */
+    uint64_t span;          /* its objects times their size: an offset below it is inside */
+    uint64_t magic;         /* kva_div_magic(size) */
+    uint64_t *l0, *remote;  /* the word and its remote word */
+    uint64_t *frees;        /* the class's free counter */
+} kva_tc_window;
+
 typedef struct kva_tcache {
-    kva_pool *pool;           /* (atomic) NULL once the pool is destroyed */
+    kva_pool *pool;           /* (atomic) KVA_TC_NO_POOL once the pool is destroyed */
     uint32_t id;              /* the owner id its words carry, unique in the pool */
     uint32_t reserved;
+    kva_tc_window window;
+    kva_tc_hot hot[KVA_NUM_SIZE_CLASSES];
+    uint64_t frees[KVA_NUM_SIZE_CLASSES]; /* by this thread since the cache was made (remote frees included) */
     kva_tc_class cls[KVA_NUM_SIZE_CLASSES];
     uint64_t remote_frees;
     struct kva_tcache *thread_next;           /* the thread's caches */
     struct kva_tcache *pool_prev, *pool_next; /* the pool's caches (registry lock) */
 } kva_tcache;
+
+/* The pool of a cache that has none (the dummy) or whose pool is gone: an address no pool has
+ * and that is not NULL, so the fast paths' one compare of tc->pool with the caller's pool also
+ * turns a NULL pool away. */
+extern const char kva_tc_nowhere;
+#define KVA_TC_NO_POOL ((kva_pool *)(uintptr_t)&kva_tc_nowhere)
 
 /* The calling thread's most recently used cache: a dummy whose pool is NULL until it has one. */
 extern __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec")));
@@ -104,15 +132,44 @@ typedef struct kva_tc_totals {
 } kva_tc_totals;
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
 
+/* The window free: 1 if ptr is a live object of the window's word, now freed; 0, with nothing
+ * changed, otherwise (outside the window, not an object's start, free already, remote frees
+ * waiting). */
+KVA_INLINE int kva_tc_free_window(kva_tcache *tc, const void *ptr) {
+    const kva_tc_window *win = &tc->window;
+    uint64_t d = (uint64_t)((uintptr_t)ptr - win->base);
+    if (kva_unlikely(d >= win->span)) return 0;
+    uint64_t object;
+    if (kva_unlikely(!kva_div_exact(d, win->magic, &object))) return 0;
+    uint64_t *l0 = win->l0, bit = (uint64_t)1 << object, bits = kva_load(l0);
+    if (kva_unlikely(((bits & bit) | kva_load(win->remote)) != 0)) return 0;
+    kva_store(l0, bits | bit);
+    kva_bump(win->frees);
+    return 1;
+}
+
+/* Opens the window on word w of slab s, which this cache owns (kva_tc_free_fast). */
+KVA_INLINE void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint64_t *l0, uint64_t w, uintptr_t word_base,
+                                   unsigned c) {
+    kva_tc_window *win = &tc->window;
+    uint64_t objects = slab->nobj - w * 64;
+    win->base = word_base;
+    win->span = (objects < 64 ? objects : 64) * slab->size;
+    win->magic = slab->magic;
+    win->l0 = l0;
+    win->remote = l0 + slab->l0_words;
+    win->frees = &tc->frees[c];
+}
+
 /* The free fast path: 1 if it freed a live object of a word this cache owns (with no remote
- * frees waiting in it); 0, with nothing changed, in every other case, for kva_tc_free. */
-KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uint64_t offset) {
+ * frees waiting in it), and opened the window on that word; 0, with nothing changed, in every
+ * other case, for kva_tc_free. */
+KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t base, uint64_t offset) {
     const kva_slab *slab = &sl->slabs[offset >> sl->chunk_shift];
     unsigned c = kva_load(&slab->cls);
     if (kva_unlikely(c == KVA_SLAB_NONE)) return 0;
-    uint64_t rel = offset & sl->chunk_mask;
-    uint64_t object = (rel * slab->recip) >> KVA_RECIP_SHIFT;
-    if (kva_unlikely(object * slab->size != rel || object >= slab->nobj)) return 0;
+    uint64_t rel = offset & sl->chunk_mask, object;
+    if (kva_unlikely(!kva_div_exact(rel, slab->magic, &object) || object >= slab->nobj)) return 0;
     uint64_t w = object >> 6;
     const uint64_t *words = slab->l0;
     size_t nwords = slab->l0_words;
@@ -120,18 +177,19 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uint64_t of
     uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
     if (kva_unlikely(((bits & bit) | kva_load(l0 + nwords)) != 0)) return 0;
     kva_store(l0, bits | bit);
-    kva_bump(&tc->cls[c].frees);
+    kva_bump(&tc->frees[c]);
+    kva_tc_open_window(tc, slab, l0, w, base + offset - (object & 63) * slab->size, c);
     return 1;
 }
 
 /* The allocation fast path: pops the lowest free object of the current word of class c. */
 KVA_INLINE int kva_tc_alloc_fast(kva_tcache *tc, unsigned c, void **out) {
-    kva_tc_class *k = &tc->cls[c];
+    kva_tc_hot *k = &tc->hot[c];
     uint64_t bits = kva_load(k->l0);
     if (kva_unlikely(bits == 0)) return 0;
     kva_store(k->l0, bits & (bits - 1));
     kva_bump(&k->allocs);
-    *out = k->addr + (uint64_t)kva_ctz64(bits) * k->size;
+    *out = k->addr + (uint64_t)__builtin_ctzll(bits) * k->size;
     return 1;
 }
 

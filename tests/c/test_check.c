@@ -43,8 +43,10 @@ int main(void) {
     REQUIRE(kva_free(pool, blocks[1]) == KVA_OK);
     /* The cache keeps dry word 0 too; given everything back, the next object claims word 1
      * alone, leaving word 0 dry and unowned. */
-    void *extra;
+    void *extra, *freed;
     REQUIRE(kva_thread_flush(pool) == KVA_OK && kva_alloc(pool, 64, &extra) == KVA_OK);
+    /* A fast free opens the cache's free window on word 1. */
+    REQUIRE(kva_alloc(pool, 64, &freed) == KVA_OK && kva_free(pool, freed) == KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
 
     kva_buddy *b = &pool->buddy;
@@ -71,6 +73,10 @@ int main(void) {
     CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
     CORRUPT("B6", b->free_units, b->free_units + 1);
     CORRUPT("S6", cached->word[0], 5);          /* the cache lists a word it does not own */
+    REQUIRE(kva_tc_current->window.span != 0);
+    CORRUPT("S6", kva_tc_current->window.base, kva_tc_current->window.base + 64); /* a window off its word */
+    CORRUPT("S6", kva_tc_current->window.span, kva_tc_current->window.span + 64); /* wider than its word */
+    CORRUPT("S6", kva_tc_current->window.frees, &kva_tc_current->frees[c + 1]);   /* another class's counter */
     CORRUPT("S6", owner[1], owner[1] + 1);      /* the word names another cache as its owner */
     CORRUPT("S6", owner[0], kva_tc_current->id); /* a word owned but listed by no cache */
     uint32_t not_a_slab = (uint32_t)(((unsigned char *)blocks[3] - pool->base) >> sl->chunk_shift);
@@ -79,10 +85,10 @@ int main(void) {
     CORRUPT("S2", owner[2], kva_tc_current->id + 7);              /* a listed word claimed behind l1's back */
     CORRUPT("S2", slab->l2, 0);                                   /* summary disagrees with l1 */
     CORRUPT("S2", slab->inuse, slab->inuse + 1);
-    CORRUPT("S1", slab->recip, slab->recip + 1);                  /* the fast path's copy */
+    CORRUPT("S1", slab->magic, slab->magic + 1);                  /* the fast path's copy */
     CORRUPT("S3", ac->partial_head, KVA_NIL);                     /* a partial slab on no list */
     CORRUPT("S4", ac->empty_slab, 3);
-    CORRUPT("S5", cached->allocs, cached->allocs + 1);
+    CORRUPT("S5", kva_tc_current->hot[c].allocs, kva_tc_current->hot[c].allocs + 1);
     CORRUPT("S5", ac->slabs, ac->slabs + 1);
     CORRUPT("P2", pool->capacity, pool->capacity + 4096);
     CORRUPT("P3", pool->block_allocs, pool->block_allocs + 1);

@@ -1,10 +1,35 @@
 /*
  * test_size_class.c — the size-class table: range, spacing, the sizes the KV cache needs, and
- * that every request maps to the smallest class that holds it.
+ * that every request maps to the smallest class that holds it; the one-multiply division that
+ * finds an object from its offset (kva_div_exact) against / and % for every class.
  */
 #include "check.h"
 #include "kvalloc.h"
 #include "size_class.h"
+#include "slab.h"
+
+/* kva_div_exact agrees with / and % at offset d of a slab of objects of `size`. */
+static int division_agrees(uint64_t d, uint64_t size, uint64_t magic) {
+    uint64_t q;
+    int exact = kva_div_exact(d, magic, &q);
+    return q == d / size && exact == (d % size == 0);
+}
+
+/* Every offset of a 2 MiB slab (the default chunk), which covers every offset of a word (the
+ * free window's range); then, up to the largest chunk (64 MiB), the offsets either side of
+ * every object start and its middle, where a wrong quotient or exactness would show first. */
+static void test_division(void) {
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
+        uint64_t size = kva_size_class_size(c), magic = kva_div_magic(size);
+        unsigned wrong = 0;
+        for (uint64_t d = 0; d < ((uint64_t)2 << 20); d++) wrong += !division_agrees(d, size, magic);
+        for (uint64_t start = 0; start < ((uint64_t)64 << 20); start += size)
+            wrong += !division_agrees(start, size, magic) + !division_agrees(start + 1, size, magic) +
+                     !division_agrees(start + size / 2, size, magic) + !division_agrees(start + size - 1, size, magic);
+        if (wrong) fprintf(stderr, "class %u (%llu B): %u offsets divided wrongly\n", c, (unsigned long long)size, wrong);
+        CHECK(wrong == 0);
+    }
+}
 
 int main(void) {
     CHECK(kva_size_class_size(0) == KVA_SLAB_MIN_SIZE);
@@ -44,5 +69,6 @@ int main(void) {
         CHECK(kva_class_index(size) == kva_class_index_formula(size));
     CHECK(kva_size_class_of(0) == -1);
     CHECK(kva_size_class_of(KVA_SLAB_MAX_SIZE + 1) == -1);
+    test_division();
     return CHECK_DONE();
 }
