@@ -120,17 +120,32 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_
     return KVA_OK;
 }
 
-/* S6 for a cache's free window: closed, or on a word the cache owns, with that word's object
- * range, division magic, remote word and the counter of the word's class. */
-static int window_names_word(const kva_pool *pool, const kva_tcache *tc, unsigned c, uint32_t s, uint32_t w) {
+/* S6 for a cache's free window: closed, or on a run of whole words of one slab that the cache
+ * owns, with that slab's division magic, the run's first remote word and the counter of the
+ * slab's class. */
+static int window_is_sound(const kva_pool *pool, const kva_tcache *tc) {
     const kva_slabs *sl = &pool->slabs;
     const kva_tc_window *win = &tc->window;
+    if (win->span == 0) return 1;
+    uint64_t offset = (uint64_t)(win->base - (uintptr_t)pool->base);
+    if (win->base < (uintptr_t)pool->base || offset >= pool->capacity || win->frees < tc->frees ||
+        win->frees >= tc->frees + KVA_NUM_SIZE_CLASSES)
+        return 0;
+    uint32_t s = (uint32_t)(offset >> sl->chunk_shift);
     const kva_slab *slab = &sl->slabs[s];
+    unsigned c = (unsigned)(win->frees - tc->frees);
+    if (s >= sl->nchunks || slab->cls != c) return 0;
     const kva_class_geometry *g = &sl->geom[c];
-    return win->l0 == slab->l0 + w && win->remote == kva_slab_remote(slab, g) + w &&
-           win->base == (uintptr_t)pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size &&
-           win->span == (uint64_t)kva_word_objects(g, w) * g->size && win->magic == g->magic &&
-           win->frees == &tc->frees[c];
+    if (win->l0 < slab->l0 || win->l0 >= slab->l0 + g->l0_words) return 0;
+    uint32_t first = (uint32_t)(win->l0 - slab->l0);
+    if (win->span % g->size != 0) return 0;
+    uint64_t objects = win->span / g->size, last = first + (objects + 63) / 64 - 1;
+    uint64_t end = (last + 1) * 64;
+    if (last >= g->l0_words || objects != (end < g->nobj ? end : g->nobj) - (uint64_t)first * 64) return 0;
+    for (uint64_t w = first; w <= last; w++)
+        if (kva_slab_owner(slab, g)[w] != tc->id) return 0;
+    return win->base == (uintptr_t)pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)first * 64 * g->size &&
+           win->remote == kva_slab_remote(slab, g) + first && win->magic == g->magic;
 }
 
 /* S6: every cache's owned words carry its id, and the owner entries of all slabs number exactly
@@ -140,7 +155,6 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
     const kva_slabs *sl = &pool->slabs;
     uint64_t listed = 0;
     for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
-        int window_found = tc->window.span == 0;
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
             const kva_tc_hot *h = &tc->hot[c];
@@ -157,14 +171,13 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
                 if (k->cur == i && (h->l0 != sl->slabs[s].l0 + w ||
                                     h->addr != pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size))
                     return BROKEN("S6: thread cache %u's current word of class %u points elsewhere", tc->id, c);
-                if (!window_found) window_found = window_names_word(pool, tc, c, s, w);
                 listed++;
             }
             if (k->cur == KVA_NIL && kva_load(h->l0) != 0)
                 return BROKEN("S6: thread cache %u has no current word of class %u but allocates from one", tc->id, c);
         }
-        if (!window_found)
-            return BROKEN("S6: thread cache %u's free window is not on a word it owns, as that word is", tc->id);
+        if (!window_is_sound(pool, tc))
+            return BROKEN("S6: thread cache %u's free window is not on a run of words it owns, as they are", tc->id);
     }
     if (listed != owned_entries)
         return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,

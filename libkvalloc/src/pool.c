@@ -160,6 +160,12 @@ static kva_status observe_end(kva_pool *pool, uint8_t op, kva_status st, const v
     return st;
 }
 
+/* What observe_end does for a successful untraced call: the publish countdown. */
+static void observe_tick(kva_pool *pool) {
+    kva_segment *seg = pool->segment;
+    if (seg && !seg->inherited && kva_unlikely(kva_segment_tick(seg))) kva_publish_due(pool);
+}
+
 /* ---- allocation ---------------------------------------------------------------------------- */
 
 static kva_status reject(kva_pool *pool, kva_status status) {
@@ -319,14 +325,28 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
     return observe_end(pool, KVA_SHM_OP_ALLOC, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
-kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
+/* The fast path's next step when the current word of class c is dry: the next owned word with
+ * a free object, without the checked path's validation, which the fast path has done. It counts
+ * as a slow call for publishing (observe_tick), so that a thread that cycles through its own
+ * words still publishes. Anything more (a word from an arena) goes the checked way. */
+static KVA_NOINLINE kva_status alloc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c, size_t size, void **out) {
+    if (kva_tc_next_word(pool, tc, c) && kva_tc_alloc_fast(tc, c, out)) {
+        observe_tick(pool);
+        return KVA_OK;
+    }
+    return alloc_checked(pool, size, out);
+}
+
+KVA_HOT_ENTRY kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
     /* Hot path: this thread's cache of the pool (never the case for a NULL pool, see
      * KVA_TC_NO_POOL), a valid small request and a current word with a free object. size - 1
      * wraps for 0, which then takes the checked path with everything else. */
     kva_tcache *tc = kva_tc_current;
-    if (kva_likely(kva_load(&tc->pool) == pool && out != NULL && size - 1 < pool->fast_limit &&
-                   kva_tc_alloc_fast(tc, kva_class_index(size), out)))
-        return KVA_OK;
+    if (kva_likely(kva_load(&tc->pool) == pool && out != NULL && size - 1 < pool->fast_limit)) {
+        unsigned c = kva_class_index(size);
+        if (kva_likely(kva_tc_alloc_fast(tc, c, out))) return KVA_OK;
+        return alloc_next_word(pool, tc, c, size, out);
+    }
     return alloc_checked(pool, size, out);
 }
 
@@ -444,7 +464,7 @@ static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
     return observe_end(pool, KVA_SHM_OP_FREE, st, ptr, 0, start);
 }
 
-kva_status kva_free(kva_pool *pool, void *ptr) {
+KVA_HOT_ENTRY kva_status kva_free(kva_pool *pool, void *ptr) {
     /* Hot path: a live slab object in the word this thread's cache last freed into, or else in
      * any word it owns (which then becomes the window). Everything else, errors included, goes
      * to free_checked, which starts over. The window is only ever opened by the second test,

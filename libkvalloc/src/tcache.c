@@ -28,9 +28,10 @@ static kva_pool *pool_of(const kva_tcache *tc) { return __atomic_load_n(&tc->poo
 
 static uint64_t *word_l0(const kva_slabs *sl, uint32_t s, uint32_t w) { return sl->slabs[s].l0 + w; }
 
+/* Through the descriptor's copy of the word count: one line for both words. */
 static uint64_t *word_remote(const kva_slabs *sl, uint32_t s, uint32_t w) {
     const kva_slab *slab = &sl->slabs[s];
-    return kva_slab_remote(slab, &sl->geom[slab->cls]) + w;
+    return slab->l0 + slab->l0_words + w;
 }
 
 static void set_current(kva_pool *pool, kva_tcache *tc, unsigned c, uint32_t i) {
@@ -95,6 +96,23 @@ static void give_back_dry(kva_slabs *sl, uint32_t s, uint32_t w) {
     pthread_mutex_unlock(&sl->arenas[a].lock);
 }
 
+/* ---- the free window ----------------------------------------------------------------------- */
+
+void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint32_t w, uintptr_t word_base, unsigned c) {
+    const uint32_t *owner = (const uint32_t *)(slab->l0 + 2 * (size_t)slab->l0_words);
+    uint32_t first = w, last = w, id = tc->id;
+    while (first > 0 && w - first < KVA_TC_WORDS && kva_load(&owner[first - 1]) == id) first--;
+    while (last + 1 < slab->l0_words && last - w < KVA_TC_WORDS && kva_load(&owner[last + 1]) == id) last++;
+    uint64_t end = (uint64_t)(last + 1) * 64, objects = (end < slab->nobj ? end : slab->nobj) - (uint64_t)first * 64;
+    kva_tc_window *win = &tc->window;
+    win->base = word_base - (uint64_t)(w - first) * 64 * slab->size;
+    win->span = objects * slab->size;
+    win->magic = slab->magic;
+    win->l0 = slab->l0 + first;
+    win->remote = slab->l0 + slab->l0_words + first;
+    win->frees = &tc->frees[c];
+}
+
 /* ---- allocation ---------------------------------------------------------------------------- */
 
 static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, int may_grow) {
@@ -115,17 +133,25 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
  * CPU, growing a slab there, with the oldest dry word given back first when the cache is at its
  * limit; then from any other arena's slabs; then, with every arena's spare slabs and this
  * thread's other cached words back in the buddy, a new slab once more. */
-static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
-    kva_slabs *sl = &pool->slabs;
+int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
+    const kva_slabs *sl = &pool->slabs;
     kva_tc_class *k = &tc->cls[c];
-    uint32_t n = k->nowned, start = k->cur == KVA_NIL ? 0 : k->cur + 1;
-    for (uint32_t j = 0; j < n; j++) {
-        uint32_t i = (start + j) % n, s = k->slab[i], w = k->word[i];
+    uint32_t n = k->nowned, i = k->cur == KVA_NIL ? 0 : k->cur + 1;
+    for (uint32_t j = 0; j < n; j++, i++) {
+        if (i == n) i = 0;
+        uint32_t s = k->slab[i], w = k->word[i];
         if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w))) {
             set_current(pool, tc, c, i);
             return 1;
         }
     }
+    return 0;
+}
+
+static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
+    kva_slabs *sl = &pool->slabs;
+    kva_tc_class *k = &tc->cls[c];
+    if (kva_tc_next_word(pool, tc, c)) return 1;
     /* Every owned word is dry: make room for one more. */
     while (k->nowned >= k->limit) {
         give_back_dry(sl, k->slab[0], k->word[0]);

@@ -58,16 +58,17 @@ typedef struct kva_tc_class {
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;
 
-/* The free window: the owned word the last fast free landed in. A free inside it needs neither
- * the slab's descriptor nor the word's owner entry (the cache owns it: only this thread could
- * have given it back, and doing so closes the window), so it is an offset, one multiply and the
- * word. Frees come in runs within a word (a batch frees in the order it allocated, a request's
- * objects were carved together), which is what makes one window pay. span 0: closed. */
+/* The free window: the run of consecutive words of one slab, all owned by this cache, around
+ * the word the last fast free landed in. A free inside it needs neither the slab's descriptor
+ * nor an owner entry (the cache owns them all: only this thread could give one back, and doing
+ * so closes the window), so it is an offset, one multiply and the word. A thread's words of a
+ * class are mostly claimed in a row from one slab, and frees come in runs within them (a batch
+ * frees what it allocated), which is what makes one window pay. span 0: closed. */
 typedef struct kva_tc_window {
-    uintptr_t base;         /* the address of the word's first object */
+    uintptr_t base;         /* the address of the run's first object */
     uint64_t span;          /* its objects times their size: an offset below it is inside */
     uint64_t magic;         /* kva_div_magic(size) */
-    uint64_t *l0, *remote;  /* the word and its remote word */
+    uint64_t *l0, *remote;  /* the run's first word and that word's remote word */
     uint64_t *frees;        /* the class's free counter */
 } kva_tc_window;
 
@@ -97,6 +98,11 @@ extern __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exe
 kva_tcache *kva_tc_get(kva_pool *pool);
 /* The same without making one: NULL if this thread has none. */
 kva_tcache *kva_tc_find(kva_pool *pool);
+
+/* Makes the next owned word of class c after the current one (round the ring) that has a free
+ * object, remote frees merged in, the current word: 1; 0 when every owned word is dry. No lock:
+ * the first step of a refill, which the allocation fast path takes on its own. */
+int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c);
 
 /* An object of class c at *offset: from the current word, else after a refill. 0 when no slab
  * anywhere in the pool has a free object of the class and no new slab can be made. */
@@ -132,37 +138,29 @@ typedef struct kva_tc_totals {
 } kva_tc_totals;
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
 
-/* The window free: 1 if ptr is a live object of the window's word, now freed; 0, with nothing
+/* The window free: 1 if ptr is a live object of the window's words, now freed; 0, with nothing
  * changed, otherwise (outside the window, not an object's start, free already, remote frees
- * waiting). */
+ * waiting in its word). */
 KVA_INLINE int kva_tc_free_window(kva_tcache *tc, const void *ptr) {
     const kva_tc_window *win = &tc->window;
     uint64_t d = (uint64_t)((uintptr_t)ptr - win->base);
     if (kva_unlikely(d >= win->span)) return 0;
     uint64_t object;
     if (kva_unlikely(!kva_div_exact(d, win->magic, &object))) return 0;
-    uint64_t *l0 = win->l0, bit = (uint64_t)1 << object, bits = kva_load(l0);
-    if (kva_unlikely(((bits & bit) | kva_load(win->remote)) != 0)) return 0;
+    uint64_t w = object >> 6, *l0 = win->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
+    if (kva_unlikely(((bits & bit) | kva_load(win->remote + w)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(win->frees);
     return 1;
 }
 
-/* Opens the window on word w of slab s, which this cache owns (kva_tc_free_fast). */
-KVA_INLINE void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint64_t *l0, uint64_t w, uintptr_t word_base,
-                                   unsigned c) {
-    kva_tc_window *win = &tc->window;
-    uint64_t objects = slab->nobj - w * 64;
-    win->base = word_base;
-    win->span = (objects < 64 ? objects : 64) * slab->size;
-    win->magic = slab->magic;
-    win->l0 = l0;
-    win->remote = l0 + slab->l0_words;
-    win->frees = &tc->frees[c];
-}
+/* Opens the window on the run of words owned by this cache around word w of slab `slab`, whose
+ * first object is at word_base (kva_tc_free_fast, after a free into word w). At most
+ * KVA_TC_WORDS words either side are looked at: no cache owns more of a class. */
+void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint32_t w, uintptr_t word_base, unsigned c);
 
 /* The free fast path: 1 if it freed a live object of a word this cache owns (with no remote
- * frees waiting in it), and opened the window on that word; 0, with nothing changed, in every
+ * frees waiting in it), and opened the window on that word's run; 0, with nothing changed, in every
  * other case, for kva_tc_free. */
 KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t base, uint64_t offset) {
     const kva_slab *slab = &sl->slabs[offset >> sl->chunk_shift];
@@ -178,13 +176,14 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     if (kva_unlikely(((bits & bit) | kva_load(l0 + nwords)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(&tc->frees[c]);
-    kva_tc_open_window(tc, slab, l0, w, base + offset - (object & 63) * slab->size, c);
+    kva_tc_open_window(tc, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);
     return 1;
 }
 
 /* The allocation fast path: pops the lowest free object of the current word of class c. */
 KVA_INLINE int kva_tc_alloc_fast(kva_tcache *tc, unsigned c, void **out) {
     kva_tc_hot *k = &tc->hot[c];
+    kva_opaque(k);
     uint64_t bits = kva_load(k->l0);
     if (kva_unlikely(bits == 0)) return 0;
     kva_store(k->l0, bits & (bits - 1));

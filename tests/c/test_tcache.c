@@ -3,7 +3,9 @@
  * owner"; a thread with no cache that makes a refused free gets none (a refused call changes
  * nothing), and one that cannot get a cache still frees; a thread that only frees a class keeps
  * at most one word of it; one that allocates keeps up to its class's word limit, dry words
- * included, so a batch that fits cycles through the same words.
+ * included, so a batch that fits cycles through the same words; the free window covers the run
+ * of words a cache owns and refuses, exactly as the full path does, what is not a live object
+ * of it.
  */
 #include <string.h>
 
@@ -195,6 +197,47 @@ static void test_allocating_thread_keeps_its_limit(void) {
     check_word_limit(1024, KVA_TC_MIN_WORDS);
 }
 
+/* ---- the free window ----------------------------------------------------------------------- */
+
+static void *free_remotely(void *arg) {
+    TCHECK_STATUS(kva_free(pool, arg), KVA_OK);
+    return NULL;
+}
+
+static void test_free_window(void) {
+    pool = make_pool(64 * MiB);
+    enum { N = 1000 };
+    static void *objs[N];
+    for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
+    kva_tcache *tc = kva_tc_find(pool);
+    /* The first free opens the window on the whole run: 16 words of 64 objects, 1,000 live. */
+    CHECK_STATUS(kva_free(pool, objs[500]), KVA_OK);
+    unsigned char *first = objs[0];
+    CHECK(tc->window.base == (uintptr_t)first && tc->window.span == 16 * 64 * 64);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    /* Inside the window, each refusal is the full path's and changes nothing. */
+    uint64_t frees = tc->frees[kva_class_index(64)];
+    CHECK_STATUS(kva_free(pool, objs[500]), KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_free(pool, first + 64 * 700 + 8), KVA_ERR_BAD_POINTER); /* inside an object */
+    CHECK_STATUS(kva_free(pool, first + 64 * 1010), KVA_ERR_DOUBLE_FREE);    /* never allocated */
+    CHECK(tc->frees[kva_class_index(64)] == frees);
+    /* An object freed by another thread (a remote free) and then again by its owner. */
+    run_one(free_remotely, objs[600]); /* word 9 of the run, not its first */
+    CHECK_STATUS(kva_free(pool, objs[600]), KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    /* Every other object frees through the window; all of them are free afterwards. */
+    for (int i = 0; i < N; i++)
+        if (i != 500 && i != 600) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    CHECK(stats().live_allocations == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    /* Giving the words back closes the window; the objects are then refused the slow way. */
+    kva_thread_flush(pool);
+    CHECK(tc->window.span == 0);
+    CHECK_STATUS(kva_free(pool, objs[3]), KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 /* A thread whose cache of one pool is refused (no id left) still gives back its cache of
  * another pool when it exits. */
 static kva_pool *other;
@@ -228,6 +271,7 @@ int main(void) {
     test_refused_free_makes_no_cache();
     test_free_only_thread_keeps_one_word();
     test_allocating_thread_keeps_its_limit();
+    test_free_window();
     test_refused_cache_keeps_the_others();
     return CHECK_DONE();
 }
