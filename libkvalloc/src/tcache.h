@@ -77,6 +77,10 @@ typedef struct kva_tcache {
     uint32_t id;              /* the owner id its words carry, unique in the pool */
     uint32_t reserved;
     kva_tc_window window;
+    /* The slab of the last free the window missed: the window moves to a slab on the second
+     * miss in a row there, so that frees alternating between classes (between slabs) do not
+     * move it back and forth, each move a scan of owner entries. */
+    const void *window_missed;
     kva_tc_hot hot[KVA_NUM_SIZE_CLASSES];
     uint64_t frees[KVA_NUM_SIZE_CLASSES]; /* by this thread since the cache was made (remote frees included) */
     kva_tc_class cls[KVA_NUM_SIZE_CLASSES];
@@ -154,13 +158,13 @@ KVA_INLINE int kva_tc_free_window(kva_tcache *tc, const void *ptr) {
     return 1;
 }
 
-/* Opens the window on the run of words owned by this cache around word w of slab `slab`, whose
+/* Opens the window on the run of words this cache owns around word w of slab `slab`, whose
  * first object is at word_base (kva_tc_free_fast, after a free into word w). At most
  * KVA_TC_WORDS words either side are looked at: no cache owns more of a class. */
 void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint32_t w, uintptr_t word_base, unsigned c);
 
 /* The free fast path: 1 if it freed a live object of a word this cache owns (with no remote
- * frees waiting in it), and opened the window on that word's run; 0, with nothing changed, in every
+ * frees waiting in it), moving the window to that word's run on a second such free in the slab; 0, with nothing changed, in every
  * other case, for kva_tc_free. */
 KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t base, uint64_t offset) {
     const kva_slab *slab = &sl->slabs[offset >> sl->chunk_shift];
@@ -176,7 +180,10 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     if (kva_unlikely(((bits & bit) | kva_load(l0 + nwords)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(&tc->frees[c]);
-    kva_tc_open_window(tc, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);
+    if (kva_unlikely(tc->window_missed == slab))
+        kva_tc_open_window(tc, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);
+    else
+        tc->window_missed = slab;
     return 1;
 }
 

@@ -210,8 +210,11 @@ static void test_free_window(void) {
     static void *objs[N];
     for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
     kva_tcache *tc = kva_tc_find(pool);
-    /* The first free opens the window on the whole run: 16 words of 64 objects, 1,000 live. */
+    /* The first free only notes its slab; the second there opens the window on the whole run:
+     * 16 words of 64 objects, 1,000 live. */
     CHECK_STATUS(kva_free(pool, objs[500]), KVA_OK);
+    CHECK(tc->window.span == 0);
+    CHECK_STATUS(kva_free(pool, objs[501]), KVA_OK);
     unsigned char *first = objs[0];
     CHECK(tc->window.base == (uintptr_t)first && tc->window.span == 16 * 64 * 64);
     CHECK_STATUS(kva_check(pool), KVA_OK);
@@ -227,7 +230,7 @@ static void test_free_window(void) {
     CHECK_STATUS(kva_check(pool), KVA_OK);
     /* Every other object frees through the window; all of them are free afterwards. */
     for (int i = 0; i < N; i++)
-        if (i != 500 && i != 600) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+        if (i != 500 && i != 501 && i != 600) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
     CHECK(stats().live_allocations == 0);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     /* Giving the words back closes the window; the objects are then refused the slow way. */
