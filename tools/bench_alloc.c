@@ -26,7 +26,7 @@
 #include "kvalloc.h"
 
 /* Reports of one metric by one allocator across its children: at most one per child, and an
- * allocator has at most 3 patterns x 7 processes + 2 x 7 first-touch children. */
+ * allocator has at most 5 patterns x 7 processes + 2 x 7 first-touch children. */
 #define MAX_REPORTS 64
 
 struct settings {
@@ -348,6 +348,8 @@ struct table_row {
 static const struct table_row table_rows[] = {
     {BENCH_BATCH64_NS, "64 B batch, ns/op", 0},
     {BENCH_BATCH4K_NS, "4 KiB batch, ns/op", 0},
+    {BENCH_SHUFFLED64_NS, "64 B, frees shuffled, ns/op", 0},
+    {BENCH_MIXED_NS, "16 B-1 KiB mixed, ns/op", 0},
     {BENCH_LARGE_P50_NS, "1-64 MiB alloc p50, ns", 0},
     {BENCH_LARGE_P99_NS, "1-64 MiB alloc p99, ns", 0},
     {BENCH_LARGE_P999_NS, "1-64 MiB alloc p99.9, ns", 0},
@@ -628,7 +630,7 @@ static void write_json(const struct settings *s, const struct machine *m,
  * rather than charged to whichever ran during it. */
 static void run_all(const struct settings *s)
 {
-    static const char *const in_process_patterns[] = {"batch64", "batch4k", "large"};
+    static const char *const in_process_patterns[] = {"batch64", "batch4k", "shuffled64", "mixed", "large"};
     for (unsigned rep = 0; rep < s->processes; rep++)
         for (size_t p = 0; p < sizeof in_process_patterns / sizeof in_process_patterns[0]; p++)
             for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)

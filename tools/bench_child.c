@@ -198,27 +198,40 @@ struct batch_time {
     uint64_t alloc_ns, free_ns;
 };
 
-/* One round: BATCH_OBJECTS allocations, then the same objects freed in allocation order. */
-static void batch_round(const struct backend *b, size_t size, void **slots, struct batch_time *t)
+/* What a batch allocates and in which order it frees: object i has size sizes[i % nsizes], and
+ * the i-th free is of object order[i] (allocation order when order is NULL). */
+struct batch_shape {
+    const size_t *sizes;
+    unsigned nsizes;
+    const unsigned *order;
+};
+
+/* One round: BATCH_OBJECTS allocations, then the same objects freed in the shape's order. */
+static void batch_round(const struct backend *b, const struct batch_shape *shape, void **slots, struct batch_time *t)
 {
     uint64_t t0 = now_ns();
     for (int i = 0; i < BATCH_OBJECTS; i++) {
+        size_t size = shape->sizes[i % shape->nsizes];
         slots[i] = b->alloc(size);
         if (slots[i] == NULL)
             die("allocation of %zu bytes failed", size);
     }
     uint64_t t1 = now_ns();
     int refused = 0;
-    for (int i = 0; i < BATCH_OBJECTS; i++)
-        refused |= b->release(slots[i]);
+    if (shape->order == NULL)
+        for (int i = 0; i < BATCH_OBJECTS; i++)
+            refused |= b->release(slots[i]);
+    else
+        for (int i = 0; i < BATCH_OBJECTS; i++)
+            refused |= b->release(slots[shape->order[i]]);
     uint64_t t2 = now_ns();
     if (refused)
-        die("a free of a %zu-byte object was refused", size);
+        die("a free of a batch object was refused");
     t->alloc_ns += t1 - t0;
     t->free_ns += t2 - t1;
 }
 
-static void run_batch(const struct backend *b, const struct child_options *o, size_t size,
+static void run_batch(const struct backend *b, const struct child_options *o, const struct batch_shape *shape,
                       enum bench_metric m_op, enum bench_metric m_alloc, enum bench_metric m_free)
 {
     void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
@@ -228,23 +241,25 @@ static void run_batch(const struct backend *b, const struct child_options *o, si
 
     /* Warm-up: brings the allocator's caches and, for kvalloc, the slabs into being; the live
      * set is at its peak halfway through, which is when the pool is inspected. */
-    for (int i = 0; i < BATCH_OBJECTS; i++)
-        if ((slots[i] = b->alloc(size)) == NULL)
-            die("allocation of %zu bytes failed", size);
-    if (bench_pool != NULL)
-        report_pool_peak();
-    for (int i = 0; i < BATCH_OBJECTS; i++)
-        if (b->release(slots[i]))
-            die("a free of a %zu-byte object was refused", size);
     struct batch_time warm = {0, 0};
+    batch_round(b, shape, slots, &warm);
+    if (bench_pool != NULL) {
+        for (int i = 0; i < BATCH_OBJECTS; i++)
+            if ((slots[i] = b->alloc(shape->sizes[i % shape->nsizes])) == NULL)
+                die("allocation failed");
+        report_pool_peak();
+        for (int i = 0; i < BATCH_OBJECTS; i++)
+            if (b->release(slots[i]))
+                die("a free of a batch object was refused");
+    }
     for (unsigned r = 0; r < o->rounds; r++)
-        batch_round(b, size, slots, &warm);
+        batch_round(b, shape, slots, &warm);
 
     double ops = (double)o->rounds * BATCH_OBJECTS;
     for (unsigned rep = 0; rep < o->reps; rep++) {
         struct batch_time t = {0, 0};
         for (unsigned r = 0; r < o->rounds; r++)
-            batch_round(b, size, slots, &t);
+            batch_round(b, shape, slots, &t);
         per_op[rep] = (double)(t.alloc_ns + t.free_ns) / (2 * ops);
         per_alloc[rep] = (double)t.alloc_ns / ops;
         per_free[rep] = (double)t.free_ns / ops;
@@ -256,6 +271,24 @@ static void run_batch(const struct backend *b, const struct child_options *o, si
     free(per_alloc);
     free(per_op);
     free(slots);
+}
+
+/* A fixed permutation of the batch (xorshift64, Fisher-Yates), the same for every allocator. */
+static const unsigned *shuffled_order(void)
+{
+    static unsigned order[BATCH_OBJECTS];
+    uint64_t x = 0x9e3779b97f4a7c15u;
+    for (unsigned i = 0; i < BATCH_OBJECTS; i++)
+        order[i] = i;
+    for (unsigned i = BATCH_OBJECTS - 1; i > 0; i--) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        unsigned j = (unsigned)(x % (i + 1)), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    return order;
 }
 
 /* ---- pattern 3: large blocks ------------------------------------------------------------ */
@@ -491,7 +524,7 @@ static void parse_child_options(int argc, char **argv, struct child_options *o)
     if (o->allocator == BENCH_ALLOCATOR_COUNT)
         die("unknown allocator");
     if (o->pattern == NULL)
-        die("--pattern is required (batch64, batch4k, large, touch, syscalls)");
+        die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, touch, syscalls)");
 }
 
 int bench_child_main(int argc, char **argv)
@@ -508,10 +541,21 @@ int bench_child_main(int argc, char **argv)
     if (is_kvalloc && strcmp(o.pattern, "touch") != 0)
         create_pool(LARGE_POOL, o.prefault, strcmp(o.pattern, "syscalls") == 0 ? 1 : 0);
 
+    /* Mixed: token metadata, small tensors' headers and scratch records of eight sizes, 16 B to
+     * 1 KiB, one after the other, so that every free changes size class. */
+    static const size_t size64[] = {64}, size4k[] = {4096}, mixed[] = {16, 48, 64, 96, 128, 256, 512, 1024};
     if (strcmp(o.pattern, "batch64") == 0)
-        run_batch(b, &o, 64, BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS, BENCH_BATCH64_FREE_NS);
+        run_batch(b, &o, &(struct batch_shape){size64, 1, NULL}, BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS,
+                  BENCH_BATCH64_FREE_NS);
     else if (strcmp(o.pattern, "batch4k") == 0)
-        run_batch(b, &o, 4096, BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS, BENCH_BATCH4K_FREE_NS);
+        run_batch(b, &o, &(struct batch_shape){size4k, 1, NULL}, BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS,
+                  BENCH_BATCH4K_FREE_NS);
+    else if (strcmp(o.pattern, "shuffled64") == 0)
+        run_batch(b, &o, &(struct batch_shape){size64, 1, shuffled_order()}, BENCH_SHUFFLED64_NS,
+                  BENCH_SHUFFLED64_ALLOC_NS, BENCH_SHUFFLED64_FREE_NS);
+    else if (strcmp(o.pattern, "mixed") == 0)
+        run_batch(b, &o, &(struct batch_shape){mixed, sizeof mixed / sizeof mixed[0], NULL}, BENCH_MIXED_NS,
+                  BENCH_MIXED_ALLOC_NS, BENCH_MIXED_FREE_NS);
     else if (strcmp(o.pattern, "large") == 0)
         run_large(b, &o);
     else if (strcmp(o.pattern, "touch") == 0)

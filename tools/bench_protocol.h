@@ -57,6 +57,12 @@ enum bench_metric {
     BENCH_BATCH4K_NS,        /* as above with 4096 B */
     BENCH_BATCH4K_ALLOC_NS,
     BENCH_BATCH4K_FREE_NS,
+    BENCH_SHUFFLED64_NS,     /* the 64 B batch freed in a fixed random order */
+    BENCH_SHUFFLED64_ALLOC_NS,
+    BENCH_SHUFFLED64_FREE_NS,
+    BENCH_MIXED_NS,          /* 1,000 allocs cycling through 8 sizes 16 B .. 1 KiB, freed in order */
+    BENCH_MIXED_ALLOC_NS,
+    BENCH_MIXED_FREE_NS,
     BENCH_LARGE_P50_NS,      /* one 1..64 MiB allocation, memory never touched */
     BENCH_LARGE_P99_NS,
     BENCH_LARGE_P999_NS,
@@ -84,6 +90,12 @@ static const char *const bench_metric_keys[BENCH_METRIC_COUNT] = {
     [BENCH_BATCH4K_NS] = "batch4k_ns_per_op",
     [BENCH_BATCH4K_ALLOC_NS] = "batch4k_ns_per_alloc",
     [BENCH_BATCH4K_FREE_NS] = "batch4k_ns_per_free",
+    [BENCH_SHUFFLED64_NS] = "shuffled64_ns_per_op",
+    [BENCH_SHUFFLED64_ALLOC_NS] = "shuffled64_ns_per_alloc",
+    [BENCH_SHUFFLED64_FREE_NS] = "shuffled64_ns_per_free",
+    [BENCH_MIXED_NS] = "mixed_ns_per_op",
+    [BENCH_MIXED_ALLOC_NS] = "mixed_ns_per_alloc",
+    [BENCH_MIXED_FREE_NS] = "mixed_ns_per_free",
     [BENCH_LARGE_P50_NS] = "large_alloc_p50_ns",
     [BENCH_LARGE_P99_NS] = "large_alloc_p99_ns",
     [BENCH_LARGE_P999_NS] = "large_alloc_p999_ns",

@@ -122,10 +122,9 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_
 
 /* S6 for a cache's free window: closed, or on a run of whole words of one slab that the cache
  * owns, with that slab's division magic, the run's first remote word and the counter of the
- * slab's class. */
-static int window_is_sound(const kva_pool *pool, const kva_tcache *tc) {
+ * slab's class. (Where it sits among the windows is a hint, so anywhere will do.) */
+static int window_is_sound(const kva_pool *pool, const kva_tcache *tc, const kva_tc_window *win) {
     const kva_slabs *sl = &pool->slabs;
-    const kva_tc_window *win = &tc->window;
     if (win->span == 0) return 1;
     uint64_t offset = (uint64_t)(win->base - (uintptr_t)pool->base);
     if (win->base < (uintptr_t)pool->base || offset >= pool->capacity || win->frees < tc->frees ||
@@ -176,8 +175,10 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
             if (k->cur == KVA_NIL && kva_load(h->l0) != 0)
                 return BROKEN("S6: thread cache %u has no current word of class %u but allocates from one", tc->id, c);
         }
-        if (!window_is_sound(pool, tc))
-            return BROKEN("S6: thread cache %u's free window is not on a run of words it owns, as they are", tc->id);
+        for (unsigned i = 0; i < KVA_TC_WINDOWS; i++)
+            if (!window_is_sound(pool, tc, &tc->windows[i]))
+                return BROKEN("S6: thread cache %u's free window %u is not on a run of words it owns, as they are",
+                              tc->id, i);
     }
     if (listed != owned_entries)
         return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,

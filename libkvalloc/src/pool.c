@@ -464,18 +464,25 @@ static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
     return observe_end(pool, KVA_SHM_OP_FREE, st, ptr, 0, start);
 }
 
+/* The free fast path's second step, out of line so that the first keeps to scratch registers:
+ * a live slab object in any word this thread's cache owns. */
+static KVA_NOINLINE kva_status free_owned(kva_pool *pool, kva_tcache *tc, void *ptr) {
+    uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+    if (kva_likely(offset < pool->fast_capacity && kva_tc_free_fast(&pool->slabs, tc, (uintptr_t)pool->base, offset)))
+        return KVA_OK;
+    return free_checked(pool, ptr);
+}
+
 KVA_HOT_ENTRY kva_status kva_free(kva_pool *pool, void *ptr) {
-    /* Hot path: a live slab object in the word this thread's cache last freed into, or else in
-     * any word it owns (which then becomes the window). Everything else, errors included, goes
-     * to free_checked, which starts over. The window is only ever opened by the second test,
-     * so never in a pool whose fast paths are off (fast_capacity 0). */
+    /* Hot path: a live slab object in the run of words around it that this thread's cache
+     * owns and last freed into (its window), or else in any word the cache owns (free_owned).
+     * Everything else, errors included, goes to free_checked, which starts over. Windows are
+     * only ever opened by free_owned, so never in a pool whose fast paths are off
+     * (fast_capacity 0). */
     kva_tcache *tc = kva_tc_current;
     if (kva_likely(kva_load(&tc->pool) == pool)) {
         if (kva_likely(kva_tc_free_window(tc, ptr))) return KVA_OK;
-        uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
-        if (kva_likely(offset < pool->fast_capacity &&
-                       kva_tc_free_fast(&pool->slabs, tc, (uintptr_t)pool->base, offset)))
-            return KVA_OK;
+        return free_owned(pool, tc, ptr);
     }
     return free_checked(pool, ptr);
 }

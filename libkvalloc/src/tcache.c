@@ -61,7 +61,7 @@ static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {
 static void remove_owned(kva_tcache *tc, unsigned c, uint32_t i) {
     kva_tc_class *k = &tc->cls[c];
     uint32_t n = k->nowned;
-    tc->window.span = 0;
+    kva_tc_close_windows(tc);
     if (k->cur == i) no_current(tc, c);
     for (uint32_t j = i; j + 1 < n; j++) {
         kva_store(&k->slab[j], k->slab[j + 1]);
@@ -98,19 +98,23 @@ static void give_back_dry(kva_slabs *sl, uint32_t s, uint32_t w) {
 
 /* ---- the free window ----------------------------------------------------------------------- */
 
-void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint32_t w, uintptr_t word_base, unsigned c) {
+void kva_tc_open_window(kva_tcache *tc, kva_tc_window *win, const kva_slab *slab, uint32_t w, uintptr_t word_base,
+                        unsigned c) {
     const uint32_t *owner = (const uint32_t *)(slab->l0 + 2 * (size_t)slab->l0_words);
     uint32_t first = w, last = w, id = tc->id;
     while (first > 0 && w - first < KVA_TC_WORDS && kva_load(&owner[first - 1]) == id) first--;
     while (last + 1 < slab->l0_words && last - w < KVA_TC_WORDS && kva_load(&owner[last + 1]) == id) last++;
     uint64_t end = (uint64_t)(last + 1) * 64, objects = (end < slab->nobj ? end : slab->nobj) - (uint64_t)first * 64;
-    kva_tc_window *win = &tc->window;
     win->base = word_base - (uint64_t)(w - first) * 64 * slab->size;
     win->span = objects * slab->size;
     win->magic = slab->magic;
     win->l0 = slab->l0 + first;
     win->remote = slab->l0 + slab->l0_words + first;
     win->frees = &tc->frees[c];
+}
+
+void kva_tc_close_windows(kva_tcache *tc) {
+    for (unsigned i = 0; i < KVA_TC_WINDOWS; i++) tc->windows[i].span = 0;
 }
 
 /* ---- allocation ---------------------------------------------------------------------------- */

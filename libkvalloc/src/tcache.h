@@ -58,29 +58,40 @@ typedef struct kva_tc_class {
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;
 
-/* The free window: the run of consecutive words of one slab, all owned by this cache, around
- * the word the last fast free landed in. A free inside it needs neither the slab's descriptor
- * nor an owner entry (the cache owns them all: only this thread could give one back, and doing
- * so closes the window), so it is an offset, one multiply and the word. A thread's words of a
- * class are mostly claimed in a row from one slab, and frees come in runs within them (a batch
- * frees what it allocated), which is what makes one window pay. span 0: closed. */
+/* The free windows. A window is a run of consecutive words of one slab, all owned by this
+ * cache, around a word a fast free landed in. A free inside it needs neither the slab's
+ * descriptor nor an owner entry (the cache owns them all: only this thread could give one back,
+ * and doing so closes every window), so it is an offset, one multiply and the word. A thread's
+ * words of a class are mostly claimed in a row from one slab, and frees come in runs within
+ * them (a batch frees what it allocated), which is what makes a window pay.
+ *
+ * A cache has KVA_TC_WINDOWS of them, one per 2 MiB of address space modulo their number
+ * (kva_tc_window_of): slabs of different classes are different chunks, so frees that alternate
+ * between classes mostly find each class's window in its own place; two slabs that share a place
+ * leave it to whichever reached it first, since a window moves only on the second miss in a row
+ * from one slab (missed), so that they do not move it back and forth, each move a scan of
+ * owner entries. The place is a hint only: the free checks the window's range before anything
+ * else. span 0: closed. */
+#define KVA_TC_WINDOWS 16
+#define KVA_TC_WINDOW_SHIFT 21
+
 typedef struct kva_tc_window {
     uintptr_t base;         /* the address of the run's first object */
     uint64_t span;          /* its objects times their size: an offset below it is inside */
     uint64_t magic;         /* kva_div_magic(size) */
     uint64_t *l0, *remote;  /* the run's first word and that word's remote word */
     uint64_t *frees;        /* the class's free counter */
+    const void *missed;     /* the slab of the last free that missed this window */
+    uint64_t reserved;
 } kva_tc_window;
+
+_Static_assert(sizeof(kva_tc_window) == 64, "a window is one cache line");
 
 typedef struct kva_tcache {
     kva_pool *pool;           /* (atomic) KVA_TC_NO_POOL once the pool is destroyed */
     uint32_t id;              /* the owner id its words carry, unique in the pool */
     uint32_t reserved;
-    kva_tc_window window;
-    /* The slab of the last free the window missed: the window moves to a slab on the second
-     * miss in a row there, so that frees alternating between classes (between slabs) do not
-     * move it back and forth, each move a scan of owner entries. */
-    const void *window_missed;
+    kva_tc_window windows[KVA_TC_WINDOWS];
     kva_tc_hot hot[KVA_NUM_SIZE_CLASSES];
     uint64_t frees[KVA_NUM_SIZE_CLASSES]; /* by this thread since the cache was made (remote frees included) */
     kva_tc_class cls[KVA_NUM_SIZE_CLASSES];
@@ -142,11 +153,15 @@ typedef struct kva_tc_totals {
 } kva_tc_totals;
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
 
-/* The window free: 1 if ptr is a live object of the window's words, now freed; 0, with nothing
+/* The window free: 1 if ptr is a live object of its window's words, now freed; 0, with nothing
  * changed, otherwise (outside the window, not an object's start, free already, remote frees
  * waiting in its word). */
+KVA_INLINE kva_tc_window *kva_tc_window_of(kva_tcache *tc, uintptr_t address) {
+    return &tc->windows[(address >> KVA_TC_WINDOW_SHIFT) & (KVA_TC_WINDOWS - 1)];
+}
+
 KVA_INLINE int kva_tc_free_window(kva_tcache *tc, const void *ptr) {
-    const kva_tc_window *win = &tc->window;
+    const kva_tc_window *win = kva_tc_window_of(tc, (uintptr_t)ptr);
     uint64_t d = (uint64_t)((uintptr_t)ptr - win->base);
     if (kva_unlikely(d >= win->span)) return 0;
     uint64_t object;
@@ -158,13 +173,18 @@ KVA_INLINE int kva_tc_free_window(kva_tcache *tc, const void *ptr) {
     return 1;
 }
 
-/* Opens the window on the run of words this cache owns around word w of slab `slab`, whose
+/* Opens window win on the run of words this cache owns around word w of slab `slab`, whose
  * first object is at word_base (kva_tc_free_fast, after a free into word w). At most
  * KVA_TC_WORDS words either side are looked at: no cache owns more of a class. */
-void kva_tc_open_window(kva_tcache *tc, const kva_slab *slab, uint32_t w, uintptr_t word_base, unsigned c);
+void kva_tc_open_window(kva_tcache *tc, kva_tc_window *win, const kva_slab *slab, uint32_t w, uintptr_t word_base,
+                        unsigned c);
+
+/* Closes every window (a word leaves the cache). */
+void kva_tc_close_windows(kva_tcache *tc);
 
 /* The free fast path: 1 if it freed a live object of a word this cache owns (with no remote
- * frees waiting in it), moving the window to that word's run on a second such free in the slab; 0, with nothing changed, in every
+ * frees waiting in it), moving the object's window to that word's run on a second such free in
+ * the slab; 0, with nothing changed, in every
  * other case, for kva_tc_free. */
 KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t base, uint64_t offset) {
     const kva_slab *slab = &sl->slabs[offset >> sl->chunk_shift];
@@ -180,10 +200,11 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     if (kva_unlikely(((bits & bit) | kva_load(l0 + nwords)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(&tc->frees[c]);
-    if (kva_unlikely(tc->window_missed == slab))
-        kva_tc_open_window(tc, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);
+    kva_tc_window *win = kva_tc_window_of(tc, base + offset);
+    if (kva_unlikely(win->missed == slab))
+        kva_tc_open_window(tc, win, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);
     else
-        tc->window_missed = slab;
+        win->missed = slab;
     return 1;
 }
 

@@ -73,10 +73,11 @@ int main(void) {
     CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
     CORRUPT("B6", b->free_units, b->free_units + 1);
     CORRUPT("S6", cached->word[0], 5);          /* the cache lists a word it does not own */
-    REQUIRE(kva_tc_current->window.span != 0);
-    CORRUPT("S6", kva_tc_current->window.base, kva_tc_current->window.base + 64); /* a window off its word */
-    CORRUPT("S6", kva_tc_current->window.span, kva_tc_current->window.span + 64); /* wider than its word */
-    CORRUPT("S6", kva_tc_current->window.frees, &kva_tc_current->frees[c + 1]);   /* another class's counter */
+    kva_tc_window *win = kva_tc_window_of(kva_tc_current, (uintptr_t)freed);
+    REQUIRE(win->span != 0);
+    CORRUPT("S6", win->base, win->base + 64);                   /* a window off its word */
+    CORRUPT("S6", win->span, win->span + 64);                   /* wider than its word */
+    CORRUPT("S6", win->frees, &kva_tc_current->frees[c + 1]);   /* another class's counter */
     CORRUPT("S6", owner[1], owner[1] + 1);      /* the word names another cache as its owner */
     CORRUPT("S6", owner[0], kva_tc_current->id); /* a word owned but listed by no cache */
     uint32_t not_a_slab = (uint32_t)(((unsigned char *)blocks[3] - pool->base) >> sl->chunk_shift);

@@ -213,10 +213,11 @@ static void test_free_window(void) {
     /* The first free only notes its slab; the second there opens the window on the whole run:
      * 16 words of 64 objects, 1,000 live. */
     CHECK_STATUS(kva_free(pool, objs[500]), KVA_OK);
-    CHECK(tc->window.span == 0);
+    kva_tc_window *win = kva_tc_window_of(tc, (uintptr_t)objs[501]);
+    CHECK(win->span == 0);
     CHECK_STATUS(kva_free(pool, objs[501]), KVA_OK);
     unsigned char *first = objs[0];
-    CHECK(tc->window.base == (uintptr_t)first && tc->window.span == 16 * 64 * 64);
+    CHECK(win->base == (uintptr_t)first && win->span == 16 * 64 * 64);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     /* Inside the window, each refusal is the full path's and changes nothing. */
     uint64_t frees = tc->frees[kva_class_index(64)];
@@ -235,7 +236,7 @@ static void test_free_window(void) {
     CHECK_STATUS(kva_check(pool), KVA_OK);
     /* Giving the words back closes the window; the objects are then refused the slow way. */
     kva_thread_flush(pool);
-    CHECK(tc->window.span == 0);
+    CHECK(win->span == 0);
     CHECK_STATUS(kva_free(pool, objs[3]), KVA_ERR_DOUBLE_FREE);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
