@@ -156,8 +156,16 @@ static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
     kva_slabs *sl = &pool->slabs;
     kva_tc_class *k = &tc->cls[c];
     if (kva_tc_next_word(pool, tc, c)) return 1;
-    /* Every owned word is dry: make room for one more. */
-    while (k->nowned >= k->limit) {
+    /* Every owned word is dry. A thread that has freed objects of the class since the last
+     * time keeps them (up to its limit, the oldest going first), since the objects now live in
+     * them are the ones it frees next. One that has not (a producer whose objects other threads
+     * free) gives them all back: freed into a word nobody owns, an object lets the freeing
+     * thread claim the word and free the rest of it with plain stores, where a word the
+     * producer kept would take an atomic remote free per object. */
+    uint64_t frees = kva_load(&tc->frees[c]);
+    uint32_t keep = frees != k->frees_at_refill ? k->limit - 1 : 0;
+    k->frees_at_refill = frees;
+    while (k->nowned > keep) {
         give_back_dry(sl, k->slab[0], k->word[0]);
         remove_owned(tc, c, 0);
     }

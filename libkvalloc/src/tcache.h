@@ -8,7 +8,8 @@
  * writes. Words move in batches of up to 64 objects: a dry current word makes the next owned
  * word with free objects current; when none has any, a fresh word is claimed from the arena of
  * the thread's CPU (arena.h) under that arena's lock, and the oldest dry word goes back only when
- * the cache is at its limit; a free into a word nobody owns claims that word into the cache (the
+ * the cache is at its limit (all of them when the thread has freed none of the class since they
+ * last ran dry: see refill); a free into a word nobody owns claims that word into the cache (the
  * oldest owned word goes back to its arena when the cache is full); a free into a word another
  * cache owns is a remote free (slab.h).
  *
@@ -54,6 +55,7 @@ typedef struct kva_tc_class {
     uint32_t nowned;
     uint32_t cur;
     uint32_t limit;         /* the words kept while allocating (see above) */
+    uint64_t frees_at_refill; /* the class's free count when its owned words last ran dry */
     uint32_t slab[KVA_TC_WORDS + 1]; /* + 1: a claim adds its word before the oldest goes back */
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;

@@ -2,8 +2,9 @@
  * test_tcache.c — the edges of thread caches: owner ids are reused and never wrap into "no
  * owner"; a thread with no cache that makes a refused free gets none (a refused call changes
  * nothing), and one that cannot get a cache still frees; a thread that only frees a class keeps
- * at most one word of it; one that allocates keeps up to its class's word limit, dry words
- * included, so a batch that fits cycles through the same words; the free window covers the run
+ * at most one word of it; one that allocates and frees keeps up to its class's word limit, dry
+ * words included, so a batch that fits cycles through the same words, while one that only
+ * allocates gives its dry words back; the free window covers the run
  * of words a cache owns and refuses, exactly as the full path does, what is not a live object
  * of it.
  */
@@ -170,8 +171,10 @@ static void check_word_limit(size_t size, uint32_t limit) {
     static void *objs[N];
     unsigned c = kva_class_index(size);
     for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, size, &objs[i]), KVA_OK);
+    /* A thread that has freed nothing gives its dry words back: it keeps the current one. */
     kva_tc_class *k = &kva_tc_find(pool)->cls[c];
-    CHECK(k->limit == limit && k->nowned == limit);
+    CHECK(k->limit == limit && k->nowned == 1);
+    /* Its frees claim the words they land in, up to the limit. */
     for (int i = 0; i < N; i++) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
     CHECK(k->nowned == limit && stats().cached_bytes <= (uint64_t)limit * 64 * size);
     CHECK_STATUS(kva_check(pool), KVA_OK);
@@ -208,22 +211,39 @@ static void test_free_window(void) {
     pool = make_pool(64 * MiB);
     enum { N = 1000 };
     static void *objs[N];
+    /* Round 1: the thread gives its dry words back as it allocates (it has freed nothing), so
+     * it owns only the current word, the last 40 objects' (960 .. 999 of a word of 64). */
     for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
     kva_tcache *tc = kva_tc_find(pool);
-    /* The first free only notes its slab; the second there opens the window on the whole run:
-     * 16 words of 64 objects, 1,000 live. */
-    CHECK_STATUS(kva_free(pool, objs[500]), KVA_OK);
-    kva_tc_window *win = kva_tc_window_of(tc, (uintptr_t)objs[501]);
+    kva_tc_window *win = kva_tc_window_of(tc, (uintptr_t)objs[999]);
+    /* The first fast free only notes its slab; the second there opens the window on the run of
+     * owned words around it, here that one word. */
+    CHECK_STATUS(kva_free(pool, objs[999]), KVA_OK);
     CHECK(win->span == 0);
+    CHECK_STATUS(kva_free(pool, objs[998]), KVA_OK);
+    CHECK(win->span == 64 * 64 && win->base == (uintptr_t)objs[999] - 39 * 64);
+    for (int i = 0; i < 998; i++) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    /* Round 2: a thread that frees keeps its dry words, so the objects lie in the 16 words it
+     * claimed as it freed; two frees put the window on all of them. */
+    for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, objs[500]), KVA_OK);
     CHECK_STATUS(kva_free(pool, objs[501]), KVA_OK);
-    unsigned char *first = objs[0];
-    CHECK(win->base == (uintptr_t)first && win->span == 16 * 64 * 64);
+    win = kva_tc_window_of(tc, (uintptr_t)objs[501]);
+    unsigned char *first = (unsigned char *)win->base;
+    CHECK(win->span == 16 * 64 * 64);
+    for (int i = 0; i < N; i++) CHECK((uintptr_t)objs[i] - win->base < win->span);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     /* Inside the window, each refusal is the full path's and changes nothing. */
     uint64_t frees = tc->frees[kva_class_index(64)];
     CHECK_STATUS(kva_free(pool, objs[500]), KVA_ERR_DOUBLE_FREE);
     CHECK_STATUS(kva_free(pool, first + 64 * 700 + 8), KVA_ERR_BAD_POINTER); /* inside an object */
-    CHECK_STATUS(kva_free(pool, first + 64 * 1010), KVA_ERR_DOUBLE_FREE);    /* never allocated */
+    unsigned char *unallocated = NULL; /* one of the run's 24 objects not handed out */
+    for (int j = 0; j < 16 * 64 && !unallocated; j++) {
+        int handed_out = 0;
+        for (int i = 0; i < N; i++) handed_out |= objs[i] == first + 64 * j;
+        if (!handed_out) unallocated = first + 64 * j;
+    }
+    CHECK_STATUS(kva_free(pool, unallocated), KVA_ERR_DOUBLE_FREE);
     CHECK(tc->frees[kva_class_index(64)] == frees);
     /* An object freed by another thread (a remote free) and then again by its owner. */
     run_one(free_remotely, objs[600]); /* word 9 of the run, not its first */
