@@ -440,6 +440,20 @@ static KVA_NOINLINE kva_status tlsf_requeue(kva_var *v, unsigned fl, unsigned sl
     return leave(me, KVA_OK);
 }
 
+/* The head of the first nonempty class of level fl among those in sl_bits, else of the first
+ * nonempty class of a higher level: two ctz. Sets *fl and *sl to the class; KVA_NIL when every
+ * class there is empty. */
+KVA_INLINE uint32_t tlsf_search(const kva_var *v, unsigned *fl, unsigned *sl, uint32_t sl_bits) {
+    if (sl_bits == 0) {
+        uint32_t fl_bits = v->fl_map & (~0u << (*fl + 1)); /* fl + 1 <= KVA_TLSF_FL < 32 */
+        if (fl_bits == 0) return KVA_NIL;
+        *fl = (unsigned)__builtin_ctz(fl_bits);
+        sl_bits = v->sl_map[*fl];
+    }
+    *sl = (unsigned)__builtin_ctz(sl_bits);
+    return v->bins[*fl][*sl];
+}
+
 /* TLSF allocation, inlined into kva_var_alloc. The search: first the head of the request's own
  * class, which when it holds the request fits more closely than anything above (a tensor shape
  * that recurs finds the range its last instance freed instead of splitting a larger one); else
@@ -455,25 +469,19 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     kva_var_range *ranges = v->ranges;
     unsigned fl, sl;
-    uint32_t at, sl_bits;
+    uint32_t at;
     if (units < KVA_TLSF_SL) { /* one length per class: the first nonempty at or above */
         fl = 0;
-        sl_bits = v->sl_map[0] & (~0u << units);
+        at = tlsf_search(v, &fl, &sl, v->sl_map[0] & (~0u << units));
+        if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
     } else {
         kva_tlsf_class(units, &fl, &sl);
         at = v->bins[fl][sl]; /* the own class's head, if it holds the request */
-        if (at != KVA_NIL && kva_var_len(&ranges[at]) >= units) goto found;
-        sl_bits = sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0;
+        if (at == KVA_NIL || kva_var_len(&ranges[at]) < units) {
+            at = tlsf_search(v, &fl, &sl, sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0);
+            if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
+        }
     }
-    if (sl_bits == 0) {
-        uint32_t fl_bits = v->fl_map & (~0u << (fl + 1)); /* fl + 1 <= KVA_TLSF_FL < 32 */
-        if (kva_unlikely(fl_bits == 0)) return tlsf_alloc_slow(v, size, out, units, me);
-        fl = (unsigned)__builtin_ctz(fl_bits);
-        sl_bits = v->sl_map[fl];
-    }
-    sl = (unsigned)__builtin_ctz(sl_bits);
-    at = v->bins[fl][sl];
-found:;
     /* The range is marked used and handed out first, so that little stays live across the
      * list work that follows. */
     kva_var_range *r = &ranges[at];
