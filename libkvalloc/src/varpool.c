@@ -1,6 +1,8 @@
 /*
  * varpool.c — the variable-size pool: create and destroy, alloc and free under each policy,
- * statistics. See varpool.h for the layout, the invariants and the locking.
+ * statistics. See varpool.h for the layout, the invariants, the placement inside the chosen
+ * free range (best fit and TLSF carve a request beside the shorter neighbour of the range,
+ * carve_high) and the locking.
  */
 #include <stdlib.h>
 
@@ -23,6 +25,30 @@ KVA_INLINE uint32_t split_tail(kva_var *v, kva_var_range *ranges, uint32_t at, u
     ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
     if (end < v->units) ranges[end].prev = rest; /* link_follower(v, rest, length - units) */
     return rest;
+}
+
+/* The other split: the free range at `at` of `length` units gives its last `units` and keeps the
+ * rest, shorter, under the same head (its free structure is the caller's to fix). Returns the
+ * head of the part given, linked both ways, not yet marked used. */
+KVA_INLINE uint32_t split_front(kva_var *v, kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    uint32_t given = at + length - units, end = at + length;
+    ranges[given].prev = at;
+    ranges[at].length = (length - units) | KVA_VAR_FREE_BIT;
+    if (end < v->units) ranges[end].prev = given;
+    return given;
+}
+
+/* Which end of the free range at `at` of `length` units best fit and TLSF carve `units` from
+ * (the rule, its reason and its measurements: varpool.h, "Placement"): the end beside the
+ * shorter of the range's two neighbours, a pool edge counting as shorter than any range, so that
+ * the remainder stays beside the longer neighbour; the low end on a tie, when the range is
+ * taken whole, and for a request below KVA_VAR_CARVE_MIN units. Both neighbours are used (V2),
+ * so their length fields hold no free bit. Returns nonzero for the high end. */
+KVA_INLINE int carve_high(const kva_var *v, const kva_var_range *ranges, uint32_t at, uint32_t length,
+                          uint32_t units) {
+    if (units < KVA_VAR_CARVE_MIN || length == units || at == 0) return 0; /* at 0: the edge is below */
+    uint32_t end = at + length;
+    return end >= v->units || ranges[end].length < ranges[ranges[at].prev].length;
 }
 
 /* Links r after `after` (KVA_NIL: at the head) in the first, best or worst fit list. */
@@ -376,8 +402,16 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
     if (kva_unlikely(at == KVA_NIL)) return alloc_failed(v, size, units, me);
     kva_var_range *ranges = v->ranges;
     uint32_t length = kva_var_len(&ranges[at]);
-    if (length > units) {
-        /* Split: the tail stays free. In address order it takes the place of the whole. */
+    if (v->policy == KVA_VAR_BEST_FIT && carve_high(v, ranges, at, length, units)) {
+        /* The front stays free under its head, shorter: it moves down the length order. */
+        list_unlink(v, at);
+        uint32_t given = split_front(v, ranges, at, length, units);
+        free_insert(v, at);
+        at = given;
+    } else if (length > units) {
+        /* Split: the tail stays free. In address order it takes the place of the whole. First
+         * and worst fit always carve the low end: first fit's address order is what it is
+         * measured by, and the rule would undo it (varpool.h, "Placement"). */
         uint32_t rest = split_tail(v, ranges, at, length, units);
         if (v->policy == KVA_VAR_FIRST_FIT) {
             list_replace(v, at, rest);
@@ -394,15 +428,24 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
     return leave(me, KVA_OK);
 }
 
-/* Takes `units` from the front of the free range at `at`, wherever it sits in its class: the
- * tail goes back to its own class. */
-static void tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
-    uint32_t length = kva_var_len(&v->ranges[at]);
+/* Takes `units` from the free range at `at`, wherever it sits in its class, at the end the
+ * placement rule picks (carve_high): what is left goes back to its own class. Returns the head
+ * of the part taken. */
+static uint32_t tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
+    kva_var_range *ranges = v->ranges;
+    uint32_t length = kva_var_len(&ranges[at]);
     tlsf_unlink(v, at);
-    if (length > units)
-        tlsf_push(v, split_tail(v, v->ranges, at, length, units));
-    else
+    if (length == units) {
         v->free_ranges--;
+        return at;
+    }
+    if (carve_high(v, ranges, at, length, units)) {
+        uint32_t given = split_front(v, ranges, at, length, units);
+        tlsf_push(v, at);
+        return given;
+    }
+    tlsf_push(v, split_tail(v, ranges, at, length, units));
+    return at;
 }
 
 /* TLSF when the two-ctz search finds nothing: the request's own class may still hold a range
@@ -411,7 +454,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **o
                                                 kva_lock_owner *me) {
     uint32_t at = tlsf_scan_class(v, units);
     if (at == KVA_NIL) return alloc_failed(v, size, units, me);
-    tlsf_take(v, at, units);
+    at = tlsf_take(v, at, units);
     mark_used(v, at, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     return leave(me, KVA_OK);
@@ -454,6 +497,26 @@ KVA_INLINE uint32_t tlsf_search(const kva_var *v, unsigned *fl, unsigned *sl, ui
     return v->bins[*fl][*sl];
 }
 
+/* The search found the head of a class, longer than the request, and the rule carves its high
+ * end (carve_high): the front stays the class's head, shorter, unless that takes it below the
+ * class's floor. The class and the request's units are derived again rather than passed, so that
+ * the call from tlsf_alloc stays a tail call (arguments in registers). */
+static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t size, void **out, kva_lock_owner *me) {
+    kva_var_range *ranges = v->ranges;
+    uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
+    uint32_t length = kva_var_len(&ranges[at]), next = ranges[at].link_next;
+    unsigned fl, sl;
+    kva_tlsf_class(length, &fl, &sl);
+    uint32_t given = split_front(v, ranges, at, length, units);
+    mark_used(v, given, units, size);
+    *out = v->base + ((size_t)given << v->align_shift);
+    if (length - units < tlsf_class_floor(fl, sl)) {
+        tlsf_pop_head(v, fl, sl, next);
+        tlsf_push(v, at);
+    }
+    return leave(me, KVA_OK);
+}
+
 /* TLSF allocation, inlined into kva_var_alloc. The search: first the head of the request's own
  * class, which when it holds the request fits more closely than anything above (a tensor shape
  * that recurs finds the range its last instance freed instead of splitting a larger one); else
@@ -462,9 +525,13 @@ KVA_INLINE uint32_t tlsf_search(const kva_var *v, unsigned *fl, unsigned *sl, ui
  * that finds nothing the own class may still hold a long enough range beyond its head: it is
  * scanned on that failure path only (tlsf_alloc_slow), so TLSF fails no more often than an exact
  * fit would.
+ * A request of KVA_TLSF_SL units or more may be carved from the high end of the range
+ * (carve_high, tlsf_alloc_high); KVA_VAR_CARVE_MIN is KVA_TLSF_SL, so a shorter one, on its own
+ * branch, needs no test and takes the low end as before.
  * The range found is the head of class (fl, sl), so unlinking it needs no neighbour's link, and
  * the tail a split leaves stays in the class exactly when it is at least the class's floor; then
  * it takes the head's place and no bitmap changes. */
+_Static_assert(KVA_VAR_CARVE_MIN >= KVA_TLSF_SL, "tlsf_alloc tests the placement rule only from KVA_TLSF_SL units");
 KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     kva_var_range *ranges = v->ranges;
@@ -481,6 +548,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
             at = tlsf_search(v, &fl, &sl, sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0);
             if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
         }
+        if (carve_high(v, ranges, at, kva_var_len(&ranges[at]), units)) return tlsf_alloc_high(v, at, size, out, me);
     }
     /* The range is marked used and handed out first, so that little stays live across the
      * list work that follows. */

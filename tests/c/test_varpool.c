@@ -245,9 +245,11 @@ static void test_check_finds_corruption(void) {
 
 #define MODEL_UNITS 4096u /* 1 MiB at 256 B */
 #define MAX_LIVE 512
+#define CARVE_MIN 32u     /* KVA_VAR_CARVE_MIN: best fit and TLSF apply the placement rule from here */
 
 typedef struct model {
     uint16_t owner[MODEL_UNITS]; /* 0: free; else 1 + the live slot */
+    uint32_t units[MAX_LIVE + 1]; /* by owner: the units of that live range */
 } model;
 
 /* The next free run at or after *at: returns its start (MODEL_UNITS when there is none) and
@@ -268,18 +270,39 @@ static uint32_t tlsf_class_index(uint32_t len) {
     return (k - 4) * 32 + ((len >> (k - 5)) - 32);
 }
 
-/* Where the policy may put `units`: the free runs that fit are scanned and the one each policy
- * must choose is checked. TLSF takes a run of the request's own class (the head of its list,
- * which the model cannot see), or else one of the lowest class above it that holds a fitting
- * run (every run there fits). Returns whether any run fits. */
+/* Where in the free run [start, start + len) the policy carves `units` (varpool.h, "Placement"):
+ * first and worst fit at the low end; best fit and TLSF, for a request of at least CARVE_MIN
+ * units that does not take the whole run, at the end beside the shorter neighbour (a pool edge
+ * shorter than any range), the low end on a tie. */
+static uint32_t model_place(const model *m, kva_var_policy policy, uint32_t start, uint32_t len, uint32_t units) {
+    if (policy == KVA_VAR_FIRST_FIT || policy == KVA_VAR_WORST_FIT || units < CARVE_MIN || len == units || start == 0)
+        return start;
+    uint32_t end = start + len;
+    if (end == MODEL_UNITS) return end - units;
+    uint32_t below = m->units[m->owner[start - 1]], above = m->units[m->owner[end]];
+    return above < below ? end - units : start;
+}
+
+/* Where the policy may put `units`: the free runs that fit are scanned, the run each policy must
+ * choose is checked, and then the place in it. First fit takes the lowest run, best fit the
+ * shortest (the lowest of equals), worst fit a longest. TLSF takes a run of the request's own
+ * class (the head of its list, which the model cannot see), or else one of the lowest class
+ * above it that holds a fitting run (every run there fits). Returns whether any run fits. */
 static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, uint32_t got, int succeeded) {
-    uint32_t first = UINT32_MAX, min_len = UINT32_MAX, max_len = 0, got_run = 0;
+    uint32_t first = UINT32_MAX, min_len = UINT32_MAX, min_at = UINT32_MAX, max_len = 0;
+    uint32_t got_start = UINT32_MAX, got_len = 0; /* the free run that holds got */
     uint32_t own = tlsf_class_index(units), above = UINT32_MAX; /* the lowest fitting class > own */
     for (uint32_t next = 0, at, len; (at = next_free_run(m, &next, &len)) < MODEL_UNITS;) {
-        if (at == got) got_run = len;
+        if (at <= got && got < at + len) {
+            got_start = at;
+            got_len = len;
+        }
         if (len >= units) {
             if (first == UINT32_MAX) first = at;
-            if (len < min_len) min_len = len;
+            if (len < min_len) {
+                min_len = len;
+                min_at = at;
+            }
             if (len > max_len) max_len = len;
             uint32_t c = tlsf_class_index(len);
             if (c > own && c < above) above = c;
@@ -287,16 +310,17 @@ static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, 
     }
     int fits = first != UINT32_MAX;
     if (!succeeded) return !fits;
-    if (!fits || got_run < units) return 0;
+    if (!fits || got_start == UINT32_MAX || got_len < units) return 0;
+    if (got != model_place(m, policy, got_start, got_len, units)) return 0;
     switch (policy) {
     case KVA_VAR_FIRST_FIT:
-        return got == first;
+        return got_start == first;
     case KVA_VAR_BEST_FIT:
-        return got_run == min_len;
+        return got_start == min_at;
     case KVA_VAR_WORST_FIT:
-        return got_run == max_len;
+        return got_len == max_len;
     case KVA_VAR_TLSF:
-        return tlsf_class_index(got_run) == own || tlsf_class_index(got_run) == above;
+        return tlsf_class_index(got_len) == own || tlsf_class_index(got_len) == above;
     }
     return 0;
 }
@@ -347,6 +371,7 @@ static void test_differential(kva_var_policy policy, const char *name, int ops) 
                     if (m.owner[u]) mismatches++;
                     m.owner[u] = (uint16_t)(slot + 1);
                 }
+                m.units[slot + 1] = units;
                 live[slot] = p;
                 live_size[slot] = size;
             } else {
