@@ -28,6 +28,7 @@
  * Usage: test_kv_threads [scale]   (operations per thread are multiplied by scale, default 1)
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -85,6 +86,16 @@ typedef struct kv_worker {
 
 static pthread_rwlock_t table_guard = PTHREAD_RWLOCK_INITIALIZER; /* block tables vs compaction */
 static int kv_done;
+/* Rounds the checker and publishes the publisher have completed. Each worker waits halfway for
+ * one of each, so that both ran while the workers did, however the threads are scheduled. */
+static uint64_t checker_rounds, publisher_rounds;
+static int kv_named;
+
+static void wait_for_observers(void) {
+    while (__atomic_load_n(&checker_rounds, __ATOMIC_ACQUIRE) == 0 ||
+           (kv_named && __atomic_load_n(&publisher_rounds, __ATOMIC_ACQUIRE) == 0))
+        sched_yield();
+}
 
 static void family_keys(uint32_t family, uint64_t *keys, uint32_t n) {
     for (uint32_t i = 0; i < n; i++) keys[i] = 0x1000u * (family + 1) + i;
@@ -119,6 +130,7 @@ static void *kv_worker_main(void *arg) {
     uint64_t keys[FAMILY_BLOCKS];
 
     for (uint32_t op = 0; op < w->ops; op++) {
+        if (op == w->ops / 2) wait_for_observers();
         uint32_t what = rnd(&r, 100);
         if (what < 30 && nlive < MAX_LIVE) {
             /* Allocate: a keyed prefix of a shared family, then private blocks. */
@@ -285,6 +297,7 @@ static void *kv_checker_main(void *arg) {
             for (uint32_t i = 0; i < count; i++) TCHECK(moves[i].src_block > moves[i].dst_block);
             compactions++;
         }
+        __atomic_store_n(&checker_rounds, rounds, __ATOMIC_RELEASE);
         usleep(200);
     }
     free(moves);
@@ -303,6 +316,7 @@ static void *kv_publisher_main(void *arg) {
     while (!done_flag(&kv_done)) {
         TCHECK_STATUS(kva_stats_publish(info.pool), KVA_OK);
         publishes++;
+        __atomic_store_n(&publisher_rounds, publishes, __ATOMIC_RELEASE);
         usleep(100);
     }
     TCHECK(publishes > 0);
@@ -335,6 +349,8 @@ static void test_paged(int named) {
     kv_worker workers[KV_THREADS];
     pthread_t threads[KV_THREADS], checker, publisher;
     kv_done = 0;
+    checker_rounds = publisher_rounds = 0;
+    kv_named = named;
     for (int i = 0; i < KV_THREADS; i++) {
         workers[i] = (kv_worker){.kv = kv, .id = i, .ops = (named ? 5000u : 15000u) * (uint32_t)scale};
         REQUIRE(pthread_create(&threads[i], NULL, kv_worker_main, &workers[i]) == 0);
