@@ -14,10 +14,11 @@
  * cache owns is a remote free (slab.h).
  *
  * The limit is KVA_TC_BYTES of object span, between KVA_TC_MIN_WORDS and KVA_TC_WORDS words:
- * 32 words (2,048 objects, 128 KiB) of 64 B objects, 4 words from 512 B up. Dry words are kept
- * because they cost nothing (no free memory in them) and the objects now live in them are the
- * ones the thread frees next: a batch of up to the limit's objects then cycles through owned
- * words with no lock at all, as a batch within one mimalloc page (64 KiB of small objects) does.
+ * 32 words (2,048 objects, 128 KiB) of 64 B objects, 4 words from 512 B up. A thread that frees
+ * the class keeps its dry words, because they cost nothing (no free memory in them) and the
+ * objects now live in them are the ones it frees next: a batch of up to the limit's objects then
+ * cycles through owned words with no lock at all, as a batch within one mimalloc page (64 KiB of
+ * small objects) does.
  * The free memory a cache can hold is bounded by KVA_TC_BYTES per class it allocates from.
  *
  * The owned words are a cache kept out of band, like the offset arrays of tcmalloc's per-CPU
@@ -108,7 +109,8 @@ typedef struct kva_tcache {
 extern const char kva_tc_nowhere;
 #define KVA_TC_NO_POOL ((kva_pool *)(uintptr_t)&kva_tc_nowhere)
 
-/* The calling thread's most recently used cache: a dummy whose pool is NULL until it has one. */
+/* The calling thread's most recently used cache: a dummy whose pool is KVA_TC_NO_POOL until it
+ * has one. */
 extern __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec")));
 
 /* This thread's cache for pool, made on first use; NULL if there is no host memory for one. */
