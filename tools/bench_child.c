@@ -273,18 +273,15 @@ static void run_batch(const struct backend *b, const struct child_options *o, co
     free(slots);
 }
 
-/* A fixed permutation of the batch (xorshift64, Fisher-Yates), the same for every allocator. */
+/* A fixed permutation of the batch (Fisher-Yates), the same for every allocator. */
 static const unsigned *shuffled_order(void)
 {
     static unsigned order[BATCH_OBJECTS];
-    uint64_t x = 0x9e3779b97f4a7c15u;
+    uint64_t state = 0x9E3779B97F4A7C15ULL;
     for (unsigned i = 0; i < BATCH_OBJECTS; i++)
         order[i] = i;
     for (unsigned i = BATCH_OBJECTS - 1; i > 0; i--) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        unsigned j = (unsigned)(x % (i + 1)), t = order[i];
+        unsigned j = (unsigned)(next_random(&state) % (i + 1)), t = order[i];
         order[i] = order[j];
         order[j] = t;
     }

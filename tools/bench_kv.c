@@ -17,6 +17,7 @@
 #include <time.h>
 
 #include "bench_clock.h"
+#include "bench_random.h"
 #include "kvalloc.h"
 
 #define RUNS 5
@@ -26,12 +27,7 @@
 
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t next_random(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+static uint64_t next_random(void) { return bench_xorshift64(&rng); }
 
 static void die(const char *what, kva_status st) {
     fprintf(stderr, "bench_kv: %s: %s (%s)\n", what, kva_strerror(st), kva_last_error());

@@ -30,6 +30,7 @@
 #include <time.h>
 
 #include "bench_clock.h"
+#include "bench_random.h"
 #include "kvalloc.h"
 
 #define RUNS 5
@@ -40,12 +41,7 @@
 
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t next_random(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+static uint64_t next_random(void) { return bench_xorshift64(&rng); }
 static double uniform(void) { return (double)(next_random() >> 11) / 9007199254740992.0; }
 static double log_uniform(double lo, double hi) { return exp(log(lo) + uniform() * (log(hi) - log(lo))); }
 

@@ -23,6 +23,7 @@
 #include <sys/mman.h>
 
 #include "bench_clock.h"
+#include "bench_random.h"
 
 #define RUNS 9
 #define EVICTIONS 2048
@@ -39,12 +40,7 @@ typedef struct record { /* the library's kva_kv_block, field for field in size *
 _Static_assert(sizeof(record) == 40, "the same 40 bytes as a block record");
 
 static uint64_t rng = 0x9e3779b97f4a7c15ull;
-static uint64_t next_random(void) {
-    rng ^= rng << 13;
-    rng ^= rng >> 7;
-    rng ^= rng << 17;
-    return rng;
-}
+static uint64_t next_random(void) { return bench_xorshift64(&rng); }
 
 static void *map_table(size_t bytes) {
     void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
