@@ -231,9 +231,10 @@ KVA_API kva_status kva_free(kva_pool *pool, void *ptr);
 /* Returns the calling thread's cached free objects of this pool to their arenas, so that other
  * threads and large requests can use their memory. A thread's exit does this by itself, and so
  * does kva_trim for the thread that calls it; a thread that goes idle for long calls it.
- * What a cache may hold: per size class, words of 64 objects spanning at most 128 KiB (32 words
- * of 64 B objects, at least 4 words of any class) while the thread allocates that class, 1 word
- * while it only frees it (kva_stats.cached_bytes says how much is held). An allocation that finds no memory first flushes its own thread's cache and every
+ * What a cache may hold: per size class, words of up to 64 objects spanning at most 128 KiB, or
+ * 4 words where that is more (32 words of 64 B objects; 4 words from 512 B up, e.g. 8 MiB of
+ * 64 KiB objects), while the thread allocates that class; 1 word while it only frees it
+ * (kva_stats.cached_bytes says how much is held). An allocation that finds no memory first flushes its own thread's cache and every
  * arena's spare slabs; what other threads' caches hold stays theirs until they allocate, free,
  * flush or exit. */
 KVA_API kva_status kva_thread_flush(kva_pool *pool);

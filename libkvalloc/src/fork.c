@@ -5,7 +5,7 @@
  * order (arena.h), so the child starts with every lock free and the locked metadata consistent.
  *
  * The other threads' caches stay as they were, owned by threads the child does not have: their
- * words (at most KVA_TC_BYTES of object span per class and thread, tcache.h) are lost to the child. Giving them back
+ * words (per class and thread at most a class's word limit, tcache.h) are lost to the child. Giving them back
  * was tried and is wrong: a thread may have been halfway through a lock-free step (a fast path
  * between its bitmap store and its counter, a dry word given back but still listed), and the
  * child cannot tell; releasing those words corrupted slab counts (test_fork under TSan, which

@@ -201,6 +201,9 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     kva_bump(&tc->frees[ref->cls]);
     kva_bump(&tc->remote_frees);
+    /* Not a free into this cache's words: refill's test of whether the thread frees what it
+     * allocates must not count it. */
+    tc->cls[ref->cls].frees_at_refill++;
     /* Given back meanwhile: nobody will merge the bit, so free it in the slab now. */
     if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
         pthread_mutex_lock(&sl->arenas[a].lock);

@@ -14,12 +14,14 @@
  * cache owns is a remote free (slab.h).
  *
  * The limit is KVA_TC_BYTES of object span, between KVA_TC_MIN_WORDS and KVA_TC_WORDS words:
- * 32 words (2,048 objects, 128 KiB) of 64 B objects, 4 words from 512 B up. A thread that frees
+ * 32 words (2,048 objects, 128 KiB) of 64 B objects, 4 words from 512 B up (so above 512 B the
+ * minimum decides: 4 words of at most 64 objects, as many as a slab holds, e.g. 256 KiB of
+ * 1 KiB objects or 8 MiB of 64 KiB ones, what every class kept before the limit grew). A thread that frees
  * the class keeps its dry words, because they cost nothing (no free memory in them) and the
  * objects now live in them are the ones it frees next: a batch of up to the limit's objects then
  * cycles through owned words with no lock at all, as a batch within one mimalloc page (64 KiB of
  * small objects) does.
- * The free memory a cache can hold is bounded by KVA_TC_BYTES per class it allocates from.
+ * The free memory a cache can hold is bounded by that limit per class it allocates from.
  *
  * The owned words are a cache kept out of band, like the offset arrays of tcmalloc's per-CPU
  * caches, but a bitmap word rather than an array: the object's bit is its state, so a double
@@ -56,7 +58,8 @@ typedef struct kva_tc_class {
     uint32_t nowned;
     uint32_t cur;
     uint32_t limit;         /* the words kept while allocating (see above) */
-    uint64_t frees_at_refill; /* the class's free count when its owned words last ran dry */
+    uint64_t frees_at_refill; /* the class's free count when its owned words last ran dry, plus
+                                 the remote frees (into other caches' words) since */
     uint32_t slab[KVA_TC_WORDS + 1]; /* + 1: a claim adds its word before the oldest goes back */
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;

@@ -195,6 +195,44 @@ static void check_word_limit(size_t size, uint32_t limit) {
     kva_pool_destroy(pool);
 }
 
+/* A thread that allocates a class and frees only other threads' objects of it (remote frees,
+ * none into its own words) is a producer all the same: it keeps just its current word. */
+typedef struct remote_producer_job {
+    void **foreign; /* objects of the main thread's cache, freed here now and then */
+    int nforeign;
+    uint32_t nowned;
+} remote_producer_job;
+
+static void *produce_and_free_remotely(void *arg) {
+    remote_producer_job *job = arg;
+    static void *mine[3000];
+    for (int i = 0; i < 3000; i++) {
+        TCHECK_STATUS(kva_alloc(pool, 64, &mine[i]), KVA_OK);
+        if (i % 15 == 0 && i / 15 < job->nforeign) TCHECK_STATUS(kva_free(pool, job->foreign[i / 15]), KVA_OK);
+    }
+    job->nowned = kva_tc_find(pool)->cls[kva_class_index(64)].nowned;
+    for (int i = 0; i < 3000; i++) TCHECK_STATUS(kva_free(pool, mine[i]), KVA_OK);
+    return NULL;
+}
+
+static void test_remote_frees_make_no_keeper(void) {
+    pool = make_pool(64 * MiB);
+    static void *foreign[200];
+    /* A round first, so that the main thread keeps its words: the second round's objects all
+     * lie in words it owns, and every free of them by the other thread is a remote one. */
+    for (int i = 0; i < 200; i++) CHECK_STATUS(kva_alloc(pool, 64, &foreign[i]), KVA_OK);
+    for (int i = 0; i < 200; i++) CHECK_STATUS(kva_free(pool, foreign[i]), KVA_OK);
+    for (int i = 0; i < 200; i++) CHECK_STATUS(kva_alloc(pool, 64, &foreign[i]), KVA_OK);
+    kva_tc_class *k = &kva_tc_find(pool)->cls[kva_class_index(64)];
+    REQUIRE(k->nowned == 4);
+    remote_producer_job job = {.foreign = foreign, .nforeign = 200};
+    run_one(produce_and_free_remotely, &job);
+    CHECK(job.nowned == 1);
+    CHECK(stats().live_allocations == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 static void test_allocating_thread_keeps_its_limit(void) {
     check_word_limit(64, KVA_TC_WORDS);
     check_word_limit(1024, KVA_TC_MIN_WORDS);
@@ -295,6 +333,7 @@ int main(void) {
     test_refused_free_makes_no_cache();
     test_free_only_thread_keeps_one_word();
     test_allocating_thread_keeps_its_limit();
+    test_remote_frees_make_no_keeper();
     test_free_window();
     test_refused_cache_keeps_the_others();
     return CHECK_DONE();
