@@ -137,6 +137,14 @@ KVA_INLINE uint32_t *kva_slab_owner(const kva_slab *slab, const kva_class_geomet
     return (uint32_t *)(slab->l0 + 2 * (size_t)g->l0_words);
 }
 
+/* The same two, through the descriptor's copy of the word count (one cache line, no geometry):
+ * for the fast paths, which already hold the descriptor. */
+KVA_INLINE uint64_t *kva_slab_remote_fast(const kva_slab *slab) { return slab->l0 + slab->l0_words; }
+
+KVA_INLINE uint32_t *kva_slab_owner_fast(const kva_slab *slab) {
+    return (uint32_t *)(slab->l0 + 2 * (size_t)slab->l0_words);
+}
+
 /* Words of a slot for a class with l0_words l0 words and l1_words l1 words. */
 KVA_INLINE size_t kva_slot_words(uint32_t l0_words, uint32_t l1_words) {
     return (size_t)l1_words + 2 * (size_t)l0_words + ((size_t)l0_words + 1) / 2;

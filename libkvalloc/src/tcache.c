@@ -28,10 +28,8 @@ static kva_pool *pool_of(const kva_tcache *tc) { return __atomic_load_n(&tc->poo
 
 static uint64_t *word_l0(const kva_slabs *sl, uint32_t s, uint32_t w) { return sl->slabs[s].l0 + w; }
 
-/* Through the descriptor's copy of the word count: one line for both words. */
 static uint64_t *word_remote(const kva_slabs *sl, uint32_t s, uint32_t w) {
-    const kva_slab *slab = &sl->slabs[s];
-    return slab->l0 + slab->l0_words + w;
+    return kva_slab_remote_fast(&sl->slabs[s]) + w;
 }
 
 static void set_current(kva_pool *pool, kva_tcache *tc, unsigned c, uint32_t i) {
@@ -100,7 +98,7 @@ static void give_back_dry(kva_slabs *sl, uint32_t s, uint32_t w) {
 
 void kva_tc_open_window(kva_tcache *tc, kva_tc_window *win, const kva_slab *slab, uint32_t w, uintptr_t word_base,
                         unsigned c) {
-    const uint32_t *owner = (const uint32_t *)(slab->l0 + 2 * (size_t)slab->l0_words);
+    const uint32_t *owner = kva_slab_owner_fast(slab);
     uint32_t first = w, last = w, id = tc->id;
     while (first > 0 && w - first < KVA_TC_WORDS && kva_load(&owner[first - 1]) == id) first--;
     while (last + 1 < slab->l0_words && last - w < KVA_TC_WORDS && kva_load(&owner[last + 1]) == id) last++;
@@ -109,7 +107,7 @@ void kva_tc_open_window(kva_tcache *tc, kva_tc_window *win, const kva_slab *slab
     win->span = objects * slab->size;
     win->magic = slab->magic;
     win->l0 = slab->l0 + first;
-    win->remote = slab->l0 + slab->l0_words + first;
+    win->remote = kva_slab_remote_fast(slab) + first;
     win->frees = &tc->frees[c];
 }
 

@@ -200,11 +200,9 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     uint64_t rel = offset & sl->chunk_mask, object;
     if (kva_unlikely(!kva_div_exact(rel, slab->magic, &object) || object >= slab->nobj)) return 0;
     uint64_t w = object >> 6;
-    const uint64_t *words = slab->l0;
-    size_t nwords = slab->l0_words;
-    if (kva_unlikely(kva_load((const uint32_t *)(words + 2 * nwords) + w) != tc->id)) return 0;
+    if (kva_unlikely(kva_load(kva_slab_owner_fast(slab) + w) != tc->id)) return 0;
     uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
-    if (kva_unlikely(((bits & bit) | kva_load(l0 + nwords)) != 0)) return 0;
+    if (kva_unlikely(((bits & bit) | kva_load(kva_slab_remote_fast(slab) + w)) != 0)) return 0;
     kva_store(l0, bits | bit);
     kva_bump(&tc->frees[c]);
     kva_tc_window *win = kva_tc_window_of(tc, base + offset);
