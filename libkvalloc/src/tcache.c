@@ -130,11 +130,6 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
     return 1;
 }
 
-/* Makes the current word of class c one with a free object. Order: the owned words after the
- * current one, round the ring (remote frees merged in); then a fresh word from the arena of this
- * CPU, growing a slab there, with the oldest dry word given back first when the cache is at its
- * limit; then from any other arena's slabs; then, with every arena's spare slabs and this
- * thread's other cached words back in the buddy, a new slab once more. */
 int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
     const kva_slabs *sl = &pool->slabs;
     kva_tc_class *k = &tc->cls[c];
@@ -150,6 +145,11 @@ int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
     return 0;
 }
 
+/* Makes the current word of class c one with a free object. Order: the owned words after the
+ * current one, round the ring (remote frees merged in: kva_tc_next_word); then a fresh word from
+ * the arena of this CPU, growing a slab there, with dry words given back first (below); then
+ * from any other arena's slabs; then, with every arena's spare slabs and this thread's other
+ * cached words back in the buddy, a new slab once more. */
 static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
     kva_slabs *sl = &pool->slabs;
     kva_tc_class *k = &tc->cls[c];
