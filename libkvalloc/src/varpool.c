@@ -11,30 +11,29 @@
 
 /* ---- the free structures ------------------------------------------------------------------ */
 
-/* The range after the one at `start` of `length` units, if there is one, names it as prev. */
-KVA_INLINE void link_follower(kva_var *v, uint32_t start, uint32_t length) {
-    if (start + length < v->units) v->ranges[start + length].prev = start;
-}
+/* The range after the one at `start` of `length` units (the sentinel after the last) names it as
+ * prev. */
+KVA_INLINE void link_follower(kva_var *v, uint32_t start, uint32_t length) { v->ranges[start + length].prev = start; }
 
 /* Splits the free range at `at` of `length` units after its first `units`: the tail becomes a
  * free range of its own, linked both ways in address order, in no free structure yet. Returns
  * the tail. `ranges` is v->ranges, which a caller on the hot path already holds. */
-KVA_INLINE uint32_t split_tail(kva_var *v, kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
-    uint32_t rest = at + units, end = at + length;
+KVA_INLINE uint32_t split_tail(kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    uint32_t rest = at + units;
     ranges[rest].prev = at;
     ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
-    if (end < v->units) ranges[end].prev = rest; /* link_follower(v, rest, length - units) */
+    ranges[at + length].prev = rest; /* link_follower(v, rest, length - units) */
     return rest;
 }
 
 /* The other split: the free range at `at` of `length` units gives its last `units` and keeps the
  * rest, shorter, under the same head (its free structure is the caller's to fix). Returns the
  * head of the part given, linked both ways, not yet marked used. */
-KVA_INLINE uint32_t split_front(kva_var *v, kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
-    uint32_t given = at + length - units, end = at + length;
+KVA_INLINE uint32_t split_front(kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    uint32_t given = at + length - units;
     ranges[given].prev = at;
     ranges[at].length = (length - units) | KVA_VAR_FREE_BIT;
-    if (end < v->units) ranges[end].prev = given;
+    ranges[at + length].prev = given;
     return given;
 }
 
@@ -43,12 +42,12 @@ KVA_INLINE uint32_t split_front(kva_var *v, kva_var_range *ranges, uint32_t at, 
  * shorter of the range's two neighbours, a pool edge counting as shorter than any range, so that
  * the remainder stays beside the longer neighbour; the low end on a tie, when the range is
  * taken whole, and for a request below KVA_VAR_CARVE_MIN units. Both neighbours are used (V2),
- * so their length fields hold no free bit. Returns nonzero for the high end. */
-KVA_INLINE int carve_high(const kva_var *v, const kva_var_range *ranges, uint32_t at, uint32_t length,
-                          uint32_t units) {
-    if (units < KVA_VAR_CARVE_MIN || length == units || at == 0) return 0; /* at 0: the edge is below */
-    uint32_t end = at + length;
-    return end >= v->units || ranges[end].length < ranges[ranges[at].prev].length;
+ * so their length fields hold no free bit, and a pool edge is the sentinel, whose length is 0:
+ * the edge below the first range ties or loses, so that range is carved low, and the edge above
+ * the last one wins. Returns nonzero for the high end. */
+KVA_INLINE int carve_high(const kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    if (units < KVA_VAR_CARVE_MIN || length == units) return 0;
+    return ranges[at + length].length < ranges[ranges[at].prev].length;
 }
 
 /* Links r after `after` (KVA_NIL: at the head) in the first, best or worst fit list. */
@@ -219,7 +218,7 @@ static void free_insert(kva_var *v, uint32_t r) {
         return;
     case KVA_VAR_FIRST_FIT:
         /* The free range before r in address order is the nearest free head behind it. */
-        for (uint32_t at = ranges[r].prev; at != KVA_NIL; at = ranges[at].prev)
+        for (uint32_t at = ranges[r].prev; at != v->units; at = ranges[at].prev) /* to the sentinel */
             if (kva_var_is_free(&ranges[at])) {
                 after = at;
                 break;
@@ -310,7 +309,7 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     v->bytes = bytes;
     v->align_mask = cfg->alignment - 1;
 
-    v->ranges_bytes = (size_t)v->units * sizeof(kva_var_range);
+    v->ranges_bytes = ((size_t)v->units + 1) * sizeof(kva_var_range); /* and the sentinel */
     void *ranges;
     st = kva_os_map_metadata(v->ranges_bytes, &ranges);
     if (st != KVA_OK) goto fail_descriptor;
@@ -330,7 +329,8 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     v->head = v->tail = KVA_NIL;
     for (unsigned fl = 0; fl < KVA_TLSF_FL; fl++)
         for (unsigned sl = 0; sl < KVA_TLSF_SL; sl++) v->bins[fl][sl] = KVA_NIL;
-    v->ranges[0] = (kva_var_range){.length = v->units | KVA_VAR_FREE_BIT, .prev = KVA_NIL};
+    v->ranges[0] = (kva_var_range){.length = v->units | KVA_VAR_FREE_BIT, .prev = v->units};
+    v->ranges[v->units] = (kva_var_range){.prev = 0}; /* the sentinel */
     free_insert(v, 0);
     v->free_units = v->units;
     v->free_ranges = 1;
@@ -402,17 +402,17 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
     if (kva_unlikely(at == KVA_NIL)) return alloc_failed(v, size, units, me);
     kva_var_range *ranges = v->ranges;
     uint32_t length = kva_var_len(&ranges[at]);
-    if (v->policy == KVA_VAR_BEST_FIT && carve_high(v, ranges, at, length, units)) {
+    if (v->policy == KVA_VAR_BEST_FIT && carve_high(ranges, at, length, units)) {
         /* The front stays free under its head, shorter: it moves down the length order. */
         list_unlink(v, at);
-        uint32_t given = split_front(v, ranges, at, length, units);
+        uint32_t given = split_front(ranges, at, length, units);
         free_insert(v, at);
         at = given;
     } else if (length > units) {
         /* Split: the tail stays free. In address order it takes the place of the whole. First
          * and worst fit always carve the low end: first fit's address order is what it is
          * measured by, and the rule would undo it (varpool.h, "Placement"). */
-        uint32_t rest = split_tail(v, ranges, at, length, units);
+        uint32_t rest = split_tail(ranges, at, length, units);
         if (v->policy == KVA_VAR_FIRST_FIT) {
             list_replace(v, at, rest);
         } else {
@@ -439,12 +439,12 @@ static uint32_t tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
         v->free_ranges--;
         return at;
     }
-    if (carve_high(v, ranges, at, length, units)) {
-        uint32_t given = split_front(v, ranges, at, length, units);
+    if (carve_high(ranges, at, length, units)) {
+        uint32_t given = split_front(ranges, at, length, units);
         tlsf_push(v, at);
         return given;
     }
-    tlsf_push(v, split_tail(v, ranges, at, length, units));
+    tlsf_push(v, split_tail(ranges, at, length, units));
     return at;
 }
 
@@ -507,7 +507,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t s
     uint32_t length = kva_var_len(&ranges[at]), next = ranges[at].link_next;
     unsigned fl, sl;
     kva_tlsf_class(length, &fl, &sl);
-    uint32_t given = split_front(v, ranges, at, length, units);
+    uint32_t given = split_front(ranges, at, length, units);
     mark_used(v, given, units, size);
     *out = v->base + ((size_t)given << v->align_shift);
     if (length - units < tlsf_class_floor(fl, sl)) {
@@ -548,7 +548,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
             at = tlsf_search(v, &fl, &sl, sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0);
             if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
         }
-        if (carve_high(v, ranges, at, kva_var_len(&ranges[at]), units)) return tlsf_alloc_high(v, at, size, out, me);
+        if (carve_high(ranges, at, kva_var_len(&ranges[at]), units)) return tlsf_alloc_high(v, at, size, out, me);
     }
     /* The range is marked used and handed out first, so that little stays live across the
      * list work that follows. */
@@ -557,7 +557,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
     mark_used(v, at, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     if (length > units) {
-        uint32_t rest = split_tail(v, ranges, at, length, units);
+        uint32_t rest = split_tail(ranges, at, length, units);
         kva_var_range *t = &ranges[rest];
         if (kva_unlikely(length - units < tlsf_class_floor(fl, sl))) return tlsf_requeue(v, fl, sl, next, rest, me);
         t->link_prev = KVA_NIL; /* the tail takes the head's place */
@@ -636,12 +636,12 @@ KVA_INLINE kva_status tlsf_release(kva_var *v, uint32_t at, kva_lock_owner *me) 
     v->free_units += length;
     v->requested_bytes -= kva_var_requested(r);
     v->free_count++;
-    int next_free = next < v->units && kva_var_is_free(&ranges[next]);
-    if (prev != KVA_NIL && kva_var_is_free(&ranges[prev])) {
+    int next_free = kva_var_is_free(&ranges[next]); /* the sentinel is never free */
+    if (kva_var_is_free(&ranges[prev])) {
         if (kva_unlikely(next_free)) return tlsf_merge_three(v, at, prev, next, me);
         uint32_t prev_len = kva_var_len(&ranges[prev]);
         *r = (kva_var_range){0};
-        if (next < v->units) ranges[next].prev = prev; /* link_follower, with `next` known */
+        ranges[next].prev = prev; /* link_follower, with `next` known */
         return tlsf_resize(v, prev, prev_len, prev, prev_len + length, me);
     }
     if (next_free) {
@@ -659,8 +659,7 @@ static KVA_NOINLINE kva_status list_release(kva_var *v, uint32_t at, kva_lock_ow
     v->free_units += length;
     v->requested_bytes -= kva_var_requested(&ranges[at]);
     uint32_t next = at + length, prev = ranges[at].prev;
-    int next_free = next < v->units && kva_var_is_free(&ranges[next]);
-    int prev_free = prev != KVA_NIL && kva_var_is_free(&ranges[prev]);
+    int next_free = kva_var_is_free(&ranges[next]), prev_free = kva_var_is_free(&ranges[prev]); /* not the sentinel */
     uint32_t start = at, total = length;
     if (v->policy == KVA_VAR_FIRST_FIT) {
         /* Address order survives every merge: the merged range takes the place of the free

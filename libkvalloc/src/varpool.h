@@ -8,6 +8,10 @@
  * unit (6.25% at the default 256 B), committed lazily: the pages of records are only resident
  * where ranges start. Each head records the start of the range before it, so a free finds both
  * neighbours in O(1): the next one at start + length, the previous one at prev.
+ * One more record, ranges[units], is a sentinel: length 0, so never free and never a head; its
+ * prev names the last range, and the first range's prev names it. The heads and the sentinel
+ * thus form a ring, and every range has two neighbours: the hot paths test a neighbour for
+ * "free" and write a follower's prev without first asking whether the range touches an edge.
  *
  * The free ranges are kept in one structure chosen by the policy:
  *  FIRST_FIT  a doubly linked list in address order. A merge or a split keeps the list place of
@@ -52,7 +56,8 @@
  * Invariants (kva_var_check verifies each):
  *  V1  The heads tile [0, units): walking head -> head + length from 0 visits every range once
  *      and ends at units; every record between two heads is all zero; each head's prev is the
- *      previous head (KVA_NIL for the first).
+ *      previous head (the sentinel, units, for the first); the sentinel is all zero but its
+ *      prev, which is the last head.
  *  V2  No two free ranges are adjacent: freeing merges with both neighbours.
  *  V3  Every free range is in the policy's structure exactly once, and nothing else is: the
  *      lists are doubly linked (next->link_prev == self), ordered as stated above, their tail
@@ -97,7 +102,8 @@
 
 typedef struct kva_var_range {
     uint32_t length;    /* units, with KVA_VAR_FREE_BIT set while free; 0: not a head */
-    uint32_t prev;      /* the head of the previous range in address order, KVA_NIL if none */
+    uint32_t prev;      /* the head of the previous range in address order; the sentinel's
+                           index (units) for the first range */
     uint32_t link_prev; /* FREE: links in the policy's structure. USED: the requested size in */
     uint32_t link_next; /* bytes, low word in link_prev and high word in link_next */
 } kva_var_range;

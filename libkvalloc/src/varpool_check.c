@@ -13,7 +13,7 @@ typedef struct tally {
 
 static kva_status check_tiling(const kva_var *v, tally *t) {
     const kva_var_range *ranges = v->ranges;
-    uint32_t at = 0, prev = KVA_NIL;
+    uint32_t at = 0, prev = v->units; /* the first range's prev is the sentinel */
     int prev_free = 0;
     while (at < v->units) {
         const kva_var_range *r = &ranges[at];
@@ -45,6 +45,10 @@ static kva_status check_tiling(const kva_var *v, tally *t) {
         at += length;
     }
     if (at != v->units) return BROKEN("V1: the ranges end at %u, not at %u", at, v->units);
+    const kva_var_range *sentinel = &ranges[at];
+    if (sentinel->length | sentinel->link_prev | sentinel->link_next)
+        return BROKEN("V1: the sentinel record after the last unit (%u) is not empty", at);
+    if (sentinel->prev != prev) return BROKEN("V1: the sentinel says the last range is %u, not %u", sentinel->prev, prev);
     return KVA_OK;
 }
 

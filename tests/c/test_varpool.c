@@ -237,6 +237,22 @@ static void test_check_finds_corruption(void) {
     v->sl_map[0] ^= 1u;
     CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
     v->sl_map[0] ^= 1u;
+    /* The sentinel after the last unit: its prev names the last range (b's tail here), and
+     * nothing else of it is set. */
+    kva_var_range *sentinel = &v->ranges[v->units];
+    uint32_t last = sentinel->prev;
+    CHECK(last != 0 && last < v->units && kva_var_is_free(&v->ranges[last]));
+    sentinel->prev = 0;
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "sentinel") != NULL);
+    sentinel->prev = last;
+    sentinel->length = 1;
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "sentinel") != NULL);
+    sentinel->length = 0;
+    v->ranges[0].prev = KVA_NIL; /* the first range names the sentinel */
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    v->ranges[0].prev = v->units;
     CHECK_STATUS(kva_var_check(v), KVA_OK);
     kva_var_destroy(v);
 }
