@@ -168,6 +168,13 @@ static KVA_NOINLINE kva_status tlsf_move(kva_var *v, uint32_t old, uint32_t old_
     return leave(me, KVA_OK);
 }
 
+/* Whether lengths a and b (a >= 1) fall in the same TLSF class: below KVA_TLSF_SL the same length;
+ * above, the same bits down to the second level's, which a shift of the XOR tests without
+ * computing either class. */
+KVA_INLINE int tlsf_same_class(uint32_t a, uint32_t b) {
+    return a < KVA_TLSF_SL ? a == b : ((a ^ b) >> (kva_log2(a) - KVA_TLSF_SL_LOG2)) == 0;
+}
+
 /* The free range `old` of old_len units becomes `fresh` of new_len units by a merge at either
  * end; old's record is cleared when fresh is another. While the class stays the same, which is
  * the common case for a large free range, fresh takes old's place in the class list and no bitmap
@@ -175,11 +182,7 @@ static KVA_NOINLINE kva_status tlsf_move(kva_var *v, uint32_t old, uint32_t old_
 KVA_INLINE kva_status tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len,
                                   kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges;
-    /* Same class: below KVA_TLSF_SL the same length; above, the same bits down to the second
-     * level's, which a shift of the XOR tests without computing either class. */
-    int same = old_len < KVA_TLSF_SL ? old_len == new_len
-                                     : ((old_len ^ new_len) >> (kva_log2(old_len) - KVA_TLSF_SL_LOG2)) == 0;
-    if (kva_unlikely(!same)) return tlsf_move(v, old, old_len, fresh, new_len, me);
+    if (kva_unlikely(!tlsf_same_class(old_len, new_len))) return tlsf_move(v, old, old_len, fresh, new_len, me);
     if (old != fresh) {
         uint32_t prev = ranges[old].link_prev, next = ranges[old].link_next;
         ranges[fresh].link_prev = prev;
@@ -532,7 +535,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t s
  * the tail a split leaves stays in the class exactly when it is at least the class's floor; then
  * it takes the head's place and no bitmap changes. */
 _Static_assert(KVA_VAR_CARVE_MIN >= KVA_TLSF_SL, "tlsf_alloc tests the placement rule only from KVA_TLSF_SL units");
-KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
+static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     kva_var_range *ranges = v->ranges;
     unsigned fl, sl;
@@ -568,6 +571,37 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
         tlsf_pop_head(v, fl, sl, next);
         v->free_ranges--;
     }
+    return leave(me, KVA_OK);
+}
+
+KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
+    uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
+    if (units >= KVA_TLSF_SL) return tlsf_alloc_any(v, size, out, me);
+    uint32_t bits = v->sl_map[0] & (~0u << units);
+    unsigned fl = 0;
+    if (bits == 0) {
+        uint32_t fl_bits = v->fl_map & ~1u;
+        if (fl_bits == 0) return tlsf_alloc_any(v, size, out, me);
+        fl = (unsigned)__builtin_ctz(fl_bits);
+        bits = v->sl_map[fl];
+    }
+    unsigned sl = (unsigned)__builtin_ctz(bits);
+    uint32_t at = v->bins[fl][sl];
+    kva_var_range *ranges = v->ranges, *r = &ranges[at];
+    uint32_t length = kva_var_len(r), rest_len = length - units;
+    if (rest_len < tlsf_class_floor(fl, sl)) return tlsf_alloc_any(v, size, out, me);
+    *out = v->base + ((size_t)at << v->align_shift);
+    uint32_t next = r->link_next;
+    mark_used(v, at, units, size);
+    uint32_t rest = at + units;
+    kva_var_range *t = r + units;
+    t->length = rest_len | KVA_VAR_FREE_BIT;
+    t->prev = at;
+    t->link_prev = KVA_NIL;
+    t->link_next = next;
+    r[length].prev = rest;
+    if (next != KVA_NIL) ranges[next].link_prev = rest;
+    v->bins[fl][sl] = rest;
     return leave(me, KVA_OK);
 }
 
@@ -627,29 +661,38 @@ static KVA_NOINLINE kva_status tlsf_insert(kva_var *v, uint32_t at, kva_lock_own
     return leave(me, KVA_OK);
 }
 
+/* TLSF free of the used range at `at` whose previous range is not free: it merges with the next
+ * one when that is free (the merged range takes the next one's place in its class when the class
+ * does not change, tlsf_resize), else joins its class alone. */
+static KVA_NOINLINE kva_status tlsf_release_forward(kva_var *v, uint32_t at, kva_lock_owner *me) {
+    kva_var_range *ranges = v->ranges;
+    uint32_t length = ranges[at].length, next = at + length;
+    if (kva_var_is_free(&ranges[next])) {
+        uint32_t next_len = kva_var_len(&ranges[next]), total = length + next_len;
+        link_follower(v, at, total);
+        return tlsf_resize(v, next, next_len, at, total, me);
+    }
+    return tlsf_insert(v, at, me);
+}
+
 /* TLSF free of the used range at `at`, merging it with free neighbours; inlined into
- * kva_var_free. The merged range keeps the place of a free neighbour when its class does not
- * change (tlsf_resize). Ends the locked path (leave). */
+ * kva_var_free. The common case stays here: the range before is free and the one after is not
+ * (frees in the order of allocation), so the previous range grows in place and keeps its place
+ * in its class unless its class changes (tlsf_move). Ends the locked path (leave). */
 KVA_INLINE kva_status tlsf_release(kva_var *v, uint32_t at, kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges, *r = &ranges[at];
     uint32_t length = r->length, next = at + length, prev = r->prev;
     v->free_units += length;
     v->requested_bytes -= kva_var_requested(r);
     v->free_count++;
-    int next_free = kva_var_is_free(&ranges[next]); /* the sentinel is never free */
-    if (kva_var_is_free(&ranges[prev])) {
-        if (kva_unlikely(next_free)) return tlsf_merge_three(v, at, prev, next, me);
-        uint32_t prev_len = kva_var_len(&ranges[prev]);
-        *r = (kva_var_range){0};
-        ranges[next].prev = prev; /* link_follower, with `next` known */
-        return tlsf_resize(v, prev, prev_len, prev, prev_len + length, me);
-    }
-    if (next_free) {
-        uint32_t next_len = kva_var_len(&ranges[next]), total = length + next_len;
-        link_follower(v, at, total);
-        return tlsf_resize(v, next, next_len, at, total, me);
-    }
-    return tlsf_insert(v, at, me);
+    if (!kva_var_is_free(&ranges[prev])) return tlsf_release_forward(v, at, me);
+    if (kva_unlikely(kva_var_is_free(&ranges[next]))) return tlsf_merge_three(v, at, prev, next, me);
+    uint32_t prev_len = kva_var_len(&ranges[prev]), total = prev_len + length;
+    *r = (kva_var_range){0};
+    ranges[next].prev = prev; /* link_follower, with `next` known */
+    if (kva_unlikely(!tlsf_same_class(prev_len, total))) return tlsf_move(v, prev, prev_len, prev, total, me);
+    ranges[prev].length = total | KVA_VAR_FREE_BIT;
+    return leave(me, KVA_OK);
 }
 
 /* First, best and worst fit: frees the used range at `at`, merging it with free neighbours. */
