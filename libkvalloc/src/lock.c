@@ -15,7 +15,8 @@
  * guards takes when its holder runs. */
 #define KVA_LOCK_SPINS 256
 
-__thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec")));
+kva_lock_owner kva_lock_nobody;
+__thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec"))) = &kva_lock_nobody;
 
 /* Flags of exited threads, for new threads to reuse: never freed, since a revoker may read a
  * flag at any time. */
@@ -29,7 +30,7 @@ static int membarrier_state;
 
 static void owner_exit(void *flag) {
     kva_lock_owner *owner = flag;
-    kva_lock_me = NULL;
+    kva_lock_me = &kva_lock_nobody;
     pthread_mutex_lock(&free_owners_lock);
     owner->next = free_owners;
     free_owners = owner;

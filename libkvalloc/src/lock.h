@@ -56,8 +56,11 @@ struct kva_lock {
 
 #define KVA_LOCK_INIT {0, 0, NULL, NULL, 0}
 
-/* This thread's flag; NULL until its first lock (kva_lock_me_slow makes it; NULL if there is no
- * memory for one, and then the thread always takes the plain way). */
+/* This thread's flag; &kva_lock_nobody until its first lock (kva_lock_me_slow makes it; it stays
+ * &kva_lock_nobody if there is no memory for one, and then the thread always takes the plain
+ * way). No lock is ever biased to kva_lock_nobody, so the biased way in needs no test of its own
+ * for a thread without a flag. */
+extern kva_lock_owner kva_lock_nobody;
 extern __thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec")));
 kva_lock_owner *kva_lock_me_slow(void);
 
@@ -72,7 +75,8 @@ enum { KVA_LOCK_PLAIN = 0, KVA_LOCK_BIASED = 1 };
  * separate slow path keeps no token and loads the thread-local flag once. */
 KVA_INLINE kva_lock_owner *kva_lock_enter_biased(kva_lock *lock) {
     kva_lock_owner *me = kva_lock_me;
-    if (kva_likely(me != NULL && __atomic_load_n(&lock->bias, __ATOMIC_RELAXED) == me &&
+    if (me == NULL) __builtin_unreachable(); /* never (kva_lock_nobody): callers test only the result */
+    if (kva_likely(__atomic_load_n(&lock->bias, __ATOMIC_RELAXED) == me &&
                    __atomic_load_n(&me->in, __ATOMIC_RELAXED) == NULL)) {
         __atomic_store_n(&me->in, lock, __ATOMIC_RELAXED);
         __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the revoker's membarrier is the real fence */
@@ -88,7 +92,7 @@ KVA_INLINE void kva_lock_leave_biased(kva_lock_owner *me) { __atomic_store_n(&me
  * kva_lock_release and the token it returns). */
 KVA_INLINE int kva_lock_acquire_plain(kva_lock *lock) {
     kva_lock_owner *me = kva_lock_me;
-    if (kva_unlikely(me == NULL)) me = kva_lock_me_slow();
+    if (kva_unlikely(me == &kva_lock_nobody)) me = kva_lock_me_slow(); /* NULL: no flag */
     return kva_lock_acquire_slow(lock, me);
 }
 

@@ -102,12 +102,9 @@ static void list_replace(kva_var *v, uint32_t old, uint32_t fresh) {
  * became head. That is a constant-time approximation of address order, which keeps allocations
  * toward the low end and the large ranges whole: on bench_varpool's forward-pass trace it took
  * TLSF from above first fit's fragmentation to at or below it on each of 5 seeds. */
-static void tlsf_push(kva_var *v, uint32_t r) {
-    unsigned fl, sl;
-    kva_tlsf_class(kva_var_len(&v->ranges[r]), &fl, &sl);
-    kva_var_range *ranges = v->ranges;
-    uint32_t head = v->bins[fl][sl];
-    if (head != KVA_NIL && head < r) { /* second place */
+KVA_INLINE void tlsf_push_to(kva_var *v, kva_var_range *ranges, uint32_t r, unsigned cls) {
+    uint32_t head = v->bins[cls];
+    if (head < r) { /* second place (KVA_NIL, the empty class, exceeds every unit) */
         uint32_t next = ranges[head].link_next;
         ranges[r].link_prev = head;
         ranges[r].link_next = next;
@@ -117,25 +114,38 @@ static void tlsf_push(kva_var *v, uint32_t r) {
     }
     ranges[r].link_prev = KVA_NIL;
     ranges[r].link_next = head;
-    if (head != KVA_NIL) ranges[head].link_prev = r;
-    v->bins[fl][sl] = r;
-    v->sl_map[fl] |= 1u << sl;
-    v->fl_map |= 1u << fl;
+    if (head != KVA_NIL) {
+        ranges[head].link_prev = r;
+    } else { /* the class was empty */
+        v->sl_map[cls / KVA_TLSF_SL] |= 1u << cls % KVA_TLSF_SL;
+        v->fl_map |= 1u << cls / KVA_TLSF_SL;
+    }
+    v->bins[cls] = r;
+}
+
+static void tlsf_push(kva_var *v, uint32_t r) {
+    tlsf_push_to(v, v->ranges, r, kva_tlsf_index(kva_var_len(&v->ranges[r])));
+}
+
+/* Class cls has become empty: its bits go. */
+KVA_INLINE void tlsf_clear_class(kva_var *v, unsigned cls) {
+    unsigned fl = cls / KVA_TLSF_SL;
+    if ((v->sl_map[fl] &= ~(1u << cls % KVA_TLSF_SL)) == 0) v->fl_map &= ~(1u << fl);
+}
+
+/* Takes the free range r (of class cls) out of its class's list. */
+KVA_INLINE void tlsf_unlink_from(kva_var *v, kva_var_range *ranges, uint32_t r, unsigned cls) {
+    uint32_t prev = ranges[r].link_prev, next = ranges[r].link_next;
+    if (prev != KVA_NIL) {
+        ranges[prev].link_next = next;
+    } else if ((v->bins[cls] = next) == KVA_NIL) {
+        tlsf_clear_class(v, cls);
+    }
+    if (next != KVA_NIL) ranges[next].link_prev = prev;
 }
 
 static void tlsf_unlink(kva_var *v, uint32_t r) {
-    unsigned fl, sl;
-    kva_tlsf_class(kva_var_len(&v->ranges[r]), &fl, &sl);
-    uint32_t prev = v->ranges[r].link_prev, next = v->ranges[r].link_next;
-    if (prev == KVA_NIL)
-        v->bins[fl][sl] = next;
-    else
-        v->ranges[prev].link_next = next;
-    if (next != KVA_NIL) v->ranges[next].link_prev = prev;
-    if (v->bins[fl][sl] == KVA_NIL) {
-        v->sl_map[fl] &= ~(1u << sl);
-        if (v->sl_map[fl] == 0) v->fl_map &= ~(1u << fl);
-    }
+    tlsf_unlink_from(v, v->ranges, r, kva_tlsf_index(kva_var_len(&v->ranges[r])));
 }
 
 /* How every locked path of alloc and free ends. A caller that entered by the lock's bias passes
@@ -152,19 +162,10 @@ KVA_INLINE kva_status leave(kva_lock_owner *me, kva_status st) {
 static KVA_NOINLINE kva_status tlsf_move(kva_var *v, uint32_t old, uint32_t old_len, uint32_t fresh, uint32_t new_len,
                                          kva_lock_owner *me) {
     kva_var_range *ranges = v->ranges;
-    unsigned fl, sl;
-    kva_tlsf_class(old_len, &fl, &sl);
-    uint32_t prev = ranges[old].link_prev, next = ranges[old].link_next;
-    if (prev == KVA_NIL) {
-        v->bins[fl][sl] = next;
-        if (next == KVA_NIL && (v->sl_map[fl] &= ~(1u << sl)) == 0) v->fl_map &= ~(1u << fl);
-    } else {
-        ranges[prev].link_next = next;
-    }
-    if (next != KVA_NIL) ranges[next].link_prev = prev;
+    tlsf_unlink_from(v, ranges, old, kva_tlsf_index(old_len));
     if (old != fresh) ranges[old] = (kva_var_range){0};
     ranges[fresh].length = new_len | KVA_VAR_FREE_BIT;
-    tlsf_push(v, fresh);
+    tlsf_push_to(v, ranges, fresh, kva_tlsf_index(new_len));
     return leave(me, KVA_OK);
 }
 
@@ -190,7 +191,7 @@ KVA_INLINE kva_status tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, ui
         if (prev == KVA_NIL) {
             unsigned fl, sl;
             kva_tlsf_class(old_len, &fl, &sl);
-            v->bins[fl][sl] = fresh;
+            v->bins[fl * KVA_TLSF_SL + sl] = fresh;
         } else {
             ranges[prev].link_next = fresh;
         }
@@ -205,7 +206,7 @@ KVA_INLINE kva_status tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, ui
 static KVA_NOINLINE uint32_t tlsf_scan_class(const kva_var *v, uint32_t units) {
     unsigned fl, sl;
     kva_tlsf_class(units, &fl, &sl);
-    for (uint32_t r = v->bins[fl][sl]; r != KVA_NIL; r = v->ranges[r].link_next)
+    for (uint32_t r = v->bins[fl * KVA_TLSF_SL + sl]; r != KVA_NIL; r = v->ranges[r].link_next)
         if (kva_var_len(&v->ranges[r]) >= units) return r;
     return KVA_NIL;
 }
@@ -331,7 +332,7 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
 
     v->head = v->tail = KVA_NIL;
     for (unsigned fl = 0; fl < KVA_TLSF_FL; fl++)
-        for (unsigned sl = 0; sl < KVA_TLSF_SL; sl++) v->bins[fl][sl] = KVA_NIL;
+        for (unsigned sl = 0; sl < KVA_TLSF_SL; sl++) v->bins[fl * KVA_TLSF_SL + sl] = KVA_NIL;
     v->ranges[0] = (kva_var_range){.length = v->units | KVA_VAR_FREE_BIT, .prev = v->units};
     v->ranges[v->units] = (kva_var_range){.prev = 0}; /* the sentinel */
     free_insert(v, 0);
@@ -468,9 +469,24 @@ KVA_INLINE uint32_t tlsf_class_floor(unsigned fl, unsigned sl) {
     return fl == 0 ? sl : (KVA_TLSF_SL + sl) << (fl - 1);
 }
 
+/* kva_tlsf_floors (varpool.h), built at compile time from tlsf_class_floor's formula. */
+#define FLOOR_OF(i) ((uint32_t)((i) < KVA_TLSF_SL ? (i) : (KVA_TLSF_SL + (i) % KVA_TLSF_SL) << ((i) < KVA_TLSF_SL ? 0 : (i) / KVA_TLSF_SL - 1)))
+#define FLOORS_4(i) FLOOR_OF(i), FLOOR_OF((i) + 1), FLOOR_OF((i) + 2), FLOOR_OF((i) + 3)
+#define FLOORS_32(i) FLOORS_4(i), FLOORS_4((i) + 4), FLOORS_4((i) + 8), FLOORS_4((i) + 12), FLOORS_4((i) + 16), \
+                     FLOORS_4((i) + 20), FLOORS_4((i) + 24), FLOORS_4((i) + 28)
+#define FLOORS_288(i) FLOORS_32(i), FLOORS_32((i) + 32), FLOORS_32((i) + 64), FLOORS_32((i) + 96), \
+                      FLOORS_32((i) + 128), FLOORS_32((i) + 160), FLOORS_32((i) + 192), FLOORS_32((i) + 224), \
+                      FLOORS_32((i) + 256)
+_Static_assert(KVA_TLSF_FL * KVA_TLSF_SL == 3 * 288, "kva_tlsf_floors lists 3 x 288 classes");
+const uint32_t kva_tlsf_floors[KVA_TLSF_FL * KVA_TLSF_SL] = {FLOORS_288(0), FLOORS_288(288), FLOORS_288(576)};
+#undef FLOOR_OF
+#undef FLOORS_4
+#undef FLOORS_32
+#undef FLOORS_288
+
 /* Removes the head of class (fl, sl), whose successor is `next`. */
 KVA_INLINE void tlsf_pop_head(kva_var *v, unsigned fl, unsigned sl, uint32_t next) {
-    v->bins[fl][sl] = next;
+    v->bins[fl * KVA_TLSF_SL + sl] = next;
     if (next != KVA_NIL)
         v->ranges[next].link_prev = KVA_NIL;
     else if ((v->sl_map[fl] &= ~(1u << sl)) == 0)
@@ -497,7 +513,7 @@ KVA_INLINE uint32_t tlsf_search(const kva_var *v, unsigned *fl, unsigned *sl, ui
         sl_bits = v->sl_map[*fl];
     }
     *sl = (unsigned)__builtin_ctz(sl_bits);
-    return v->bins[*fl][*sl];
+    return v->bins[*fl * KVA_TLSF_SL + *sl];
 }
 
 /* The search found the head of a class, longer than the request, and the rule carves its high
@@ -520,7 +536,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t s
     return leave(me, KVA_OK);
 }
 
-/* TLSF allocation, inlined into kva_var_alloc. The search: first the head of the request's own
+/* TLSF allocation, any request (tlsf_alloc's fast path covers the common case). The search: first the head of the request's own
  * class, which when it holds the request fits more closely than anything above (a tensor shape
  * that recurs finds the range its last instance freed instead of splitting a larger one); else
  * the first nonempty class above the request's own, where every range holds it: two ctz. Below
@@ -546,7 +562,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
         if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
     } else {
         kva_tlsf_class(units, &fl, &sl);
-        at = v->bins[fl][sl]; /* the own class's head, if it holds the request */
+        at = v->bins[fl * KVA_TLSF_SL + sl]; /* the own class's head, if it holds the request */
         if (at == KVA_NIL || kva_var_len(&ranges[at]) < units) {
             at = tlsf_search(v, &fl, &sl, sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0);
             if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
@@ -566,7 +582,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
         t->link_prev = KVA_NIL; /* the tail takes the head's place */
         t->link_next = next;
         if (next != KVA_NIL) ranges[next].link_prev = rest;
-        v->bins[fl][sl] = rest;
+        v->bins[fl * KVA_TLSF_SL + sl] = rest;
     } else {
         tlsf_pop_head(v, fl, sl, next);
         v->free_ranges--;
@@ -574,25 +590,38 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
     return leave(me, KVA_OK);
 }
 
+/* TLSF allocation, inlined into kva_var_alloc: the common case of a request below KVA_TLSF_SL
+ * units (256 B .. 8 KiB at the default alignment) is done here, and everything else is
+ * tlsf_alloc_any's. The common case: the search (the first nonempty class at or above the
+ * request's, one length per class there; else the first nonempty level above, whose every class
+ * holds the request) finds a class head that stays in its class once the request is cut from
+ * its low end. Then only the head moves, to the remainder's first unit, in the same list place,
+ * and no class or bitmap changes: this path needs neither the class floor's branches nor the
+ * placement rule (small requests take the low end, varpool.h). A head that would fall below
+ * its class, an exact fit, an empty pool: tlsf_alloc_any decides, searching again. */
 KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
-    if (units >= KVA_TLSF_SL) return tlsf_alloc_any(v, size, out, me);
-    uint32_t bits = v->sl_map[0] & (~0u << units);
-    unsigned fl = 0;
-    if (bits == 0) {
-        uint32_t fl_bits = v->fl_map & ~1u;
-        if (fl_bits == 0) return tlsf_alloc_any(v, size, out, me);
-        fl = (unsigned)__builtin_ctz(fl_bits);
-        bits = v->sl_map[fl];
-    }
-    unsigned sl = (unsigned)__builtin_ctz(bits);
-    uint32_t at = v->bins[fl][sl];
-    kva_var_range *ranges = v->ranges, *r = &ranges[at];
+    /* A range of the first level (one length per class, below KVA_TLSF_SL) that holds the
+     * request is an exact fit or leaves a remainder of another class. */
+    uint32_t fl_bits = v->fl_map & ~1u;
+    if (units >= KVA_TLSF_SL || (v->sl_map[0] & (~0u << units)) != 0 || fl_bits == 0)
+        return tlsf_alloc_any(v, size, out, me);
+    unsigned fl = (unsigned)__builtin_ctz(fl_bits), sl = (unsigned)__builtin_ctz(v->sl_map[fl]);
+    unsigned cls = fl * KVA_TLSF_SL + sl;
+    uint32_t at = v->bins[cls];
+    kva_var_range *r = &v->ranges[at];
     uint32_t length = kva_var_len(r), rest_len = length - units;
-    if (rest_len < tlsf_class_floor(fl, sl)) return tlsf_alloc_any(v, size, out, me);
-    *out = v->base + ((size_t)at << v->align_shift);
+    if (rest_len < kva_tlsf_floors[cls]) return tlsf_alloc_any(v, size, out, me);
+    /* The request is done first (its size and out are then dead, which spares registers); the
+     * remainder's records are written after. */
     uint32_t next = r->link_next;
-    mark_used(v, at, units, size);
+    *out = v->base + ((size_t)at << v->align_shift);
+    r->length = units;
+    r->link_prev = (uint32_t)size;
+    r->link_next = (uint32_t)((uint64_t)size >> 32);
+    v->free_units -= units;
+    v->requested_bytes += size;
+    v->alloc_count++;
     uint32_t rest = at + units;
     kva_var_range *t = r + units;
     t->length = rest_len | KVA_VAR_FREE_BIT;
@@ -600,8 +629,8 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
     t->link_prev = KVA_NIL;
     t->link_next = next;
     r[length].prev = rest;
-    if (next != KVA_NIL) ranges[next].link_prev = rest;
-    v->bins[fl][sl] = rest;
+    if (next != KVA_NIL) r[next - at].link_prev = rest;
+    v->bins[cls] = rest;
     return leave(me, KVA_OK);
 }
 
@@ -820,7 +849,7 @@ static uint32_t largest_free(const kva_var *v) {
     case KVA_VAR_TLSF:
         if (v->fl_map == 0) return 0;
         unsigned fl = kva_log2(v->fl_map);
-        from = v->bins[fl][kva_log2(v->sl_map[fl])];
+        from = v->bins[fl * KVA_TLSF_SL + kva_log2(v->sl_map[fl])];
         break;
     }
     for (uint32_t at = from; at != KVA_NIL; at = ranges[at].link_next)

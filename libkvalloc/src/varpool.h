@@ -126,7 +126,7 @@ struct kva_var {
     uint32_t head, tail;    /* FIRST, BEST, WORST: the free list */
     uint32_t fl_map;        /* TLSF */
     uint32_t sl_map[KVA_TLSF_FL];
-    uint32_t bins[KVA_TLSF_FL][KVA_TLSF_SL];
+    uint32_t bins[KVA_TLSF_FL * KVA_TLSF_SL]; /* class heads, by fl * KVA_TLSF_SL + sl (kva_tlsf_index) */
 
     uint64_t free_units;    /* the used units and the live ranges are derived: units -
                                free_units, alloc_count - free_count */
@@ -140,16 +140,26 @@ KVA_INLINE uint64_t kva_var_requested(const kva_var_range *r) {
     return (uint64_t)r->link_prev | (uint64_t)r->link_next << 32;
 }
 
-/* The TLSF class of a free range of `length` units (length >= 1). */
+/* The TLSF class of a free range of `length` units (length >= 1), as fl * KVA_TLSF_SL + sl, with
+ * no branch: s = max(log2 length, KVA_TLSF_SL_LOG2) - KVA_TLSF_SL_LOG2 is the shift that brings
+ * length into [KVA_TLSF_SL, 2 KVA_TLSF_SL) (into [0, KVA_TLSF_SL) below that, where s is 0), and
+ * the class is s levels above the first plus those top bits: below KVA_TLSF_SL, class (0,
+ * length); above, first level log2 length - KVA_TLSF_SL_LOG2 + 1 and second level the
+ * KVA_TLSF_SL_LOG2 bits below the top one. */
+KVA_INLINE unsigned kva_tlsf_index(uint32_t length) {
+    unsigned s = kva_log2(length | KVA_TLSF_SL) - KVA_TLSF_SL_LOG2;
+    return (s << KVA_TLSF_SL_LOG2) + (length >> s);
+}
+
+/* The shortest length of each class, by class index: what tlsf_alloc's fast path loads instead of
+ * shifting by a count in a register (which on x86 must pass through cl, costing a register and
+ * the moves around it). */
+extern const uint32_t kva_tlsf_floors[KVA_TLSF_FL * KVA_TLSF_SL];
+
 KVA_INLINE void kva_tlsf_class(uint32_t length, unsigned *fl, unsigned *sl) {
-    if (length < KVA_TLSF_SL) {
-        *fl = 0;
-        *sl = length;
-        return;
-    }
-    unsigned k = kva_log2(length);
-    *fl = k - KVA_TLSF_SL_LOG2 + 1;
-    *sl = (length >> (k - KVA_TLSF_SL_LOG2)) - KVA_TLSF_SL;
+    unsigned index = kva_tlsf_index(length);
+    *fl = index >> KVA_TLSF_SL_LOG2;
+    *sl = index & (KVA_TLSF_SL - 1);
 }
 
 #endif

@@ -84,7 +84,7 @@ static kva_status check_tlsf(const kva_var *v, uint64_t limit, uint64_t *count) 
         if (((v->fl_map >> fl) & 1) != (v->sl_map[fl] != 0))
             return BROKEN("V4: first-level bit %u disagrees with its second-level map %#x", fl, v->sl_map[fl]);
         for (unsigned sl = 0; sl < KVA_TLSF_SL; sl++) {
-            uint32_t head = v->bins[fl][sl], last;
+            uint32_t head = v->bins[fl * KVA_TLSF_SL + sl], last;
             if (((v->sl_map[fl] >> sl) & 1) != (head != KVA_NIL))
                 return BROKEN("V4: bit (%u, %u) disagrees with its class list", fl, sl);
             kva_status st = check_list(v, head, 0, limit, "a TLSF class", count, &last);

@@ -217,6 +217,34 @@ static void test_backing_pool(void) {
     kva_pool_destroy(pool);
 }
 
+/* TLSF's classes, as the hot paths compute them (kva_tlsf_index, without branches) and as the
+ * fast allocation path looks up their floors (kva_tlsf_floors), against the definition written
+ * out: below KVA_TLSF_SL units one class per length; above, first level log2(length) - 4 and
+ * second level the 5 bits below the top one. Each class's floor is its shortest length: in the
+ * class, and the length below it is not. */
+static unsigned reference_class(uint32_t length) {
+    if (length < KVA_TLSF_SL) return length;
+    unsigned k = 31u - (unsigned)__builtin_clz(length);
+    return (k - KVA_TLSF_SL_LOG2 + 1) * KVA_TLSF_SL + ((length >> (k - KVA_TLSF_SL_LOG2)) - KVA_TLSF_SL);
+}
+
+static void test_tlsf_classes(void) {
+    for (uint32_t length = 1; length < (1u << 16); length++) CHECK(kva_tlsf_index(length) == reference_class(length));
+    for (unsigned k = 16; k < 31; k++)
+        for (uint32_t step = 0; step < 64; step++) {
+            uint32_t length = (1u << k) + step * (1u << (k - 6)), around[] = {length - 1, length, length + 1};
+            for (unsigned j = 0; j < 3; j++) CHECK(kva_tlsf_index(around[j]) == reference_class(around[j]));
+        }
+    CHECK(kva_tlsf_index(KVA_VAR_MAX_UNITS) == reference_class(KVA_VAR_MAX_UNITS));
+    CHECK(kva_tlsf_index(KVA_VAR_MAX_UNITS) < KVA_TLSF_FL * KVA_TLSF_SL);
+    for (unsigned cls = 1; cls < KVA_TLSF_FL * KVA_TLSF_SL; cls++) {
+        uint32_t floor = kva_tlsf_floors[cls];
+        CHECK(reference_class(floor) == cls);
+        CHECK(reference_class(floor - 1) == cls - 1);
+    }
+    CHECK(kva_tlsf_floors[0] == 0);
+}
+
 /* A corrupted record is named by kva_var_check. */
 static void test_check_finds_corruption(void) {
     kva_var *v = make(KVA_VAR_TLSF, (size_t)1 << 20);
@@ -447,6 +475,7 @@ int main(int argc, char **argv) {
     if (argc > 1) test_cuda_backing(argv[1]);
     test_config();
     test_backing_pool();
+    test_tlsf_classes();
     test_check_finds_corruption();
     for (int i = 0; i < 4; i++) {
         test_round_trip_and_coalescing(policies[i]);
