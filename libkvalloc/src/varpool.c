@@ -590,6 +590,12 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
     return leave(me, KVA_OK);
 }
 
+/* Every policy's allocation, with the lock held. */
+static KVA_NOINLINE kva_status alloc_any(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
+    if (v->policy == KVA_VAR_TLSF) return tlsf_alloc_any(v, size, out, me);
+    return list_alloc(v, size, out, me);
+}
+
 /* TLSF allocation, inlined into kva_var_alloc: the common case of a request below KVA_TLSF_SL
  * units (256 B .. 8 KiB at the default alignment) is done here, and everything else is
  * tlsf_alloc_any's. The common case: the search (the first nonempty class at or above the
@@ -605,13 +611,13 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
      * request is an exact fit or leaves a remainder of another class. */
     uint32_t fl_bits = v->fl_map & ~1u;
     if (units >= KVA_TLSF_SL || (v->sl_map[0] & (~0u << units)) != 0 || fl_bits == 0)
-        return tlsf_alloc_any(v, size, out, me);
+        return alloc_any(v, size, out, me);
     unsigned fl = (unsigned)__builtin_ctz(fl_bits), sl = (unsigned)__builtin_ctz(v->sl_map[fl]);
     unsigned cls = fl * KVA_TLSF_SL + sl;
     uint32_t at = v->bins[cls];
     kva_var_range *r = &v->ranges[at];
     uint32_t length = kva_var_len(r), rest_len = length - units;
-    if (rest_len < kva_tlsf_floors[cls]) return tlsf_alloc_any(v, size, out, me);
+    if (rest_len < kva_tlsf_floors[cls]) return alloc_any(v, size, out, me);
     /* The request is done first (its size and out are then dead, which spares registers); the
      * remainder's records are written after. */
     uint32_t next = r->link_next;
@@ -634,9 +640,10 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
     return leave(me, KVA_OK);
 }
 
+/* TLSF's fast path needs no test of the policy: the other policies never set a bit of the
+ * class maps, so it hands them to alloc_any with TLSF's own misses. */
 KVA_INLINE kva_status alloc_locked(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
-    if (kva_likely(v->policy == KVA_VAR_TLSF)) return tlsf_alloc(v, size, out, me);
-    return list_alloc(v, size, out, me);
+    return tlsf_alloc(v, size, out, me);
 }
 
 /* The lock taken the plain way (kva_var_alloc's slow path). */

@@ -63,7 +63,9 @@
  *      lists are doubly linked (next->link_prev == self), ordered as stated above, their tail
  *      (best and worst fit) is the last element, and they hold free_ranges elements.
  *  V4  TLSF: a range sits in the class its length maps to; bit sl of sl_map[fl] is set iff
- *      class (fl, sl) is not empty, and bit fl of fl_map iff sl_map[fl] is not zero.
+ *      class (fl, sl) is not empty, and bit fl of fl_map iff sl_map[fl] is not zero. Under the
+ *      other policies both maps stay zero (the TLSF fast path in kva_var_alloc relies on it
+ *      instead of testing the policy).
  *  V5  free_units counts the units of free ranges, free_ranges the free ranges, and
  *      alloc_count - free_count the used ones; requested_bytes sums the used ranges' requested
  *      sizes, each of which rounds up to the range's length.

@@ -102,6 +102,10 @@ static kva_status check_tlsf(const kva_var *v, uint64_t limit, uint64_t *count) 
     return KVA_OK;
 }
 
+static const char *policy_name(kva_var_policy policy) {
+    return policy == KVA_VAR_FIRST_FIT ? "first-fit" : policy == KVA_VAR_BEST_FIT ? "best-fit" : "worst-fit";
+}
+
 static kva_status check_free_structure(const kva_var *v, uint64_t free_ranges) {
     uint64_t count = 0;
     uint32_t last = KVA_NIL;
@@ -109,6 +113,12 @@ static kva_status check_free_structure(const kva_var *v, uint64_t free_ranges) {
     if (v->policy == KVA_VAR_TLSF) {
         st = check_tlsf(v, free_ranges, &count);
     } else {
+        /* kva_var_alloc's TLSF fast path tells the policies apart by the maps alone. */
+        if (v->fl_map != 0) return BROKEN("V4: a %s pool has TLSF's first-level map %#x set", policy_name(v->policy), v->fl_map);
+        for (unsigned fl = 0; fl < KVA_TLSF_FL; fl++)
+            if (v->sl_map[fl] != 0)
+                return BROKEN("V4: a %s pool has TLSF's second-level map %u set (%#x)", policy_name(v->policy), fl,
+                              v->sl_map[fl]);
         st = check_list(v, v->head, v->policy == KVA_VAR_FIRST_FIT ? 1 : 2, free_ranges, "the free list", &count, &last);
         if (st == KVA_OK && v->policy != KVA_VAR_FIRST_FIT && v->tail != last)
             return BROKEN("V3: the free list's tail is %u, its last element %u", v->tail, last);

@@ -283,6 +283,20 @@ static void test_check_finds_corruption(void) {
     v->ranges[0].prev = v->units;
     CHECK_STATUS(kva_var_check(v), KVA_OK);
     kva_var_destroy(v);
+
+    /* The other policies leave TLSF's maps zero: kva_var_alloc's fast path tells them apart so. */
+    kva_var *ff = make(KVA_VAR_FIRST_FIT, (size_t)1 << 20);
+    CHECK_STATUS(kva_var_alloc(ff, 1000, &a), KVA_OK);
+    ff->fl_map = 2u;
+    CHECK_STATUS(kva_var_check(ff), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "first-level map") != NULL);
+    ff->fl_map = 0;
+    ff->sl_map[3] = 1u;
+    CHECK_STATUS(kva_var_check(ff), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "second-level map 3") != NULL);
+    ff->sl_map[3] = 0;
+    CHECK_STATUS(kva_var_check(ff), KVA_OK);
+    kva_var_destroy(ff);
 }
 
 /* ---- the differential test ---------------------------------------------------------------- */
