@@ -206,35 +206,87 @@ struct batch_shape {
     const unsigned *order;
 };
 
-/* One round: BATCH_OBJECTS allocations, then the same objects freed in the shape's order. */
-static void batch_round(const struct backend *b, const struct batch_shape *shape, void **slots, struct batch_time *t)
+/* A shape laid out for the timed loop: each object's size read from an array, so that the loop
+ * has no division (i % nsizes is a hardware divide, about as slow as a peer's whole allocation,
+ * and it set a floor under every allocator's figure). */
+struct batch_plan {
+    size_t size[BATCH_OBJECTS];
+    const unsigned *order;
+};
+
+static void plan_batch(const struct batch_shape *shape, struct batch_plan *plan)
 {
-    uint64_t t0 = now_ns();
-    for (int i = 0; i < BATCH_OBJECTS; i++) {
-        size_t size = shape->sizes[i % shape->nsizes];
-        slots[i] = b->alloc(size);
-        if (slots[i] == NULL)
-            die("allocation of %zu bytes failed", size);
-    }
-    uint64_t t1 = now_ns();
-    int refused = 0;
-    if (shape->order == NULL)
-        for (int i = 0; i < BATCH_OBJECTS; i++)
-            refused |= b->release(slots[i]);
+    for (int i = 0; i < BATCH_OBJECTS; i++)
+        plan->size[i] = shape->sizes[i % shape->nsizes];
+    plan->order = shape->order;
+}
+
+/* One round: BATCH_OBJECTS allocations, then the same objects freed in the shape's order,
+ * timed. ALLOC(size, slot) stores an object's pointer into *slot and is nonzero when the
+ * allocation failed; RELEASE(ptr) is nonzero when the free was refused. Each backend's round
+ * calls its allocator's own entry points (struct backend). */
+#define BATCH_ROUND(ALLOC, RELEASE)                                                                \
+    do {                                                                                           \
+        uint64_t t0 = now_ns();                                                                    \
+        for (int i = 0; i < BATCH_OBJECTS; i++) {                                                  \
+            size_t size = plan->size[i];                                                           \
+            if (ALLOC(size, &slots[i]))                                                            \
+                die("allocation of %zu bytes failed", size);                                       \
+        }                                                                                          \
+        uint64_t t1 = now_ns();                                                                    \
+        int refused = 0;                                                                           \
+        if (plan->order == NULL)                                                                   \
+            for (int i = 0; i < BATCH_OBJECTS; i++)                                                \
+                refused |= RELEASE(slots[i]);                                                      \
+        else                                                                                       \
+            for (int i = 0; i < BATCH_OBJECTS; i++)                                                \
+                refused |= RELEASE(slots[plan->order[i]]);                                         \
+        uint64_t t2 = now_ns();                                                                    \
+        if (refused)                                                                               \
+            die("a free of a batch object was refused");                                           \
+        t->alloc_ns += t1 - t0;                                                                    \
+        t->free_ns += t2 - t1;                                                                     \
+    } while (0)
+
+static void batch_round_malloc(const struct backend *b, const struct batch_plan *plan, void **slots,
+                               struct batch_time *t)
+{
+    void *(*alloc)(size_t) = b->malloc_fn;
+    void (*release)(void *) = b->free_fn;
+#define MALLOC_INTO(size, slot) ((*(slot) = alloc(size)) == NULL)
+#define FREE_OK(ptr) (release(ptr), 0)
+    BATCH_ROUND(MALLOC_INTO, FREE_OK);
+#undef MALLOC_INTO
+#undef FREE_OK
+}
+
+static void batch_round_kvalloc(const struct backend *b, const struct batch_plan *plan, void **slots,
+                                struct batch_time *t)
+{
+    kva_pool *pool = bench_pool;
+    kva_status (*alloc)(kva_pool *, size_t, void **) = b->kva_alloc_fn;
+    kva_status (*release)(kva_pool *, void *) = b->kva_free_fn;
+#define KVA_INTO(size, slot) (alloc(pool, size, slot) != KVA_OK)
+#define KVA_RELEASE(ptr) (release(pool, ptr) != KVA_OK)
+    BATCH_ROUND(KVA_INTO, KVA_RELEASE);
+#undef KVA_INTO
+#undef KVA_RELEASE
+}
+
+static void batch_round(const struct backend *b, const struct batch_plan *plan, void **slots, struct batch_time *t)
+{
+    if (b->kva_alloc_fn != NULL)
+        batch_round_kvalloc(b, plan, slots, t);
     else
-        for (int i = 0; i < BATCH_OBJECTS; i++)
-            refused |= b->release(slots[shape->order[i]]);
-    uint64_t t2 = now_ns();
-    if (refused)
-        die("a free of a batch object was refused");
-    t->alloc_ns += t1 - t0;
-    t->free_ns += t2 - t1;
+        batch_round_malloc(b, plan, slots, t);
 }
 
 static void run_batch(const struct backend *b, const struct child_options *o, const struct batch_shape *shape,
                       enum bench_metric m_op, enum bench_metric m_alloc, enum bench_metric m_free)
 {
     void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
+    struct batch_plan *plan = xmalloc(sizeof *plan);
+    plan_batch(shape, plan);
     double *per_op = xmalloc(o->reps * sizeof *per_op);
     double *per_alloc = xmalloc(o->reps * sizeof *per_alloc);
     double *per_free = xmalloc(o->reps * sizeof *per_free);
@@ -242,24 +294,24 @@ static void run_batch(const struct backend *b, const struct child_options *o, co
     /* Warm-up: brings the allocator's caches and, for kvalloc, the slabs into being; the live
      * set is at its peak halfway through, which is when the pool is inspected. */
     struct batch_time warm = {0, 0};
-    batch_round(b, shape, slots, &warm);
+    batch_round(b, plan, slots, &warm);
     if (bench_pool != NULL) {
         for (int i = 0; i < BATCH_OBJECTS; i++)
-            if ((slots[i] = b->alloc(shape->sizes[i % shape->nsizes])) == NULL)
+            if (bench_alloc_into(b, plan->size[i], &slots[i]))
                 die("allocation failed");
         report_pool_peak();
         for (int i = 0; i < BATCH_OBJECTS; i++)
-            if (b->release(slots[i]))
+            if (bench_release(b, slots[i]))
                 die("a free of a batch object was refused");
     }
     for (unsigned r = 0; r < o->rounds; r++)
-        batch_round(b, shape, slots, &warm);
+        batch_round(b, plan, slots, &warm);
 
     double ops = (double)o->rounds * BATCH_OBJECTS;
     for (unsigned rep = 0; rep < o->reps; rep++) {
         struct batch_time t = {0, 0};
         for (unsigned r = 0; r < o->rounds; r++)
-            batch_round(b, shape, slots, &t);
+            batch_round(b, plan, slots, &t);
         per_op[rep] = (double)(t.alloc_ns + t.free_ns) / (2 * ops);
         per_alloc[rep] = (double)t.alloc_ns / ops;
         per_free[rep] = (double)t.free_ns / ops;
@@ -270,6 +322,7 @@ static void run_batch(const struct backend *b, const struct child_options *o, co
     free(per_free);
     free(per_alloc);
     free(per_op);
+    free(plan);
     free(slots);
 }
 
@@ -298,7 +351,7 @@ struct live_set {
 
 static void live_release(const struct backend *b, struct live_set *live, size_t i)
 {
-    if (b->release(live->ptr[i]))
+    if (bench_release(b, live->ptr[i]))
         die("a free of a %zu MiB block was refused", live->size[i] / MIB);
     live->bytes -= live->size[i];
     live->count--;
@@ -330,9 +383,10 @@ static uint64_t large_alloc(const struct backend *b, struct live_set *live, size
 {
     for (;;) {
         uint64_t t0 = timed ? now_ns() : 0;
-        void *p = b->alloc(size);
+        void *p;
+        int failed = bench_alloc_into(b, size, &p);
         uint64_t t1 = timed ? now_ns() : 0;
-        if (p != NULL) {
+        if (!failed) {
             live->ptr[live->count] = p;
             live->size[live->count] = size;
             live->count++;
@@ -411,14 +465,14 @@ static void run_touch(const struct backend *b, const struct child_options *o)
     void *blocks[TOUCH_BLOCKS];
     uint64_t t0 = now_ns();
     for (int i = 0; i < TOUCH_BLOCKS; i++) {
-        if ((blocks[i] = b->alloc(TOUCH_BLOCK)) == NULL)
+        if (bench_alloc_into(b, TOUCH_BLOCK, &blocks[i]))
             die("allocation of %zu MiB failed", TOUCH_BLOCK / MIB);
         volatile unsigned char *bytes = blocks[i];
         for (size_t off = 0; off < TOUCH_BLOCK; off += TOUCH_STRIDE)
             bytes[off] = 1;
     }
     for (int i = 0; i < TOUCH_BLOCKS; i++)
-        if (b->release(blocks[i]))
+        if (bench_release(b, blocks[i]))
             die("a free of a %zu MiB block was refused", TOUCH_BLOCK / MIB);
     uint64_t t1 = now_ns();
     /* bytes per ns is GB/s (10^9 bytes per second). */
@@ -459,10 +513,10 @@ static void run_syscall_check(const struct backend *b, const struct child_option
     for (size_t s = 0; s < sizeof batch_sizes / sizeof batch_sizes[0]; s++) {
         for (unsigned r = 0; r < o->rounds; r++) {
             for (int i = 0; i < BATCH_OBJECTS; i++)
-                if ((slots[i] = b->alloc(batch_sizes[s])) == NULL)
+                if (bench_alloc_into(b, batch_sizes[s], &slots[i]))
                     die("allocation of %zu bytes failed", batch_sizes[s]);
             for (int i = 0; i < BATCH_OBJECTS; i++)
-                if (b->release(slots[i]))
+                if (bench_release(b, slots[i]))
                     die("a free was refused");
             calls += 2 * BATCH_OBJECTS;
         }

@@ -16,25 +16,8 @@
 
 kva_pool *bench_pool;
 
-static void *malloc_alloc(size_t size) { return malloc(size); }
-
-static int malloc_release(void *ptr)
-{
-    free(ptr);
-    return 0;
-}
-
-/* ptr needs no initial value: kva_alloc writes it exactly when it returns KVA_OK. */
-static void *kvalloc_alloc(size_t size)
-{
-    void *ptr;
-    return kva_alloc(bench_pool, size, &ptr) == KVA_OK ? ptr : NULL;
-}
-
-static int kvalloc_release(void *ptr) { return kva_free(bench_pool, ptr) != KVA_OK; }
-
-const struct backend bench_malloc_backend = {malloc_alloc, malloc_release};
-const struct backend bench_kvalloc_backend = {kvalloc_alloc, kvalloc_release};
+const struct backend bench_malloc_backend = {malloc, free, NULL, NULL};
+const struct backend bench_kvalloc_backend = {NULL, NULL, kva_alloc, kva_free};
 
 void bench_trim_newline(char *text) { text[strcspn(text, "\n")] = '\0'; }
 

@@ -12,17 +12,42 @@
 #include "bench_protocol.h"
 #include "kvalloc.h"
 
-/* The allocator under test, behind two function pointers chosen at run time: every allocator
- * pays the same indirect call, and the compiler can neither elide nor merge malloc/free pairs
- * it can see through. release returns nonzero if the allocator refused the free. */
+/* The allocator under test, behind function pointers chosen at run time, so that the compiler
+ * can neither elide nor merge malloc/free pairs it can see through. They are the allocator's own
+ * entry points, called with nothing in between, as an engine calls them: malloc_fn and free_fn
+ * for a malloc-shaped allocator, kva_alloc_fn and kva_free_fn (on bench_pool) for kvalloc; the
+ * other pair is NULL. Each call is one indirect call into the real entry point. (Until
+ * 2026-11-29 every allocator went through a wrapper of one shape, void *(size_t): kva_alloc's
+ * out-pointer made kvalloc's a call frame with a stack round trip where malloc's was a jump,
+ * and free's wrapper was a call frame for everyone; docs/benchmarks.md, "Calling convention".) */
 struct backend {
-    void *(*alloc)(size_t size);
-    int (*release)(void *ptr);
+    void *(*malloc_fn)(size_t size);
+    void (*free_fn)(void *ptr);
+    kva_status (*kva_alloc_fn)(kva_pool *pool, size_t size, void **out);
+    kva_status (*kva_free_fn)(kva_pool *pool, void *ptr);
 };
 
 /* malloc/free (a peer under LD_PRELOAD, or glibc), and kva_alloc/kva_free on bench_pool. */
 extern kva_pool *bench_pool;
 extern const struct backend bench_malloc_backend, bench_kvalloc_backend;
+
+/* One allocation into *slot through the allocator's own entry point; nonzero if it failed. A
+ * loop that can hoist the choice of entry point (bench_child's batch) does so instead. */
+static inline int bench_alloc_into(const struct backend *b, size_t size, void **slot)
+{
+    if (b->kva_alloc_fn != NULL)
+        return b->kva_alloc_fn(bench_pool, size, slot) != KVA_OK;
+    return (*slot = b->malloc_fn(size)) == NULL;
+}
+
+/* One free through the allocator's own entry point; nonzero if it was refused. */
+static inline int bench_release(const struct backend *b, void *ptr)
+{
+    if (b->kva_free_fn != NULL)
+        return b->kva_free_fn(bench_pool, ptr) != KVA_OK;
+    b->free_fn(ptr);
+    return 0;
+}
 
 /* What was found of one allocator: whether it can be measured (its library is there), what is
  * preloaded (the libc path for glibc, "linked" for kvalloc), why not, and its version. */

@@ -186,11 +186,11 @@ static void batch_phase(struct worker *w, size_t size)
     uint64_t rounds = 0;
     do {
         for (int i = 0; i < BATCH_OBJECTS; i++)
-            if ((w->slots[i] = w->b->alloc(size)) == NULL)
+            if (bench_alloc_into(w->b, size, &w->slots[i]))
                 die("allocation of %zu bytes failed", size);
         int refused = 0;
         for (int i = 0; i < BATCH_OBJECTS; i++)
-            refused |= w->b->release(w->slots[i]);
+            refused |= bench_release(w->b, w->slots[i]);
         if (refused)
             die("a free of a %zu-byte object was refused", size);
         rounds++;
@@ -214,8 +214,8 @@ static void producer_phase(struct worker *w)
     struct ring *r = w->ring;
     uint64_t made = 0;
     while ((made & 63) != 0 || !stop_requested()) {
-        void *p = w->b->alloc(PC_OBJECT);
-        if (p == NULL)
+        void *p;
+        if (bench_alloc_into(w->b, PC_OBJECT, &p))
             die("allocation of %d bytes failed", PC_OBJECT);
         if (w->index - w->other == RING_SLOTS) {
             unsigned spins = 0;
@@ -258,7 +258,7 @@ static void consumer_phase(struct worker *w)
     for (;;) {
         void *p;
         if (ring_pop(w, &p)) {
-            if (w->b->release(p))
+            if (bench_release(w->b, p))
                 die("a free of a %d-byte object from another thread was refused", PC_OBJECT);
             freed++;
             spins = 0;
