@@ -312,6 +312,7 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     size_t bytes = (size_t)v->units << v->align_shift;
     v->bytes = bytes;
     v->align_mask = cfg->alignment - 1;
+    v->alignment = cfg->alignment;
 
     v->ranges_bytes = ((size_t)v->units + 1) * sizeof(kva_var_range); /* and the sentinel */
     void *ranges;
@@ -621,7 +622,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
     /* The request is done first (its size and out are then dead, which spares registers); the
      * remainder's records are written after. */
     uint32_t next = r->link_next;
-    *out = v->base + ((size_t)at << v->align_shift);
+    *out = v->base + (size_t)at * v->alignment;
     r->length = units;
     r->link_prev = (uint32_t)size;
     r->link_next = (uint32_t)((uint64_t)size >> 32);

@@ -113,13 +113,15 @@ typedef struct kva_var_range {
 struct kva_var {
     kva_lock lock;          /* guards everything below but the fields fixed at creation */
     /* Fixed at creation: ranges (the pointer), ranges_bytes, units, align_shift, bytes,
-     * align_mask, policy, base, pool, owns_pool. */
+     * align_mask, alignment, policy, base, pool, owns_pool. */
     kva_var_range *ranges;
     size_t ranges_bytes;
     uint32_t units;         /* capacity / alignment */
     unsigned align_shift;   /* log2(alignment) */
     uint64_t bytes;         /* units << align_shift, and alignment - 1: the hot paths' bounds */
     uint64_t align_mask;
+    uint64_t alignment;     /* a unit's bytes, for the fast path's multiply (a shift by a count in
+                               a register ties up cl on x86) */
     kva_var_policy policy;
     char *base;
     kva_pool *pool;         /* the backing pool */
