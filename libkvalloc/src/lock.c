@@ -15,7 +15,7 @@
  * guards takes when its holder runs. */
 #define KVA_LOCK_SPINS 256
 
-kva_lock_owner kva_lock_nobody;
+kva_lock_owner kva_lock_nobody = {.in = (const kva_lock *)&kva_lock_nobody}; /* never NULL: never enters */
 __thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec"))) = &kva_lock_nobody;
 
 /* Flags of exited threads, for new threads to reuse: never freed, since a revoker may read a

@@ -15,8 +15,8 @@
  * running thread of the process; then it waits until the biased thread's flag no longer names
  * this lock. This is Dekker's protocol with the fence moved to the rare side (as in userspace
  * RCU and folly's asymmetric barriers): after the membarrier, either the biased thread's flag is
- * visible to the waiter, or its second read of the bias sees it cleared and it backs off to the
- * plain lock. So the common path has no fence and no locked instruction, and the system call is
+ * visible to the waiter, or its read of the bias, which follows the store to its flag, sees it
+ * cleared and it backs off to the plain lock. So the common path has no fence and no locked instruction, and the system call is
  * paid once per change of hands between threads. Where membarrier is unavailable the lock never
  * biases.
  *
@@ -58,8 +58,8 @@ struct kva_lock {
 
 /* This thread's flag; &kva_lock_nobody until its first lock (kva_lock_me_slow makes it; it stays
  * &kva_lock_nobody if there is no memory for one, and then the thread always takes the plain
- * way). No lock is ever biased to kva_lock_nobody, so the biased way in needs no test of its own
- * for a thread without a flag. */
+ * way). kva_lock_nobody's `in` is never NULL and no lock is ever biased to it, so the biased way
+ * in needs no test of its own for a thread without a flag, and never writes the shared one. */
 extern kva_lock_owner kva_lock_nobody;
 extern __thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec")));
 kva_lock_owner *kva_lock_me_slow(void);
@@ -76,8 +76,12 @@ enum { KVA_LOCK_PLAIN = 0, KVA_LOCK_BIASED = 1 };
 KVA_INLINE kva_lock_owner *kva_lock_enter_biased(kva_lock *lock) {
     kva_lock_owner *me = kva_lock_me;
     if (me == NULL) __builtin_unreachable(); /* never (kva_lock_nobody): callers test only the result */
-    if (kva_likely(__atomic_load_n(&lock->bias, __ATOMIC_RELAXED) == me &&
-                   __atomic_load_n(&me->in, __ATOMIC_RELAXED) == NULL)) {
+    /* The flag is set before the bias is read, once: the read after the store is the one
+     * Dekker's protocol needs, and a read before it would only spare an unbiased lock's callers
+     * a store and its undoing, on a path that goes on to an atomic exchange anyway. A flag
+     * naming a lock not biased to its thread is never waited on: revokers read only the biased
+     * thread's flag. */
+    if (kva_likely(__atomic_load_n(&me->in, __ATOMIC_RELAXED) == NULL)) {
         __atomic_store_n(&me->in, lock, __ATOMIC_RELAXED);
         __atomic_signal_fence(__ATOMIC_SEQ_CST); /* the revoker's membarrier is the real fence */
         if (kva_likely(__atomic_load_n(&lock->bias, __ATOMIC_ACQUIRE) == me)) return me;
