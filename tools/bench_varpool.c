@@ -442,28 +442,38 @@ static result run_trace(int which, const trace *t) {
 }
 
 /* The 64 B batch as bench_alloc times it, without a trace in between: 1,000 allocations into an
- * array, then the 1,000 frees in order, `rounds` times after one round of warm-up. ns per call. */
-static double batch_ns(int which, int rounds) {
+ * array, then the 1,000 frees in order, `rounds` times after one round of warm-up, on a fresh
+ * pool. ns per call. */
+static double batch_run(int which, int rounds) {
     static void *p[1000];
-    double ns[RUNS];
-    for (int run = 0; run < RUNS; run++) {
-        allocator a = open_allocator(which, CAPACITY);
-        double t0 = 0;
-        for (int r = -1; r < rounds; r++) {
-            if (r == 0) t0 = bench_now_ns();
-            if (a.var) {
-                for (int i = 0; i < 1000; i++) kva_var_alloc(a.var, 64, &p[i]);
-                for (int i = 0; i < 1000; i++) kva_var_free(a.var, p[i]);
-            } else {
-                for (int i = 0; i < 1000; i++) kva_alloc(a.pool, 64, &p[i]);
-                for (int i = 0; i < 1000; i++) kva_free(a.pool, p[i]);
-            }
+    allocator a = open_allocator(which, CAPACITY);
+    double t0 = 0;
+    for (int r = -1; r < rounds; r++) {
+        if (r == 0) t0 = bench_now_ns();
+        if (a.var) {
+            for (int i = 0; i < 1000; i++) kva_var_alloc(a.var, 64, &p[i]);
+            for (int i = 0; i < 1000; i++) kva_var_free(a.var, p[i]);
+        } else {
+            for (int i = 0; i < 1000; i++) kva_alloc(a.pool, 64, &p[i]);
+            for (int i = 0; i < 1000; i++) kva_free(a.pool, p[i]);
         }
-        ns[run] = (bench_now_ns() - t0) / (2000.0 * rounds);
-        close_allocator(&a);
     }
-    qsort(ns, RUNS, sizeof *ns, bench_cmp_double);
-    return ns[RUNS / 2];
+    double ns = (bench_now_ns() - t0) / (2000.0 * rounds);
+    close_allocator(&a);
+    return ns;
+}
+
+/* batch_run's median over RUNS runs for every allocator, the runs taking turns across the
+ * allocators, so that the machine's drift during the measurement falls on all of them alike
+ * (the TLSF target is a ratio of two of these figures). */
+static void batch_ns(int rounds, double out[NUM_ALLOCATORS]) {
+    double ns[NUM_ALLOCATORS][RUNS];
+    for (int run = 0; run < RUNS; run++)
+        for (int a = 0; a < NUM_ALLOCATORS; a++) ns[a][run] = batch_run(a, rounds);
+    for (int a = 0; a < NUM_ALLOCATORS; a++) {
+        qsort(ns[a], RUNS, sizeof ns[a][0], bench_cmp_double);
+        out[a] = ns[a][RUNS / 2];
+    }
 }
 
 int main(int argc, char **argv) {
@@ -495,7 +505,9 @@ int main(int argc, char **argv) {
     result results[TRACES][NUM_ALLOCATORS];
     for (int t = 0; t < TRACES; t++)
         for (int a = 0; a < NUM_ALLOCATORS; a++) results[t][a] = run_trace(a, &traces[t]);
-    for (int a = 0; a < NUM_ALLOCATORS; a++) results[BATCH][a].ns_per_op = batch_ns(a, quick ? 100 : 1000);
+    double batch[NUM_ALLOCATORS];
+    batch_ns(quick ? 100 : 1000, batch);
+    for (int a = 0; a < NUM_ALLOCATORS; a++) results[BATCH][a].ns_per_op = batch[a];
 
     printf("| trace | figure |");
     for (int a = 0; a < NUM_ALLOCATORS; a++) printf(" %s |", allocator_names[a]);
