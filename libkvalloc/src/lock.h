@@ -16,9 +16,9 @@
  * this lock. This is Dekker's protocol with the fence moved to the rare side (as in userspace
  * RCU and folly's asymmetric barriers): after the membarrier, either the biased thread's flag is
  * visible to the waiter, or its read of the bias, which follows the store to its flag, sees it
- * cleared and it backs off to the plain lock. So the common path has no fence and no locked instruction, and the system call is
- * paid once per change of hands between threads. Where membarrier is unavailable the lock never
- * biases.
+ * cleared and it backs off to the plain lock. So the common path has no fence and no locked
+ * instruction, and the system call is paid once per change of hands between threads. Where
+ * membarrier is unavailable the lock never biases.
  *
  * The flag is the thread's own, not the lock's: a thread that read a stale bias and backs off
  * clears only its own flag, never that of the thread the lock has been biased to since (a

@@ -189,9 +189,7 @@ KVA_INLINE kva_status tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, ui
         ranges[fresh].link_prev = prev;
         ranges[fresh].link_next = next;
         if (prev == KVA_NIL) {
-            unsigned fl, sl;
-            kva_tlsf_class(old_len, &fl, &sl);
-            v->bins[fl * KVA_TLSF_SL + sl] = fresh;
+            v->bins[kva_tlsf_index(old_len)] = fresh;
         } else {
             ranges[prev].link_next = fresh;
         }
@@ -204,9 +202,7 @@ KVA_INLINE kva_status tlsf_resize(kva_var *v, uint32_t old, uint32_t old_len, ui
 
 /* The first range of the request's own class that holds it, or KVA_NIL. */
 static KVA_NOINLINE uint32_t tlsf_scan_class(const kva_var *v, uint32_t units) {
-    unsigned fl, sl;
-    kva_tlsf_class(units, &fl, &sl);
-    for (uint32_t r = v->bins[fl * KVA_TLSF_SL + sl]; r != KVA_NIL; r = v->ranges[r].link_next)
+    for (uint32_t r = v->bins[kva_tlsf_index(units)]; r != KVA_NIL; r = v->ranges[r].link_next)
         if (kva_var_len(&v->ranges[r]) >= units) return r;
     return KVA_NIL;
 }
@@ -332,8 +328,7 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     v->base = base;
 
     v->head = v->tail = KVA_NIL;
-    for (unsigned fl = 0; fl < KVA_TLSF_FL; fl++)
-        for (unsigned sl = 0; sl < KVA_TLSF_SL; sl++) v->bins[fl * KVA_TLSF_SL + sl] = KVA_NIL;
+    for (unsigned cls = 0; cls < KVA_TLSF_FL * KVA_TLSF_SL; cls++) v->bins[cls] = KVA_NIL;
     v->ranges[0] = (kva_var_range){.length = v->units | KVA_VAR_FREE_BIT, .prev = v->units};
     v->ranges[v->units] = (kva_var_range){.prev = 0}; /* the sentinel */
     free_insert(v, 0);
@@ -383,9 +378,9 @@ static KVA_NOINLINE kva_status alloc_rejected(kva_var *v, size_t size, void **ou
     return st;
 }
 
-/* Marks the range at `at` (no longer in any free structure) used for `size` bytes. */
-KVA_INLINE void mark_used(kva_var *v, uint32_t at, uint32_t units, size_t size) {
-    kva_var_range *r = &v->ranges[at];
+/* Marks the range whose head record is r (no longer in any free structure) used for `size`
+ * bytes. */
+KVA_INLINE void mark_used(kva_var *v, kva_var_range *r, uint32_t units, size_t size) {
     r->length = units;
     r->link_prev = (uint32_t)size;
     r->link_next = (uint32_t)((uint64_t)size >> 32);
@@ -428,7 +423,7 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
         list_unlink(v, at);
         v->free_ranges--;
     }
-    mark_used(v, at, units, size);
+    mark_used(v, &ranges[at], units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     return leave(me, KVA_OK);
 }
@@ -460,7 +455,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **o
     uint32_t at = tlsf_scan_class(v, units);
     if (at == KVA_NIL) return alloc_failed(v, size, units, me);
     at = tlsf_take(v, at, units);
-    mark_used(v, at, units, size);
+    mark_used(v, &v->ranges[at], units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     return leave(me, KVA_OK);
 }
@@ -471,7 +466,8 @@ KVA_INLINE uint32_t tlsf_class_floor(unsigned fl, unsigned sl) {
 }
 
 /* kva_tlsf_floors (varpool.h), built at compile time from tlsf_class_floor's formula. */
-#define FLOOR_OF(i) ((uint32_t)((i) < KVA_TLSF_SL ? (i) : (KVA_TLSF_SL + (i) % KVA_TLSF_SL) << ((i) < KVA_TLSF_SL ? 0 : (i) / KVA_TLSF_SL - 1)))
+#define FLOOR_SHIFT(i) ((i) < KVA_TLSF_SL ? 0 : (i) / KVA_TLSF_SL - 1) /* never negative, even unused */
+#define FLOOR_OF(i) ((uint32_t)((i) < KVA_TLSF_SL ? (i) : (KVA_TLSF_SL + (i) % KVA_TLSF_SL) << FLOOR_SHIFT(i)))
 #define FLOORS_4(i) FLOOR_OF(i), FLOOR_OF((i) + 1), FLOOR_OF((i) + 2), FLOOR_OF((i) + 3)
 #define FLOORS_32(i) FLOORS_4(i), FLOORS_4((i) + 4), FLOORS_4((i) + 8), FLOORS_4((i) + 12), FLOORS_4((i) + 16), \
                      FLOORS_4((i) + 20), FLOORS_4((i) + 24), FLOORS_4((i) + 28)
@@ -480,6 +476,7 @@ KVA_INLINE uint32_t tlsf_class_floor(unsigned fl, unsigned sl) {
                       FLOORS_32((i) + 256)
 _Static_assert(KVA_TLSF_FL * KVA_TLSF_SL == 3 * 288, "kva_tlsf_floors lists 3 x 288 classes");
 const uint32_t kva_tlsf_floors[KVA_TLSF_FL * KVA_TLSF_SL] = {FLOORS_288(0), FLOORS_288(288), FLOORS_288(576)};
+#undef FLOOR_SHIFT
 #undef FLOOR_OF
 #undef FLOORS_4
 #undef FLOORS_32
@@ -528,7 +525,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t s
     unsigned fl, sl;
     kva_tlsf_class(length, &fl, &sl);
     uint32_t given = split_front(ranges, at, length, units);
-    mark_used(v, given, units, size);
+    mark_used(v, &ranges[given], units, size);
     *out = v->base + ((size_t)given << v->align_shift);
     if (length - units < tlsf_class_floor(fl, sl)) {
         tlsf_pop_head(v, fl, sl, next);
@@ -537,8 +534,9 @@ static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t s
     return leave(me, KVA_OK);
 }
 
-/* TLSF allocation, any request (tlsf_alloc's fast path covers the common case). The search: first the head of the request's own
- * class, which when it holds the request fits more closely than anything above (a tensor shape
+/* TLSF allocation, any request (tlsf_alloc's fast path covers the common case). The search:
+ * first the head of the request's own class, which when it holds the request fits more closely
+ * than anything above (a tensor shape
  * that recurs finds the range its last instance freed instead of splitting a larger one); else
  * the first nonempty class above the request's own, where every range holds it: two ctz. Below
  * KVA_TLSF_SL units a class is one length, so the search starts at the request's class. When
@@ -574,7 +572,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
      * list work that follows. */
     kva_var_range *r = &ranges[at];
     uint32_t length = kva_var_len(r), next = r->link_next;
-    mark_used(v, at, units, size);
+    mark_used(v, r, units, size);
     *out = v->base + ((size_t)at << v->align_shift);
     if (length > units) {
         uint32_t rest = split_tail(ranges, at, length, units);
@@ -599,13 +597,14 @@ static KVA_NOINLINE kva_status alloc_any(kva_var *v, size_t size, void **out, kv
 
 /* TLSF allocation, inlined into kva_var_alloc: the common case of a request below KVA_TLSF_SL
  * units (256 B .. 8 KiB at the default alignment) is done here, and everything else is
- * tlsf_alloc_any's. The common case: the search (the first nonempty class at or above the
+ * alloc_any's. The common case: the search (the first nonempty class at or above the
  * request's, one length per class there; else the first nonempty level above, whose every class
  * holds the request) finds a class head that stays in its class once the request is cut from
- * its low end. Then only the head moves, to the remainder's first unit, in the same list place,
- * and no class or bitmap changes: this path needs neither the class floor's branches nor the
- * placement rule (small requests take the low end, varpool.h). A head that would fall below
- * its class, an exact fit, an empty pool: tlsf_alloc_any decides, searching again. */
+ * its low end (its floor is one load from kva_tlsf_floors). Then only the head moves, to the
+ * remainder's first unit, in the same list place, and no class or bitmap changes; nor does the
+ * placement rule apply (small requests take the low end, varpool.h). A head that would fall
+ * below its class, an exact fit, an empty pool, another policy: alloc_any decides, searching
+ * again. */
 KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {
     uint32_t units = (uint32_t)((size + v->align_mask) >> v->align_shift);
     /* A range of the first level (one length per class, below KVA_TLSF_SL) that holds the
@@ -623,12 +622,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
      * remainder's records are written after. */
     uint32_t next = r->link_next;
     *out = v->base + (size_t)at * v->alignment;
-    r->length = units;
-    r->link_prev = (uint32_t)size;
-    r->link_next = (uint32_t)((uint64_t)size >> 32);
-    v->free_units -= units;
-    v->requested_bytes += size;
-    v->alloc_count++;
+    mark_used(v, r, units, size);
     uint32_t rest = at + units;
     kva_var_range *t = r + units;
     t->length = rest_len | KVA_VAR_FREE_BIT;

@@ -114,7 +114,8 @@ static kva_status check_free_structure(const kva_var *v, uint64_t free_ranges) {
         st = check_tlsf(v, free_ranges, &count);
     } else {
         /* kva_var_alloc's TLSF fast path tells the policies apart by the maps alone. */
-        if (v->fl_map != 0) return BROKEN("V4: a %s pool has TLSF's first-level map %#x set", policy_name(v->policy), v->fl_map);
+        if (v->fl_map != 0)
+            return BROKEN("V4: a %s pool has TLSF's first-level map %#x set", policy_name(v->policy), v->fl_map);
         for (unsigned fl = 0; fl < KVA_TLSF_FL; fl++)
             if (v->sl_map[fl] != 0)
                 return BROKEN("V4: a %s pool has TLSF's second-level map %u set (%#x)", policy_name(v->policy), fl,
