@@ -630,7 +630,7 @@ KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_o
     t->link_prev = KVA_NIL;
     t->link_next = next;
     r[length].prev = rest;
-    if (next != KVA_NIL) r[next - at].link_prev = rest;
+    if (next != KVA_NIL) v->ranges[next].link_prev = rest; /* below the head as often as above */
     v->bins[cls] = rest;
     return leave(me, KVA_OK);
 }

@@ -4,6 +4,7 @@
  * driver whose path is argv[1], when given), and a randomized differential test against a unit
  * map that knows where each policy must place a request.
  */
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -243,6 +244,62 @@ static void test_tlsf_classes(void) {
         CHECK(reference_class(floor - 1) == cls - 1);
     }
     CHECK(kva_tlsf_floors[0] == 0);
+}
+
+/* A class list is not in address order: tlsf_push_to keeps only its head the lower of the head
+ * and what is pushed. Freeing b0, b2 and b4 of one class (b0 < b2 < b4) lists them b0, b4, b2;
+ * an exact fit then takes b0, leaving head b4 whose successor b2 lies below it. The fast
+ * allocation path, which carves a small request from the head and relinks the successor to the
+ * remainder, once wrote that link at r[next - at] (r the head's record): an unsigned offset that
+ * wrapped and landed about 64 GiB past the records (found in review). */
+static int address_order(const void *a, const void *b) {
+    const char *x = *(char *const *)a, *y = *(char *const *)b;
+    return (x > y) - (x < y);
+}
+
+static void test_tlsf_successor_below_head(void) {
+    enum { N = 8 };
+    kva_var_config cfg;
+    kva_var_config_init(&cfg);
+    cfg.alignment = 16;
+    cfg.policy = KVA_VAR_TLSF;
+    size_t big_bytes = 520 * 16;            /* 520 units: class (5, 0), lengths 512 .. 527 */
+    cfg.capacity = N * (big_bytes + 16);    /* N pairs of (big, 1 unit) and no free remainder */
+    kva_var *v = NULL;
+    REQUIRE(kva_var_create(&cfg, NULL, &v) == KVA_OK);
+    char *big[N], *gap[N];
+    for (int i = 0; i < N; i++) {
+        CHECK_STATUS(kva_var_alloc(v, big_bytes, (void **)&big[i]), KVA_OK);
+        CHECK_STATUS(kva_var_alloc(v, 16, (void **)&gap[i]), KVA_OK);
+    }
+    qsort(big, N, sizeof big[0], address_order);
+    for (int i = 0; i + 1 < N; i++) CHECK(big[i + 1] - big[i] > (ptrdiff_t)big_bytes); /* a gap between */
+    CHECK_STATUS(kva_var_free(v, big[0]), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, big[2]), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, big[4]), KVA_OK);
+    void *base;
+    CHECK_STATUS(kva_var_base(v, &base), KVA_OK);
+    uint32_t b2 = (uint32_t)((big[2] - (char *)base) / 16), b4 = (uint32_t)((big[4] - (char *)base) / 16);
+    CHECK(v->ranges[b4].link_next == b2); /* b0, b4, b2 */
+    void *exact, *small;
+    CHECK_STATUS(kva_var_alloc(v, big_bytes, &exact), KVA_OK);
+    CHECK(exact == big[0]);
+    CHECK(v->ranges[b4].link_prev == KVA_NIL && v->ranges[b4].link_next == b2); /* head b4, b2 below it */
+    CHECK_STATUS(kva_var_alloc(v, 16, &small), KVA_OK); /* the fast path, on head b4 */
+    CHECK(small == big[4]);
+    CHECK(v->ranges[b2].link_prev == b4 + 1); /* the successor now follows the remainder */
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, small), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, exact), KVA_OK);
+    for (int i = 0; i < N; i++) {
+        if (i != 0 && i != 2 && i != 4) CHECK_STATUS(kva_var_free(v, big[i]), KVA_OK);
+        CHECK_STATUS(kva_var_free(v, gap[i]), KVA_OK);
+    }
+    kva_var_stats st;
+    CHECK_STATUS(kva_var_get_stats(v, &st), KVA_OK);
+    CHECK(st.live_allocations == 0 && st.free_ranges == 1 && st.largest_free == cfg.capacity);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    kva_var_destroy(v);
 }
 
 /* A corrupted record is named by kva_var_check. */
@@ -490,6 +547,7 @@ int main(int argc, char **argv) {
     test_config();
     test_backing_pool();
     test_tlsf_classes();
+    test_tlsf_successor_below_head();
     test_check_finds_corruption();
     for (int i = 0; i < 4; i++) {
         test_round_trip_and_coalescing(policies[i]);
