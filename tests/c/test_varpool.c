@@ -449,7 +449,26 @@ static void model_stats(const model *m, uint64_t *free_units, uint64_t *runs, ui
     }
 }
 
-static void test_differential(kva_var_policy policy, const char *name, int ops) {
+/* The size mixes of the differential test. */
+typedef enum size_mix {
+    /* Log-uniform sizes from 1 B to 64 KiB: most requests are small, some take a lot. */
+    MIX_SPREAD,
+    /* Nine requests in ten of 133 .. 135 units, in one TLSF class (132 .. 135), the rest of one
+     * unit. Freed in random order, the class's list holds many ranges out of address order, and
+     * a one-unit request that finds no free one-unit range is carved from that class's head,
+     * whose remainder stays in the class: TLSF's fast allocation path, on heads whose
+     * successors lie below them as often as above (test_tlsf_successor_below_head is the case
+     * written out; with the fast path's old relinking this mix crashes too). */
+    MIX_ONE_CLASS,
+} size_mix;
+
+static size_t draw_size(size_mix mix) {
+    if (mix == MIX_SPREAD) return ((size_t)1 << (rnd() % 17)) + rnd() % 1024;
+    if (rnd() % 10 != 0) return (133 + rnd() % 3) * (size_t)ALIGN - rnd() % ALIGN;
+    return 1 + rnd() % ALIGN;
+}
+
+static void test_differential(kva_var_policy policy, const char *name, size_mix mix, int ops) {
     static model m;
     memset(&m, 0, sizeof m);
     kva_var *v = make(policy, (size_t)MODEL_UNITS * ALIGN);
@@ -459,8 +478,10 @@ static void test_differential(kva_var_policy policy, const char *name, int ops) 
     size_t live_size[MAX_LIVE] = {0};
     int mismatches = 0;
     uint64_t failures = 0;
+    /* About as many live ranges as fill the pool at each mix's sizes. */
+    int slots = mix == MIX_SPREAD ? MAX_LIVE : 40;
     for (int op = 1; op <= ops && mismatches < 5; op++) {
-        int slot = (int)(rnd() % MAX_LIVE);
+        int slot = (int)(rnd() % (uint64_t)slots);
         if (live[slot]) {
             uint32_t at = (uint32_t)(((char *)live[slot] - (char *)base) / ALIGN);
             uint32_t units = (uint32_t)((live_size[slot] + ALIGN - 1) / ALIGN);
@@ -468,8 +489,7 @@ static void test_differential(kva_var_policy policy, const char *name, int ops) 
             for (uint32_t u = at; u < at + units; u++) m.owner[u] = 0;
             live[slot] = NULL;
         } else {
-            /* Log-uniform sizes from 1 B to 64 KiB: most requests are small, some take a lot. */
-            size_t size = ((size_t)1 << (rnd() % 17)) + rnd() % 1024;
+            size_t size = draw_size(mix);
             uint32_t units = (uint32_t)((size + ALIGN - 1) / ALIGN);
             void *p = NULL;
             kva_status st = kva_var_alloc(v, size, &p);
@@ -503,8 +523,8 @@ static void test_differential(kva_var_policy policy, const char *name, int ops) 
     }
     CHECK(mismatches == 0);
     CHECK(stats_of(v).alloc_failures == failures);
-    printf("differential %-5s: %d ops, %llu allocation failures (all confirmed by the model)\n", name, ops,
-           (unsigned long long)failures);
+    printf("differential %-5s %s: %d ops, %llu allocation failures (all confirmed by the model)\n", name,
+           mix == MIX_SPREAD ? "spread" : "one class", ops, (unsigned long long)failures);
     for (int i = 0; i < MAX_LIVE; i++)
         if (live[i]) CHECK_STATUS(kva_var_free(v, live[i]), KVA_OK);
     CHECK(stats_of(v).free_ranges == 1);
@@ -553,7 +573,8 @@ int main(int argc, char **argv) {
         test_round_trip_and_coalescing(policies[i]);
         test_merge_orders(policies[i]);
         test_bad_input(policies[i]);
-        test_differential(policies[i], policy_names[i], 100000);
+        test_differential(policies[i], policy_names[i], MIX_SPREAD, 100000);
+        test_differential(policies[i], policy_names[i], MIX_ONE_CLASS, 100000);
     }
     return CHECK_DONE();
 }
