@@ -118,6 +118,22 @@ static size_t peak_live_bytes(const trace *t) {
     return peak;
 }
 
+/* One sublayer of a transformer layer (attention, or the MLP), fed by the activation `hidden`:
+ * five tensors, each made from the one before and freed once the next one exists, the last being
+ * the residual, which replaces `hidden` (freed then). Returns the residual's id. */
+enum { SUBLAYER_TENSORS = 5 };
+static uint32_t sublayer(trace *t, uint32_t *ids, uint32_t hidden, const size_t bytes[SUBLAYER_TENSORS]) {
+    uint32_t first = *ids;
+    *ids += SUBLAYER_TENSORS;
+    push(t, first, 0, bytes[0]);
+    for (uint32_t k = 1; k < SUBLAYER_TENSORS; k++) {
+        push(t, first + k, 0, bytes[k]);
+        push(t, first + k - 1, 1, 0);
+    }
+    push(t, hidden, 1, 0);
+    return first + SUBLAYER_TENSORS - 1;
+}
+
 /* A decoder-only transformer served with continuous batching and chunked prefill: every step
  * runs a forward pass over the step's tokens, whose activations live from one operator to the
  * next, and the logits of a step stay alive into the next step's pass (the sampler runs while
@@ -172,30 +188,12 @@ static trace forward_trace(uint32_t allocations) {
                 push(&t, logits, 1, 0);
                 logits = UINT32_MAX;
             }
-            uint32_t norm = ids++, qkv = ids++, attn = ids++, proj = ids++, resid = ids++;
-            push(&t, norm, 0, row);
-            push(&t, qkv, 0, 3 * row);
-            push(&t, norm, 1, 0);
-            push(&t, attn, 0, row);
-            push(&t, qkv, 1, 0);
-            push(&t, proj, 0, row);
-            push(&t, attn, 1, 0);
-            push(&t, resid, 0, row);
-            push(&t, proj, 1, 0);
-            push(&t, hidden, 1, 0);
-            hidden = resid;
-            uint32_t norm2 = ids++, gate_up = ids++, act = ids++, down = ids++, resid2 = ids++;
-            push(&t, norm2, 0, row);
-            push(&t, gate_up, 0, tokens * 2 * INTER * half);
-            push(&t, norm2, 1, 0);
-            push(&t, act, 0, tokens * INTER * half);
-            push(&t, gate_up, 1, 0);
-            push(&t, down, 0, row);
-            push(&t, act, 1, 0);
-            push(&t, resid2, 0, row);
-            push(&t, down, 1, 0);
-            push(&t, hidden, 1, 0);
-            hidden = resid2;
+            /* attention: norm, qkv, attention, projection, residual */
+            hidden = sublayer(&t, &ids, hidden, (const size_t[SUBLAYER_TENSORS]){row, 3 * row, row, row, row});
+            /* MLP: norm, gate and up, activation, down, residual */
+            hidden = sublayer(&t, &ids, hidden,
+                              (const size_t[SUBLAYER_TENSORS]){row, tokens * 2 * INTER * half,
+                                                               tokens * INTER * half, row, row});
         }
         if (logits != UINT32_MAX) push(&t, logits, 1, 0);
         logits = UINT32_MAX;
