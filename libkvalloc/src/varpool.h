@@ -130,7 +130,7 @@ struct kva_var {
     uint32_t head, tail;    /* FIRST, BEST, WORST: the free list */
     uint32_t fl_map;        /* TLSF */
     uint32_t sl_map[KVA_TLSF_FL];
-    uint32_t bins[KVA_TLSF_FL * KVA_TLSF_SL]; /* class heads, by fl * KVA_TLSF_SL + sl (kva_tlsf_index) */
+    uint32_t bins[KVA_TLSF_FL * KVA_TLSF_SL]; /* class heads, by kva_tlsf_index */
 
     uint64_t free_units;    /* the used units and the live ranges are derived: units -
                                free_units, alloc_count - free_count */
@@ -144,12 +144,12 @@ KVA_INLINE uint64_t kva_var_requested(const kva_var_range *r) {
     return (uint64_t)r->link_prev | (uint64_t)r->link_next << 32;
 }
 
-/* The TLSF class of a free range of `length` units (length >= 1), as fl * KVA_TLSF_SL + sl, with
- * no branch: s = max(log2 length, KVA_TLSF_SL_LOG2) - KVA_TLSF_SL_LOG2 is the shift that brings
- * length into [KVA_TLSF_SL, 2 KVA_TLSF_SL) (into [0, KVA_TLSF_SL) below that, where s is 0), and
- * the class is s levels above the first plus those top bits: below KVA_TLSF_SL, class (0,
- * length); above, first level log2 length - KVA_TLSF_SL_LOG2 + 1 and second level the
- * KVA_TLSF_SL_LOG2 bits below the top one. */
+/* The TLSF class of a free range of `length` units (length >= 1) as one index,
+ * fl * KVA_TLSF_SL + sl, without a branch. s = max(log2 length, KVA_TLSF_SL_LOG2) -
+ * KVA_TLSF_SL_LOG2 is how far length must shift to fall below 2 KVA_TLSF_SL. Below KVA_TLSF_SL
+ * units s is 0 and the index is the length (first level 0, one class per length); above,
+ * length >> s lies in [KVA_TLSF_SL, 2 KVA_TLSF_SL), and adding s levels puts it at first level
+ * s + 1, second level the KVA_TLSF_SL_LOG2 bits below its top one. */
 KVA_INLINE unsigned kva_tlsf_index(uint32_t length) {
     unsigned s = kva_log2(length | KVA_TLSF_SL) - KVA_TLSF_SL_LOG2;
     return (s << KVA_TLSF_SL_LOG2) + (length >> s);

@@ -48,7 +48,8 @@ static kva_status check_tiling(const kva_var *v, tally *t) {
     const kva_var_range *sentinel = &ranges[at];
     if (sentinel->length | sentinel->link_prev | sentinel->link_next)
         return BROKEN("V1: the sentinel record after the last unit (%u) is not empty", at);
-    if (sentinel->prev != prev) return BROKEN("V1: the sentinel says the last range is %u, not %u", sentinel->prev, prev);
+    if (sentinel->prev != prev)
+        return BROKEN("V1: the sentinel says the last range is %u, not %u", sentinel->prev, prev);
     return KVA_OK;
 }
 
