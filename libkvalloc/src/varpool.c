@@ -460,12 +460,8 @@ static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **o
     return leave(me, KVA_OK);
 }
 
-/* The shortest length class (fl, sl) holds. */
-KVA_INLINE uint32_t tlsf_class_floor(unsigned fl, unsigned sl) {
-    return fl == 0 ? sl : (KVA_TLSF_SL + sl) << (fl - 1);
-}
-
-/* kva_tlsf_floors (varpool.h), built at compile time from tlsf_class_floor's formula. */
+/* kva_tlsf_floors (varpool.h), built at compile time: the shortest length class (fl, sl) holds is
+ * sl below KVA_TLSF_SL, else (KVA_TLSF_SL + sl) << (fl - 1). */
 #define FLOOR_SHIFT(i) ((i) < KVA_TLSF_SL ? 0 : (i) / KVA_TLSF_SL - 1) /* never negative, even unused */
 #define FLOOR_OF(i) ((uint32_t)((i) < KVA_TLSF_SL ? (i) : (KVA_TLSF_SL + (i) % KVA_TLSF_SL) << FLOOR_SHIFT(i)))
 #define FLOORS_4(i) FLOOR_OF(i), FLOOR_OF((i) + 1), FLOOR_OF((i) + 2), FLOOR_OF((i) + 3)
@@ -527,7 +523,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_high(kva_var *v, uint32_t at, size_t s
     uint32_t given = split_front(ranges, at, length, units);
     mark_used(v, &ranges[given], units, size);
     *out = v->base + ((size_t)given << v->align_shift);
-    if (length - units < tlsf_class_floor(fl, sl)) {
+    if (length - units < kva_tlsf_floors[fl * KVA_TLSF_SL + sl]) {
         tlsf_pop_head(v, fl, sl, next);
         tlsf_push(v, at);
     }
@@ -577,7 +573,8 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
     if (length > units) {
         uint32_t rest = split_tail(ranges, at, length, units);
         kva_var_range *t = &ranges[rest];
-        if (kva_unlikely(length - units < tlsf_class_floor(fl, sl))) return tlsf_requeue(v, fl, sl, next, rest, me);
+        if (kva_unlikely(length - units < kva_tlsf_floors[fl * KVA_TLSF_SL + sl]))
+            return tlsf_requeue(v, fl, sl, next, rest, me);
         t->link_prev = KVA_NIL; /* the tail takes the head's place */
         t->link_next = next;
         if (next != KVA_NIL) ranges[next].link_prev = rest;
