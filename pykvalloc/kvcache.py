@@ -43,6 +43,7 @@ import numpy as np
 
 from . import _ffi
 from .errors import InvalidArgument, KvallocError, OutOfMemory, PoolClosedError
+from .pool import Pool, _name_arg, _size_arg
 
 __all__ = ["KVCache", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout", "KVMode",
            "TableInUseError", "dtype_bytes"]
@@ -175,7 +176,8 @@ class KVCache:
     .. ``max_context``) instead of blocks. ``hash_seed`` keys the prefix hashes (a secret random
     value keeps clients from precomputing them). The memory comes from a pool the cache creates
     (``pages`` as for ``Pool``, default transparent huge pages) or from ``pool``, an open
-    ``pykvalloc.Pool`` that must outlive the cache. ``name`` names the pool the cache creates,
+    ``pykvalloc.Pool``; closing that pool before the cache closes it to its own calls, and
+    destroys it once the cache is gone. ``name`` names the pool the cache creates,
     which then publishes the pool's and the cache's statistics for ``kvalloc top`` (``trace``
     also times every call); a given ``pool`` brings its own name.
     """
@@ -196,9 +198,7 @@ class KVCache:
         config.block_tokens = _u32("block_tokens", block_tokens)
         config.num_blocks = 0 if num_blocks is None else _u32("num_blocks", num_blocks)
         if capacity_bytes is not None:
-            if not isinstance(capacity_bytes, (int, np.integer)) or capacity_bytes < 0:
-                raise InvalidArgument(f"capacity_bytes {capacity_bytes!r} is not a byte count")
-            config.capacity_bytes = int(capacity_bytes)
+            config.capacity_bytes = _size_arg("capacity_bytes", capacity_bytes)
         config.layout = _enum_arg("layout", layout, KVLayout)
         config.mode = _enum_arg("mode", mode, KVMode)
         config.max_context = 0 if max_context is None else _u32("max_context", max_context)
@@ -206,11 +206,8 @@ class KVCache:
             raise InvalidArgument("hash_seed must be an integer in 0 .. 2^64-1")
         config.hash_seed = hash_seed
         config.pages = _pages_value(pages)
-        if name is not None:
-            if not isinstance(name, str):
-                raise InvalidArgument(f"name must be a string, not {type(name).__name__}")
-            self._name_bytes = name.encode()   # kept alive: the C config points at it
-            config.name = self._name_bytes
+        self._name_bytes = _name_arg(name)   # kept alive: the C config points at it
+        config.name = self._name_bytes
         config.trace = 1 if trace else 0
 
         self._lib = lib
@@ -219,18 +216,24 @@ class KVCache:
         self._pool_lock = getattr(pool, "_lock", None) if pool is not None else None
         handle = c_void_p()
         pool_handle = None
-        if pool is not None:
-            pool_handle = pool._open_handle() if hasattr(pool, "_open_handle") else None
-            if pool_handle is None:
-                raise InvalidArgument("pool must be an open pykvalloc.Pool")
+        if pool is not None and not isinstance(pool, Pool):
+            raise InvalidArgument(f"pool must be a pykvalloc.Pool, not {type(pool).__name__}")
         with self._pool_guard():
-            lib.kva_kv_create(byref(config), pool_handle, byref(handle))
-        if not handle.value:
-            raise KvallocError("kva_kv_create returned no cache")
+            if pool is not None:
+                # The cache is a user of the pool: closing the pool then waits for the cache.
+                pool_handle = pool._add_user()
+            try:
+                lib.kva_kv_create(byref(config), pool_handle, byref(handle))
+                if not handle.value:
+                    raise KvallocError("kva_kv_create returned no cache")
+            except BaseException:
+                if pool is not None:
+                    pool._user_gone()
+                raise
         self._handle: int | None = handle.value
         self._closed = False
         self._views = 0
-        self._finalizer = weakref.finalize(self, _destroy, lib, handle.value, self._pool_lock)
+        self._finalizer = weakref.finalize(self, _destroy, lib, handle.value, pool)
         self._finalizer.atexit = False  # at exit the process's memory goes with it
         info = _ffi.KvaKvInfo()
         lib.kva_kv_get_info(self._handle, byref(info))
@@ -457,12 +460,15 @@ class _NoLock:
 _NO_LOCK = _NoLock()
 
 
-def _destroy(lib: Any, handle: int, pool_lock: Any) -> None:
-    if pool_lock is not None:
-        with pool_lock:
-            lib.kva_kv_destroy(handle)
-    else:
+def _destroy(lib: Any, handle: int, pool: Pool | None) -> None:
+    # The cache's blocks go back to the pool before the pool can go: the finalizer holds the
+    # pool, and the cache is one of its users until here.
+    if pool is None:
         lib.kva_kv_destroy(handle)
+        return
+    with pool._lock:
+        lib.kva_kv_destroy(handle)
+        pool._user_gone()
 
 
 def _free_forgotten(cache: KVCache, handle: int, pin: bool) -> None:

@@ -9,6 +9,9 @@ same bytes to two owners:
   strong reference to its pool, so ``close()`` with live views closes the pool to all calls at
   once but defers the unmap until the last view is garbage. A view can never point at
   unmapped memory.
+* A ``KVCache`` built on a pool is a user of it in the same way: ``close()`` on the pool then
+  closes it to its own calls, and the C pool is destroyed after the cache (whose blocks are in
+  it) is closed or garbage. The cache's calls never reach a destroyed pool.
 * ``free()`` refuses (``AllocationInUseError``) while numpy views of that allocation are alive:
   the next allocation would get the same bytes while the old view could still write them.
   ``mmap.close()`` refuses exported buffers for the same reason.
@@ -407,7 +410,7 @@ class Pool:
     to views that outlive the pool.
     """
 
-    __slots__ = ("_lib", "_handle", "_lock", "_closed", "_views", "_finalizer", "_base",
+    __slots__ = ("_lib", "_handle", "_lock", "_closed", "_users", "_finalizer", "_base",
                  "_capacity", "_min_block", "_slab_chunk", "_name", "_backend", "__weakref__")
 
     def __init__(self, capacity: int, *, min_block: int | None = None,
@@ -457,7 +460,7 @@ class Pool:
         self._finalizer.atexit = False
         self._lock = threading.RLock()
         self._closed = False
-        self._views = 0
+        self._users = 0  # numpy views and KV caches alive: the C pool outlives close() for them
         self._name = name
 
         base = c_void_p()
@@ -480,11 +483,11 @@ class Pool:
                 return
             self._closed = True
             _open_pools.discard(self)
-            if self._views == 0:
+            if self._users == 0:
                 self._release()
 
     def _release(self) -> None:
-        """Destroys the C pool, once. Callers hold the lock and have made sure no view lives."""
+        """Destroys the C pool, once. Callers hold the lock and have made sure no user lives."""
         # detach() rather than calling the finalizer: after weakref's own exit hook has run,
         # calling a finalizer silently does nothing, and _close_idle_pools may run after it.
         detached = self._finalizer.detach()
@@ -604,7 +607,7 @@ class Pool:
             released = weakref.finalize(anchor, self._view_released, allocation)
             released.atexit = False  # at exit the views die with the process, not before it
             allocation._views += 1
-            self._views += 1
+            self._users += 1
         return np.asarray(anchor).view(dt).reshape(dims)
 
     def _view_released(self, allocation: Allocation) -> None:
@@ -612,8 +615,21 @@ class Pool:
         # while this thread holds the lock; the lock is reentrant for that reason.
         with self._lock:
             allocation._views -= 1
-            self._views -= 1
-            if self._closed and self._views == 0:
+            self._user_gone()
+
+    def _add_user(self) -> int:
+        """Registers a user that calls into the C pool (a KV cache): the handle, which stays
+        valid until the user calls ``_user_gone``, even across ``close()``. Caller holds the
+        lock."""
+        handle = self._open_handle()
+        self._users += 1
+        return handle
+
+    def _user_gone(self) -> None:
+        """A view or a KV cache is gone; the last one out destroys a closed pool."""
+        with self._lock:
+            self._users -= 1
+            if self._closed and self._users == 0:
                 self._release()
 
     # -- maintenance and introspection ------------------------------------------------------
@@ -738,7 +754,8 @@ _open_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 @atexit.register
 def _close_idle_pools() -> None:
-    """At exit, releases every open pool no numpy view still uses; the rest the OS reclaims."""
+    """At exit, releases every open pool no numpy view or KV cache still uses; the rest the OS
+    reclaims."""
     for pool in list(_open_pools):
-        if pool._views == 0:
+        if pool._users == 0:
             pool.close()

@@ -101,6 +101,47 @@ def test_views_keep_the_cache_alive_after_close() -> None:
     cache.close()  # idempotent
 
 
+def mapped(address: int) -> bool:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False
+
+
+def test_a_pool_closed_before_its_cache_is_destroyed_after_it() -> None:
+    pool = pykvalloc.Pool(64 << 20, pages="small")
+    with pytest.raises(pykvalloc.OutOfMemory):   # a failed creation leaves no user behind
+        pykvalloc.KVCache(num_blocks=1 << 20, layers=2, kv_heads=1, head_dim=64, pool=pool)
+    cache = pykvalloc.KVCache(num_blocks=16, block_tokens=16, layers=2, kv_heads=1, head_dim=64, pool=pool)
+    seq = cache.allocate(20)
+    pool.close()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        pool.stats()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        pykvalloc.KVCache(num_blocks=4, layers=2, kv_heads=1, head_dim=64, pool=pool)
+    # The cache goes on in the pool C still has; nothing is unmapped under it.
+    assert mapped(pool._base)
+    seq.append(20)
+    other = cache.allocate(40)
+    cache.check()
+    seq.free()
+    other.free()
+    cache.close()   # its last user gone, the pool is destroyed
+    assert not mapped(pool._base)
+
+    # The same when the cache is garbage instead of closed.
+    pool = pykvalloc.Pool(64 << 20, pages="small")
+    cache = pykvalloc.KVCache(num_blocks=16, block_tokens=16, layers=2, kv_heads=1, head_dim=64, pool=pool)
+    cache.allocate(20)
+    pool.close()
+    assert mapped(pool._base)
+    del cache
+    gc.collect()
+    assert not mapped(pool._base)
+
+
 def test_forgotten_sequences_are_freed() -> None:
     with small() as cache:
         cache.allocate(16)
@@ -206,6 +247,9 @@ def test_dtypes(dtype, size) -> None:
     {"layers": 0}, {"kv_heads": 0}, {"head_dim": 0}, {"block_tokens": 0}, {"num_blocks": 0},
     {"layers": -1}, {"layers": 2.5}, {"layout": "diagonal"}, {"mode": "sparse"},
     {"max_context": 100, "mode": "contiguous"}, {"pages": "enormous"}, {"hash_seed": -1},
+    {"num_blocks": None, "capacity_bytes": -1},
+    {"num_blocks": None, "capacity_bytes": 2**64 + 32768},  # would wrap to 32 KiB in C
+    {"name": "ab\0cd"},                                    # C would see "ab"
 ])
 def test_bad_configurations_are_refused(kwargs) -> None:
     with pytest.raises(pykvalloc.InvalidArgument):
