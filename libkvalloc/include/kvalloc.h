@@ -361,7 +361,8 @@ KVA_API kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx);
  *
  * Sequences are named by kva_kv_seq handles (a slot and a generation): a handle of a freed
  * sequence is recognised and refused, never mistaken for the sequence that reuses its slot
- * (until that slot has been reused 2^32 times).
+ * (until that slot has been reused 2^32 times). Each cache keys its handles, so a handle of
+ * another cache is refused as one this cache never gave.
  *
  * Errors follow the pool's rules: every call returns a status, a failed call changes nothing
  * and leaves its out-parameters untouched, kva_last_error() says why.

@@ -251,6 +251,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     kv->info = info;
     kv->block_tokens = info.block_tokens;
     kv->hash_seed = cfg->hash_seed;
+    kv->handle_key = kv_new_handle_key();
     kv->free_slot = KVA_NIL;
     kv->free_top = kv->free_bottom = KVA_NIL;
     for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) kv->lru_head[p] = kv->lru_tail[p] = KVA_NIL;

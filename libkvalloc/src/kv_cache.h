@@ -158,6 +158,7 @@ struct kva_kv {
 
     /* Sequences. */
     kva_kv_seqrec *seqs;
+    uint32_t handle_key;      /* XORed into a handle's slot bits: kv_slots.c */
     uint32_t seq_slots;       /* slots in use or on the free-slot list */
     uint32_t seq_capacity;    /* slots allocated */
     uint32_t free_slot;
@@ -174,9 +175,15 @@ struct kva_kv {
 
 /* ---- handles ----------------------------------------------------------------------------- */
 
-KVA_INLINE kva_kv_seq kv_handle(uint32_t slot, uint32_t generation) {
-    return (uint64_t)generation << 32 | slot;
+KVA_INLINE kva_kv_seq kv_handle(const kva_kv *kv, uint32_t slot, uint32_t generation) {
+    return (uint64_t)generation << 32 | (slot ^ kv->handle_key);
 }
+
+/* The key of the n-th cache of the process (kv_slots.c says why this one). */
+KVA_INLINE uint32_t kv_handle_key(uint32_t n) { return n * 0x9e3779b9u; }
+
+/* A key for a new cache's handles: kv_handle_key of the next n. */
+uint32_t kv_new_handle_key(void);
 
 /* The live sequence a handle names, or NULL with the reason recorded: KVA_ERR_DOUBLE_FREE in
  * *why for a handle of a sequence that was freed, KVA_ERR_INVALID for one never given. */

@@ -2,9 +2,18 @@
  * kv_slots.c — sequence handles: slots reused through a free-slot list, each with a generation
  * that changes when its sequence is freed, so a stale handle is told apart from a live one.
  *
- * A handle is generation << 32 | slot. Generations start at 1 (so 0 is never a handle) and
- * step by one per free, skipping 0 when they wrap. A freed slot keeps its table allocation for
- * the next sequence, so a steady engine stops calling malloc.
+ * A handle is generation << 32 | (slot ^ key). Generations start at 1 (so 0 is never a handle)
+ * and step by one per free, skipping 0 when they wrap. A freed slot keeps its table allocation
+ * for the next sequence, so a steady engine stops calling malloc.
+ *
+ * The key is the cache's own, so that a handle given to another cache is refused: decoded with
+ * the wrong key its slot is the true slot XOR the two keys, never the same slot since keys
+ * differ. The keys are a process-wide count of caches times 2^32 / phi (Knuth's multiplicative
+ * hashing, TAOCP vol. 3, 6.4), which spreads any number of caches' keys about evenly over the 32
+ * bits: any two of the first 4,096 caches' keys differ (XOR) by at least 744,616, so a cache with
+ * fewer slots than that, which is any cache with fewer live sequences, refuses all of their
+ * handles (test_kv_bad_input checks the bound). Beyond, a slot that lands in range must still
+ * have a live sequence of the handle's generation.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -16,8 +25,13 @@ kva_status kv_reject(kva_kv *kv, kva_status status) {
     return status;
 }
 
+uint32_t kv_new_handle_key(void) {
+    static uint32_t caches;
+    return kv_handle_key(__atomic_add_fetch(&caches, 1, __ATOMIC_RELAXED));
+}
+
 kva_kv_seqrec *kv_seq_lookup(kva_kv *kv, kva_kv_seq seq, kva_status *why) {
-    uint32_t slot = (uint32_t)seq, generation = (uint32_t)(seq >> 32);
+    uint32_t slot = (uint32_t)seq ^ kv->handle_key, generation = (uint32_t)(seq >> 32);
     if (kva_unlikely(slot >= kv->seq_slots || generation == 0)) {
         *why = kva_fail(KVA_ERR_INVALID, "sequence handle %#llx was never given by this cache", (unsigned long long)seq);
         return NULL;
@@ -83,7 +97,7 @@ kva_kv_seq kv_seq_publish(kva_kv *kv, kva_kv_seqrec *rec) {
     rec->next_free = KVA_NIL;
     if (rec->is_pin) kv->live_pins++;
     else kv->live_seqs++;
-    return kv_handle(slot, rec->generation);
+    return kv_handle(kv, slot, rec->generation);
 }
 
 void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec) {

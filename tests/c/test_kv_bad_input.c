@@ -226,6 +226,53 @@ static void test_bad_sequence_calls(void) {
     kva_kv_destroy(kv);
 }
 
+/* A handle of one cache is refused by another, even where both caches gave the same slot and
+ * generation: every call that takes a handle says KVA_ERR_INVALID and changes nothing. */
+static void test_handles_of_another_cache(void) {
+    kva_kv_config cfg = small_config(12, 4);
+    kva_kv *kv = make_cache(&cfg), *other = make_cache(&cfg);
+    nheld = 0;
+    kva_kv_seq gone = alloc_plain(kv, 4), theirs_gone = alloc_plain(other, 4);
+    REQUIRE(kva_kv_seq_free(kv, gone) == KVA_OK && kva_kv_seq_free(other, theirs_gone) == KVA_OK);
+    held[nheld++] = alloc_plain(kv, 8); /* the same slot and generation in both caches */
+    kva_kv_seq theirs = alloc_plain(other, 8);
+    uint64_t key = 7;
+    kva_kv_seq their_pin;
+    uint32_t blocks;
+    REQUIRE(kva_kv_pin(other, &key, 1, NULL, 0, 0, &their_pin, &blocks) == KVA_OK);
+    snapshot before = take(kv);
+    kva_kv_seq foreign[] = {theirs, theirs_gone, their_pin};
+    for (unsigned i = 0; i < sizeof foreign / sizeof foreign[0]; i++) {
+        kva_kv_copy copy;
+        kva_kv_seq child;
+        const uint32_t *table;
+        uint32_t len;
+        kva_kv_seq_info si;
+        CHECK_STATUS(kva_kv_seq_append(kv, foreign[i], 1, &copy), KVA_ERR_INVALID);
+        CHECK_STATUS(kva_kv_seq_fork(kv, foreign[i], &child), KVA_ERR_INVALID);
+        CHECK_STATUS(kva_kv_seq_block_table(kv, foreign[i], &table, &len), KVA_ERR_INVALID);
+        CHECK_STATUS(kva_kv_seq_get_info(kv, foreign[i], &si), KVA_ERR_INVALID);
+        CHECK_STATUS(kva_kv_seq_free(kv, foreign[i]), KVA_ERR_INVALID);
+        CHECK_STATUS(kva_kv_unpin(kv, foreign[i]), KVA_ERR_INVALID);
+        CHECK(unchanged(kv, &before));
+    }
+    CHECK_STATUS(kva_kv_seq_free(other, theirs), KVA_OK); /* their own cache still takes them */
+    CHECK_STATUS(kva_kv_unpin(other, their_pin), KVA_OK);
+    CHECK_STATUS(kva_kv_seq_free(kv, held[0]), KVA_OK);
+    kva_kv_destroy(kv);
+    kva_kv_destroy(other);
+
+    /* The bound kv_slots.c states: the first 4,096 caches' keys differ pairwise by at least
+     * 744,616, so no handle of one decodes to a slot below that in another. */
+    uint32_t least = UINT32_MAX;
+    for (uint32_t a = 1; a <= 4096; a++)
+        for (uint32_t b = a + 1; b <= 4096; b++) {
+            uint32_t d = kv_handle_key(a) ^ kv_handle_key(b);
+            if (d < least) least = d;
+        }
+    CHECK(least == 744616);
+}
+
 /* kva_kv_check names a broken invariant instead of passing; the test plays the bug. */
 static void test_check_finds_corruption(void) {
     kva_kv_config cfg = small_config(8, 4);
@@ -258,6 +305,7 @@ int main(void) {
     test_bad_configs();
     test_null_cache();
     test_bad_sequence_calls();
+    test_handles_of_another_cache();
     test_check_finds_corruption();
     return CHECK_DONE();
 }
