@@ -27,6 +27,7 @@ __all__ = [
     "LibraryNotFoundError",
     "SegmentError",
     "SegmentNotFound",
+    "SegmentUnreadable",
     "AmbiguousSegment",
     "BadMagic",
     "UnsupportedVersion",
@@ -126,6 +127,12 @@ class SegmentError(KvallocError):
 
 class SegmentNotFound(SegmentError, FileNotFoundError):
     """No segment matches the pool asked for."""
+
+
+class SegmentUnreadable(SegmentError, OSError):
+    """A file named like a segment that cannot be read as one: it cannot be opened (permission,
+    a symbolic link) or mapped, or it is not a regular file (a directory, a FIFO). Unlike
+    ``SegmentNotFound``, the file is there: ``kvalloc ls`` lists it as unreadable."""
 
 
 class AmbiguousSegment(SegmentError, LookupError):

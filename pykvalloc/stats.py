@@ -19,18 +19,29 @@ half way, or not a kvalloc at all:
 * A snapshot is a private copy taken under the writer's sequence lock (equal, even sequence
   before and after the copy), retried a bounded number of times; after that
   ``InconsistentSnapshot`` is raised. Torn data is never returned.
-* The writer's liveness is judged from its pid (and that pid's start time, against reuse), not
-  from the heartbeat: a live pool that makes no slow-path calls publishes nothing, so an old
-  heartbeat with a live pid means idle, not dead.
+* The file is opened without following a symbolic link and without blocking (a FIFO named like
+  a segment must not hang the reader), must be a regular file, and is mapped only up to
+  ``MAX_SEGMENT_BYTES``; a snapshot copies the bytes the header states, not the whole file.
+  Each way the file itself can be wrong raises ``SegmentNotFound`` (it is gone) or
+  ``SegmentUnreadable`` (it cannot be opened or mapped, or is not a regular file).
+* The writer's liveness is judged by one rule, ``writer_lives``: by its liveness lock when the
+  segment says the writer keeps one (that holds across pid namespaces), else from its pid (and
+  that pid's start time, against reuse); never from the heartbeat: a live pool that makes no
+  slow-path calls publishes nothing, so an old heartbeat with a live writer means idle, not
+  dead.
+* A writer of an older minor version (same ``abi_major``) wrote shorter structs: the fields it
+  did not write are listed in ``Snapshot.absent`` and are None in ``Snapshot.to_dict()``.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import math
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -51,6 +62,7 @@ from .errors import (
     SegmentError,
     SegmentNotFound,
     SegmentRemoved,
+    SegmentUnreadable,
     TruncatedSegment,
     UnsupportedVersion,
 )
@@ -65,6 +77,8 @@ __all__ = [
     "open_segment",
     "writer_alive",
     "writer_holds_lock",
+    "writer_lives",
+    "MAX_SEGMENT_BYTES",
     "process_name",
     "latency_percentiles",
     "downsample_cells",
@@ -123,6 +137,7 @@ SUMMARY_COUNTERS = ("capacity", "min_block", "slab_chunk", "max_alloc_size", "by
                     "bytes_free", "slab_bytes", "slab_free_bytes", "largest_free",
                     "live_allocations", "alloc_count", "free_count", "alloc_failures",
                     "rejected_calls", "slab_count", "metadata_bytes", "page_size")
+SUMMARY_ADDED_1_1 = ("publish_interval_ms", "backend", "numa_node", "flags", "mapped_bytes")
 SUMMARY_DTYPE = np.dtype(
     [(name, "<u8") for name in SUMMARY_COUNTERS]
     + [("page_kind", "<u4"), ("num_orders", "<u4"), ("fragmentation", "<f8"),
@@ -155,11 +170,31 @@ RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
                          ("thread", "<u4"), ("op", "u1"), ("status", "u1"),
                          ("reserved", "<u2")], align=True)
 
+# The bytes of a struct that every writer of this major version writes, for the structs a later
+# minor version grew at their end: an older writer's shorter struct lacks the fields after them.
+# Layout 1.0 ends the summary before its 1.1 fields; the arena entry of 1.2 first lacked
+# numa_node. (Before 1.2 an arena entry held other counters under the same bytes, see
+# Snapshot.__init__.)
+_OLDEST_SIZE = {SUMMARY_DTYPE: SUMMARY_DTYPE.fields["publish_interval_ms"][1],
+                ARENA_DTYPE: ARENA_DTYPE.fields["numa_node"][1]}
+ARENAS_SINCE_MINOR = 2
+
+# The most bytes of a segment this reader maps and copies. A segment's size is all but its slab
+# table (80 bytes per slab chunk): 1 GiB holds 13 million chunks, a 26 TiB pool at the default
+# 2 MiB chunk (800 GiB at the smallest, 64 KiB). A larger file, or a header that states more, is
+# not a segment a snapshot should copy several times a second.
+MAX_SEGMENT_BYTES = 1 << 30
+
 _U64 = struct.Struct("<Q")
 _IDENTITY = struct.Struct("<QHH")  # magic, abi_major, abi_minor: where every version has them
 _SEQUENCE_AT = HEADER_DTYPE.fields["sequence"][1]
 _CAPABILITIES_AT = HEADER_DTYPE.fields["capabilities"][1]
 _CAPABILITIES_END = _CAPABILITIES_AT + 8
+_SEGMENT_SIZE_AT = HEADER_DTYPE.fields["segment_size"][1]
+
+# Read-only, close-on-exec; never through a symbolic link, and never blocking: opening a FIFO
+# for reading would wait for a writer that may never come.
+_OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 # The pid in a segment's file name is the writer's; the pool name follows the library's rule.
 _FILE_RE = re.compile(r"kvalloc\.([0-9]{1,10})\.([A-Za-z0-9_.-]{1,63})\Z")
@@ -196,18 +231,24 @@ class SegmentFile:
         return cls(path, int(match.group(1)), match.group(2)) if match else None
 
     def process_alive(self) -> bool:
-        """Whether the writer lives: by its liveness lock when the segment says it keeps one,
-        else by the pid of the file name (without the pool's start time, a reused pid counts as
-        alive here; ``Segment.snapshot`` knows better)."""
+        """Whether the writer lives, by ``writer_lives``: by its liveness lock when the segment
+        says it keeps one, else by the pid of the file name (without the pool's start time, a
+        reused pid counts as alive here; ``Segment.snapshot`` knows better). A file that cannot
+        be read as a segment says nothing of a lock: its pid is all there is."""
         try:
-            with open(self.path, "rb") as handle:
-                head = handle.read(_CAPABILITIES_END)
-        except OSError:
+            fd, _ = _open_segment_file(self.path)
+        except SegmentNotFound:
             return False
+        except SegmentUnreadable:
+            return writer_alive(self.pid)
+        try:
+            head = os.pread(fd, _CAPABILITIES_END, 0)
+        finally:
+            os.close(fd)
+        capabilities = 0
         if len(head) == _CAPABILITIES_END and _U64.unpack_from(head, 0)[0] == MAGIC:
-            if _U64.unpack_from(head, _CAPABILITIES_AT)[0] & CAP_LIVENESS_LOCK:
-                return writer_holds_lock(self.path)
-        return writer_alive(self.pid)
+            capabilities = _U64.unpack_from(head, _CAPABILITIES_AT)[0]
+        return writer_lives(self.path, capabilities, self.pid)
 
 
 def list_segments(directory: Path = SHM_DIR) -> list[SegmentFile]:
@@ -280,12 +321,28 @@ def writer_alive(pid: int, start_time_ns: int | None = None) -> bool:
     return created <= start_time_ns / 1e9 + _PID_REUSE_SLACK_S
 
 
+def writer_lives(path: str | os.PathLike[str], capabilities: int, pid: int,
+                 start_time_ns: int | None = None) -> bool:
+    """Whether the writer of the segment at ``path`` lives: the one rule of ``kvalloc ls``,
+    ``dump`` and ``top``. A writer that keeps the liveness lock (``capabilities`` says so) lives
+    while it holds it, whatever pid namespace it runs in; otherwise, or when the file cannot be
+    opened to test the lock, its ``pid`` and the pool's ``start_time_ns`` decide
+    (``writer_alive``)."""
+    if capabilities & CAP_LIVENESS_LOCK:
+        try:
+            return writer_holds_lock(path)
+        except OSError:
+            pass  # the lock cannot be tested: the pid is all there is
+    return writer_alive(pid, start_time_ns)
+
+
 def writer_holds_lock(path: str | os.PathLike[str]) -> bool:
     """Whether the writer of the segment at ``path`` still holds its liveness lock: a shared flock
     the library keeps for the writer's whole life, which the kernel drops however the process
-    ends. Unlike a pid, this holds across pid namespaces (a reader in another container)."""
+    ends. Unlike a pid, this holds across pid namespaces (a reader in another container). A file
+    that cannot be opened raises its ``OSError``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, _OPEN_FLAGS)
     except FileNotFoundError:
         return False
     try:
@@ -295,6 +352,37 @@ def writer_holds_lock(path: str | os.PathLike[str]) -> bool:
     finally:
         os.close(fd)  # closing drops the lock if we took it
     return False
+
+
+def _open_segment_file(path: Path) -> tuple[int, os.stat_result]:
+    """A descriptor of the regular file at ``path`` (``_OPEN_FLAGS``) and its status; the caller
+    closes it. ``SegmentNotFound`` when there is no file, ``SegmentUnreadable`` when it cannot be
+    opened or is not a regular file (a directory, a FIFO, a device, a symbolic link)."""
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except FileNotFoundError:
+        raise SegmentNotFound(f"no segment {path}", path=str(path)) from None
+    except OSError as exc:
+        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        raise SegmentUnreadable(f"cannot open {path}: {why}", path=str(path)) from exc
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise SegmentUnreadable(f"{path} is {_file_kind(info.st_mode)}, not a segment file",
+                                    path=str(path))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, info
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def process_name(pid: int) -> str | None:
@@ -320,22 +408,22 @@ class Segment:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
+        fd, info = _open_segment_file(self.path)
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            raise SegmentNotFound(f"no segment {self.path}", path=str(self.path)) from None
-        except OSError as exc:
-            raise SegmentNotFound(f"cannot open {self.path}: {exc.strerror}",
-                                  path=str(self.path)) from exc
-        try:
-            info = os.fstat(fd)
             self._identity = (info.st_dev, info.st_ino)
-            self.size = info.st_size
-            if self.size < _IDENTITY.size:
-                raise self._truncated(f"the file has {self.size} bytes, fewer than the "
+            self.file_size = info.st_size
+            if self.file_size < _IDENTITY.size:
+                raise self._truncated(f"the file has {self.file_size} bytes, fewer than the "
                                       f"{_IDENTITY.size} of the magic and version")
-            # The mmap object keeps its own descriptor (mmap.size() reads the file's size).
-            self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            # Only what a segment can be is mapped: the header says how much of it is the
+            # segment (checked at each snapshot).
+            self.size = min(self.file_size, MAX_SEGMENT_BYTES)
+            try:
+                # The mmap object keeps its own descriptor (mmap.size() reads the file's size).
+                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
+            except OSError as exc:
+                raise SegmentUnreadable(f"cannot map {self.path} ({self.size} bytes): "
+                                        f"{exc.strerror}", path=str(self.path)) from exc
         finally:
             os.close(fd)
 
@@ -415,6 +503,16 @@ class Segment:
             before = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
             if before % 2:
                 continue
+            # The writer sets segment_size before the magic and never changes it; the copy
+            # takes that many bytes (Snapshot checks the copy's own header against them).
+            stated = _U64.unpack_from(mapping, _SEGMENT_SIZE_AT)[0]
+            if stated > self.file_size:
+                raise self._truncated(f"the header states {stated} bytes, the file has "
+                                      f"{self.file_size}")
+            if stated > MAX_SEGMENT_BYTES:
+                raise CorruptSegment(f"{self.path} is corrupt: the header states {stated} bytes, "
+                                     f"more than the {MAX_SEGMENT_BYTES} a segment may have",
+                                     path=str(self.path))
             # Reading a mapping past the end of a file that shrank since it was mapped kills
             # the process with SIGBUS. The writer never resizes its segment; this catches
             # anyone else (short of a shrink between this line and the next).
@@ -423,7 +521,7 @@ class Segment:
             # The read side of the sequence lock: sequence, copy, sequence again. Python has no
             # fences; x86-64 never reorders loads with loads, and elsewhere the interpreter's
             # own atomic operations between these steps order them in practice.
-            data = mapping[:]
+            data = mapping[:max(stated, HEADER_DTYPE.itemsize)]
             after = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
             if after == before == _U64.unpack_from(data, _SEQUENCE_AT)[0]:
                 return data
@@ -438,11 +536,7 @@ class Segment:
             how = "was destroyed" if alive else f"ended with its process {snap.pid}"
             raise SegmentRemoved(f"pool {snap.pool_name!r} {how}: its segment {self.path} was "
                                  "removed", path=str(self.path))
-        if snap.capabilities & CAP_LIVENESS_LOCK:
-            alive = writer_holds_lock(self.path)
-        else:
-            alive = writer_alive(snap.pid, snap.start_time_ns)
-        if not alive:
+        if not writer_lives(self.path, snap.capabilities, snap.pid, snap.start_time_ns):
             raise DeadWriter(
                 f"process {snap.pid}, writer of pool {snap.pool_name!r}, is gone "
                 f"(last publish {format_age(snap.heartbeat_age())} ago); its segment "
@@ -461,6 +555,8 @@ class Snapshot:
 
     Every array is read-only and views the private copy, never the live mapping. Sections the
     writer does not publish are None (``kv`` is None also when no KV cache is attached).
+    ``absent`` names, per section, the fields a writer of an older minor version did not write:
+    they read as zero in the arrays and as None in ``to_dict()``.
     """
 
     def __init__(self, data: bytes, path: Path | None = None) -> None:
@@ -491,6 +587,7 @@ class Snapshot:
         self._header_size = header_size
         self._newer = self.abi[1] > ABI_MINOR
         self._sections = self._section_table()
+        self.absent: dict[str, tuple[str, ...]] = {}
 
         self.summary: np.void = self._summary()
         orders = int(self.summary["num_orders"])
@@ -502,7 +599,10 @@ class Snapshot:
         self.cell_fill: np.ndarray | None = None
         self._read_heapmap()
         self.classes = self._counted(SECTION_CLASSES, CLASS_DTYPE)
-        self.arenas = self._counted(SECTION_ARENAS, ARENA_DTYPE)
+        # Before 1.2 an arena entry held other counters (allocations, frees, failures, bytes in
+        # use of the pool's one arena) under the same bytes: not read as today's fields.
+        self.arenas = (self._counted(SECTION_ARENAS, ARENA_DTYPE)
+                       if self.abi[1] >= ARENAS_SINCE_MINOR else None)
         self.slabs = self._slabs()
         latency = self._fixed(SECTION_LATENCY, LATENCY_DTYPE)
         self.latency: dict[str, np.ndarray] | None = (
@@ -538,9 +638,32 @@ class Snapshot:
             return None
         offset, size = where
         if size < dtype.itemsize:
-            raise self._corrupt(f"the {SECTION_NAMES[kind]} section has {size} bytes, fewer "
-                                f"than the {dtype.itemsize} of its struct")
+            return self._older(kind, dtype, offset, 1, size)[0]
         return np.frombuffer(self.data, dtype, count=1, offset=offset)[0]
+
+    def _older(self, kind: int, dtype: np.dtype, offset: int, count: int, written: int
+               ) -> np.ndarray:
+        """``count`` structs of ``written`` bytes each, fewer than ``dtype`` has: an older minor
+        version wrote them before fields were added at their end. A copy in ``dtype`` with the
+        fields it did not write zeroed and listed in ``absent``; fewer bytes than the oldest
+        layout of the struct is corruption."""
+        name = SECTION_NAMES[kind]
+        oldest = _OLDEST_SIZE.get(dtype, dtype.itemsize)
+        if written < oldest:
+            raise self._corrupt(f"the {name} section holds structs of {written} bytes, fewer "
+                                f"than the {oldest} of their oldest layout")
+        fields = dtype.fields
+        present = [f for f in dtype.names if fields[f][1] + fields[f][0].itemsize <= written]
+        written_dtype = np.dtype({"names": present, "formats": [fields[f][0] for f in present],
+                                  "offsets": [fields[f][1] for f in present],
+                                  "itemsize": written})
+        entries = np.ndarray((count,), written_dtype, buffer=self.data, offset=offset)
+        copy = np.zeros(count, dtype)
+        for f in present:
+            copy[f] = entries[f]
+        copy.flags.writeable = False
+        self.absent[name] = tuple(f for f in dtype.names if f not in present)
+        return copy
 
     def _array(self, kind: int, head: int, dtype: np.dtype, count: int, entry_size: int = 0
                ) -> np.ndarray:
@@ -553,9 +676,11 @@ class Snapshot:
             stride = entry_size
         elif self._newer and count:
             stride = (size - head) // count
-        if stride < dtype.itemsize or head + count * stride > size:
+        if stride < 1 or head + count * stride > size:
             raise self._corrupt(f"the {SECTION_NAMES[kind]} section has {size} bytes, too few "
-                                f"for {count} entries of {dtype.itemsize}")
+                                f"for {count} entries of {stride}")
+        if stride < dtype.itemsize:
+            return self._older(kind, dtype, offset + head, count, stride)
         return np.ndarray((count,), dtype, buffer=self.data, offset=offset + head,
                           strides=(stride,))
 
@@ -695,6 +820,13 @@ class Snapshot:
                        fragmentation=self.fragmentation,
                        free_blocks=[int(n) for n in self.free_blocks],
                        unusable_index=[float(x) for x in self.unusable_index])
+        # The 1.1 fields are None when the writer predates them (``absent`` says so); numa_node
+        # is None also for a region bound to no node, as in ``Pool.stats()``.
+        absent = self.absent.get("summary", ())
+        summary.update({name: None if name in absent else int(self.summary[name])
+                        for name in SUMMARY_ADDED_1_1})
+        if summary["numa_node"] is not None and summary["numa_node"] < 0:
+            summary["numa_node"] = None
         result: dict[str, Any] = {
             "pool": self.pool_name, "pid": self.pid, "segment": str(self.path),
             "abi": f"{self.abi[0]}.{self.abi[1]}", "sequence": self.sequence,
@@ -715,7 +847,7 @@ class Snapshot:
             result["slabs"] = [dict(entry, strip=list(entry["strip"]))
                                for entry in _records(self.slabs)]
         if self.arenas is not None:
-            result["arenas"] = _records(self.arenas)
+            result["arenas"] = _records(self.arenas, self.absent.get("arenas", ()))
         if self.latency is not None:
             result["latency"] = {
                 kind: {"buckets": [int(n) for n in self.latency[kind]],
@@ -732,9 +864,10 @@ class Snapshot:
         return result
 
 
-def _records(array: np.ndarray) -> list[dict[str, Any]]:
+def _records(array: np.ndarray, absent: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     names = [name for name in array.dtype.names if name != "reserved"]
-    return [{name: _plain(entry[name]) for name in names} for entry in array]
+    return [{name: None if name in absent else _plain(entry[name]) for name in names}
+            for entry in array]
 
 
 def _plain(value: Any) -> Any:

@@ -2,9 +2,11 @@
 
 Every named pool has a segment ``/dev/shm/kvalloc.<pid>.<pool name>``. A row shows the writer's
 pid and process name, the pool, its capacity and use, and its state: live, idle (alive but no
-publish lately; an idle pool publishes nothing) or dead (the process was killed before it could
-remove the segment). ``--prune`` removes the segments of dead processes; live ones are never
-touched.
+publish lately; an idle pool publishes nothing), dead (the process was killed before it could
+remove the segment) or unreadable (the file cannot be read as a segment; the row says why).
+Whether the writer lives is judged as ``kvalloc dump`` and ``top`` judge it: by the liveness lock
+the writer holds on its segment, whatever pid namespace it runs in, else by its pid.
+``--prune`` removes the segments of dead writers; live ones are never touched.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from ..stats import (
     format_age,
     list_segments,
     process_name,
-    writer_alive,
+    writer_lives,
 )
+
 
 @dataclass(frozen=True)
 class Entry:
@@ -52,17 +55,18 @@ class Entry:
 
 def describe(found: SegmentFile) -> Entry | None:
     """Reads what there is to say about one segment, whatever state its writer is in; None
-    when the file went away after it was listed."""
+    when the file went away after it was listed. A file that cannot be opened or parsed is an
+    "unreadable" entry, never left out."""
     try:
         with Segment(found.path) as segment:
             snap = segment.snapshot(check_writer=False)
     except SegmentNotFound:
         return None
     except SegmentError as exc:
-        alive = writer_alive(found.pid)
+        alive = found.process_alive()
         return Entry(str(found.path), found.pid, process_name(found.pid) if alive else None,
                      found.name, alive, "unreadable", problem=f"{type(exc).__name__}: {exc}")
-    alive = writer_alive(snap.pid, snap.start_time_ns) and writer_alive(found.pid)
+    alive = writer_lives(found.path, snap.capabilities, snap.pid, snap.start_time_ns)
     age = snap.heartbeat_age()
     state = "dead" if not alive else "idle" if age >= IDLE_AFTER_S else "live"
     return Entry(str(found.path), found.pid, process_name(found.pid) if alive else None,

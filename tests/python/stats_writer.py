@@ -144,19 +144,43 @@ class Writer:
 
 
 @contextmanager
-def crafted_segment(data: bytes, pid: int | None = None) -> Iterator[Path]:
+def crafted_segment(data: bytes, pid: int | None = None,
+                    locked: bool | None = None) -> Iterator[Path]:
     """``data`` as a segment file named for ``pid`` and a unique pool name; removed afterwards.
     Without ``pid`` it stands for a live writer, this process, and like one it holds the
-    writer's liveness lock (a shared flock) while it exists."""
+    writer's liveness lock (a shared flock) while it exists; ``locked`` says otherwise."""
     path = SHM_DIR / f"kvalloc.{pid or os.getpid()}.{unique_name('crafted')}"
     path.write_bytes(data)
     try:
         with open(path, "rb") as held:
-            if pid is None:
+            if locked if locked is not None else pid is None:
                 fcntl.flock(held, fcntl.LOCK_SH)
             yield path
     finally:
         path.unlink(missing_ok=True)
+
+
+def absent_pid() -> int:
+    """A pid no process has: above the kernel's pid_max. It stands for a writer in another pid
+    namespace, whose pid means nothing here."""
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+def segment_bytes(writer_pid: int | None = None) -> bytes:
+    """A consistent copy of a real, freshly created pool's segment, its header's writer pid
+    set to ``writer_pid`` when given."""
+    import numpy as np
+
+    import pykvalloc
+    from pykvalloc import stats
+
+    with pykvalloc.Pool(16 << 20, name=unique_name("copied"), pages="small") as pool:
+        pool.publish()
+        with stats.Segment.for_pool(pool) as segment:
+            data = bytearray(segment.snapshot().data)
+    if writer_pid is not None:
+        np.frombuffer(data, stats.HEADER_DTYPE, count=1)["writer_pid"] = writer_pid
+    return bytes(data)
 
 
 @contextmanager

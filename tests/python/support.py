@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from pykvalloc import _ffi
 
@@ -26,3 +27,11 @@ def run_python(code: str, env: dict[str, str] | None = None,
     with it: a segfault shows up as a negative return code."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env if env is not None else clean_env(), cwd=cwd, timeout=timeout)
+
+
+def run_kvalloc(*args: str, timeout: float = 60,
+                preexec_fn: Any = None) -> subprocess.CompletedProcess:
+    """The ``kvalloc`` command in a fresh interpreter (``python -m pykvalloc``), as a user runs
+    it; a command that hangs fails the test with TimeoutExpired instead of hanging it."""
+    return subprocess.run([sys.executable, "-m", "pykvalloc", *args], capture_output=True,
+                          text=True, env=clean_env(), timeout=timeout, preexec_fn=preexec_fn)

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 
 import psutil
 import pytest
-from stats_writer import Writer, crafted_segment, prune_lock, unique_name
+from stats_writer import (
+    Writer,
+    absent_pid,
+    crafted_segment,
+    prune_lock,
+    segment_bytes,
+    unique_name,
+)
+from support import run_kvalloc
 
 import pykvalloc
 from pykvalloc.cli import main
+from pykvalloc.stats import SHM_DIR
 
 
 def listing(capsys, *options: str) -> dict:
@@ -69,6 +79,102 @@ def test_an_unreadable_segment_of_a_live_process_is_listed_not_pruned(capsys):
         assert path.exists()
         assert entry["state"] == "unreadable" and entry["alive"]
         assert entry["problem"].startswith("BadMagic")
+
+
+def listed_by_another_process(*options: str) -> dict:
+    done = run_kvalloc("ls", "--json", *options, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_a_writer_holding_its_liveness_lock_lives_whatever_its_pid():
+    # A writer in another pid namespace: its pid means nothing here, but it holds the lock.
+    # ls, ls --prune and dump follow the lock, as kvalloc_stats.h makes it the authority.
+    pid = absent_pid()
+    with prune_lock(exclusive=True), \
+            crafted_segment(segment_bytes(writer_pid=pid), pid=pid, locked=True) as path:
+        dumped = run_kvalloc("dump", str(path), "--json")
+        assert dumped.returncode == 0, dumped.stderr
+        entry = entry_for(listed_by_another_process(), path)
+        assert entry["alive"] and entry["state"] in ("live", "idle")
+        assert entry["uptime_s"] is not None
+
+        pruned = listed_by_another_process("--prune")
+        assert path.exists() and str(path) not in pruned["removed"]
+        assert entry_for(pruned, path)["alive"]
+
+
+def test_a_writer_without_its_liveness_lock_is_dead_though_its_pid_runs():
+    # The pid in the name and the header is this process, alive; the lock is free, so the
+    # writer that held it has ended (the pid may be another process in another namespace).
+    with prune_lock(exclusive=True), \
+            crafted_segment(segment_bytes(writer_pid=os.getpid()), pid=os.getpid(),
+                            locked=False) as path:
+        dumped = run_kvalloc("dump", str(path))
+        assert dumped.returncode == 1 and "DeadWriter" in dumped.stderr
+        entry = entry_for(listed_by_another_process(), path)
+        assert not entry["alive"] and entry["state"] == "dead"
+
+        pruned = listed_by_another_process("--prune")
+        assert str(path) in pruned["removed"] and not path.exists()
+
+
+def test_a_segment_that_cannot_be_opened_is_listed_as_unreadable(capsys):
+    # A symbolic link is never followed (O_NOFOLLOW): the reader cannot open it, as it cannot
+    # open another user's segment. It is listed with the reason, not left out, and its live
+    # writer's entry is not pruned.
+    with prune_lock(exclusive=True), crafted_segment(segment_bytes()) as target:
+        link = SHM_DIR / f"kvalloc.{os.getpid()}.{unique_name('link')}"
+        link.symlink_to(target)
+        try:
+            entry = entry_for(listing(capsys, "--prune"), link)
+            assert entry is not None and os.path.lexists(link)
+            assert entry["state"] == "unreadable" and entry["alive"]
+            assert entry["problem"].startswith("SegmentUnreadable: cannot open")
+            assert "symbolic link" in entry["problem"]
+        finally:
+            link.unlink()
+
+
+def test_stray_files_are_listed_as_unreadable_beside_the_live_pools():
+    # A directory, a FIFO and a 3 GiB sparse file named like segments. Reading them must not
+    # crash (mmap of a directory), hang (opening a FIFO) or run out of memory (mapping 3 GiB
+    # under a 2.5 GiB address-space limit), and must not hide the live pool beside them.
+    name = unique_name("beside")
+    stray = {kind: SHM_DIR / f"kvalloc.{os.getpid()}.{unique_name(kind)}"
+             for kind in ("dir", "fifo", "sparse")}
+    limit = int(2.5 * (1 << 30))
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    try:
+        stray["dir"].mkdir()
+        os.mkfifo(stray["fifo"])
+        with open(stray["sparse"], "wb") as sparse:
+            sparse.truncate(3 << 30)
+        with pykvalloc.Pool(16 << 20, name=name) as pool:
+            pool.publish()
+            done = run_kvalloc("ls", "--json", timeout=60, preexec_fn=limit_memory)
+            assert done.returncode == 0, done.stderr
+            listed = json.loads(done.stdout)
+            assert entry_for(listed, SHM_DIR / pool.segment_name[1:])["pool"] == name
+            problems = {kind: entry_for(listed, path)["problem"] for kind, path in stray.items()}
+            assert problems["dir"].startswith("SegmentUnreadable") and "a directory" in problems["dir"]
+            assert problems["fifo"].startswith("SegmentUnreadable") and "a FIFO" in problems["fifo"]
+            # Its magic stays zero: a writer still setting it up, or no segment.
+            assert problems["sparse"].startswith("BadMagic")
+            for kind, path in stray.items():
+                assert entry_for(listed, path)["state"] == "unreadable" and path.exists(), kind
+
+            done = run_kvalloc("dump", str(stray["dir"]), timeout=60)
+            assert done.returncode == 1
+            assert "kvalloc dump: SegmentUnreadable: " in done.stderr and "Traceback" not in done.stderr
+    finally:
+        if stray["dir"].is_dir():
+            stray["dir"].rmdir()
+        stray["fifo"].unlink(missing_ok=True)
+        stray["sparse"].unlink(missing_ok=True)
 
 
 def test_ls_help(capsys):

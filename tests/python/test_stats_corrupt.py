@@ -4,6 +4,8 @@ and then damaged; their names carry this process's pid, so the writer counts as 
 
 from __future__ import annotations
 
+import json
+import os
 import time
 
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 from stats_writer import crafted_segment, unique_name
 
 import pykvalloc
+import pykvalloc.cli
 from pykvalloc import stats
 from pykvalloc.errors import (
     BadMagic,
@@ -18,6 +21,7 @@ from pykvalloc.errors import (
     InconsistentSnapshot,
     KvallocError,
     SegmentError,
+    SegmentUnreadable,
     TruncatedSegment,
     UnsupportedVersion,
 )
@@ -198,3 +202,118 @@ def test_every_error_is_a_segment_error_naming_the_file(original):
             segment.snapshot()
     assert isinstance(info.value, KvallocError) and info.value.path == str(path)
     assert str(path) in str(info.value)
+
+
+def layout_1_0(original: bytes) -> bytes:
+    """``original`` as a writer of layout 1.0 wrote it: the summary without its 1.1 fields (the
+    24 bytes after it filled with 0xff, which the reader must not take for them), no entry
+    sizes in the array heads (reserved, zero), no liveness lock, and the arena entry of then
+    (other counters, 32 bytes, one arena)."""
+    data = bytearray(original)
+    header = header_of(data)
+    header["abi_minor"] = 0
+    header["capabilities"] &= ~np.uint64(stats.CAP_LIVENESS_LOCK | stats.CAP_TRACE_ALL)
+    summary = section_entry(data, stats.SECTION_SUMMARY)
+    summary["size"] = stats.SUMMARY_DTYPE.fields["publish_interval_ms"][1]
+    start = int(summary["offset"]) + int(summary["size"])
+    data[start:start + 24] = b"\xff" * 24
+    for kind, dtype in ((stats.SECTION_CLASSES, stats.COUNTED_DTYPE),
+                        (stats.SECTION_ARENAS, stats.COUNTED_DTYPE),
+                        (stats.SECTION_TRACE, stats.TRACE_DTYPE)):
+        counts(kind, dtype, "entry_size", 0)(data)
+    counts(stats.SECTION_ARENAS, stats.COUNTED_DTYPE, "count", 1)(data)
+    section_entry(data, stats.SECTION_ARENAS)["size"] = stats.COUNTED_DTYPE.itemsize + 32
+    return bytes(data)
+
+
+def test_a_segment_of_layout_1_0_reads_with_its_newer_fields_absent(original, capsys):
+    # kvalloc_stats.h: a reader accepts the same abi_major. What 1.0 wrote reads as it was
+    # written; what it did not write (the summary's 1.1 fields) is absent, never guessed, and
+    # the arenas, whose entries meant other counters before 1.2, are not shown as today's.
+    current = read(original)
+    with crafted_segment(layout_1_0(original)) as path, stats.Segment(path) as segment:
+        snap = segment.snapshot()
+        assert pykvalloc.cli.main(["dump", str(path)]) == 0
+        assert pykvalloc.cli.main(["dump", str(path), "--json", "--trace"]) == 0
+    tables, dumped = capsys.readouterr().out.split("\n{\n", 1)
+    dumped = json.loads("{\n" + dumped)
+    assert dumped["abi"] == "1.0" and dumped["summary"]["publish_interval_ms"] is None
+    assert "arenas" not in dumped and len(dumped["trace"]) == len(list(snap.trace_records()))
+    assert "Pool statistics" in tables
+    assert snap.abi == (1, 0)
+    assert snap.absent == {"summary": stats.SUMMARY_ADDED_1_1}
+    summary = snap.to_dict()["summary"]
+    assert all(summary[name] is None for name in stats.SUMMARY_ADDED_1_1)
+    assert {name: summary[name] for name in stats.SUMMARY_COUNTERS} == {
+        name: int(current.summary[name]) for name in stats.SUMMARY_COUNTERS}
+    assert summary["free_blocks"] == [int(n) for n in current.free_blocks]
+    assert snap.arenas is None and "arenas" not in snap.to_dict()
+    assert snap.classes.tolist() == current.classes.tolist()
+    assert snap.slabs.tobytes() == current.slabs.tobytes()
+    assert list(snap.trace_records()) == list(current.trace_records())
+    assert snap.cell_state.tolist() == current.cell_state.tolist()
+
+
+def test_arena_entries_written_before_numa_node_read_without_it(original):
+    # The arena entry of 1.2 first ended before numa_node: 32 bytes, its entry size says so.
+    current = read(original)
+    data = bytearray(original)
+    offset = int(section_entry(data, stats.SECTION_ARENAS)["offset"])
+    older = np.zeros(len(current.arenas), [(name, "<u8") for name in
+                                           ("slabs", "slab_bytes", "spare_slabs", "word_claims")])
+    for name in older.dtype.names:
+        older[name] = current.arenas[name]
+    head = offset + stats.COUNTED_DTYPE.itemsize
+    data[head:head + older.nbytes] = older.tobytes()
+    counts(stats.SECTION_ARENAS, stats.COUNTED_DTYPE, "entry_size", 32)(data)
+    section_entry(data, stats.SECTION_ARENAS)["size"] = stats.COUNTED_DTYPE.itemsize + older.nbytes
+    snap = read(bytes(data))
+    assert snap.absent == {"arenas": ("numa_node",)}
+    arenas = snap.to_dict()["arenas"]
+    assert [a["slabs"] for a in arenas] == current.arenas["slabs"].tolist()
+    assert [a["word_claims"] for a in arenas] == current.arenas["word_claims"].tolist()
+    assert all(a["numa_node"] is None for a in arenas)
+
+
+def test_structs_shorter_than_their_oldest_layout_are_corrupt(original):
+    def change(data):
+        section_entry(data, stats.SECTION_SUMMARY)["size"] = 100
+    with pytest.raises(CorruptSegment, match="summary section holds structs of 100 bytes"):
+        read(damaged(original, change))
+
+
+def test_a_file_longer_than_its_segment_is_copied_only_as_far_as_the_header_states(original):
+    with crafted_segment(original + b"\xee" * (1 << 20)) as path, stats.Segment(path) as segment:
+        assert segment.snapshot().data == original
+
+
+def test_a_header_stating_more_than_a_segment_may_have_is_corrupt(original):
+    # A sparse file: its holes cost nothing until read, and the reader reads only the header.
+    size = stats.MAX_SEGMENT_BYTES + 4096
+    data = bytearray(original)
+    header_of(data)["segment_size"] = size
+    with crafted_segment(bytes(data)) as path:
+        os.truncate(path, size)
+        with stats.Segment(path) as segment:
+            assert segment.size == stats.MAX_SEGMENT_BYTES  # mapped no further
+            with pytest.raises(CorruptSegment, match=f"states {size} bytes, more than"):
+                segment.snapshot()
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "symlink"])
+def test_a_file_that_is_no_segment_file_is_unreadable_not_an_os_error(original, kind):
+    path = stats.SHM_DIR / f"kvalloc.{os.getpid()}.{unique_name(kind)}"
+    with crafted_segment(original) as target:
+        try:
+            if kind == "directory":
+                path.mkdir()
+            elif kind == "fifo":
+                os.mkfifo(path)  # opening it for reading must not wait for a writer
+            else:
+                path.symlink_to(target)
+            with pytest.raises(SegmentUnreadable, match=str(path)) as info:
+                stats.Segment(path)
+            assert info.value.path == str(path)
+            assert stats.SegmentFile.from_path(path).process_alive()  # by its pid: this process
+        finally:
+            path.rmdir() if kind == "directory" else path.unlink()
