@@ -9,12 +9,14 @@
 
 Both become a list of :class:`Request`, arrival times in seconds from the first request. A
 malformed row is a :class:`TraceError` naming its line, or, with ``skip_bad``, is counted and
-skipped.
+skipped. A row is malformed also when it is not UTF-8 text, when a CSV field exceeds the csv
+module's limit, or when a JSON number is not finite (NaN, Infinity, or too large for a float).
 """
 from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -64,6 +66,37 @@ def _positive(value: object, name: str) -> int:
     return number
 
 
+def _check_text(text: str) -> None:
+    """ValueError for a line that was not UTF-8: the file's reader keeps each undecodable byte
+    as a lone surrogate (errors="surrogateescape"), so that one bad line is one bad row."""
+    if text.isascii():
+        return
+    for column, char in enumerate(text, start=1):
+        if "\udc80" <= char <= "\udcff":
+            raise ValueError(f"not UTF-8 text: byte {ord(char) - 0xDC00:#04x} at column {column}")
+
+
+def _finite_float(text: str) -> float:
+    # json.loads takes 1e400 as inf: a number no trace time or length can be.
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text} is too large")
+    return value
+
+
+def _no_constant(name: str) -> float:
+    # json.loads accepts NaN, Infinity and -Infinity, which are not JSON; as a timestamp, NaN
+    # passes every comparison and the replay would wait for it forever.
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _json_row(text: str) -> object:
+    try:
+        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+
+
 class _Collector:
     """Applies the skip-or-raise rule and keeps the requests in arrival order."""
 
@@ -96,12 +129,30 @@ def parse_azure_csv(lines: Iterable[str], path: str = "<azure csv>", skip_bad: b
     collector = _Collector(path, skip_bad)
     arrivals: list[float] = []
     reader = csv.reader(lines)
-    header = next(reader, None)
+    try:
+        header = next(reader, None)
+        for cell in header or ():
+            _check_text(cell)
+    except (csv.Error, ValueError) as exc:
+        raise TraceError(path, 1, f"expected the header TIMESTAMP,ContextTokens,GeneratedTokens: {exc}") from None
     if header is None or [h.strip() for h in header][:3] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
         raise TraceError(path, 1, "expected the header TIMESTAMP,ContextTokens,GeneratedTokens")
-    for row in reader:
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            break
+        except csv.Error as exc:        # a field over the csv module's limit: that row only
+            collector.bad(reader.line_num, str(exc))
+            continue
         line = reader.line_num
         if not row or all(not cell.strip() for cell in row):
+            continue
+        try:
+            for cell in row:
+                _check_text(cell)
+        except ValueError as exc:
+            collector.bad(line, str(exc))
             continue
         if len(row) != 3:
             collector.bad(line, f"expected 3 columns, found {len(row)}")
@@ -132,12 +183,15 @@ def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", s
         if not text.strip():
             continue
         try:
-            row = json.loads(text)
+            _check_text(text)
+            row = _json_row(text)
             if not isinstance(row, dict):
                 raise ValueError("a line must be a JSON object")
             timestamp = row["timestamp"]
             if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
                 raise ValueError(f"timestamp must be a non-negative number, got {timestamp!r}")
+            # An integer too large for a float would overflow the arrival time.
+            timestamp = float(timestamp) / 1000.0
             input_tokens = _positive(row["input_length"], "input_length")
             output_tokens = _positive(row["output_length"], "output_length")
             ids = row.get("hash_ids")
@@ -151,18 +205,19 @@ def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", s
         except KeyError as exc:
             collector.bad(line, f"missing field {exc.args[0]!r}")
             continue
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             collector.bad(line, str(exc))
             continue
-        arrivals.append(timestamp / 1000.0)
+        arrivals.append(timestamp)
         collector.trace.requests.append(
             Request(0.0, input_tokens, output_tokens, tuple(ids) if ids is not None else None))
     return collector.finish(arrivals)
 
 
 def _open_lines(path: Path) -> Iterator[str]:
-    # newline="" lets the csv module handle the trace's CRLF line ends.
-    with open(path, encoding="utf-8", newline="") as handle:
+    # newline="" lets the csv module handle the trace's CRLF line ends; surrogateescape keeps a
+    # byte that is not UTF-8 for the parser to report with its line (_check_text).
+    with open(path, encoding="utf-8", errors="surrogateescape", newline="") as handle:
         yield from handle
 
 
@@ -171,11 +226,11 @@ def load_trace(path: str | Path, skip_bad: bool = False) -> Trace:
     non-blank character."""
     path = Path(path)
     try:
-        with open(path, encoding="utf-8", newline="") as handle:
+        with open(path, "rb") as handle:
             head = handle.read(4096)
     except OSError as exc:
         raise TraceError(str(path), 0, f"cannot read: {exc.strerror}") from exc
     suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json", ".ndjson") or (suffix != ".csv" and head.lstrip().startswith("{")):
+    if suffix in (".jsonl", ".json", ".ndjson") or (suffix != ".csv" and head.lstrip().startswith(b"{")):
         return parse_mooncake_jsonl(_open_lines(path), str(path), skip_bad)
     return parse_azure_csv(_open_lines(path), str(path), skip_bad)

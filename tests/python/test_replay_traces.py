@@ -124,3 +124,34 @@ def test_the_shared_traces_read_whole() -> None:
     mooncake = load_trace(SHARED / "mooncake_conversation_trace.jsonl")
     assert len(mooncake.requests) == 12031
     assert sum(len(r.hash_ids) for r in mooncake.requests) == 288500
+
+
+def test_a_trace_that_is_not_utf8_names_its_line(tmp_path: Path) -> None:
+    # The bytes of the undecodable line are its own fault: the lines around it read.
+    good = b'{"timestamp": 0, "input_length": 10, "output_length": 5}\n'
+    trace = tmp_path / "latin1.jsonl"
+    trace.write_bytes(good + b'{"timestamp": 1, "input_length": 10, "output_length": 5, "n": "\xe9"}\n' + good)
+    with pytest.raises(TraceError, match=r"latin1.jsonl:2: not UTF-8 text: byte 0xe9") as info:
+        load_trace(trace)
+    assert info.value.line == 2
+    skipped = load_trace(trace, skip_bad=True)
+    assert len(skipped.requests) == 2 and skipped.skipped_examples[0][0] == 2
+    header = tmp_path / "header.csv"
+    header.write_bytes(b"\xff\xfeTIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2\n")
+    with pytest.raises(TraceError, match=r"header.csv:1: expected the header"):
+        load_trace(header)
+
+
+@pytest.mark.parametrize("line", [
+    '{"timestamp": NaN, "input_length": 10, "output_length": 5}',
+    '{"timestamp": 1, "input_length": Infinity, "output_length": 5}',
+    '{"timestamp": 1e999, "input_length": 10, "output_length": 5}',
+    '{"timestamp": 1' + '0' * 400 + ', "input_length": 10, "output_length": 5}',
+    '[' * 100_000 + ']' * 100_000,
+])
+def test_mooncake_numbers_must_be_finite_and_lines_plain(line: str) -> None:
+    lines = MOONCAKE_SAMPLE.splitlines() + [line]
+    with pytest.raises(TraceError, match=r"m.jsonl:3: "):
+        parse_mooncake_jsonl(lines, "m.jsonl")
+    trace = parse_mooncake_jsonl(lines, "m.jsonl", skip_bad=True)
+    assert trace.skipped == 1 and len(trace.requests) == 2
