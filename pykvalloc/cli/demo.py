@@ -26,7 +26,8 @@ from ..replay.backends import Geometry
 from ..replay.report import print_report
 from ..replay.simulator import ReplayConfig, replay
 from ..replay.workload import default_workload
-from ..sizes import format_size, parse_size
+from ..sizes import format_size
+from .arguments import positive_int, positive_number, positive_size
 
 POOL_NAME = "kvalloc-demo"
 
@@ -34,23 +35,15 @@ POOL_NAME = "kvalloc-demo"
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("demo", help="replay the embedded workload, watching it live",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000, help="requests to replay (default 2000)")
-    parser.add_argument("--kv-size", type=parse_size, default=2 << 30, help="KV capacity (default 2G)")
-    parser.add_argument("--speed", type=float, default=30.0,
+    parser.add_argument("--requests", type=positive_int, default=2000, help="requests to replay (default 2000)")
+    parser.add_argument("--kv-size", type=positive_size, default=2 << 30, help="KV capacity (default 2G)")
+    parser.add_argument("--speed", type=positive_number, default=30.0,
                         help="simulated seconds per second when watched live (default 30)")
     parser.add_argument("--no-tui", action="store_true", help="print the report without watching live")
     parser.set_defaults(run=run)
 
 
-def _check(args: argparse.Namespace) -> None:
-    if args.requests < 1:
-        raise InvalidArgument(f"--requests must be at least 1, not {args.requests}")
-    if args.speed <= 0:
-        raise InvalidArgument(f"--speed must be positive, not {args.speed}")
-
-
 def run(args: argparse.Namespace) -> int:
-    _check(args)
     if args.no_tui or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return headless(args)
     return watched(args)

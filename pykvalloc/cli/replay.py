@@ -25,7 +25,7 @@ from ..replay.simulator import ReplayConfig, ReplayResult, pacer, replay
 from ..replay.traces import Trace, load_trace
 from ..replay.workload import default_workload
 from ..errors import InvalidArgument
-from ..sizes import parse_size
+from .arguments import kv_dtype, output_file, positive_int, positive_number, positive_size
 
 MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
 
@@ -40,27 +40,28 @@ def register(subparsers: Any) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", type=Path, help="Azure CSV or Mooncake JSONL (default: embedded workload)")
     parser.add_argument("--mode", choices=MODES, default="paged")
-    parser.add_argument("--block-tokens", type=int, default=16, help="tokens per KV block (paged)")
-    parser.add_argument("--kv-size", type=parse_size, default=None,
+    parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per KV block (paged)")
+    parser.add_argument("--kv-size", type=positive_size, default=None,
                         help="KV capacity in bytes, e.g. 8G (default: 8 GiB)")
-    parser.add_argument("--kv-tokens", type=int, default=None, help="KV capacity in tokens (instead of --kv-size)")
-    parser.add_argument("--requests", type=int, default=None, help="replay only the first N requests")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="trace seconds per simulated second")
-    parser.add_argument("--max-batch-tokens", type=int, default=8192)
+    parser.add_argument("--kv-tokens", type=positive_int, default=None,
+                        help="KV capacity in tokens (instead of --kv-size)")
+    parser.add_argument("--requests", type=positive_int, default=None, help="replay only the first N requests")
+    parser.add_argument("--time-scale", type=positive_number, default=1.0, help="trace seconds per simulated second")
+    parser.add_argument("--max-batch-tokens", type=positive_int, default=8192)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--dtype", type=kv_dtype, default="float16")
     parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed trace rows")
     parser.add_argument("--compare", action="store_true",
                         help="paged 16/32/64/128, contiguous and malloc on the same traffic")
     parser.add_argument("--name", default=None, help="publish live stats under this pool name (kvalloc top)")
-    parser.add_argument("--json", type=Path, default=None, metavar="FILE", help="write the report as JSON")
-    parser.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+    parser.add_argument("--json", type=output_file, default=None, metavar="FILE", help="write the report as JSON")
+    parser.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                         help="plot KV use and hit rate over time (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--pace", type=float, default=None, metavar="SPEED",
+    parser.add_argument("--pace", type=positive_number, default=None, metavar="SPEED",
                         help="hold the replay to SPEED simulated seconds per second, to watch it "
                              "live with kvalloc top (default: as fast as it runs)")
 
@@ -145,8 +146,6 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
 def run(args: argparse.Namespace) -> int:
     console = Console()
     trace = read_traffic(args)
-    if args.pace is not None and args.pace <= 0:
-        raise InvalidArgument(f"--pace must be positive, not {args.pace}")
     results = run_all(args, trace, configurations(args), args.quiet, console, args.pace)
     print_report(results, console)
     if args.json:

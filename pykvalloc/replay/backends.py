@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import OutOfMemory
+from ..errors import InvalidArgument, OutOfMemory
+from ..kvcache import dtype_bytes
 
 
 @dataclass
@@ -33,12 +34,17 @@ class Geometry:
     head_dim: int = 128
     dtype: str = "float16"
 
+    def __post_init__(self) -> None:
+        for name in ("layers", "kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be a whole number of at least 1, not {value!r}")
+        dtype_bytes(self.dtype)  # InvalidArgument naming the dtypes a KV cache knows
+
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
-
-
-_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8": 1, "int8": 1}
+        # The KV cache's own table of dtypes, so that the replay sizes what the cache will hold.
+        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
 
 
 @dataclass

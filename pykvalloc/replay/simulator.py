@@ -40,6 +40,20 @@ class ReplayConfig:
     pool_name: Optional[str] = None     # publish live stats under this name
     sample_every: int = 1               # steps between usage samples
 
+    def __post_init__(self) -> None:
+        # A zero or NaN time scale divides by zero or never lets a request arrive; a zero block
+        # or budget never makes progress: refused before a backend is made.
+        for name in ("block_tokens", "capacity_tokens", "max_batch_tokens", "max_running", "sample_every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgument(f"{name} must be a whole number of at least 1, not {value!r}")
+        for name, zero_allowed in (("time_scale", False), ("step_base_s", True), ("step_token_s", True)):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \
+                    or (value == 0 and not zero_allowed):
+                bound = "of at least 0" if zero_allowed else "above 0"
+                raise InvalidArgument(f"{name} must be a finite number {bound}, not {value!r}")
+
 
 @dataclass
 class _Running:

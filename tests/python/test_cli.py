@@ -65,8 +65,22 @@ def test_library_errors_become_a_message_and_status_1(capsys):
     assert main(["demo", "--kv-size", "64M", "--no-tui"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("kvalloc demo: InvalidArgument: ") and "can never fit" in err
-    assert main(["demo", "--requests", "0", "--no-tui"]) == 1
-    assert "--requests must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--requests", "0"], "argument --requests: must be at least 1, not 0"),
+    (["--requests", "-1"], "argument --requests: must be at least 1, not -1"),
+    (["--speed", "nan"], "argument --speed: must be a finite number above 0, not 'nan'"),
+    (["--speed", "inf"], "argument --speed: must be a finite number above 0"),
+    (["--speed", "0"], "argument --speed: must be a finite number above 0"),
+    (["--kv-size", "0"], "argument --kv-size: must be at least 1 byte"),
+])
+def test_demo_refuses_bad_numbers_before_it_runs(capsys, argv, message):
+    with pytest.raises(SystemExit) as info:
+        main(["demo", "--no-tui", *argv])
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "Replaying" not in captured.out
 
 
 def test_installed_script_runs_headless_and_fast():

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import run_kvalloc
 
 from pykvalloc.cli import main
 from pykvalloc.errors import InvalidArgument
@@ -134,3 +135,79 @@ def test_compare_runs_jemalloc_preloaded_in_a_child(tmp_path: Path) -> None:
     assert [r["mode"] for r in rows] == ["paged"] * 4 + ["contiguous", "malloc-glibc", "malloc-jemalloc"]
     jemalloc = rows[-1]
     assert jemalloc["finished"] == 150 and jemalloc["timing"] == "around the ctypes call"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--block-tokens", "0"], "argument --block-tokens: must be at least 1, not 0"),
+    (["--layers", "0"], "argument --layers: must be at least 1"),
+    (["--kv-heads", "0"], "argument --kv-heads: must be at least 1"),
+    (["--head-dim", "-3"], "argument --head-dim: must be at least 1"),
+    (["--kv-tokens", "0"], "argument --kv-tokens: must be at least 1"),
+    (["--max-batch-tokens", "0"], "argument --max-batch-tokens: must be at least 1"),
+    (["--requests", "-1"], "argument --requests: must be at least 1, not -1"),
+    (["--dtype", "bogus"], "argument --dtype: unknown KV dtype 'bogus'"),
+    (["--time-scale", "0"], "argument --time-scale: must be a finite number above 0"),
+    (["--time-scale", "nan"], "argument --time-scale: must be a finite number above 0, not 'nan'"),
+    (["--time-scale", "-1"], "argument --time-scale: must be a finite number above 0"),
+    (["--pace", "nan"], "argument --pace: must be a finite number above 0"),
+    (["--json", "/nonexistent/x.json"], "argument --json: cannot write /nonexistent/x.json: no directory"),
+    (["--plot", "/"], "argument --plot: cannot write /: it is a directory"),
+])
+def test_replay_refuses_bad_arguments_before_it_runs(argv: list[str], message: str) -> None:
+    # A real kvalloc process: every one of these used to raise a traceback, hang, or (--requests
+    # -1) silently drop a request; --json's failure came only after the whole replay.
+    done = run_kvalloc("replay", "--mode", "malloc-glibc", "--requests", "50", "--quiet", *argv,
+                       timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert done.stdout == ""
+
+
+def test_the_replay_config_refuses_what_would_divide_by_zero_or_never_end() -> None:
+    # The same numbers given to the Python API: InvalidArgument, not a hang or ZeroDivisionError.
+    for bad in (dict(time_scale=0.0), dict(time_scale=float("nan")), dict(time_scale=-1.0),
+                dict(block_tokens=0), dict(capacity_tokens=0), dict(max_batch_tokens=0)):
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            ReplayConfig(mode="malloc-glibc", geometry=SMALL_MODEL, **bad)
+    for bad in (dict(layers=0), dict(kv_heads=0), dict(head_dim=0), dict(dtype="bogus")):
+        with pytest.raises(InvalidArgument, match="bogus" if "dtype" in bad else next(iter(bad))):
+            Geometry(**bad)
+    # The replay sizes KV with the cache's own dtype table: engines' names work in both.
+    assert Geometry(layers=2, kv_heads=2, head_dim=64, dtype="fp8").bytes_per_token == 512
+
+
+@pytest.mark.parametrize("number", ["NaN", "Infinity", "-Infinity", "1e400"])
+def test_a_trace_with_a_non_finite_number_names_its_line(tmp_path: Path, number: str) -> None:
+    # NaN passed `timestamp < 0` and the replay waited for its arrival forever; Infinity ended
+    # as "simulated_s": Infinity, which is not JSON.
+    trace = tmp_path / "nonfinite.jsonl"
+    trace.write_text(f'{{"timestamp": {number}, "input_length": 10, "output_length": 5}}\n'
+                     '{"timestamp": 1000, "input_length": 10, "output_length": 5}\n')
+    done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", timeout=60)
+    assert done.returncode == 1
+    assert f"{trace}:1: " in done.stderr and "Traceback" not in done.stderr
+    report = tmp_path / "report.json"
+    done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", "--skip-bad",
+                       "--json", str(report), timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "skipped 1 malformed" in done.stdout
+    report_json = json.loads(report.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert report_json["requests"] == report_json["finished"] == 1
+
+
+@pytest.mark.parametrize("content, line, reason", [
+    (b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2\n"
+     b"2023-11-16 18:15:47.1,1\xff\xfe,2\n2023-11-16 18:15:48.1,10,2\n", 3, "not UTF-8 text: byte 0xff"),
+    (b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,10,2\n"
+     b"2023-11-16 18:15:47.1," + b"9" * 140_000 + b",2\n2023-11-16 18:15:48.1,10,2\n", 3, "field larger than field limit"),
+])
+def test_a_csv_line_that_cannot_be_read_names_its_line(tmp_path: Path, content: bytes, line: int,
+                                                       reason: str) -> None:
+    trace = tmp_path / "bad.csv"
+    trace.write_bytes(content)
+    done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert f"bad.csv:{line}: {reason}" in done.stderr
+    done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", "--skip-bad", timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "skipped 1 malformed" in done.stdout

@@ -1,0 +1,71 @@
+"""Types of the kvalloc commands' arguments: argparse calls them on the text given, so a bad value
+is a usage error naming the option (exit status 2) before anything runs, never a traceback or a
+hang half way through a replay."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from pathlib import Path
+
+from ..errors import InvalidArgument
+from ..kvcache import dtype_bytes
+from ..sizes import parse_size
+
+
+def positive_int(text: str) -> int:
+    """A whole number of at least 1 (tokens, requests, layers)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0 (a speed, a time scale). NaN and infinity are refused: a replay
+    paced or scaled by either never ends."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text!r}")
+    return value
+
+
+def positive_size(text: str) -> int:
+    """A byte size above 0 (``parse_size``: 4096, 64K, 2G)."""
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")
+    return value
+
+
+def kv_dtype(text: str) -> str:
+    """A dtype name the KV cache knows (``kvcache.dtype_bytes``, the one table of them)."""
+    try:
+        dtype_bytes(text)
+    except InvalidArgument as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def output_file(text: str) -> Path:
+    """A file the command will write at its end: its directory must exist and be writable now,
+    so that a long run does not end in a traceback (the file itself is not created yet)."""
+    path = Path(text)
+    directory = path.parent
+    if not directory.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {directory}")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a directory")
+    if not os.access(directory, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return path
