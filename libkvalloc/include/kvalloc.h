@@ -119,7 +119,9 @@ typedef struct kva_config {
                             2 MiB, or less in a pool under 64 MiB (capacity / 32, at least
                             64 KiB) so that a small pool still holds slabs of many classes. */
     const char *name;    /* optional pool name (copied); NULL for an anonymous pool. A named
-                            pool publishes live statistics in shared memory (kvalloc_stats.h) */
+                            pool publishes live statistics in shared memory (kvalloc_stats.h),
+                            so two live pools of one process cannot share a name: the second
+                            is refused (KVA_ERR_INVALID) */
     kva_page_mode pages; /* default KVA_PAGES_AUTO */
     int prefault;        /* nonzero: take every first-touch page fault at creation */
     int trace;           /* nonzero (named pools): time every call and record it in the trace
@@ -306,7 +308,8 @@ typedef struct kva_stats {
 KVA_API kva_status kva_get_stats(kva_pool *pool, kva_stats *out);
 
 /* Publishes the pool's state to its shared-memory segment now (named pools; a no-op for an
- * anonymous pool). Publishing also happens by itself from the pool's slow paths, at most every
+ * anonymous pool, and in a process forked from the pool's creator, since the segment describes
+ * the creator's pool and belongs to it). Publishing also happens by itself from the pool's slow paths, at most every
  * publish_interval_ms; an engine whose calls all take fast paths calls this now and then (for
  * example once per scheduler step) to keep the inspector current. */
 KVA_API kva_status kva_stats_publish(kva_pool *pool);

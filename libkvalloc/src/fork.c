@@ -67,12 +67,11 @@ static void parent(void) {
     pthread_mutex_unlock(&pools_lock);
 }
 
-/* The child also stops writing the parent's statistics segments: they describe the parent's
- * pools (named after its pid, read by its inspectors), and the child's destroy must not remove
- * them. */
+/* The child also lets go of the parent's statistics segments (kva_segment_disown): they
+ * describe the parent's pools, are named after its pid and read by its inspectors. */
 static void child(void) {
     for (kva_pool *p = pools; p; p = p->fork_next)
-        if (p->segment) p->segment->inherited = 1;
+        if (p->segment) kva_segment_disown(p->segment);
     parent();
 }
 

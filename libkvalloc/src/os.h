@@ -45,8 +45,10 @@ size_t kva_os_page_size(void);
 kva_status kva_os_discard(void *addr, size_t length);
 
 /* Creates the shared-memory object `name` ("/..."), mode 0600, of length bytes, maps it
- * read-write and returns the mapping; an object of that name that already exists is replaced
- * (it can only be a leftover of a dead process with our pid). The descriptor stays open (close
+ * read-write and returns the mapping. An object of that name that already exists is replaced
+ * when its writer is gone (a leftover of a dead process with our pid); while a live writer
+ * holds it (another pool of this process with the same name), KVA_ERR_INVALID and nothing
+ * changes. The descriptor stays open (close
  * on exec) holding a shared flock for as long as the writer lives: the kernel drops the lock when
  * the process dies, however it dies, so a reader that can take the lock exclusively knows the
  * writer is gone, in whatever pid namespace either runs. On failure nothing is left. */

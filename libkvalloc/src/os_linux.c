@@ -132,9 +132,28 @@ void kva_os_unmap(void *addr, size_t length) {
     if (addr && length) munmap(addr, length);
 }
 
+/* Removes the object `name` if its writer is gone (nobody holds its liveness lock): 1 if it
+ * did, 0 if a live writer holds it. Names carry this process's pid, so only this process makes
+ * objects of them: between the test and the unlink, only another of its threads creating a pool
+ * of the same name at that moment could put a new object there (a race the caller made, which
+ * would cost that pool its published statistics, nothing more). */
+static int unlink_if_abandoned(const char *name) {
+    int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
+    if (fd < 0) return errno == ENOENT; /* gone meanwhile: the name is free */
+    int abandoned = flock(fd, LOCK_EX | LOCK_NB) == 0;
+    if (abandoned) shm_unlink(name);
+    close(fd);
+    return abandoned;
+}
+
 kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *fd_out) {
-    shm_unlink(name);
     int fd = fails_now(KVA_OS_SHM) ? -1 : shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0 && errno == EEXIST) {
+        if (!unlink_if_abandoned(name))
+            return kva_fail(KVA_ERR_INVALID, "%s is published by a live pool: names must differ among a process's pools",
+                            name);
+        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    }
     if (fd < 0) return kva_fail(KVA_ERR_BACKEND, "shm_open(%s): %s", name, strerror(errno));
     const char *step = "sizing";
     if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0 || (step = "locking", flock(fd, LOCK_SH)) != 0) {

@@ -14,9 +14,11 @@ static pthread_mutex_t live_lock = PTHREAD_MUTEX_INITIALIZER;
 static kva_segment *live_segments;
 static int exit_hook_installed;
 
+/* A forked child's exit leaves the parent's segments (inherited) alone: the parent lives on. */
 static void unlink_all_at_exit(void) {
     pthread_mutex_lock(&live_lock);
-    for (kva_segment *seg = live_segments; seg; seg = seg->next_live) kva_os_shm_unlink(seg->name);
+    for (kva_segment *seg = live_segments; seg; seg = seg->next_live)
+        if (!seg->inherited) kva_os_shm_unlink(seg->name);
     live_segments = NULL;
     pthread_mutex_unlock(&live_lock);
 }
@@ -145,6 +147,15 @@ void kva_segment_close(kva_segment *seg) {
     kva_os_unmap(seg->base, seg->size);
     kva_os_close(seg->fd); /* drops the liveness lock */
     free(seg);
+}
+
+void kva_segment_disown(kva_segment *seg) {
+    seg->inherited = 1;
+    kva_os_unmap(seg->base, seg->size);
+    kva_os_close(seg->fd);
+    seg->base = NULL;
+    seg->size = 0;
+    seg->fd = -1;
 }
 
 void kva_segment_begin(kva_segment *seg) {

@@ -34,8 +34,8 @@ typedef struct kva_segment {
     uint64_t next_publish_ns;     /* monotonic */
     uint64_t next_full_ns;        /* monotonic: when the heap map is refreshed next */
     int trace_all;                /* every call is timed and recorded */
-    int inherited;                /* this process is a child forked from the segment's writer:
-                                     it neither writes the segment nor removes it (fork.c) */
+    int inherited;                /* this process is a child forked from the segment's writer
+                                     (kva_segment_disown): nothing is mapped any more */
     struct kva_segment *next_live; /* the process-wide list removed at exit */
 } kva_segment;
 
@@ -49,8 +49,14 @@ typedef struct kva_segment_geometry {
 /* Creates, maps and registers the segment of pool `pool_name`. */
 kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all,
                             unsigned interval_ms, kva_segment **out);
-/* Unlinks and unmaps it. NULL is ignored. */
+/* Unlinks and unmaps it (an inherited one is only forgotten). NULL is ignored. */
 void kva_segment_close(kva_segment *seg);
+
+/* In a child forked from the writer: the segment is the parent's. The child neither writes it
+ * nor removes it (at close or at exit), and lets go of the mapping and the descriptor, each of
+ * which holds the open file and with it the parent's liveness lock: kept, they would make a
+ * dead parent look alive for as long as the child runs. */
+void kva_segment_disown(kva_segment *seg);
 
 void kva_segment_begin(kva_segment *seg);
 void kva_segment_end(kva_segment *seg);

@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
@@ -237,6 +239,88 @@ static void test_liveness_lock(void) {
     close(fds[1]);
 }
 
+/* A child forked by the writer holds no part of its lock: when the writer is killed, its
+ * segment reads as abandoned while the child still runs; and the child's own exit (atexit
+ * hooks included) leaves a live writer's segment in place. */
+static void test_forked_child_of_the_writer(void) {
+    int fds[2], hold[2]; /* hold: the children wait on it, and see its end if the test dies */
+    REQUIRE(pipe(fds) == 0 && pipe(hold) == 0);
+    pid_t writer = fork();
+    if (writer == 0) {
+        close(hold[1]);
+        kva_pool *pool = make_named("parent", 0);
+        pid_t quitter = fork();
+        if (quitter == 0) exit(0); /* a normal exit: the atexit hook runs in the child */
+        int status;
+        waitpid(quitter, &status, 0);
+        pid_t sleeper = fork();
+        char byte;
+        if (sleeper == 0) {
+            if (read(hold[0], &byte, 1) < 0) _exit(2); /* outlives the writer, until the test ends */
+            _exit(0);
+        }
+        char msg[160];
+        snprintf(msg, sizeof msg, "%d %s", (int)sleeper, kva_stats_segment_name(pool));
+        if (write(fds[1], msg, strlen(msg) + 1) < 0) _exit(2);
+        if (read(hold[0], &byte, 1) < 0) _exit(2); /* until killed */
+        _exit(0);
+    }
+    close(hold[0]);
+    char msg[160] = {0};
+    REQUIRE(read(fds[0], msg, sizeof msg - 1) > 0);
+    int sleeper = 0;
+    char name[128] = {0};
+    REQUIRE(sscanf(msg, "%d %127s", &sleeper, name) == 2);
+    CHECK(shm_open(name, O_RDONLY, 0) >= 0); /* the first child's exit left it */
+    CHECK(writer_holds_lock(name));
+    kill(writer, SIGKILL);
+    int status;
+    waitpid(writer, &status, 0);
+    CHECK(!writer_holds_lock(name)); /* the sleeping child does not keep the dead writer alive */
+    kill(sleeper, SIGKILL);
+    shm_unlink(name);
+    close(fds[0]);
+    close(fds[1]);
+    close(hold[1]);
+}
+
+/* Two live pools of one process cannot share a name: the second is refused and the first's
+ * segment is untouched. A leftover of a dead writer with our pid is replaced. */
+static void test_names_are_unique(void) {
+    kva_pool *first = make_named("twin", 0);
+    const char *name = kva_stats_segment_name(first);
+    struct stat before, after;
+    int fd = shm_open(name, O_RDONLY, 0);
+    REQUIRE(fd >= 0 && fstat(fd, &before) == 0);
+    close(fd);
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)32 << 20;
+    cfg.name = "twin";
+    cfg.pages = KVA_PAGES_SMALL;
+    kva_pool *second = (kva_pool *)0x5e;
+    CHECK_STATUS(kva_pool_create(&cfg, &second), KVA_ERR_INVALID);
+    CHECK(second == (kva_pool *)0x5e);
+    fd = shm_open(name, O_RDONLY, 0);
+    REQUIRE(fd >= 0 && fstat(fd, &after) == 0);
+    close(fd);
+    CHECK(after.st_ino == before.st_ino && writer_holds_lock(name));
+    CHECK_STATUS(kva_stats_publish(first), KVA_OK);
+    kva_pool_destroy(first);
+    CHECK(shm_open(name, O_RDONLY, 0) < 0);
+
+    /* An abandoned object of the name (nobody holds its lock) is replaced. */
+    char stale[128];
+    snprintf(stale, sizeof stale, "/kvalloc.%d.leftover", (int)getpid());
+    fd = shm_open(stale, O_RDWR | O_CREAT | O_EXCL, 0600);
+    REQUIRE(fd >= 0 && ftruncate(fd, 4096) == 0);
+    close(fd);
+    kva_pool *fresh = make_named("leftover", 0);
+    CHECK(strcmp(kva_stats_segment_name(fresh), stale) == 0 && writer_holds_lock(stale));
+    kva_pool_destroy(fresh);
+    CHECK(shm_open(stale, O_RDONLY, 0) < 0);
+}
+
 /* Another process reads it; and a process that exits without destroying its pool leaves no
  * segment behind. */
 static void test_other_processes(void) {
@@ -388,6 +472,8 @@ int main(void) {
     test_trace_mode();
     test_other_processes();
     test_liveness_lock();
+    test_forked_child_of_the_writer();
+    test_names_are_unique();
     test_kv_cache_section();
     test_reader_races_writer();
     return CHECK_DONE();
