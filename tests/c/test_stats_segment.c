@@ -243,8 +243,8 @@ static void test_liveness_lock(void) {
  * segment reads as abandoned while the child still runs; and the child's own exit (atexit
  * hooks included) leaves a live writer's segment in place. */
 static void test_forked_child_of_the_writer(void) {
-    int fds[2], hold[2]; /* hold: the children wait on it, and see its end if the test dies */
-    REQUIRE(pipe(fds) == 0 && pipe(hold) == 0);
+    int fds[2], hold[2], ready[2]; /* hold: the children wait on it, and see its end if the test dies */
+    REQUIRE(pipe(fds) == 0 && pipe(hold) == 0 && pipe(ready) == 0);
     pid_t writer = fork();
     if (writer == 0) {
         close(hold[1]);
@@ -256,9 +256,12 @@ static void test_forked_child_of_the_writer(void) {
         pid_t sleeper = fork();
         char byte;
         if (sleeper == 0) {
+            /* Running, so past fork's child handler: the writer waits for this. */
+            if (write(ready[1], "r", 1) < 0) _exit(2);
             if (read(hold[0], &byte, 1) < 0) _exit(2); /* outlives the writer, until the test ends */
             _exit(0);
         }
+        if (read(ready[0], &byte, 1) != 1) _exit(2);
         char msg[160];
         snprintf(msg, sizeof msg, "%d %s", (int)sleeper, kva_stats_segment_name(pool));
         if (write(fds[1], msg, strlen(msg) + 1) < 0) _exit(2);
@@ -282,6 +285,8 @@ static void test_forked_child_of_the_writer(void) {
     close(fds[0]);
     close(fds[1]);
     close(hold[1]);
+    close(ready[0]);
+    close(ready[1]);
 }
 
 /* Two live pools of one process cannot share a name: the second is refused and the first's
@@ -467,6 +472,42 @@ static void test_kv_cache_section(void) {
     CHECK(shm_open(name, O_RDONLY, 0) < 0);
 }
 
+/* The KV section of a segment read now: total_blocks of the cache publishing there, 0 if
+ * none is. */
+static uint64_t published_kv_blocks(kva_pool *pool) {
+    REQUIRE(kva_stats_publish(pool) == KVA_OK);
+    mapped m;
+    REQUIRE(map_segment(kva_stats_segment_name(pool), &m));
+    unsigned char *buf = malloc(m.size);
+    REQUIRE(buf && snapshot(&m, buf, 100));
+    uint64_t len;
+    const kva_shm_kv *k = section(buf, m.size, KVA_SHM_SECTION_KV, &len);
+    REQUIRE(k);
+    uint64_t blocks = k->present ? k->total_blocks : 0;
+    free(buf);
+    unmap_segment(&m);
+    return blocks;
+}
+
+/* Two caches on one named pool: the first keeps the segment's one KV section while the second
+ * comes and goes; once the first is gone, the section says no cache. */
+static void test_two_caches_on_one_pool(void) {
+    kva_pool *pool = make_named("two-caches", 0);
+    kva_kv_config cfg;
+    kva_kv_config_init(&cfg);
+    cfg.layers = 2, cfg.kv_heads = 2, cfg.head_dim = 64, cfg.block_tokens = 16, cfg.num_blocks = 64;
+    kva_kv *first, *second;
+    REQUIRE(kva_kv_create(&cfg, pool, &first) == KVA_OK);
+    cfg.num_blocks = 32;
+    REQUIRE(kva_kv_create(&cfg, pool, &second) == KVA_OK);
+    CHECK(published_kv_blocks(pool) == 64);
+    kva_kv_destroy(second);
+    CHECK(published_kv_blocks(pool) == 64); /* the second's destroy left the first's section */
+    kva_kv_destroy(first);
+    CHECK(published_kv_blocks(pool) == 0);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
     test_layout_and_content();
     test_trace_mode();
@@ -475,6 +516,7 @@ int main(void) {
     test_forked_child_of_the_writer();
     test_names_are_unique();
     test_kv_cache_section();
+    test_two_caches_on_one_pool();
     test_reader_races_writer();
     return CHECK_DONE();
 }
