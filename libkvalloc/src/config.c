@@ -6,7 +6,7 @@
 #include "config.h"
 
 #define MIN_BLOCK_LOW ((size_t)256)
-#define MIN_BLOCK_HIGH ((size_t)1 << 30)
+#define MIN_BLOCK_HIGH CHUNK_HIGH /* a slab is at least one block, and at most CHUNK_HIGH */
 #define CHUNK_LOW ((size_t)64 << 10)
 #define CHUNK_HIGH ((size_t)64 << 20) /* slab offsets stay below 2^32 (kva_div_exact) */
 #define DEFAULT_CHUNK ((size_t)2 << 20)

@@ -347,6 +347,21 @@ static void test_config_variants(void) {
     CHECK(st.page_kind == KVA_PAGE_KIND_THP && st.page_size == (size_t)2 << 20);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
+
+    /* The largest min_block: the automatic slab is one block. */
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)256 << 20;
+    cfg.min_block = (size_t)64 << 20;
+    cfg.pages = KVA_PAGES_SMALL;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 64, &small), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 70000, &large), KVA_OK);
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.min_block == (size_t)64 << 20 && st.slab_chunk == (size_t)64 << 20);
+    CHECK_STATUS(kva_free(pool, small), KVA_OK);
+    CHECK_STATUS(kva_free(pool, large), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
 }
 
 int main(void) {

@@ -58,7 +58,7 @@ static void test_bad_configs(void) {
     CHECK_STATUS(kva_kv_block_bytes(&base, NULL), KVA_ERR_INVALID);
     CHECK(bytes == 7);
 
-    for (int field = 0; field < 17; field++) {
+    for (int field = 0; field < 18; field++) {
         kva_kv_config cfg = base;
         kva_status expect = KVA_ERR_INVALID;
         switch (field) {
@@ -83,6 +83,11 @@ static void test_bad_configs(void) {
             cfg.max_context = 1 << 20;
             expect = KVA_ERR_NOMEM;
             break;
+        case 17: /* 7 blocks of 2^61 bytes: no overflow, but more than any pool holds */
+            cfg.layers = cfg.kv_heads = 1u << 20;
+            cfg.head_dim = 1u << 17;
+            cfg.num_blocks = 7;
+            break;
         }
         kv = SENTINEL_KV;
         kva_status got = kva_kv_create(&cfg, NULL, &kv);
@@ -90,6 +95,7 @@ static void test_bad_configs(void) {
         CHECK(got == expect);
         CHECK(kv == SENTINEL_KV);
         CHECK(kva_last_error()[0] != '\0');
+        CHECK(strstr(kva_last_error(), "min_block") == NULL); /* not a field the caller set */
         if (field <= 6 || field == 12) {
             bytes = 7;
             CHECK_STATUS(kva_kv_block_bytes(&cfg, &bytes), KVA_ERR_INVALID);
