@@ -25,13 +25,14 @@ from typing import Any
 
 from . import _ffi
 from .errors import InvalidArgument, PoolClosedError
-from .pool import Pool, _returned_address, _size_arg
+from .pool import _SIZE_MAX, Pool, _returned_address, _size_arg
 
 __all__ = ["VarPool", "VarStats", "POLICIES"]
 
 # Policy names as Python spells them, to kva_var_policy.
 POLICIES = {"tlsf": 0, "first": 1, "best": 2, "worst": 3}
 _POLICY_NAMES = {value: name for name, value in POLICIES.items()}
+_REDZONE = 16  # bytes of each red zone a checked pool puts around an allocation (kva_config.checked)
 
 
 @dataclass(frozen=True)
@@ -81,11 +82,15 @@ class VarPool:
         config.capacity = _size_arg("capacity", capacity)
         config.alignment = _size_arg("alignment", alignment)
         config.policy = POLICIES[policy]
-        # The backing pool's largest block must hold the whole range: the next power of two.
-        # Only the range is ever touched, so with THP or small pages the rest is address space.
+        # The backing pool's largest block must hold the whole range (and a checked pool's two
+        # red zones around it): the next power of two. Only the range is ever touched, so with
+        # THP or small pages the rest is address space.
+        need = config.capacity + (2 * _REDZONE if pool_options.get("checked") else 0)
         backing = 1 << 20
-        while backing < config.capacity:
+        while backing < need:
             backing <<= 1
+        if backing > _SIZE_MAX:
+            raise InvalidArgument(f"capacity {config.capacity} is more than a pool can hold")
         pool_options.setdefault("pages", "thp")
         pool = Pool(backing, **pool_options)
         handle = c_void_p()

@@ -112,8 +112,8 @@ typedef enum kva_numa_policy {
 typedef struct kva_config {
     size_t capacity;     /* bytes managed. Not rounded up; a tail smaller than min_block is
                             left unused. Default 64 MiB. */
-    size_t min_block;    /* smallest buddy block, a power of two in [256 B, 1 GiB].
-                            Default 4 KiB. */
+    size_t min_block;    /* smallest buddy block, a power of two in [256 B, 64 MiB] (a slab
+                            is at least one block). Default 4 KiB. */
     size_t slab_chunk;   /* bytes of one slab, taken from the buddy: a power of two in
                             [64 KiB, 64 MiB] and at least min_block. Default 0: automatic,
                             2 MiB, or less in a pool under 64 MiB (capacity / 32, at least
@@ -222,8 +222,9 @@ KVA_API kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, vo
 /* A contiguous range of size bytes rounded up only to min_block (not to a power of two): the
  * buddy block that holds it is split and the unused tail is free at once (Linux's
  * alloc_pages_exact). For large regions whose size is not a power of two, such as one layer of a
- * KV cache. The start is aligned to the power of two above size. Freed with kva_free; its usable
- * size is the rounded size. Errors as kva_alloc. */
+ * KV cache. The start is aligned to the power of two above size (in a checked pool, 16 B past
+ * that: the red zone comes first). Freed with kva_free; its usable size is the rounded size.
+ * Errors as kva_alloc. */
 KVA_API kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out);
 
 /* Frees an allocation; no size is needed. Errors: KVA_ERR_INVALID (NULL pool or ptr),
@@ -427,7 +428,9 @@ typedef struct kva_kv_config {
     const char *name;        /* the name of the pool the cache creates (NULL: anonymous). A
                                 named cache publishes its pool's statistics and its own (block
                                 states, hits, evictions) for kvalloc top; with a pool given, that
-                                pool's name counts and this must be NULL */
+                                pool's name counts and this must be NULL. A segment has one KV
+                                section: of several caches on one named pool, the first created
+                                publishes there until it is destroyed, the others do not */
     int trace;               /* the created pool's trace setting (kva_config.trace) */
 } kva_kv_config;
 
@@ -632,7 +635,9 @@ typedef struct kva_kv_stats {
     uint64_t allocations, frees, appends;
     uint64_t moves, moved_bytes; /* contiguous mode: bucket changes; paged mode: compaction
                                     moves (kva_kv_compact); and the bytes to copy */
-    uint64_t alloc_failures;    /* calls that returned KVA_ERR_NOMEM */
+    uint64_t alloc_failures;    /* calls that returned KVA_ERR_NOMEM for want of blocks or
+                                   memory (not kva_kv_compact's sizing answer, which is no
+                                   failure) */
     uint64_t rejected_calls;    /* calls that returned KVA_ERR_INVALID or KVA_ERR_DOUBLE_FREE */
     size_t bytes_in_use;        /* KV bytes held by sequences (paged: used blocks) */
     size_t block_metadata_bytes; /* host bytes of per-block metadata: records, prefix table, LRU segments in use */
@@ -716,7 +721,8 @@ KVA_API void kva_var_config_init(kva_var_config *cfg);
  * backing NULL it creates a host pool for itself (of the next power of two above the capacity;
  * the tail is never touched) and destroys it with the variable-size pool. Host metadata: 16 B
  * per alignment unit of address space, resident only where ranges start. Errors: KVA_ERR_INVALID
- * (config), KVA_ERR_NOMEM (the backing pool cannot hold the capacity, or host memory),
+ * (config; or an alignment above 16 over a checked backing pool, whose allocations start 16 B
+ * past a red zone), KVA_ERR_NOMEM (the backing pool cannot hold the capacity, or host memory),
  * KVA_ERR_BACKEND. */
 KVA_API kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var **out);
 

@@ -324,7 +324,15 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     }
     void *base;
     st = kva_alloc_exact(v->pool, bytes, &base);
+    if (st == KVA_ERR_INVALID) /* the request is valid; the pool's largest block is too small */
+        st = kva_fail(KVA_ERR_NOMEM, "the backing pool cannot hold %zu bytes in one range", bytes);
     if (st != KVA_OK) goto fail_pool;
+    if ((uintptr_t)base & v->align_mask) { /* a checked pool: 16 B past its red zone */
+        kva_free(v->pool, base);
+        st = kva_fail(KVA_ERR_INVALID, "the backing pool aligns ranges to less than %zu bytes (a checked pool: 16)",
+                      cfg->alignment);
+        goto fail_pool;
+    }
     v->base = base;
 
     v->head = v->tail = KVA_NIL;

@@ -210,10 +210,35 @@ static void test_backing_pool(void) {
     CHECK(kva_usable_size(pool, base) == (size_t)5 << 20);
     cfg.capacity = (size_t)32 << 20;
     kva_var *too_big = NULL;
-    CHECK(kva_var_create(&cfg, pool, &too_big) != KVA_OK && too_big == NULL);
+    CHECK_STATUS(kva_var_create(&cfg, pool, &too_big), KVA_ERR_NOMEM); /* more than the pool */
+    CHECK(too_big == NULL);
+    CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
+    CHECK(ps.bytes_in_use == (size_t)5 << 20);
     kva_var_destroy(v);
     CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
     CHECK(ps.bytes_in_use == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+
+    /* A checked pool's allocations start 16 B past a red zone: larger alignments are refused,
+     * with the pool as it was; 16 works. */
+    pc.checked = 1;
+    pc.pages = KVA_PAGES_SMALL;
+    CHECK_STATUS(kva_pool_create(&pc, &pool), KVA_OK);
+    cfg.capacity = (size_t)1 << 20;
+    kva_var *misaligned = NULL;
+    CHECK_STATUS(kva_var_create(&cfg, pool, &misaligned), KVA_ERR_INVALID);
+    CHECK(misaligned == NULL);
+    CHECK_STATUS(kva_get_stats(pool, &ps), KVA_OK);
+    CHECK(ps.bytes_in_use == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    cfg.alignment = 16;
+    CHECK_STATUS(kva_var_create(&cfg, pool, &v), KVA_OK);
+    for (int i = 0; i < 8; i++) {
+        CHECK_STATUS(kva_var_alloc(v, 1000 + 7 * i, &p), KVA_OK);
+        CHECK((uintptr_t)p % 16 == 0);
+    }
+    kva_var_destroy(v);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
 }

@@ -91,6 +91,21 @@ def test_bad_config():
         VarPool(1 * MiB, alignment=300)
     with pytest.raises(pykvalloc.InvalidArgument):
         VarPool(100)
+    with pytest.raises(pykvalloc.InvalidArgument, match="capacity 9223372036854775809"):
+        VarPool(2**63 + 1)   # the message names what the caller gave
+
+
+def test_over_a_checked_pool():
+    # A checked pool's allocations start 16 B past a red zone: alignments above 16 are refused,
+    # and 16 works, at exactly a power-of-two capacity too (the red zones need room beyond it).
+    with pytest.raises(pykvalloc.InvalidArgument, match="checked"):
+        VarPool(1 * MiB, checked=True, pages="small")
+    with VarPool(1 * MiB, alignment=16, checked=True, pages="small") as var:
+        addresses = [var.alloc(1000 + 7 * i) for i in range(8)]
+        assert all(address % 16 == 0 for address in addresses)
+        for address in addresses:
+            var.free(address)
+        var.check()
 
 
 def test_alignment_and_backing_options():
