@@ -98,16 +98,16 @@ void kv_publish_attach(kva_kv *kv) {
     void *base;
     if (kv->memory && kva_pool_base(kv->pool, &base) == KVA_OK)
         kv->memory_offset = (uint64_t)(kv->memory - (unsigned char *)base);
-    kv->publishing = 1;
     kva_kv_publisher publisher = {.publish = publish_cb, .ctx = kv};
-    kva_pool_attach_kv(kv->pool, &publisher);
+    if (!kva_pool_attach_kv(kv->pool, &publisher)) return; /* another cache's section */
+    kv->publishing = 1;
     /* The cache is not shared yet: its lock is free, and the hook takes it. */
     kva_stats_publish(kv->pool);
 }
 
 void kv_publish_detach(kva_kv *kv) {
     if (!kv->publishing) return;
-    kva_pool_attach_kv(kv->pool, NULL);
+    kva_pool_detach_kv(kv->pool, kv);
     kv->publishing = 0;
     if (!kv->owns_pool) kva_stats_publish(kv->pool); /* the pool lives on: say the cache is gone */
 }

@@ -175,10 +175,17 @@ void kva_publish_tick(kva_pool *pool) {
     if (pool->segment && kva_segment_tick(pool->segment)) kva_publish_due(pool);
 }
 
-void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
+int kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
     pthread_mutex_lock(&pool->publish_lock);
-    if (publisher) pool->kv_publisher = *publisher;
-    else memset(&pool->kv_publisher, 0, sizeof pool->kv_publisher);
+    int free_section = pool->kv_publisher.publish == NULL;
+    if (free_section) pool->kv_publisher = *publisher;
+    pthread_mutex_unlock(&pool->publish_lock);
+    return free_section;
+}
+
+void kva_pool_detach_kv(kva_pool *pool, const void *ctx) {
+    pthread_mutex_lock(&pool->publish_lock);
+    if (pool->kv_publisher.ctx == ctx) memset(&pool->kv_publisher, 0, sizeof pool->kv_publisher);
     pthread_mutex_unlock(&pool->publish_lock);
 }
 

@@ -17,8 +17,11 @@ typedef struct kva_kv_publisher {
     void *ctx;
 } kva_kv_publisher;
 
-/* Attaches (or with NULL detaches) the KV manager's publisher. */
-void kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
+/* Attaches a KV cache's publisher: 1, or 0 when another cache's is attached (the segment has
+ * one KV section; the first cache keeps it). */
+int kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
+/* Detaches the publisher whose ctx is `ctx`, if it is the one attached. */
+void kva_pool_detach_kv(kva_pool *pool, const void *ctx);
 
 /* Writes the pool's segment under the sequence lock: the cheap sections always, the heap map and
  * slab strips too when full is set. */
