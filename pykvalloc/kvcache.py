@@ -407,7 +407,11 @@ class KVCache:
 
     def block_address(self, block: int, layer: int, kind: str | int = "K") -> int:
         """The address of the K (``kind="K"``) or V part of one layer of one block."""
-        part = {"k": 0, "v": 1, 0: 0, 1: 1}.get(kind.lower() if isinstance(kind, str) else kind)
+        part = None
+        if isinstance(kind, str):
+            part = {"k": 0, "v": 1}.get(kind.lower())
+        elif isinstance(kind, (int, np.integer)) and not isinstance(kind, bool) and kind in (0, 1):
+            part = int(kind)
         if part is None:
             raise InvalidArgument(f"kind must be 'K' or 'V', not {kind!r}")
         out = c_void_p()

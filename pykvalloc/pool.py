@@ -51,6 +51,7 @@ from . import _ffi
 from .errors import (
     AllocationFreedError,
     AllocationInUseError,
+    CorruptionError,
     DoubleFree,
     InvalidArgument,
     InvalidPointer,
@@ -561,7 +562,9 @@ class Pool:
         """Returns the allocation's memory to the pool.
 
         DoubleFree if it was already freed, InvalidPointer if it belongs to another pool,
-        AllocationInUseError while numpy views of it are alive.
+        AllocationInUseError while numpy views of it are alive. In a checked pool,
+        CorruptionError if a red zone around it was overwritten: the memory is freed all the
+        same, and so is the allocation.
         """
         with self._lock:
             handle = self._open_handle()
@@ -570,7 +573,11 @@ class Pool:
                 raise AllocationInUseError(
                     f"{allocation!r} still has {allocation._views} numpy view(s) alive; "
                     "delete them before freeing it")
-            self._lib.kva_free(handle, allocation._address)
+            try:
+                self._lib.kva_free(handle, allocation._address)
+            except CorruptionError:
+                allocation._live = False  # freed in C: the address may be the next one's
+                raise
             allocation._live = False
 
     def usable_size(self, allocation: Allocation) -> int:

@@ -319,3 +319,15 @@ def test_a_checked_pool_reports_writes_after_free_and_past_the_end():
         with pytest.raises(pykvalloc.CorruptionError, match="past its end"):
             pool.free(b)
         pool.check()
+        # Freed all the same: the allocation is gone too, so that it can neither be freed
+        # again nor viewed over whatever takes its place next.
+        assert b.freed
+        c = pool.alloc(100)
+        assert c.address == b.address
+        with pytest.raises(pykvalloc.DoubleFree):
+            pool.free(b)
+        with pytest.raises(pykvalloc.AllocationFreedError):
+            b.view()
+        assert not c.freed
+        pool.free(c)
+        pool.check()

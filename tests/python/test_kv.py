@@ -288,6 +288,10 @@ def test_bad_calls_change_nothing() -> None:
         refused(pykvalloc.InvalidArgument, cache.block_address, 8, 0, "K")
         refused(pykvalloc.InvalidArgument, cache.block_address, 0, 3, "K")
         refused(pykvalloc.InvalidArgument, cache.block_address, 0, 0, "Q")
+        refused(pykvalloc.InvalidArgument, cache.block_address, 0, 0, [1])   # not a kind at all
+        refused(pykvalloc.InvalidArgument, cache.block_address, 0, 0, True)  # not 1 in disguise
+        refused(pykvalloc.InvalidArgument, cache.block_address, 0, 0, 2)
+        assert cache.block_address(0, 0, np.int64(1)) == cache.block_address(0, 0, "v")
         with pytest.raises(pykvalloc.InvalidArgument):
             gone.block_table
         with pytest.raises(TypeError):
