@@ -1,4 +1,4 @@
-# Installs the header, both libraries, a pkg-config file and a CMake package so that an engine can
+# Installs the headers, both libraries, a pkg-config file and a CMake package so that an engine can
 # `find_package(kvalloc)` and link `kvalloc::kvalloc`, or use `pkg-config --libs kvalloc`.
 include(CMakePackageConfigHelpers)
 
@@ -6,7 +6,7 @@ install(TARGETS kvalloc kvalloc_static EXPORT kvallocTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(FILES libkvalloc/include/kvalloc.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES libkvalloc/include/kvalloc.h libkvalloc/include/kvalloc_stats.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT kvallocTargets NAMESPACE kvalloc:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
 
 configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/kvallocConfig.cmake.in
@@ -18,5 +18,6 @@ install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfig.cmake
               ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfigVersion.cmake
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
 
-configure_file(${CMAKE_CURRENT_LIST_DIR}/kvalloc.pc.in ${CMAKE_CURRENT_BINARY_DIR}/kvalloc.pc @ONLY)
+include(${CMAKE_CURRENT_LIST_DIR}/kvalloc_pc.cmake)
+kvalloc_write_pc(${CMAKE_CURRENT_BINARY_DIR}/kvalloc.pc ${CMAKE_INSTALL_PREFIX} ${CMAKE_INSTALL_LIBDIR} ${CMAKE_INSTALL_INCLUDEDIR} ${PROJECT_VERSION})
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvalloc.pc DESTINATION ${CMAKE_INSTALL_LIBDIR}/pkgconfig)

@@ -9,9 +9,19 @@ endif()
 
 set(consumer ${WORK_DIR}/consumer)
 file(MAKE_DIRECTORY ${consumer})
+# The consumer includes both public headers, and defines functions with the names of library
+# internals (kv_evict, kv_take): an engine's own names must never be linked into the library's
+# calls, nor clash with them, the static library included.
 file(WRITE ${consumer}/main.c [=[
 #include <kvalloc.h>
+#include <kvalloc_stats.h>
+#include <stdint.h>
 #include <stdio.h>
+static int engine_calls;
+uint32_t kv_evict(void *kv, uint32_t n);
+uint32_t kv_evict(void *kv, uint32_t n) { (void)kv; engine_calls++; return n + 1000; }
+int kv_take(void);
+int kv_take(void) { return ++engine_calls; }
 int main(void) {
     kva_config cfg;
     kva_config_init(&cfg);
@@ -22,8 +32,24 @@ int main(void) {
     if (st == KVA_OK) st = kva_free(pool, p);
     if (st == KVA_OK) st = kva_check(pool);
     kva_pool_destroy(pool);
-    printf("consumer: %s\n", kva_strerror(st));
-    return st == KVA_OK ? 0 : 1;
+    kva_kv_config kc;
+    kva_kv_config_init(&kc);
+    kc.layers = 2, kc.kv_heads = 2, kc.head_dim = 64, kc.num_blocks = 64;
+    kva_kv *kv;
+    uint64_t key = 7;
+    kva_kv_seq seq;
+    uint32_t evicted = 0;
+    if (st == KVA_OK) st = kva_kv_create(&kc, NULL, &kv);
+    if (st == KVA_OK) {
+        st = kva_kv_seq_allocate(kv, kc.block_tokens, &key, 1, NULL, 0, 0, 0, &seq, NULL);
+        if (st == KVA_OK) st = kva_kv_seq_free(kv, seq); /* its block stays cached */
+        if (st == KVA_OK) st = kva_kv_evict(kv, 1, &evicted);
+        kva_kv_destroy(kv);
+    }
+    int ok = st == KVA_OK && evicted == 1 && engine_calls == 0 && KVA_SHM_ABI_MAJOR >= 1;
+    printf("consumer: %s, evicted %u, engine's functions called %d times\n", kva_strerror(st), evicted,
+           engine_calls);
+    return ok ? 0 : 1;
 }
 ]=])
 file(WRITE ${consumer}/CMakeLists.txt [=[
@@ -74,3 +100,54 @@ endif()
   if(rc)
     message(FATAL_ERROR "pkg-config consumer failed")
   endif()
+
+# pkg-config where GNUInstallDirs puts libraries on Debian with prefix /usr: lib/<multiarch>, one
+# level deeper than the build's. The .pc file must find its prefix from there.
+include(${SOURCE_DIR}/cmake/kvalloc_pc.cmake)
+set(deep ${WORK_DIR}/deep)
+set(deep_libdir lib/x86_64-linux-gnu)
+kvalloc_write_pc(${deep}/${deep_libdir}/pkgconfig/kvalloc.pc /usr ${deep_libdir} include 0)
+file(COPY ${prefix}/include/ DESTINATION ${deep}/include)
+file(GLOB libs ${prefix}/lib*/libkvalloc*)
+file(COPY ${libs} DESTINATION ${deep}/${deep_libdir})
+set(ENV{PKG_CONFIG_PATH} ${deep}/${deep_libdir}/pkgconfig)
+execute_process(COMMAND ${PKG_CONFIG} --cflags --libs kvalloc OUTPUT_VARIABLE flags
+                OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "pkg-config does not know the deep kvalloc.pc")
+endif()
+separate_arguments(flags UNIX_COMMAND "${flags}")
+execute_process(COMMAND cc ${consumer}/main.c ${flags} -Wl,-rpath,${deep}/${deep_libdir} -o ${consumer}/deep_consumer
+                RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "pkg-config consumer of the deep layout failed to build (flags: ${flags})")
+endif()
+execute_process(COMMAND ${consumer}/deep_consumer RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "pkg-config consumer of the deep layout failed")
+endif()
+
+# Both installed libraries define only the API as global symbols: every one is a kva_ name.
+find_program(NM nm REQUIRED)
+foreach(lib ${libs})
+  if(lib MATCHES "\\.a$")
+    execute_process(COMMAND ${NM} -g --defined-only ${lib} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+  elseif(NOT IS_SYMLINK ${lib})
+    execute_process(COMMAND ${NM} -D --defined-only ${lib} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
+  else()
+    continue()
+  endif()
+  if(rc)
+    message(FATAL_ERROR "nm ${lib} failed")
+  endif()
+  string(REGEX MATCHALL "[0-9a-f]+ [A-Za-z] [^\n]+" entries "${symbols}")
+  list(LENGTH entries count)
+  if(count LESS 40)
+    message(FATAL_ERROR "nm found only ${count} symbols in ${lib}")
+  endif()
+  foreach(entry ${entries})
+    if(NOT entry MATCHES " kva_[a-z0-9_]+$")
+      message(FATAL_ERROR "${lib} defines a global symbol outside the API: ${entry}")
+    endif()
+  endforeach()
+endforeach()
