@@ -245,11 +245,19 @@ kva_status kva_cuda_region_trim(kva_cuda_region *r) {
 
 size_t kva_cuda_region_mapped_bytes(const kva_cuda_region *r) { return (size_t)r->mapped << r->shift; }
 
-/* Unmaps every granule and frees the reservation (the context is current). */
+/* Unmaps every granule and frees the reservation: the region's end, so it goes on past every
+ * refusal. A granule the driver will not unmap still has its handle released (the driver frees
+ * the memory at its last unmap); the reservation is then freed if it can be. The first refusal
+ * stays in kva_last_error for a caller that looks. */
 static void release_all(kva_cuda_region *r) {
-    for (uint32_t g = 0; g < r->ngranules && r->mapped; g++)
-        if (r->granules[g].state != GRANULE_UNMAPPED) unmap_granule(r, g);
-    r->dev.driver->cuMemAddressFree(r->base, r->reserved);
+    const kva_cuda_driver *d = r->dev.driver;
+    for (uint32_t g = 0; g < r->ngranules && r->mapped; g++) {
+        kva_granule *gr = &r->granules[g];
+        if (gr->state == GRANULE_UNMAPPED || unmap_granule(r, g) == KVA_OK || gr->state == GRANULE_UNMAPPED)
+            continue;
+        d->cuMemRelease(gr->handle); /* unmap refused: the handle goes all the same */
+    }
+    d->cuMemAddressFree(r->base, r->reserved);
 }
 
 /* The reservation, the granule records and, for a resident region, every granule's memory. */
@@ -334,10 +342,11 @@ kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t a
 
 void kva_region_cuda_destroy(kva_region *region) {
     kva_cuda_region *r = region->device;
-    if (kva_cuda_enter(&r->dev) == KVA_OK) {
-        release_all(r);
-        kva_cuda_leave(&r->dev);
-    }
+    /* Without the context (a push refused, say at process teardown) the calls are made all the
+     * same: those that need none still give the memory back, the others fail harmlessly. */
+    int entered = kva_cuda_enter(&r->dev) == KVA_OK;
+    release_all(r);
+    if (entered) kva_cuda_leave(&r->dev);
     kva_os_unmap(r->granules, r->granules_bytes);
     kva_cuda_device_close(&r->dev);
     free(r);

@@ -591,6 +591,33 @@ static void test_introspection(void) {
     CHECK_NO_LEAKS();
 }
 
+/* Destroying a pool goes on past the driver's refusals, and gives back all the driver lets it:
+ * with the context push refused, everything (the calls it makes need no context); with one
+ * granule's unmap refused, every other granule, and that granule's handle, whose memory the
+ * driver frees at its last unmap; only that mapping and the reservation under it remain. */
+static void test_destroy_past_refusals(void) {
+    kva_pool *pool = cuda_pool(64 * MiB, 0, 0);
+    void *big;
+    CHECK_STATUS(kva_alloc(pool, 8 * MiB, &big), KVA_OK);
+    CHECK(fake.mappings() == 8 * MiB / granule);
+    fake.fail("cuCtxPushCurrent_v2", 1, CUDA_ERROR_INVALID_CONTEXT);
+    kva_pool_destroy(pool);
+    fake.disarm();
+    CHECK(strcmp(fake.last_fired(), "cuCtxPushCurrent_v2") == 0);
+    CHECK_NO_LEAKS();
+
+    pool = cuda_pool(64 * MiB, 0, 0);
+    CHECK_STATUS(kva_alloc(pool, 8 * MiB, &big), KVA_OK);
+    fake.fail("cuMemUnmap", 2, CUDA_ERROR_UNKNOWN);
+    kva_pool_destroy(pool);
+    fake.disarm();
+    CHECK(strcmp(fake.last_fired(), "cuMemUnmap") == 0);
+    CHECK(fake.mappings() == 1 && fake.live_handles() == 0 && fake.reservations() == 1);
+    CHECK(fake.used_bytes() == granule && fake.retains(0) == 0 && fake.context_depth() == 0);
+    fake.reset(); /* what the driver would do when the process ends */
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s path/to/libfakecuda.so\n", argv[0]);
@@ -611,5 +638,6 @@ int main(int argc, char **argv) {
     test_pin();
     test_callers_context();
     test_introspection();
+    test_destroy_past_refusals();
     return CHECK_DONE();
 }
