@@ -148,7 +148,9 @@ typedef struct kva_config {
                               block, the free that passed it unmaps the least recently idle
                               granules down to it. 0 (default): only kva_trim unmaps. With
                               prefault everything stays mapped: prefault maps the whole capacity
-                              at creation for the pool's life */
+                              at creation for the pool's life. Set, a kva_free may unmap device
+                              memory at once: free only what no queued kernel still uses (as
+                              for kva_trim and kva_kv_trim, synchronize first) */
     int checked;         /* host, for debugging: every free byte of the pool holds a poison
                             pattern (the whole region is written at creation); an allocation
                             checks its memory is still poisoned and reports a write after free
@@ -247,7 +249,8 @@ KVA_API kva_status kva_thread_flush(kva_pool *pool);
 KVA_API size_t kva_usable_size(kva_pool *pool, const void *ptr);
 
 /* Returns every empty slab to the buddy, including the one spare each size class keeps; then,
- * in a CUDA pool, unmaps and releases every granule of device memory no live block touches.
+ * in a CUDA pool, unmaps and releases every granule of device memory no live block touches:
+ * kernels that may still use freed blocks must have finished (the device synchronized).
  * KVA_ERR_BACKEND if the driver refused to unmap (what it did unmap stays unmapped). */
 KVA_API kva_status kva_trim(kva_pool *pool);
 
