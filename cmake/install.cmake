@@ -13,7 +13,7 @@ configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/kvallocConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfig.cmake
   INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
 write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/kvallocConfigVersion.cmake
-  COMPATIBILITY SameMajorVersion)
+  COMPATIBILITY ${KVA_COMPATIBILITY})
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfig.cmake
               ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfigVersion.cmake
         DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
