@@ -206,7 +206,7 @@ KVA_API kva_status kva_pool_create(const kva_config *cfg, kva_pool **out);
 KVA_API void kva_pool_destroy(kva_pool *pool);
 
 /* Allocates size bytes. Sizes up to KVA_SLAB_MAX_SIZE come from slabs and are aligned to the
- * largest power of two dividing their size class (at least 16 B for sizes above 48 B, at
+ * largest power of two dividing their size class (at least 16 B for sizes above 56 B, at
  * least 4 B for all); larger sizes get a buddy block aligned to its own power-of-two size.
  * Errors: KVA_ERR_INVALID (NULL pool or out, size 0, size larger than the largest block this
  * pool can ever hold), KVA_ERR_NOMEM (fits in principle, not now). */

@@ -85,6 +85,21 @@ static void test_slab_alignment(void) {
         CHECK_STATUS(kva_alloc(pool, 48, &p), KVA_OK);
         CHECK((uintptr_t)p % 16 == 0);
     }
+    /* What kva_alloc's comment promises, for every slab size: the largest power of two dividing
+     * the class, at least 16 B above 56 B and at least 4 B for all. */
+    for (size_t size = 1; size <= KVA_SLAB_MAX_SIZE; size += size < 1024 ? 1 : 61) {
+        void *q[2]; /* two neighbours: where the class is not a multiple of 16, one of them is not */
+        for (int k = 0; k < 2; k++) {
+            CHECK_STATUS(kva_alloc(pool, size, &q[k]), KVA_OK);
+            size_t usable = kva_usable_size(pool, q[k]), promised = usable & -usable;
+            uintptr_t at = (uintptr_t)q[k];
+            if (at % promised != 0 || (size > 56 && at % 16 != 0) || at % 4 != 0) {
+                fprintf(stderr, "size %zu: %p is not aligned as promised\n", size, q[k]);
+                check_failures++;
+            }
+        }
+        for (int k = 0; k < 2; k++) CHECK_STATUS(kva_free(pool, q[k]), KVA_OK);
+    }
     size_t aligns[] = {16, 64, 256, 4096, 65536, 1 << 20};
     for (size_t i = 0; i < sizeof aligns / sizeof *aligns; i++) {
         void *p;
