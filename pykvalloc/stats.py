@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import math
 import mmap
 import os
@@ -199,6 +200,12 @@ _OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 # The pid in a segment's file name is the writer's; the pool name follows the library's rule.
 _FILE_RE = re.compile(r"kvalloc\.([0-9]{1,10})\.([A-Za-z0-9_.-]{1,63})\Z")
 
+# Linux pids are below the kernel's PID_MAX_LIMIT (2**22 on 64-bit, less on 32-bit), whatever
+# pid_max says. A file name or header may state any number up to 10 digits or 2**32 - 1 (another
+# pid namespace's writer, garbage): such a pid names no process here, and os.kill would raise
+# OverflowError past 2**31.
+_PID_LIMIT = 1 << 22
+
 # A process whose start is this much later than the pool's creation cannot have created it: its
 # pid was reused. The slack covers the kernel's start-time rounding (boot time in whole seconds).
 _PID_REUSE_SLACK_S = 2.0
@@ -252,11 +259,16 @@ class SegmentFile:
 
 
 def list_segments(directory: Path = SHM_DIR) -> list[SegmentFile]:
-    """Every file named like a segment in ``directory``, ordered by pid then pool name."""
+    """Every file named like a segment in ``directory``, ordered by pid then pool name. No
+    directory means no segments; one that cannot be listed (permission, not a directory) raises
+    ``SegmentUnreadable``."""
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    except OSError as exc:
+        raise SegmentUnreadable(f"cannot list the segments in {directory}: {exc.strerror}",
+                                path=str(directory)) from exc
     found = (SegmentFile.from_path(directory / name) for name in names)
     return sorted((f for f in found if f is not None), key=lambda f: (f.pid, f.name))
 
@@ -301,8 +313,9 @@ def open_segment(target: str, directory: Path = SHM_DIR) -> Segment:
 
 def writer_alive(pid: int, start_time_ns: int | None = None) -> bool:
     """Whether process ``pid`` runs and, given the pool's creation time, is old enough to have
-    created it (a younger process has only reused the pid of a dead writer)."""
-    if pid <= 0:
+    created it (a younger process has only reused the pid of a dead writer). A pid outside
+    (0, ``_PID_LIMIT``) names no process."""
+    if not 0 < pid < _PID_LIMIT:
         return False
     try:
         os.kill(pid, 0)
@@ -610,7 +623,7 @@ class Snapshot:
         kv = self._fixed(SECTION_KV, KV_DTYPE)
         self.kv: np.void | None = kv if kv is not None and kv["present"] else None
         self.trace_written = 0
-        self.trace: np.ndarray | None = self._trace()
+        self._ring: np.ndarray | None = self._trace_ring()
 
     # -- parsing, every offset checked before use ----------------------------------------------
 
@@ -721,17 +734,42 @@ class Snapshot:
             raise self._corrupt(f"the slabs section counts {count} slabs in room for {capacity}")
         return self._array(SECTION_SLABS, SLABS_DTYPE.itemsize, SLAB_DTYPE, capacity)[:count]
 
-    def _trace(self) -> np.ndarray | None:
+    def _trace_ring(self) -> np.ndarray | None:
+        """The trace ring as the writer stores it (record i at i % capacity), bounds-checked but
+        not reordered: ``trace_tail`` orders only the records asked for."""
         head = self._fixed(SECTION_TRACE, TRACE_DTYPE)
         if head is None:
             return None
         capacity, written = int(head["capacity"]), int(head["written"])
-        ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity, int(head["entry_size"]))
+        ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity,
+                           int(head["entry_size"]))
         self.trace_written = written
-        kept = min(written, capacity)
-        # Record i of the ring sits at i % capacity; oldest first.
-        order = (np.arange(written - kept, written, dtype=np.uint64) % max(capacity, 1))
-        return ring[order.astype(np.intp)]
+        return ring
+
+    @property
+    def has_trace(self) -> bool:
+        """Whether the writer publishes a trace ring (it may hold no record yet)."""
+        return self._ring is not None
+
+    def trace_tail(self, newest: int | None = None) -> np.ndarray | None:
+        """The newest ``newest`` records of the ring (all it holds when None), oldest first; None
+        when the writer publishes no ring. Only those records are copied: a ring may hold
+        hundreds of thousands, of which a screen shows a few."""
+        ring = self._ring
+        if ring is None:
+            return None
+        capacity = len(ring)
+        kept = min(self.trace_written, capacity)
+        if newest is not None:
+            kept = min(kept, max(0, newest))
+        # Record i of the ring sits at i % capacity.
+        order = np.arange(self.trace_written - kept, self.trace_written, dtype=np.uint64)
+        return ring[(order % np.uint64(max(capacity, 1))).astype(np.intp)]
+
+    @functools.cached_property
+    def trace(self) -> np.ndarray | None:
+        """The whole ring, oldest first (``trace_tail()``); None without one."""
+        return self.trace_tail()
 
     def _corrupt(self, why: str) -> CorruptSegment:
         return CorruptSegment(f"{self.path or 'segment'} is corrupt: {why}",
@@ -780,11 +818,11 @@ class Snapshot:
         or "free") calls; None without samples."""
         return None if self.latency is None else latency_percentiles(self.latency[kind], quantiles)
 
-    def latency_is_sampled(self) -> bool:
-        """Whether the histograms leave calls out: they time every call only in a pool created
-        with trace on, which the segment says in its capabilities."""
-        return not self.capabilities & CAP_TRACE_ALL
-
+    def calls_are_timed(self) -> bool:
+        """Whether the latency histograms count calls: the library times calls, every one of
+        them, only in a pool created with trace on (the segment says so in its capabilities);
+        otherwise it reads no clock and the histograms stay empty."""
+        return bool(self.capabilities & CAP_TRACE_ALL)
 
     @property
     def hit_rate(self) -> float | None:
@@ -799,11 +837,13 @@ class Snapshot:
             return np.zeros(0, np.uint8), np.zeros(0, np.uint8)
         return downsample_cells(self.cell_state, self.cell_fill, count)
 
-    def trace_records(self) -> Iterator[dict[str, Any]]:
-        """The recent-operations ring, oldest first, as plain dicts."""
-        if self.trace is None:
+    def trace_records(self, newest: int | None = None) -> Iterator[dict[str, Any]]:
+        """The recent-operations ring, oldest first, as plain dicts: its newest ``newest``
+        records, or all of them (see ``trace_tail``)."""
+        records = self.trace if newest is None else self.trace_tail(newest)
+        if records is None:
             return
-        for record in self.trace:
+        for record in records:
             offset = int(record["offset"])
             yield {"time_ns": int(record["time_ns"]), "op": OP_NAMES.get(int(record["op"]),
                                                                           str(int(record["op"]))),

@@ -156,8 +156,8 @@ def _latency_table(snap: Snapshot) -> Table | Text:
         cells = (["-"] * 3 if bounds is None else
                  [f"≤{render.format_ns(bounds[q])}" for q in (0.5, 0.99, 0.999)])
         table.add_row(kind, f"{snap.latency_samples(kind):,}", *cells)
-    if snap.latency_is_sampled():
-        table.caption = "sampled: only slow paths (the pool runs without trace)"
+    if not snap.calls_are_timed():
+        table.caption = render.UNTIMED_NOTE
         table.caption_justify = "left"
     return table
 

@@ -70,7 +70,8 @@ def test_tables_for_people(capsys, monkeypatch):
     out = capsys.readouterr().out
     for expected in (name, "Pool statistics", "Free buddy blocks per order", "unusable",
                      "heap map", "· free", "█ block", "Slab size classes in use", "64 B",
-                     "Call latency", "sampled: only slow paths", "no KV cache attached",
+                     "Call latency", "not timed: a pool times its calls only with trace on",
+                     "no KV cache attached",
                      "Recent operations (1 recorded", "out of memory",
                      "trace off: only failed and rejected calls"):
         assert expected in out, expected

@@ -19,8 +19,8 @@ from stats_writer import (
 from support import run_kvalloc
 
 import pykvalloc
-from pykvalloc.cli import main
-from pykvalloc.stats import SHM_DIR
+from pykvalloc.cli import ls, main
+from pykvalloc.stats import SHM_DIR, list_segments
 
 
 def listing(capsys, *options: str) -> dict:
@@ -175,6 +175,35 @@ def test_stray_files_are_listed_as_unreadable_beside_the_live_pools():
             stray["dir"].rmdir()
         stray["fifo"].unlink(missing_ok=True)
         stray["sparse"].unlink(missing_ok=True)
+
+
+def test_a_pid_no_process_can_have_is_a_dead_writer_not_a_crash(capsys, monkeypatch):
+    # The file name allows ten digits; past 2**31 os.kill raised OverflowError out of `ls`.
+    monkeypatch.setenv("COLUMNS", "200")
+    with prune_lock(exclusive=True), \
+            crafted_segment(segment_bytes(), pid=9_999_999_999) as segment, \
+            crafted_segment(b"\0" * 64, pid=2**32 - 1) as stray:
+        listed = listing(capsys)
+        entry = entry_for(listed, segment)
+        assert entry["pid"] == 9_999_999_999 and not entry["alive"] and entry["state"] == "dead"
+        entry = entry_for(listed, stray)
+        assert not entry["alive"] and entry["state"] == "unreadable"
+        assert main(["ls"]) == 0
+        assert "9999999999" in capsys.readouterr().out
+        assert set(listing(capsys, "--prune")["removed"]) >= {str(segment), str(stray)}
+        assert not segment.exists() and not stray.exists()
+
+
+def test_a_segment_directory_that_cannot_be_listed_is_a_clear_error(capsys, monkeypatch,
+                                                                   tmp_path):
+    not_a_directory = tmp_path / "shm"
+    not_a_directory.write_text("")
+    monkeypatch.setattr(ls, "list_segments", lambda: list_segments(not_a_directory))
+    assert main(["ls"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvalloc ls: SegmentUnreadable: cannot list the segments in "
+                          f"{not_a_directory}: Not a directory")
+    assert "Traceback" not in err
 
 
 def test_ls_help(capsys):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from stats_writer import unique_name
 
+from pykvalloc import stats
 from pykvalloc.cli import main, top
 
 
@@ -34,3 +35,14 @@ def test_no_live_pool_at_all(capsys, monkeypatch):
     monkeypatch.setattr(top, "list_segments", lambda: [])
     assert main(["top"]) == 1
     assert "no live pools" in capsys.readouterr().err
+
+
+def test_a_segment_directory_that_cannot_be_listed_is_a_clear_error(capsys, monkeypatch,
+                                                                   tmp_path):
+    not_a_directory = tmp_path / "shm"
+    not_a_directory.write_text("")
+    monkeypatch.setattr(top, "list_segments", lambda: stats.list_segments(not_a_directory))
+    assert main(["top"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvalloc top: SegmentUnreadable: cannot list the segments in ")
+    assert "Traceback" not in err

@@ -21,6 +21,7 @@ from pykvalloc.errors import (
     SegmentError,
     SegmentNotFound,
     SegmentRemoved,
+    SegmentUnreadable,
 )
 
 MiB = 1 << 20
@@ -93,7 +94,7 @@ def test_without_trace_only_failures_are_recorded(named_pool):
     assert records[0]["op"] == "alloc" and records[0]["status_name"] == "out of memory"
     assert records[0]["size"] == 15 * MiB and records[0]["offset"] is None
     assert records[0]["thread"] > 0
-    assert snap.latency_is_sampled()
+    assert not snap.calls_are_timed() and snap.latency_samples("alloc") == 0
 
 
 def test_a_writer_in_another_process(tmp_path):
@@ -117,7 +118,7 @@ def test_a_writer_in_another_process(tmp_path):
     # Trace on: every call was timed and recorded, the failures among them.
     calls = expected["alloc_count"] + expected["free_count"]
     assert snap.trace_written == calls + 2
-    assert not snap.latency_is_sampled()
+    assert snap.calls_are_timed()
     assert snap.latency_samples("alloc") == expected["alloc_count"] + 2
     assert snap.latency_samples("free") == expected["free_count"]
     p50, p99, p999 = snap.latency_percentiles("alloc").values()
@@ -202,6 +203,65 @@ def test_a_reused_pid_is_a_dead_writer(named_pool):
     with crafted_segment(bytes(data)) as path, stats.Segment(path) as segment:
         with pytest.raises(DeadWriter):
             segment.snapshot()
+
+
+@pytest.mark.parametrize("pid", [1 << 22, 2**31 - 1, 2**31, 2**32 - 1, 9_999_999_999])
+def test_a_pid_no_linux_process_can_have_is_a_dead_writer(named_pool, pid):
+    # A file name allows ten digits and the header's writer_pid is a u32: past 2**31 os.kill
+    # raised OverflowError, which `kvalloc ls` and `top` did not expect.
+    assert not stats.writer_alive(pid)
+    named_pool.publish()
+    with stats.Segment.for_pool(named_pool) as segment:
+        data = bytearray(segment.snapshot().data)
+    header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
+    header["capabilities"] &= ~np.uint64(stats.CAP_LIVENESS_LOCK)  # the pid is all there is
+    if pid < 2**32:
+        header["writer_pid"] = pid
+        with crafted_segment(bytes(data)) as path, stats.Segment(path) as segment:
+            with pytest.raises(DeadWriter, match=f"process {pid}"):
+                segment.snapshot()
+    with crafted_segment(bytes(data), pid=pid) as path:
+        found = stats.SegmentFile.from_path(path)
+        assert found is not None and found.pid == pid and not found.process_alive()
+        assert found in stats.list_segments()
+    with crafted_segment(b"\0" * 64, pid=pid) as path:  # not a segment: its name is all there is
+        assert not stats.SegmentFile.from_path(path).process_alive()
+
+
+def test_a_segment_directory_that_cannot_be_listed_is_a_segment_error(tmp_path):
+    assert stats.list_segments(tmp_path / "absent") == []  # no directory: no segments
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("")
+    with pytest.raises(SegmentUnreadable, match=f"cannot list the segments in {not_a_directory}"):
+        stats.list_segments(not_a_directory)
+    if os.geteuid() != 0:  # root lists any directory
+        closed = tmp_path / "closed"
+        closed.mkdir(mode=0)
+        with pytest.raises(SegmentUnreadable, match="Permission denied"):
+            stats.list_segments(closed)
+
+
+def test_the_newest_trace_records_are_read_without_the_rest_of_the_ring(named_pool):
+    # A ring of 5 records that has wrapped: 12 written, the newest (11) at index 11 % 5 = 1.
+    named_pool.publish()
+    with stats.Segment.for_pool(named_pool) as segment:
+        data = bytearray(segment.snapshot().data)
+    snap = stats.Snapshot(bytes(data))
+    at, size = snap._sections[stats.SECTION_TRACE]
+    capacity, written = 5, 12
+    head = np.frombuffer(data, stats.TRACE_DTYPE, count=1, offset=at)
+    assert size >= stats.TRACE_DTYPE.itemsize + capacity * stats.RECORD_DTYPE.itemsize
+    head["capacity"], head["written"] = capacity, written
+    ring = np.frombuffer(data, stats.RECORD_DTYPE, count=capacity,
+                         offset=at + stats.TRACE_DTYPE.itemsize)
+    for index in range(written - capacity, written):
+        ring[index % capacity]["size"] = index
+    snap = stats.Snapshot(bytes(data))
+    assert snap.has_trace and snap.trace_written == written
+    assert [r["size"] for r in snap.trace_records()] == [7, 8, 9, 10, 11]
+    assert [r["size"] for r in snap.trace_records(newest=2)] == [10, 11]
+    assert list(snap.trace_tail(3)["size"]) == [9, 10, 11]
+    assert len(snap.trace_tail(0)) == 0 and len(snap.trace_tail(99)) == capacity
 
 
 def test_a_destroyed_pool_and_an_exited_process_say_so():

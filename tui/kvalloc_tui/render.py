@@ -6,6 +6,7 @@ Plain functions of a ``pykvalloc.stats.Snapshot`` and the room available; no Tex
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable
 
@@ -69,9 +70,16 @@ def heap_legend(snap: Snapshot, cells_shown: int) -> Text:
     return text
 
 
+def unit(value: float) -> float:
+    """``value`` clamped to [0, 1] for drawing, NaN as 0. A segment's figures come from another
+    process and may be anything (an infinite fragmentation, more used blocks than blocks): a
+    bar or a glyph is sized from this, never from the raw figure."""
+    return 0.0 if math.isnan(value) else max(0.0, min(1.0, value))
+
+
 def bar(fraction: float, width: int, style: str = BAR_STYLE) -> Text:
     """A horizontal bar ``width`` wide, filled to ``fraction`` in eighths of a cell."""
-    eighths = round(max(0.0, min(1.0, fraction)) * width * 8)
+    eighths = round(unit(fraction) * width * 8)
     full, part = divmod(eighths, 8)
     body = "█" * full + ("" if part == 0 else " ▏▎▍▌▋▊▉"[part])
     return Text(body.ljust(width), style, no_wrap=True)
@@ -148,8 +156,7 @@ def sparkline(values: Iterable[float], width: int, style: str = BAR_STYLE) -> Te
     """The latest ``width`` values in [0, 1] as one row of eighth blocks, on an absolute scale
     (a flat 40 % stays at 40 %), right-aligned so the newest is at the right edge."""
     recent = list(values)[-width:] if width > 0 else []
-    glyphs = "".join(SPARK_GLYPHS[max(1, min(8, round(v * 8)))] if v > 0 else SPARK_GLYPHS[1]
-                     for v in recent)
+    glyphs = "".join(SPARK_GLYPHS[max(1, round(unit(v) * 8))] for v in recent)
     return Text(glyphs.rjust(max(0, width)), style, no_wrap=True)
 
 
@@ -249,15 +256,18 @@ def class_lines(snap: Snapshot, width: int) -> list[Text]:
     return lines
 
 
+UNTIMED_NOTE = "not timed: a pool times its calls only with trace on"
+
+
 def latency_lines(snap: Snapshot) -> list[Text]:
     """p50/p99/p999 of alloc and free calls as the upper bounds of their log2 buckets. A pool
-    without trace times only its slow paths, which the first column and a last line say."""
-    sampled = snap.latency_is_sampled()
-    note = Text("sampled: only slow paths (pool without trace)", "dim italic", no_wrap=True)
+    without trace reads no clock, so its histograms stay empty: a line says why."""
+    if not snap.calls_are_timed():
+        return [Text("latency  -", "dim", no_wrap=True),
+                Text(UNTIMED_NOTE, "dim italic", no_wrap=True)]
     if snap.latency_samples("alloc") + snap.latency_samples("free") == 0:
-        return [Text("latency  no samples", "dim", no_wrap=True), note]
-    lines = [Text(f"{'sampled' if sampled else 'latency':<7}{'p50':>10}{'p99':>10}{'p999':>10}",
-                  "bold", no_wrap=True)]
+        return [Text("latency  no calls timed yet", "dim", no_wrap=True)]
+    lines = [Text(f"{'latency':<7}{'p50':>10}{'p99':>10}{'p999':>10}", "bold", no_wrap=True)]
     for kind in ("alloc", "free"):
         bounds = snap.latency_percentiles(kind)
         line = Text(f"{kind:<7}", "bold", no_wrap=True, overflow="crop")
@@ -267,8 +277,6 @@ def latency_lines(snap: Snapshot) -> list[Text]:
             for q in (0.5, 0.99, 0.999):
                 line.append(f"{'≤' + format_ns(bounds[q]):>10}")
         lines.append(line)
-    if sampled:
-        lines.append(note)
     return lines
 
 
@@ -284,8 +292,10 @@ def kv_lines(snap: Snapshot, width: int) -> list[Text]:
     state_bar = Text(no_wrap=True, overflow="crop")
     bar_width = max(4, width)
     for count, style in ((used, used_style), (cached, cached_style)):
-        state_bar.append("█" * (round(bar_width * count / total) if total else 0), style)
-    state_bar.append(FREE_GLYPH * max(0, bar_width - len(state_bar)), CELL_STYLES[stats.CELL_FREE])
+        room = bar_width - len(state_bar)
+        state_bar.append("█" * min(room, round(bar_width * unit(count / total)) if total else 0),
+                         style)
+    state_bar.append(FREE_GLYPH * (bar_width - len(state_bar)), CELL_STYLES[stats.CELL_FREE])
     hit = snap.hit_rate
     return [
         Text.assemble("used ", (f"{used:,}", used_style),
@@ -315,15 +325,14 @@ def op_line(record: dict) -> Text:
 
 
 def recent_ops(snap: Snapshot, limit: int) -> list[dict]:
-    """The newest ``limit`` trace records, newest first."""
-    records = list(snap.trace_records())
-    return records[::-1][:limit]
+    """The newest ``limit`` trace records, newest first (only those are read from the ring)."""
+    return list(snap.trace_records(newest=max(0, limit)))[::-1]
 
 
 def trace_note(snap: Snapshot) -> str | None:
     """Why the ring may hold only failures."""
-    if snap.trace is None:
+    if not snap.has_trace:
         return "this writer publishes no trace ring"
-    if snap.latency_is_sampled():
+    if not snap.calls_are_timed():
         return "trace off: only failed and rejected calls are recorded"
     return None
