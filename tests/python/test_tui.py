@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import pytest
 from rich.console import Console
 from rich.text import Text
 from stats_writer import Writer, crafted_segment, prune_lock, unique_name
@@ -17,7 +19,7 @@ from stats_writer import Writer, crafted_segment, prune_lock, unique_name
 import pykvalloc
 from pykvalloc import stats
 from pykvalloc.sizes import format_size
-from kvalloc_tui import render
+from kvalloc_tui import render, watch
 from kvalloc_tui.app import INTERVALS, KvallocTop
 from kvalloc_tui.screens import HelpScreen, PickerScreen, PoolScreen
 from kvalloc_tui.widgets import Banner
@@ -314,3 +316,310 @@ def test_an_unreadable_segment_is_reported_not_fatal():
 
     with crafted_segment(bytes(data)) as path:
         asyncio.run(scenario(path))
+
+
+def real_segment(trace: bool = False) -> bytearray:
+    """A consistent copy of a real, partly used pool's segment, to damage and serve crafted."""
+    with pykvalloc.Pool(16 * MiB, name=unique_name("copied"), pages="small", trace=trace) as pool:
+        blocks = [pool.alloc(64) for _ in range(50)] + [pool.alloc(1 << 16) for _ in range(10)]
+        pool.publish()
+        with stats.Segment.for_pool(pool) as segment:
+            data = bytearray(segment.snapshot().data)
+        del blocks
+    return data
+
+
+def test_figures_out_of_range_are_drawn_clamped():
+    data = real_segment()
+    snap = stats.Snapshot(bytes(data))
+    summary_at = snap._sections[stats.SECTION_SUMMARY][0]
+    summary = np.frombuffer(data, stats.SUMMARY_DTYPE, count=1, offset=summary_at)
+    summary["fragmentation"] = float("inf")
+    kv = np.frombuffer(data, stats.KV_DTYPE, count=1, offset=snap._sections[stats.SECTION_KV][0])
+    kv["present"], kv["total_blocks"], kv["used_blocks"], kv["cached_blocks"] = 1, 1, 2**62, 2**62
+
+    async def scenario(path) -> None:
+        app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.current and len(app.current.fragmentation) >= 2)
+            frag = next(line for line in shown(app, "#trends").plain.splitlines()
+                        if line.startswith("frag"))
+            assert frag.endswith("██")  # full, not an overflow
+            width = app.screen.query_one("#kv").content_size.width
+            state_bar = shown(app, "#kv").plain.splitlines()[1]
+            assert state_bar == "█" * width  # all used: no room for more, nor for cached
+            assert app.current.problem is None and app.is_running
+
+    with crafted_segment(bytes(data)) as path:
+        asyncio.run(scenario(path))
+
+
+def test_drawing_helpers_clamp_what_they_are_given():
+    for value, fraction in ((float("inf"), 1.0), (float("-inf"), 0.0), (float("nan"), 0.0),
+                            (2**62, 1.0), (-3, 0.0), (0.25, 0.25)):
+        assert render.unit(value) == fraction
+    assert render.bar(float("nan"), 4).plain == "    "
+    assert render.bar(float("inf"), 4).plain == "████"
+    assert render.sparkline([float("nan"), float("inf"), -1.0, 0.5], 4).plain == "▁█▁▄"
+
+
+def test_a_writer_pid_no_process_can_have_shows_a_dead_writer():
+    # writer_pid is a u32: past 2**31, judged by the pid alone (no liveness lock), os.kill
+    # raised OverflowError in the sampling thread and the app died.
+    data = real_segment()
+    header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
+    header["writer_pid"] = 2**32 - 1
+    header["capabilities"] &= ~np.uint64(stats.CAP_LIVENESS_LOCK)
+
+    async def scenario(path) -> None:
+        app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.current and app.current.ended)
+            await pilot.pause(0.05)
+            banner = app.screen.query_one(Banner).message
+            assert banner.startswith("Engine exited") and f"process {2**32 - 1}" in banner
+            assert app.is_running
+
+    with crafted_segment(bytes(data)) as path:
+        asyncio.run(scenario(path))
+
+
+def test_a_file_named_with_a_pid_past_2_31_is_not_a_live_pool():
+    async def scenario(pool: pykvalloc.Pool) -> None:
+        app = KvallocTop(target(pool.segment_name), interval=0.1)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.current and app.current.last)
+            await pilot.press("tab")
+            await pilot.pause(0.1)
+            await pilot.press("p")
+            await pilot.pause(0.2)
+            assert app.is_running
+            if isinstance(app.screen, PickerScreen):  # other test runs' pools may be live
+                options = app.screen.query_one("#pools")
+                ids = [options.get_option_at_index(i).id for i in range(options.option_count)]
+                assert str(stray) not in ids
+
+    with crafted_segment(b"\0" * 64, pid=9_999_999_999) as stray, \
+            pykvalloc.Pool(16 * MiB, name=unique_name("beside")) as pool:
+        asyncio.run(scenario(pool))
+
+
+def test_the_picker_survives_any_terminal_size():
+    # `kvalloc top` with several live pools opens on the picker: at a width of 7 or less its
+    # bordered box left its rows no width, and rich's wrapping raised ValueError at launch.
+    async def scenario(width: int, height: int) -> None:
+        app = KvallocTop(interval=0.1)
+        async with app.run_test(size=(width, height)) as pilot:
+            await until(pilot, lambda: isinstance(app.screen, PickerScreen))
+            await pilot.pause(0.1)
+            await pilot.resize_terminal(width + 1, height)
+            await pilot.pause(0.1)
+            assert app.is_running and isinstance(app.screen, PickerScreen)
+            await pilot.press("escape")
+            await pilot.press("p")
+            await until(pilot, lambda: isinstance(app.screen, PickerScreen))
+            await pilot.pause(0.1)
+            assert app.is_running
+
+    with pykvalloc.Pool(16 * MiB, name=unique_name("narrow-a")), \
+            pykvalloc.Pool(16 * MiB, name=unique_name("narrow-b")):
+        for width, height in ((7, 24), (1, 1), (3, 5), (12, 3)):
+            asyncio.run(scenario(width, height))
+
+
+def test_the_picker_shows_whole_names_that_share_a_long_prefix():
+    prefix = f"kv-cache-llama-70b-shard-{unique_name('p')}-"
+
+    async def scenario() -> None:
+        app = KvallocTop(interval=0.1)
+        async with app.run_test(size=(120, 30)) as pilot:
+            picker = await until(pilot, lambda: isinstance(app.screen, PickerScreen)
+                                 and app.screen)
+            options = picker.query_one("#pools")
+            rows = [str(options.get_option_at_index(i).prompt)
+                    for i in range(options.option_count)]
+            for name in (prefix + "primary", prefix + "secondary"):
+                row = next(row for row in rows if name in row)
+                assert row.endswith(name) and "16 MiB" in row
+            assert all(len(line) <= 120 for line in screen_text(app).splitlines())
+
+    with pykvalloc.Pool(16 * MiB, name=prefix + "primary"), \
+            pykvalloc.Pool(16 * MiB, name=prefix + "secondary"):
+        asyncio.run(scenario())
+
+
+def test_a_pool_first_shown_while_paused_says_it_is_paused():
+    async def scenario(first: pykvalloc.Pool, second: pykvalloc.Pool) -> None:
+        app = KvallocTop(target(first.segment_name), interval=0.1)
+        async with app.run_test(size=(100, 24)) as pilot:
+            await until(pilot, lambda: app.current and app.current.last)
+            await pilot.press("space")
+            for _ in range(50):  # other test runs on this machine may own live pools too
+                await pilot.press("tab")
+                if app.current.file.name == second.name:
+                    break
+            await pilot.pause(0.3)
+            assert app.current.file.name == second.name and app.current.last is None
+            header = shown(app, "#header").plain
+            assert "no snapshot yet" in header and "PAUSED" in header
+            await pilot.press("space")
+            await until(pilot, lambda: app.current.last)
+            assert "PAUSED" not in shown(app, "#header").plain
+
+    with pykvalloc.Pool(16 * MiB, name=unique_name("paused-a")) as first, \
+            pykvalloc.Pool(16 * MiB, name=unique_name("paused-b")) as second:
+        asyncio.run(scenario(first, second))
+
+
+def test_a_pool_without_trace_says_its_calls_are_not_timed():
+    async def scenario(pool: pykvalloc.Pool) -> None:
+        app = KvallocTop(target(pool.segment_name), interval=0.1)
+        async with app.run_test(size=(100, 24)) as pilot:
+            snap = await until(pilot, lambda: app.current and app.current.last)
+            # The library reads no clock without trace: nothing is timed, not some calls.
+            assert snap.latency_samples("alloc") == snap.latency_samples("free") == 0
+            trends = shown(app, "#trends").plain
+            assert render.UNTIMED_NOTE in trends and "sampled" not in trends
+
+    with pykvalloc.Pool(16 * MiB, name=unique_name("untimed")) as pool:
+        blocks = [pool.alloc(1 << 16) for _ in range(20)]
+        pool.publish()
+        asyncio.run(scenario(pool))
+        del blocks
+
+
+def test_a_pool_created_again_at_the_same_path_is_watched_afresh():
+    name = unique_name("again")
+
+    async def scenario() -> None:
+        pool = pykvalloc.Pool(16 * MiB, name=name)
+        try:
+            app = KvallocTop(target(pool.segment_name), interval=0.1)
+            async with app.run_test(size=(100, 24)) as pilot:
+                await until(pilot, lambda: app.current and app.current.last)
+                pool.close()
+                await until(pilot, lambda: app.current.ended)
+                pool = pykvalloc.Pool(64 * MiB, name=name)  # same process, same name: same path
+                pool.publish()
+                await until(pilot, lambda: not app.current.ended and app.current.last)
+                assert app.current.last.capacity == 64 * MiB
+                await pilot.pause(0.1)
+                assert "64 MiB" in shown(app, "#header").plain
+                assert "ENGINE EXITED" not in shown(app, "#header").plain
+                assert not app.screen.query_one(Banner).message
+        finally:
+            pool.close()
+
+    asyncio.run(scenario())
+
+
+def mappings_of(path) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if str(path) in line]
+
+
+def test_an_ended_pool_is_unmapped_and_its_last_figures_stay():
+    async def scenario() -> None:
+        pool = pykvalloc.Pool(16 * MiB, name=unique_name("unmapped"))
+        block = pool.alloc(4 * MiB)
+        pool.publish()
+        path = stats.SHM_DIR / pool.segment_name.lstrip("/")
+        app = KvallocTop(target(pool.segment_name), interval=0.1)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.current and app.current.last)
+            assert mappings_of(path)  # the reader's own mapping (the pool's is the library's)
+            del block
+            pool.close()
+            await until(pilot, lambda: app.current.ended)
+            # The destroyed pool's shared memory is freed only when no mapping is left.
+            assert mappings_of(path) == []
+            await pilot.pause(0.1)
+            assert "█" in shown(app, "#heap").plain and "ENGINE EXITED" in shown(
+                app, "#header").plain
+
+    asyncio.run(scenario())
+
+
+def test_a_large_trace_ring_does_not_slow_the_redraw():
+    # A valid segment may hold a ring of a million records; a screen shows a few of them.
+    data = real_segment(trace=True)
+    end, records = len(data), 1_000_000
+    ring = np.zeros(records, stats.RECORD_DTYPE)
+    ring["time_ns"], ring["op"], ring["size"] = 1, 1, np.arange(records)
+    head = np.zeros(1, stats.TRACE_DTYPE)
+    head["capacity"], head["entry_size"], head["written"] = records, ring.itemsize, records
+    data += head.tobytes() + ring.tobytes()
+    header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
+    header["segment_size"] = len(data)
+    sections = header["sections"][0]
+    trace_entry = sections[list(sections["kind"]).index(stats.SECTION_TRACE)]
+    trace_entry["offset"], trace_entry["size"] = end, len(data) - end
+    snap = stats.Snapshot(bytes(data))
+
+    started = time.perf_counter()
+    shown_ops = render.recent_ops(snap, 6)
+    assert time.perf_counter() - started < 0.2  # the whole ring as dicts took seconds
+    assert [op["size"] for op in shown_ops] == list(range(records - 1, records - 7, -1))
+
+    async def scenario(path) -> None:
+        app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.current and app.current.last, timeout=20)
+            started = time.perf_counter()
+            await pilot.press("space")  # a redraw of every panel
+            await pilot.pause(0.01)
+            assert time.perf_counter() - started < 0.5
+            assert app.paused
+
+    with crafted_segment(bytes(data)) as path:
+        asyncio.run(scenario(path))
+
+
+@pytest.mark.parametrize("damage", ["major version", "magic"])
+def test_a_lasting_read_error_says_so_and_is_retried_slowly(damage):
+    data = real_segment()
+    header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
+    if damage == "major version":
+        header["abi_major"] = stats.ABI_MAJOR + 1
+    else:
+        header["magic"] = 0x1122334455667788
+
+    async def scenario(path) -> None:
+        app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
+        async with app.run_test(size=(100, 24)) as pilot:
+            banner = app.screen.query_one(Banner)
+            await until(pilot, lambda: banner.message)
+            assert "retrying will not help" in banner.message
+            assert ("UnsupportedVersion" if damage == "major version" else "BadMagic") \
+                in banner.message
+            pool = app.current
+            reads = []
+            take = pool.take
+            pool.take = lambda: reads.append(1) or take()  # type: ignore[method-assign]
+            await pilot.pause(1.0)  # ten ticks
+            assert len(reads) == 0 and app.is_running
+            assert mappings_of(path) == []  # nothing held while waiting
+
+    with crafted_segment(bytes(data)) as path:
+        asyncio.run(scenario(path))
+
+
+def test_a_segment_directory_that_cannot_be_listed_is_reported(monkeypatch, tmp_path):
+    not_a_directory = tmp_path / "shm"
+    not_a_directory.write_text("")
+    monkeypatch.setattr(watch, "list_segments", lambda: stats.list_segments(not_a_directory))
+
+    async def scenario() -> None:
+        app = KvallocTop(interval=0.1)
+        async with app.run_test(size=(100, 24)) as pilot:
+            notices = await until(pilot, lambda: list(app._notifications))
+            assert notices[0].title == "cannot list pools" and notices[0].severity == "error"
+            assert f"cannot list the segments in {not_a_directory}" in notices[0].message
+            await pilot.pause(0.5)  # ticks keep trying; the notice is not repeated each time
+            assert len(list(app._notifications)) == 1
+            await pilot.press("tab", "p")  # a key asks again: the same error, not "no pools"
+            await pilot.pause(0.1)
+            assert [n.title for n in app._notifications] == ["cannot list pools"] * 3
+            assert app.is_running and app.current is None
+
+    asyncio.run(scenario())

@@ -62,6 +62,7 @@ class KvallocTop(App[None]):
         self._timer: Timer | None = None
         self._sampling = False
         self._picking = False
+        self._listing_error: str | None = None  # the latest, notified once
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -80,11 +81,15 @@ class KvallocTop(App[None]):
     # -- sampling ---------------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Starts one snapshot of the current pool unless paused, done or one is under way."""
+        """Starts one snapshot of the current pool unless paused, done, not due or one is under
+        way. An ended pool whose path a new pool took is watched afresh."""
         if self.current is None:
             self._adopt_a_live_pool(offer_picker=False)
+        elif self.current.replaced():
+            self.switch_to(self.current.file)
+            return  # switch_to ticks
         pool = self.current
-        if self.paused or pool is None or pool.ended or self._sampling:
+        if self.paused or pool is None or not pool.due() or self._sampling:
             return
         self._sampling = True
         self._sample(pool)
@@ -112,18 +117,38 @@ class KvallocTop(App[None]):
     # -- pools ------------------------------------------------------------------------------
 
     def switch_to(self, found: SegmentFile) -> None:
-        """Watches ``found`` from now on (its history is kept if it was watched before)."""
+        """Watches ``found`` from now on (its history is kept if it was watched before, unless
+        a new pool has taken its path since)."""
         pool = self.pools.get(found.path)
+        if pool is not None and pool.replaced():
+            pool.close()
+            pool = None
         if pool is None:
             pool = self.pools[found.path] = PoolWatch(found)
         self.current = pool
         self.redraw()
         self.tick()
 
+    def _live_segments(self, asked: bool) -> list[SegmentFile] | None:
+        """``live_segments()``, or None when the segment directory cannot be listed: then a
+        notification says why, when a key ``asked`` or the error is new (without a pool this
+        runs at every tick)."""
+        try:
+            live = live_segments()
+        except SegmentError as exc:
+            if asked or str(exc) != self._listing_error:
+                self.notify(str(exc), title="cannot list pools", severity="error")
+            self._listing_error = str(exc)
+            return None
+        self._listing_error = None
+        return live
+
     def _adopt_a_live_pool(self, offer_picker: bool) -> None:
         # With no pool chosen: take the only live one, or (at start) offer the live ones. A
         # picker dismissed without a choice is not offered again until p is pressed.
-        live = live_segments()
+        live = self._live_segments(asked=False)
+        if live is None:
+            return
         if len(live) == 1:
             self.switch_to(live[0])
         elif live and offer_picker:
@@ -132,7 +157,9 @@ class KvallocTop(App[None]):
     def action_next_pool(self) -> None:
         if self.screen is not self.pool_screen:
             return
-        live = live_segments()
+        live = self._live_segments(asked=True)
+        if live is None:
+            return
         if self.current is not None and self.current.file not in live:
             live = sorted([*live, self.current.file], key=lambda f: (f.pid, f.name))
         if not live:
@@ -150,7 +177,9 @@ class KvallocTop(App[None]):
     def action_pick_pool(self, live: list[SegmentFile] | None = None) -> None:
         if self._picking:
             return
-        segments = live if live is not None else live_segments()
+        segments = live if live is not None else self._live_segments(asked=True)
+        if segments is None:
+            return
         if not segments:
             self.notify("no live pools", severity="warning")
             return

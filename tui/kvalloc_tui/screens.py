@@ -18,6 +18,7 @@ from pykvalloc.errors import SegmentError
 from pykvalloc.sizes import format_size
 from pykvalloc.stats import Segment, SegmentFile, process_name
 
+from .watch import LASTING_RETRY_S, PoolWatch
 from .widgets import (
     Banner,
     ClassesPanel,
@@ -29,7 +30,6 @@ from .widgets import (
     PoolHeader,
     TrendsPanel,
 )
-from .watch import PoolWatch
 
 
 class PoolScreen(Screen):
@@ -68,6 +68,9 @@ class PoolScreen(Screen):
         the screen is composed and while it is torn down at exit there is nothing to draw."""
         if pool.ended:
             message = f"Engine exited: {pool.ended}. Last figures shown; tab: next pool, q: quit."
+        elif pool.problem and pool.lasting:
+            message = (f"Cannot read this segment, and retrying will not help (checked again "
+                       f"every {LASTING_RETRY_S:g} s): {pool.problem}")
         elif pool.problem:
             message = f"Read failed, retrying: {pool.problem}"
         else:
@@ -80,8 +83,13 @@ class PoolScreen(Screen):
             panel.show(pool)
 
 
+FIGURES_WIDTH = 21  # "   16 MiB  use   3.1%"
+
+
 def _describe(found: SegmentFile) -> str:
-    """One picker row: pid, process, pool, capacity and use, read without trusting the file."""
+    """One picker row: pid, process, capacity and use, read without trusting the file, and the
+    pool's whole name last: pools of one engine often share a long prefix, so a name cut to a
+    column would make two of them look the same."""
     try:
         with Segment(found.path) as segment:
             snap = segment.snapshot(check_writer=False)
@@ -89,7 +97,7 @@ def _describe(found: SegmentFile) -> str:
     except SegmentError as exc:
         figures = f"unreadable: {type(exc).__name__}"
     process = process_name(found.pid) or "?"
-    return f"{found.pid:>8}  {process[:16]:<16} {found.name[:24]:<24} {figures}"
+    return f"{found.pid:>8}  {process[:16]:<16} {figures:<{FIGURES_WIDTH}}  {found.name}"
 
 
 class PickerScreen(Screen[Path]):
@@ -104,6 +112,7 @@ class PickerScreen(Screen[Path]):
     PickerScreen > Vertical {
         width: 90%;
         max-width: 96;
+        min-width: 24;  /* narrower, its rows would wrap to no width at all (a crash in rich) */
         height: auto;
         max-height: 90%;
         border: round $primary;
@@ -122,8 +131,8 @@ class PickerScreen(Screen[Path]):
     def compose(self) -> ComposeResult:
         with Vertical() as box:
             box.border_title = f"{len(self.segments)} live pools: pick one (enter)"
-            yield Label(f"{'pid':>8}  {'process':<16} {'pool':<24} {'capacity':>9}  use",
-                        classes="heading")
+            yield Label(f"{'pid':>8}  {'process':<16} {'capacity':>9}  "
+                        f"{'use':<{FIGURES_WIDTH - 11}}  pool", classes="heading")
             yield OptionList(*(Option(_describe(found), id=str(found.path))
                                for found in self.segments), id="pools")
         yield Footer()

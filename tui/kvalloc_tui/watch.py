@@ -8,13 +8,26 @@ other field changes on the UI thread only.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from pathlib import Path
 
-from pykvalloc.errors import SegmentError, SegmentNotFound, WriterGone
+from pykvalloc.errors import (
+    BadMagic,
+    SegmentError,
+    SegmentNotFound,
+    UnsupportedVersion,
+    WriterGone,
+)
 from pykvalloc.stats import Segment, SegmentFile, Snapshot, list_segments, process_name
 
 HISTORY = 600  # samples kept for the sparklines: 10 minutes at the default interval
+
+# Errors that another read of the same file cannot mend: it is not a segment, or one of a
+# layout this reader does not understand. The file is tried again, slowly, in case another
+# takes its place.
+LASTING_ERRORS = (BadMagic, UnsupportedVersion)
+LASTING_RETRY_S = 5.0
 
 
 class PoolWatch:
@@ -28,13 +41,20 @@ class PoolWatch:
         self.use: deque[float] = deque(maxlen=HISTORY)
         self.fragmentation: deque[float] = deque(maxlen=HISTORY)
         self.ended: str | None = None   # why the pool publishes no more, once it does not
-        self.problem: str | None = None  # the latest read error that may pass (a torn copy)
+        self.problem: str | None = None  # the latest read error (a torn copy passes; see lasting)
+        self.lasting = False            # whether that error will not pass by itself
+        self._retry_at = 0.0            # time.monotonic() before which no read is tried
         self._lock = threading.Lock()   # close() waits for a snapshot under way
         self._closed = False
 
     @property
     def path(self) -> Path:
         return self.file.path
+
+    def due(self) -> bool:
+        """Whether a snapshot should be taken now: not once the pool ended, and only every
+        ``LASTING_RETRY_S`` after an error that will not pass by itself."""
+        return not self.ended and time.monotonic() >= self._retry_at
 
     def take(self) -> Snapshot | None:
         """Reads a snapshot (any thread); raises the reader's SegmentError. None once closed."""
@@ -52,12 +72,39 @@ class PoolWatch:
                 self.process = process_name(snap.pid)
             self.last = snap
             self.problem = None
+            self.lasting = False
             self.use.append(snap.use_fraction)
             self.fragmentation.append(snap.fragmentation)
         elif isinstance(error, (WriterGone, SegmentNotFound)):
             self.ended = str(error)
+            # A destroyed pool's memory is freed only when its last mapping goes; the snapshot
+            # kept in ``last`` is all the screen needs.
+            self._unmap(forget=False)
         elif error is not None:
             self.problem = f"{type(error).__name__}: {error}"
+            self.lasting = isinstance(error, LASTING_ERRORS)
+            if self.lasting:
+                self._retry_at = time.monotonic() + LASTING_RETRY_S
+                self._unmap(forget=True)  # the next try opens the file at the path then
+
+    def replaced(self) -> bool:
+        """Whether, after the pool ended, a new pool publishes at its path: a pool destroyed and
+        created again by the same process under the same name has the same segment path, but
+        the file is another (``Segment.removed``) and its writer lives."""
+        if not self.ended:
+            return False
+        if self.segment is not None and not self.segment.removed():
+            return False  # the same file: a killed writer's leftover
+        return self.file.process_alive()
+
+    def _unmap(self, forget: bool) -> None:
+        # Unless forgotten, the Segment stays, closed, for the identity of the file it mapped
+        # (``replaced``).
+        with self._lock:
+            if self.segment is not None:
+                self.segment.close()
+                if forget:
+                    self.segment = None
 
     def close(self) -> None:
         with self._lock:
@@ -67,5 +114,6 @@ class PoolWatch:
 
 
 def live_segments() -> list[SegmentFile]:
-    """Segments whose writer process runs, by pid then name."""
+    """Segments whose writer process runs, by pid then name. Raises the ``SegmentError`` of a
+    segment directory that cannot be listed."""
     return [found for found in list_segments() if found.process_alive()]

@@ -82,14 +82,21 @@ class PoolHeader(Widget):
         pool = self.pool
         if pool is None:
             return Text("kvalloc top: waiting for a pool (p: pick one)…", "dim")
-        if pool.last is None:
-            return Text(f"{pool.file.name}  pid {pool.file.pid}: no snapshot yet", "dim")
         if pool.ended:
             state = ("ENGINE EXITED", "bold red")
         elif self.paused:
             state = ("PAUSED", "bold yellow")
+        elif pool.last is None:
+            state = ("", "")
         else:
             state = render.writer_state(pool.last)
+        if pool.last is None:
+            # Paused before this pool was first read: nothing is read until space is pressed.
+            waiting = Text(f"{pool.file.name}  pid {pool.file.pid}: no snapshot yet", "dim",
+                           no_wrap=True, overflow="crop")
+            if state[0]:
+                waiting.append("  ").append(state[0], state[1])
+            return waiting
         return render.header_line(pool.last, pool.process, state, self.content_size.width,
                                   self.interval)
 
