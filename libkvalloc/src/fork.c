@@ -51,9 +51,11 @@ static void prepare(void) {
         for (unsigned a = 0; a < p->slabs.narenas; a++) pthread_mutex_lock(&p->slabs.arenas[a].lock);
         pthread_mutex_lock(&p->lock);
     }
+    kva_segments_lock(); /* a leaf: nothing is taken under it */
 }
 
 static void release_all(void) {
+    kva_segments_unlock();
     for (kva_pool *p = pools; p; p = p->fork_next) {
         pthread_mutex_unlock(&p->lock);
         for (unsigned a = p->slabs.narenas; a-- > 0;) pthread_mutex_unlock(&p->slabs.arenas[a].lock);

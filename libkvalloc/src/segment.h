@@ -58,6 +58,12 @@ void kva_segment_close(kva_segment *seg);
  * dead parent look alive for as long as the child runs. */
 void kva_segment_disown(kva_segment *seg);
 
+/* The lock of the process-wide list of segments, for fork (fork.c): taken last before a fork
+ * and released after it in both processes, so that a child never inherits it held (its exit
+ * takes it to remove its own segments). */
+void kva_segments_lock(void);
+void kva_segments_unlock(void);
+
 void kva_segment_begin(kva_segment *seg);
 void kva_segment_end(kva_segment *seg);
 

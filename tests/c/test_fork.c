@@ -5,10 +5,12 @@
  * repeated while workers churn through slow paths, so a fork lands inside them. A child that
  * hangs on a lock is killed by the alarm and fails the test.
  */
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "segment.h"
 #include "thread_util.h"
 
 #define WORKERS 3
@@ -83,6 +85,52 @@ static void named_pool_survives_the_child(void) {
     CHECK(access(path, F_OK) != 0);
 }
 
+/* Named pools come and go on another thread while this one forks; each child exits normally,
+ * which runs the library's exit hook (it takes the lock of the segment list). A child that
+ * inherited that lock held would hang there, and its alarm kills it. Creating a pool holds the
+ * lock for a moment only, so the other thread also holds it itself for a while at a time, as a
+ * slow creation would: then most forks land while it is held. */
+static void *named_churn(void *arg) {
+    (void)arg;
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)4 << 20;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.name = "forkchurn";
+    while (!atomic_load(&stop)) {
+        kva_pool *named;
+        TCHECK_STATUS(kva_pool_create(&cfg, &named), KVA_OK);
+        kva_pool_destroy(named);
+        kva_segments_lock();
+        usleep(200);
+        kva_segments_unlock();
+        sched_yield();
+    }
+    return NULL;
+}
+
+static void children_exit_beside_named_pools(void) {
+    atomic_store(&stop, 0);
+    pthread_t churner;
+    REQUIRE(pthread_create(&churner, NULL, named_churn, NULL) == 0);
+    int failed = 0;
+    for (int f = 0; f < 100 && !failed; f++) { /* the first hung child is enough */
+        pid_t pid = fork();
+        REQUIRE(pid >= 0);
+        if (pid == 0) {
+            alarm(2);
+            exit(0);
+        }
+        int status = 0;
+        REQUIRE(waitpid(pid, &status, 0) == pid);
+        failed += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    }
+    atomic_store(&stop, 1);
+    pthread_join(churner, NULL);
+    thread_failures_merge();
+    CHECK(failed == 0);
+}
+
 int main(void) {
     kva_config cfg;
     kva_config_init(&cfg);
@@ -114,6 +162,7 @@ int main(void) {
     CHECK_STATUS(kva_free(pool, mine), KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     named_pool_survives_the_child();
+    children_exit_beside_named_pools();
     printf("test_fork: %d forks beside %d threads\n", FORKS, WORKERS);
     kva_pool_destroy(pool);
     return CHECK_DONE();
