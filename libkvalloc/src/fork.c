@@ -70,10 +70,10 @@ static void parent(void) {
 }
 
 /* The child also lets go of the parent's statistics segments (kva_segment_disown): they
- * describe the parent's pools, are named after its pid and read by its inspectors. */
+ * describe the parent's pools, are named after its pid and read by its inspectors. All of them,
+ * those of pools another thread was creating or destroying at the fork included. */
 static void child(void) {
-    for (kva_pool *p = pools; p; p = p->fork_next)
-        if (p->segment) kva_segment_disown(p->segment);
+    kva_segments_disown_all(); /* the list's lock is still held from prepare */
     parent();
 }
 

@@ -26,6 +26,10 @@ static void unlink_all_at_exit(void) {
 void kva_segments_lock(void) { pthread_mutex_lock(&live_lock); }
 void kva_segments_unlock(void) { pthread_mutex_unlock(&live_lock); }
 
+void kva_segments_disown_all(void) {
+    for (kva_segment *seg = live_segments; seg; seg = seg->next_live) kva_segment_disown(seg);
+}
+
 static void register_segment(kva_segment *seg) {
     pthread_mutex_lock(&live_lock);
     if (!exit_hook_installed) exit_hook_installed = atexit(unlink_all_at_exit) == 0;

@@ -64,6 +64,11 @@ void kva_segment_disown(kva_segment *seg);
 void kva_segments_lock(void);
 void kva_segments_unlock(void);
 
+/* In a forked child, with the list's lock held: disowns every segment of the list. The list,
+ * not the pools, because a segment is listed from its creation, before its pool is tracked for
+ * fork, and until its destruction, after the pool is no longer. */
+void kva_segments_disown_all(void);
+
 void kva_segment_begin(kva_segment *seg);
 void kva_segment_end(kva_segment *seg);
 

@@ -7,6 +7,8 @@
  */
 #include <sched.h>
 #include <signal.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -141,7 +143,78 @@ static void children_exit_beside_named_pools(void) {
     CHECK(failed == 0);
 }
 
-int main(void) {
+/* Pools being created while the process forks: a child forked in the middle of a creation (its
+ * segment made, its pool not yet tracked for fork) must let go of that segment too, or its exit
+ * hook removes the parent's live segment. Run in a process of its own (main's
+ * --exiting-children) whose leak check is off: each child leaves by exit(), to run the hook, and
+ * LeakSanitizer would count the creating thread's pool, which the child never had, as leaked. */
+#define KEPT 400
+static kva_pool *kept[KEPT];
+static atomic_int kept_all;
+
+static void *create_kept(void *arg) {
+    (void)arg;
+    for (int i = 0; i < KEPT; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "kept%d", i);
+        kva_config cfg;
+        kva_config_init(&cfg);
+        cfg.capacity = (size_t)1 << 20;
+        cfg.pages = KVA_PAGES_SMALL;
+        cfg.name = name;
+        TCHECK_STATUS(kva_pool_create(&cfg, &kept[i]), KVA_OK);
+    }
+    atomic_store(&kept_all, 1);
+    return NULL;
+}
+
+static int exiting_children(void) {
+    pthread_t creator;
+    REQUIRE(pthread_create(&creator, NULL, create_kept, NULL) == 0);
+    int forks = 0, failed = 0, missing = 0;
+    while (!atomic_load(&kept_all)) {
+        pid_t pid = fork();
+        REQUIRE(pid >= 0);
+        if (pid == 0) {
+            alarm(2);
+            exit(0);
+        }
+        int status = 0;
+        REQUIRE(waitpid(pid, &status, 0) == pid);
+        failed += !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+        forks++;
+    }
+    pthread_join(creator, NULL);
+    thread_failures_merge();
+    for (int i = 0; i < KEPT; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "/dev/shm%s", kva_stats_segment_name(kept[i]));
+        missing += access(path, F_OK) != 0;
+        kva_pool_destroy(kept[i]);
+    }
+    printf("test_fork --exiting-children: %d forks, %d children failed, %d of %d live segments removed\n", forks,
+           failed, missing, KEPT);
+    return failed || missing || check_failures ? 1 : 0;
+}
+
+static void children_exit_while_pools_are_made(const char *self) {
+    const char *asan = getenv("ASAN_OPTIONS");
+    char options[512];
+    snprintf(options, sizeof options, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        setenv("ASAN_OPTIONS", options, 1);
+        execl(self, self, "--exiting-children", (char *)NULL);
+        _exit(127);
+    }
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "--exiting-children") == 0) return exiting_children();
     kva_config cfg;
     kva_config_init(&cfg);
     cfg.capacity = (size_t)256 << 20;
@@ -173,6 +246,7 @@ int main(void) {
     CHECK_STATUS(kva_check(pool), KVA_OK);
     named_pool_survives_the_child();
     children_exit_beside_named_pools();
+    children_exit_while_pools_are_made("/proc/self/exe");
     printf("test_fork: %d forks beside %d threads\n", FORKS, WORKERS);
     kva_pool_destroy(pool);
     return CHECK_DONE();
