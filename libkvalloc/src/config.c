@@ -6,9 +6,7 @@
 #include "config.h"
 
 #define MIN_BLOCK_LOW ((size_t)256)
-#define MIN_BLOCK_HIGH CHUNK_HIGH /* a slab is at least one block, and at most CHUNK_HIGH */
 #define CHUNK_LOW ((size_t)64 << 10)
-#define CHUNK_HIGH ((size_t)64 << 20) /* slab offsets stay below 2^32 (kva_div_exact) */
 #define DEFAULT_CHUNK ((size_t)2 << 20)
 
 void kva_config_init(kva_config *cfg) {
@@ -79,13 +77,13 @@ static kva_status validate_backing(const kva_config *cfg) {
 
 kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     if (!cfg) return kva_fail(KVA_ERR_INVALID, "config is NULL");
-    if (!kva_is_pow2(cfg->min_block) || cfg->min_block < MIN_BLOCK_LOW || cfg->min_block > MIN_BLOCK_HIGH)
+    if (!kva_is_pow2(cfg->min_block) || cfg->min_block < MIN_BLOCK_LOW || cfg->min_block > KVA_MIN_BLOCK_MAX)
         return kva_fail(KVA_ERR_INVALID, "min_block %zu is not a power of two in [%zu, %zu]",
-                        cfg->min_block, MIN_BLOCK_LOW, MIN_BLOCK_HIGH);
+                        cfg->min_block, MIN_BLOCK_LOW, KVA_MIN_BLOCK_MAX);
     size_t chunk = cfg->slab_chunk ? cfg->slab_chunk : auto_chunk(cfg->capacity, cfg->min_block);
-    if (!kva_is_pow2(chunk) || chunk < CHUNK_LOW || chunk > CHUNK_HIGH)
+    if (!kva_is_pow2(chunk) || chunk < CHUNK_LOW || chunk > KVA_SLAB_CHUNK_MAX)
         return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is not a power of two in [%zu, %zu]", chunk, CHUNK_LOW,
-                        CHUNK_HIGH);
+                        KVA_SLAB_CHUNK_MAX);
     if (chunk < cfg->min_block)
         return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is smaller than min_block %zu", chunk, cfg->min_block);
     if (cfg->capacity < cfg->min_block)

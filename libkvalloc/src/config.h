@@ -6,6 +6,11 @@
 
 #include "internal.h"
 
+/* The largest slab, and so the largest min_block (a slab is at least one block): a slab's
+ * offsets stay below 2^32 (kva_div_exact). */
+#define KVA_SLAB_CHUNK_MAX ((size_t)64 << 20)
+#define KVA_MIN_BLOCK_MAX KVA_SLAB_CHUNK_MAX
+
 typedef struct kva_geometry {
     size_t capacity;       /* bytes managed: config capacity rounded down to min_block */
     uint32_t nblocks;      /* minimum blocks */

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "config.h"
 #include "kv_cache.h"
 #include "os.h"
 
@@ -18,7 +19,6 @@
 /* Contiguous mode: buckets up to 2^30 tokens. */
 #define KV_MAX_CONTEXT ((uint32_t)1 << 30)
 #define KV_POOL_MIN_BLOCK ((size_t)4096)
-#define KV_POOL_MAX_MIN_BLOCK ((size_t)64 << 20) /* kva_config.min_block's largest */
 
 void kva_kv_config_init(kva_kv_config *cfg) {
     if (!cfg) return;
@@ -105,13 +105,13 @@ static kva_status own_pool(const kva_kv_config *cfg, const kva_kv_info *info, si
     size_t units = bytes / pc.min_block + (bytes % pc.min_block != 0);
     /* Keep the pool's minimum blocks below 2^31 by coarsening them for huge caches, up to the
      * largest min_block a pool takes. */
-    while (units >= ((size_t)1 << 31) && pc.min_block < KV_POOL_MAX_MIN_BLOCK) {
+    while (units >= ((size_t)1 << 31) && pc.min_block < KVA_MIN_BLOCK_MAX) {
         pc.min_block *= 2;
         units = bytes / pc.min_block + (bytes % pc.min_block != 0);
     }
     if (units >= ((size_t)1 << 31))
         return kva_fail(KVA_ERR_INVALID, "%zu bytes of KV are more than one pool can hold (%zu)", bytes,
-                        (((size_t)1 << 31) - 1) * KV_POOL_MAX_MIN_BLOCK);
+                        (((size_t)1 << 31) - 1) * KVA_MIN_BLOCK_MAX);
     if (info->mode == KVA_KV_PAGED) {
         size_t pow2 = 1;
         while (pow2 < units) pow2 *= 2;

@@ -11,9 +11,9 @@
  * differ. The keys are a process-wide count of caches times 2^32 / phi (Knuth's multiplicative
  * hashing, TAOCP vol. 3, 6.4), which spreads any number of caches' keys about evenly over the 32
  * bits: any two of the first 4,096 caches' keys differ (XOR) by at least 744,616, so a cache with
- * fewer slots than that, which is any cache with fewer live sequences, refuses all of their
- * handles (test_kv_bad_input checks the bound). Beyond, a slot that lands in range must still
- * have a live sequence of the handle's generation.
+ * fewer slots than that (one that never had as many sequences and pins live at once) refuses all
+ * of their handles (test_kv_bad_input checks the bound). Beyond, a slot that lands in range must
+ * still have a live sequence of the handle's generation.
  */
 #include <stdlib.h>
 #include <string.h>

@@ -247,8 +247,8 @@ size_t kva_cuda_region_mapped_bytes(const kva_cuda_region *r) { return (size_t)r
 
 /* Unmaps every granule and frees the reservation: the region's end, so it goes on past every
  * refusal. A granule the driver will not unmap still has its handle released (the driver frees
- * the memory at its last unmap); the reservation is then freed if it can be. The first refusal
- * stays in kva_last_error for a caller that looks. */
+ * the memory at its last unmap); the reservation is then freed if it can be. The last refusal
+ * to unmap or release stays in kva_last_error for a caller that looks. */
 static void release_all(kva_cuda_region *r) {
     const kva_cuda_driver *d = r->dev.driver;
     for (uint32_t g = 0; g < r->ngranules && r->mapped; g++) {
