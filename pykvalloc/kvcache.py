@@ -213,7 +213,7 @@ class KVCache:
         self._lib = lib
         self._lock = threading.RLock()
         self._pool = pool
-        self._pool_lock = getattr(pool, "_lock", None) if pool is not None else None
+        self._pool_lock = pool._lock if pool is not None else None
         handle = c_void_p()
         pool_handle = None
         if pool is not None and not isinstance(pool, Pool):

@@ -25,6 +25,15 @@ from ..errors import InvalidArgument, OutOfMemory
 from ..kvcache import dtype_bytes
 
 
+def require_counts(config: Any, *names: str) -> None:
+    """InvalidArgument unless each field ``names`` of ``config`` is a whole number of at least
+    1 (a bool is not one): a zero count divides by zero or never makes progress."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgument(f"{name} must be a whole number of at least 1, not {value!r}")
+
+
 @dataclass
 class Geometry:
     """The model's KV shape (the default is a Llama-3-8B-like model: 32 layers, 8 KV heads of
@@ -35,10 +44,7 @@ class Geometry:
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
-        for name in ("layers", "kv_heads", "head_dim"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be a whole number of at least 1, not {value!r}")
+        require_counts(self, "layers", "kv_heads", "head_dim")
         dtype_bytes(self.dtype)  # InvalidArgument naming the dtypes a KV cache knows
 
     @property

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from ..errors import InvalidArgument
-from .backends import ContiguousBackend, Geometry, MallocBackend, PagedBackend, Timings
+from .backends import ContiguousBackend, Geometry, MallocBackend, PagedBackend, Timings, require_counts
 from .traces import MOONCAKE_BLOCK_TOKENS, Request, Trace
 
 
@@ -43,10 +43,8 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         # A zero or NaN time scale divides by zero or never lets a request arrive; a zero block
         # or budget never makes progress: refused before a backend is made.
-        for name in ("block_tokens", "capacity_tokens", "max_batch_tokens", "max_running", "sample_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidArgument(f"{name} must be a whole number of at least 1, not {value!r}")
+        require_counts(self, "block_tokens", "capacity_tokens", "max_batch_tokens", "max_running",
+                       "sample_every")
         for name, zero_allowed in (("time_scale", False), ("step_base_s", True), ("step_token_s", True)):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0 \

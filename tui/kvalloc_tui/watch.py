@@ -108,9 +108,8 @@ class PoolWatch:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
-            if self.segment is not None:
-                self.segment.close()
+            self._closed = True  # no snapshot starts after this; one under way finishes first
+        self._unmap(forget=False)
 
 
 def live_segments() -> list[SegmentFile]:
