@@ -82,27 +82,33 @@ find_program(PKG_CONFIG pkg-config)
 if(NOT PKG_CONFIG)
   message(FATAL_ERROR "pkg-config is not installed; cannot test kvalloc.pc")
 endif()
-  file(GLOB pcdir ${prefix}/lib*/pkgconfig)
+
+# Builds the consumer with the flags pkg-config gives for the kvalloc.pc in pcdir, and runs it.
+function(pkg_config_consumer what pcdir)
   set(ENV{PKG_CONFIG_PATH} ${pcdir})
   execute_process(COMMAND ${PKG_CONFIG} --cflags --libs kvalloc OUTPUT_VARIABLE flags
                   OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE rc)
   if(rc)
-    message(FATAL_ERROR "pkg-config does not know kvalloc")
+    message(FATAL_ERROR "pkg-config does not know kvalloc (${what})")
   endif()
   separate_arguments(flags UNIX_COMMAND "${flags}")
-  file(GLOB libdir ${prefix}/lib*)
+  get_filename_component(libdir ${pcdir} DIRECTORY)
   execute_process(COMMAND cc ${consumer}/main.c ${flags} -Wl,-rpath,${libdir} -o ${consumer}/pc_consumer
                   RESULT_VARIABLE rc)
   if(rc)
-    message(FATAL_ERROR "pkg-config consumer failed to build")
+    message(FATAL_ERROR "pkg-config consumer (${what}) failed to build (flags: ${flags})")
   endif()
   execute_process(COMMAND ${consumer}/pc_consumer RESULT_VARIABLE rc)
   if(rc)
-    message(FATAL_ERROR "pkg-config consumer failed")
+    message(FATAL_ERROR "pkg-config consumer (${what}) failed")
   endif()
+endfunction()
 
-# pkg-config where GNUInstallDirs puts libraries on Debian with prefix /usr: lib/<multiarch>, one
-# level deeper than the build's. The .pc file must find its prefix from there.
+file(GLOB pcdir ${prefix}/lib*/pkgconfig)
+pkg_config_consumer("as installed" ${pcdir})
+
+# Where GNUInstallDirs puts libraries on Debian with prefix /usr: lib/<multiarch>, one level
+# deeper than the build's. The .pc file must find its prefix from there.
 include(${SOURCE_DIR}/cmake/kvalloc_pc.cmake)
 set(deep ${WORK_DIR}/deep)
 set(deep_libdir lib/x86_64-linux-gnu)
@@ -110,22 +116,7 @@ kvalloc_write_pc(${deep}/${deep_libdir}/pkgconfig/kvalloc.pc /usr ${deep_libdir}
 file(COPY ${prefix}/include/ DESTINATION ${deep}/include)
 file(GLOB libs ${prefix}/lib*/libkvalloc*)
 file(COPY ${libs} DESTINATION ${deep}/${deep_libdir})
-set(ENV{PKG_CONFIG_PATH} ${deep}/${deep_libdir}/pkgconfig)
-execute_process(COMMAND ${PKG_CONFIG} --cflags --libs kvalloc OUTPUT_VARIABLE flags
-                OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "pkg-config does not know the deep kvalloc.pc")
-endif()
-separate_arguments(flags UNIX_COMMAND "${flags}")
-execute_process(COMMAND cc ${consumer}/main.c ${flags} -Wl,-rpath,${deep}/${deep_libdir} -o ${consumer}/deep_consumer
-                RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "pkg-config consumer of the deep layout failed to build (flags: ${flags})")
-endif()
-execute_process(COMMAND ${consumer}/deep_consumer RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "pkg-config consumer of the deep layout failed")
-endif()
+pkg_config_consumer("lib/<multiarch>" ${deep}/${deep_libdir}/pkgconfig)
 
 # Both installed libraries define only the API as global symbols: every one is a kva_ name.
 find_program(NM nm REQUIRED)
