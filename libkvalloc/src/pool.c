@@ -272,7 +272,10 @@ static unsigned char *guarded_start(const void *ptr) { return (unsigned char *)p
 
 static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
                                 kva_status (*alloc)(kva_pool *, size_t, void **)) {
-    if (!out || size == 0 || size > SIZE_MAX - 2 * KVA_REDZONE) return alloc(pool, size, out);
+    if (!out || size == 0) return alloc(pool, size, out);
+    if (size > pool->max_alloc_size - 2 * KVA_REDZONE)
+        return reject(pool, kva_fail(KVA_ERR_INVALID, "size %zu and its two red zones exceed the largest block (%zu)",
+                                     size, pool->max_alloc_size));
     void *got;
     kva_status st = alloc(pool, size + 2 * KVA_REDZONE, &got);
     if (st != KVA_OK) return st;
@@ -296,9 +299,11 @@ static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
 }
 
 static kva_status checked_free(kva_pool *pool, void *ptr) {
-    if (!ptr || (uintptr_t)ptr - (uintptr_t)pool->base < KVA_REDZONE ||
-        (uintptr_t)ptr - (uintptr_t)pool->base >= pool->capacity)
-        return free_any(pool, ptr);
+    uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+    if (!ptr || offset >= pool->capacity) return free_any(pool, ptr);
+    if (offset < KVA_REDZONE) /* every allocation of a checked pool starts past a red zone */
+        return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is not an allocation: in a checked pool they start %d "
+                                                          "bytes into their block", ptr, KVA_REDZONE));
     unsigned char *start = guarded_start(ptr);
     size_t usable = usable_size(pool, start), bad;
     if (usable == 0) return free_any(pool, start); /* names the fault: double free, bad pointer */
@@ -378,12 +383,18 @@ kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, void **out
     return kva_alloc(pool, bytes, out);
 }
 
+/* A block whose start is a multiple of the red zone, so that what a checked pool hands out, a
+ * red zone past it, is too: any alignment up to the red zone's then holds. */
+static kva_status alloc_redzone_aligned(kva_pool *pool, size_t size, void **out) {
+    return alloc_aligned_any(pool, size, KVA_REDZONE, out);
+}
+
 kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
     kva_status st;
     if (!pool->checked) st = alloc_aligned_any(pool, size, alignment, out);
-    else if (kva_is_pow2(alignment) && alignment <= KVA_REDZONE) st = checked_alloc(pool, size, out, alloc_any);
+    else if (kva_is_pow2(alignment) && alignment <= KVA_REDZONE) st = checked_alloc(pool, size, out, alloc_redzone_aligned);
     else st = reject(pool, kva_fail(KVA_ERR_INVALID, "a checked pool aligns to %d bytes at most, not %zu", KVA_REDZONE, alignment));
     return observe_end(pool, KVA_SHM_OP_ALLOC_ALIGNED, st, st == KVA_OK ? *out : NULL, size, start);
 }
@@ -416,6 +427,23 @@ static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t of
                     (unsigned long long)offset, (unsigned long long)head_offset);
 }
 
+/* Why a slab address that is no object's start cannot be freed: it lies inside a free object
+ * (memory already free, as a buddy block's interior is) or inside a live one, or in the slack
+ * after the last object. */
+static kva_status classify_slab_interior(kva_pool *pool, const void *ptr, uint64_t offset) {
+    const kva_slabs *sl = &pool->slabs;
+    unsigned c = kva_load(&sl->slabs[kva_slab_chunk(sl, offset)].cls);
+    if (c < KVA_NUM_SIZE_CLASSES) {
+        const kva_class_geometry *g = &sl->geom[c];
+        uint64_t rel = offset & sl->chunk_mask, start = offset - rel % g->size;
+        kva_object_ref ref;
+        if (rel / g->size < g->nobj && kva_slab_locate(sl, start, &ref) && !kva_slab_is_live(sl, &ref))
+            return kva_fail(KVA_ERR_DOUBLE_FREE, "%p lies inside slab object %p, which is free", ptr,
+                            (void *)(pool->base + start));
+    }
+    return kva_fail(KVA_ERR_BAD_POINTER, "%p is not the start of a slab object", ptr);
+}
+
 static kva_status free_any(kva_pool *pool, void *ptr) {
     if (!ptr) return reject(pool, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
@@ -438,7 +466,7 @@ static kva_status free_any(kva_pool *pool, void *ptr) {
             else st = (tc = kva_tc_get(pool)) ? kva_tc_free(pool, tc, offset) : kva_tc_free_uncached(pool, offset);
         }
         if (st == KVA_ERR_DOUBLE_FREE) return reject(pool, kva_fail(st, "slab object %p is already free", ptr));
-        if (st != KVA_OK) return reject(pool, kva_fail(st, "%p is not the start of a slab object", ptr));
+        if (st != KVA_OK) return reject(pool, classify_slab_interior(pool, ptr, offset));
         return KVA_OK;
     }
     uint32_t index = (uint32_t)(offset >> pool->buddy.min_shift);
@@ -498,8 +526,14 @@ size_t kva_usable_size(kva_pool *pool, const void *ptr) {
     if (!pool || !ptr) return 0;
     if (pool->checked) {
         if ((uintptr_t)ptr - (uintptr_t)pool->base < KVA_REDZONE) return 0;
-        size_t usable = usable_size(pool, guarded_start(ptr));
-        return usable ? usable - 2 * KVA_REDZONE : 0;
+        const unsigned char *start = guarded_start(ptr);
+        size_t usable = usable_size(pool, start);
+        if (!usable) return 0;
+        /* What may be written: the requested size, kept in the front red zone; past it begins
+         * the back red zone (a corrupted front one cannot say more than the block holds). */
+        uint64_t stored;
+        memcpy(&stored, start, sizeof stored);
+        return ~stored < usable - 2 * KVA_REDZONE ? (size_t)~stored : usable - 2 * KVA_REDZONE;
     }
     return usable_size(pool, ptr);
 }

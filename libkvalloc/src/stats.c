@@ -4,6 +4,7 @@
  * extra for it. Taken under every lock; the threads' own counters are read as they stand (exact
  * once those threads are quiet, an estimate while they run).
  */
+#include "checked.h"
 #include "pool.h"
 #include "tcache.h"
 
@@ -31,7 +32,8 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.capacity = pool->capacity;
     st.min_block = (size_t)1 << buddy->min_shift;
     st.slab_chunk = (size_t)1 << sl->chunk_shift;
-    st.max_alloc_size = pool->max_alloc_size;
+    /* The largest request that can succeed: a checked pool's two red zones come out of it. */
+    st.max_alloc_size = pool->max_alloc_size - (pool->checked ? 2 * KVA_REDZONE : 0);
     st.num_orders = buddy->num_orders;
     for (unsigned k = 0; k < buddy->num_orders; k++) st.free_blocks[k] = buddy->free_count[k];
     st.bytes_free = (size_t)buddy->free_units << buddy->min_shift;

@@ -3,6 +3,7 @@
  * next allocation of that memory and by kva_check; a write past either end of an allocation is
  * reported at its free; all on slab objects, buddy blocks and exact ranges.
  */
+#include <stdio.h>
 #include <string.h>
 
 #include "check.h"
@@ -29,10 +30,20 @@ static void run(alloc_fn alloc, size_t size, const char *what) {
     /* Clean use: the whole requested size is writable and freeing it is quiet. */
     REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
     CHECK((uintptr_t)p % 16 == 0);
-    CHECK(kva_usable_size(pool, p) >= size);
-    memset(p, 0x5a, size);
+    CHECK(kva_usable_size(pool, p) == size); /* past it is red zone: writable is what was asked */
+    memset(p, 0x5a, kva_usable_size(pool, p));
     CHECK_STATUS(kva_free(pool, p), KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
+
+    /* A pointer into the red zone before an allocation is none: refused, nothing changed. */
+    REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
+    kva_stats before, after;
+    kva_get_stats(pool, &before);
+    for (int back = 1; back <= 16; back++) CHECK_STATUS(kva_free(pool, p - back), KVA_ERR_BAD_POINTER);
+    kva_get_stats(pool, &after);
+    CHECK(after.live_allocations == before.live_allocations && after.bytes_in_use == before.bytes_in_use);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
 
     /* A write after free: kva_check finds it, and so does the allocation that gets the memory. */
     REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
@@ -87,6 +98,32 @@ int main(void) {
     CHECK_STATUS(kva_alloc_aligned(pool, 64, 64, &p), KVA_ERR_INVALID);
     CHECK_STATUS(kva_alloc_aligned(pool, 64, 16, &p), KVA_OK);
     CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    /* Alignments up to the red zone hold for every size, also where size + red zones falls in
+     * a class that is not a multiple of 16 (40 B, 56 B): two neighbours of each. */
+    for (size_t size = 1; size <= 200; size++)
+        for (size_t alignment = 1; alignment <= 16; alignment *= 2) {
+            void *q[2];
+            for (int k = 0; k < 2; k++) {
+                CHECK_STATUS(kva_alloc_aligned(pool, size, alignment, &q[k]), KVA_OK);
+                if ((uintptr_t)q[k] % alignment) {
+                    fprintf(stderr, "size %zu: %p is not %zu-aligned\n", size, q[k], alignment);
+                    check_failures++;
+                }
+            }
+            for (int k = 0; k < 2; k++) CHECK_STATUS(kva_free(pool, q[k]), KVA_OK);
+        }
+    /* The largest request that can succeed is the one the statistics give, red zones counted. */
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    CHECK_STATUS(kva_alloc(pool, st.max_alloc_size, &p), KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    void *untouched = (void *)0x1;
+    CHECK_STATUS(kva_alloc(pool, st.max_alloc_size + 1, &untouched), KVA_ERR_INVALID);
+    CHECK(untouched == (void *)0x1);
+    char said[64];
+    snprintf(said, sizeof said, "size %zu ", st.max_alloc_size + 1);
+    CHECK(strstr(kva_last_error(), said) != NULL); /* the size the caller asked for */
+    CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
 
     kva_config cfg;
