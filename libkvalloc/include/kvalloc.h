@@ -12,7 +12,9 @@
  *    A call that fails leaves the pool exactly as it was and leaves every out-parameter
  *    untouched; kva_last_error() then describes the failure in words.
  *  - Once a host pool exists, allocation and free make no system call (a lock waited for,
- *    on a slow path, is the one exception: a futex wait). A CUDA pool calls the driver only
+ *    on a slow path, is one exception: a futex wait; on a host with several NUMA nodes, an
+ *    arena's slab growth binds a chunk to the arena's node the first time, one mbind per chunk
+ *    and node, is the other). A CUDA pool calls the driver only
  *    from its slow paths: to map device memory when a block or a new slab first needs it, and
  *    to unmap it (kva_trim, trim_watermark).
  *
@@ -209,7 +211,9 @@ KVA_API void kva_pool_destroy(kva_pool *pool);
  * largest power of two dividing their size class (at least 16 B for sizes above 56 B, at
  * least 4 B for all); larger sizes get a buddy block aligned to its own power-of-two size.
  * Errors: KVA_ERR_INVALID (NULL pool or out, size 0, size larger than the largest block this
- * pool can ever hold), KVA_ERR_NOMEM (fits in principle, not now). */
+ * pool can ever hold), KVA_ERR_NOMEM (fits in principle, not now), KVA_ERR_BACKEND (a CUDA
+ * pool whose driver refused to map the memory), KVA_ERR_CORRUPT (a checked pool found a write
+ * after free in the memory it would hand out, and hands out nothing). */
 KVA_API kva_status kva_alloc(kva_pool *pool, size_t size, void **out);
 
 /* As kva_alloc, with the address a multiple of alignment (a power of two no larger than the
@@ -230,7 +234,8 @@ KVA_API kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, vo
 KVA_API kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out);
 
 /* Frees an allocation; no size is needed. Errors: KVA_ERR_INVALID (NULL pool or ptr),
- * KVA_ERR_DOUBLE_FREE, KVA_ERR_BAD_POINTER. On error nothing changes. */
+ * KVA_ERR_DOUBLE_FREE, KVA_ERR_BAD_POINTER: on these nothing changes. In a checked pool,
+ * KVA_ERR_CORRUPT when a red zone was overwritten: the memory is freed all the same. */
 KVA_API kva_status kva_free(kva_pool *pool, void *ptr);
 
 /* Returns the calling thread's cached free objects of this pool to their arenas, so that other
@@ -241,25 +246,28 @@ KVA_API kva_status kva_free(kva_pool *pool, void *ptr);
  * 64 KiB objects), while the thread allocates that class; 1 word while it only frees it
  * (kva_stats.cached_bytes says how much is held). An allocation that finds no memory first flushes its own thread's cache and every
  * arena's spare slabs; what other threads' caches hold stays theirs until they allocate, free,
- * flush or exit. */
+ * flush or exit. KVA_ERR_INVALID for a NULL pool. */
 KVA_API kva_status kva_thread_flush(kva_pool *pool);
 
-/* The usable size of a live allocation (its size class or block size); 0 if ptr is not the
- * start of a live allocation of this pool. */
+/* The usable size of a live allocation (its size class or block size; in a checked pool the
+ * size asked for, since the red zone starts right after it); 0 if ptr is not the start of a
+ * live allocation of this pool. */
 KVA_API size_t kva_usable_size(kva_pool *pool, const void *ptr);
 
 /* Returns every empty slab to the buddy, including the one spare each size class keeps; then,
  * in a CUDA pool, unmaps and releases every granule of device memory no live block touches:
  * kernels that may still use freed blocks must have finished (the device synchronized).
- * KVA_ERR_BACKEND if the driver refused to unmap (what it did unmap stays unmapped). */
+ * KVA_ERR_BACKEND if the driver refused to unmap (what it did unmap stays unmapped);
+ * KVA_ERR_INVALID for a NULL pool. */
 KVA_API kva_status kva_trim(kva_pool *pool);
 
 /* Walks every invariant of the pool's metadata. KVA_OK, or KVA_ERR_CORRUPT with the first
- * broken invariant named in kva_last_error(). Cost grows with the pool; not for hot paths. */
+ * broken invariant named in kva_last_error(); KVA_ERR_INVALID for a NULL pool, KVA_ERR_NOMEM if
+ * there is no host memory for the walk's scratch. Cost grows with the pool; not for hot paths. */
 KVA_API kva_status kva_check(kva_pool *pool);
 
 /* The start of the managed region (offset 0). Useful to turn addresses into offsets. In a CUDA
- * pool it is a device address. */
+ * pool it is a device address. KVA_ERR_INVALID for a NULL pool or base. */
 KVA_API kva_status kva_pool_base(kva_pool *pool, void **base);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -309,6 +317,7 @@ typedef struct kva_stats {
                                   to that thread without a lock */
 } kva_stats;
 
+/* KVA_ERR_INVALID for a NULL pool or out. */
 KVA_API kva_status kva_get_stats(kva_pool *pool, kva_stats *out);
 
 /* Publishes the pool's state to its shared-memory segment now (named pools; a no-op for an
@@ -334,6 +343,8 @@ KVA_API size_t kva_size_class_size(unsigned index);
 /* The size class a request of size bytes falls in; -1 if size is 0 or above
  * KVA_SLAB_MAX_SIZE. */
 KVA_API int kva_size_class_of(size_t size);
+/* The figures of size class index. KVA_ERR_INVALID for a NULL pool or out, or an index of no
+ * class. */
 KVA_API kva_status kva_get_class_stats(kva_pool *pool, unsigned index, kva_class_stats *out);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -353,7 +364,8 @@ typedef int (*kva_walk_fn)(uint64_t offset, uint64_t size, kva_walk_kind kind, v
 
 /* Visits every live allocation and every free range. The walk holds the pool's locks, so the
  * callback must not call into the pool; other threads' slow paths wait for the walk to end, and
- * objects their caches allocate or free meanwhile may show either way. */
+ * objects their caches allocate or free meanwhile may show either way. KVA_ERR_INVALID for a
+ * NULL pool or fn; KVA_ERR_CORRUPT if the metadata is broken (kva_check names how). */
 KVA_API kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx);
 
 /* ------------------------------------------------------------------------------------------ */

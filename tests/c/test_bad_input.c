@@ -166,6 +166,18 @@ static void test_bad_pointers(void) {
     before = take(pool);
     uintptr_t chunk = ((uintptr_t)odd - (uintptr_t)base) & ~(uintptr_t)((2 << 20) - 1);
     CHECK_STATUS(kva_free(pool, (char *)base + chunk + (2 << 20) - 32), KVA_ERR_BAD_POINTER);
+    /* Inside a free object is memory already free, as inside a free buddy block: a double free
+     * (of the object, or of something in it); inside its live neighbour, a bad pointer. */
+    void *neighbour;
+    CHECK_STATUS(kva_alloc(pool, 48, &neighbour), KVA_OK);
+    CHECK_STATUS(kva_free(pool, odd), KVA_OK);
+    before = take(pool);
+    CHECK_STATUS(kva_free(pool, (char *)odd + 8), KVA_ERR_DOUBLE_FREE);
+    CHECK(strstr(kva_last_error(), "which is free") != NULL);
+    CHECK_STATUS(kva_free(pool, (char *)neighbour + 8), KVA_ERR_BAD_POINTER);
+    CHECK(unchanged(pool, &before));
+    CHECK_STATUS(kva_free(pool, neighbour), KVA_OK);
+    before = take(pool);
     CHECK(kva_usable_size(pool, (char *)obj + 1) == 0);
     CHECK(kva_usable_size(pool, heap) == 0);
     CHECK(unchanged(pool, &before));
