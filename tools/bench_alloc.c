@@ -326,6 +326,7 @@ static double figure(enum bench_allocator a, enum bench_metric m)
     switch (m) {
     case BENCH_METADATA_BYTES:
     case BENCH_METADATA_FRACTION:
+    case BENCH_METADATA_FULL_FRACTION:
     case BENCH_LARGE_MAX_NS:
     case BENCH_LARGE_FAILURES:
         return r.value[r.count - 1];
@@ -451,14 +452,16 @@ static void judge_targets(const struct syscall_check *sc, struct target *t)
         snprintf(t[3].detail, sizeof t[3].detail, "n/a (kvalloc not measured)");
     }
 
+    /* Judged at its worst: the pool full of the smallest objects measured. The patterns' own
+     * peaks (a few thousand objects live) show the fixed part. */
     t[4].name = "metadata <= 0.5% of capacity";
     t[4].key = "metadata_fraction";
-    t[4].value = figure(BENCH_KVALLOC, BENCH_METADATA_FRACTION);
+    t[4].value = figure(BENCH_KVALLOC, BENCH_METADATA_FULL_FRACTION);
     if (!isnan(t[4].value)) {
         t[4].state = t[4].value <= 0.005 ? TARGET_PASS : TARGET_FAIL;
-        snprintf(t[4].detail, sizeof t[4].detail, "%.4f%% (%.0f B of %.0f MiB)",
-                 100 * t[4].value, figure(BENCH_KVALLOC, BENCH_METADATA_BYTES),
-                 figure(BENCH_KVALLOC, BENCH_CAPACITY) / 1048576);
+        snprintf(t[4].detail, sizeof t[4].detail, "%.3f%% with the pool full; %.3f%% at the patterns' peaks (%.0f B of %.0f MiB)",
+                 100 * t[4].value, 100 * figure(BENCH_KVALLOC, BENCH_METADATA_FRACTION),
+                 figure(BENCH_KVALLOC, BENCH_METADATA_BYTES), figure(BENCH_KVALLOC, BENCH_CAPACITY) / 1048576);
     } else {
         snprintf(t[4].detail, sizeof t[4].detail, "n/a (kvalloc not measured)");
     }

@@ -77,6 +77,7 @@ enum bench_metric {
     BENCH_METADATA_BYTES,    /* kvalloc only, read at the largest live set of a pattern */
     BENCH_CAPACITY,
     BENCH_METADATA_FRACTION,
+    BENCH_METADATA_FULL_FRACTION, /* kvalloc only: the same with the pool full of one size */
     BENCH_PAGE_KIND,         /* a kva_page_kind value */
     BENCH_PAGE_SIZE,
     BENCH_SYSCALL_CHECK_OPS, /* allocator calls made between the syscall-check markers */
@@ -110,6 +111,7 @@ static const char *const bench_metric_keys[BENCH_METRIC_COUNT] = {
     [BENCH_METADATA_BYTES] = "metadata_bytes",
     [BENCH_CAPACITY] = "capacity_bytes",
     [BENCH_METADATA_FRACTION] = "metadata_fraction",
+    [BENCH_METADATA_FULL_FRACTION] = "metadata_fraction_full_pool",
     [BENCH_PAGE_KIND] = "page_kind",
     [BENCH_PAGE_SIZE] = "page_size",
     [BENCH_SYSCALL_CHECK_OPS] = "syscall_check_ops",
