@@ -25,6 +25,9 @@
  * blocks and slab growth lock the pool. The KV manager and variable-size pools serialize their
  * calls with a lock of their own. A process may fork while other threads use a pool: the child
  * finds every pool lock free (what the other threads' caches held stays theirs).
+ * Freeing one object from two threads at the same moment is the caller's race, and the one bad
+ * input not always refused: both calls may return KVA_OK (docs/reliability.md, "Known limits",
+ * says what that costs).
  */
 #ifndef KVALLOC_H
 #define KVALLOC_H
