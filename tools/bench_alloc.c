@@ -630,17 +630,20 @@ static void write_json(const struct settings *s, const struct machine *m,
 
 /* Every figure is the median over several processes, run in turns across the allocators so
  * that a slow spell of the machine (another build on a 2-core box) is shared by all of them
- * rather than charged to whichever ran during it. */
+ * rather than charged to whichever ran during it; the allocator that goes first changes from
+ * one repetition to the next, so that no allocator always follows the same one. */
 static void run_all(const struct settings *s)
 {
     static const char *const in_process_patterns[] = {"batch64", "batch4k", "shuffled64", "mixed", "large"};
     for (unsigned rep = 0; rep < s->processes; rep++)
         for (size_t p = 0; p < sizeof in_process_patterns / sizeof in_process_patterns[0]; p++)
-            for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
+            for (int k = 0; k < BENCH_ALLOCATOR_COUNT; k++) {
+                int a = (int)((k + rep) % BENCH_ALLOCATOR_COUNT);
                 if (g_alloc[a].measured) {
-                    struct child_spec c = {a, in_process_patterns[p], 0, NULL, 0};
+                    struct child_spec c = {(enum bench_allocator)a, in_process_patterns[p], 0, NULL, 0};
                     run_measured(s, &c);
                 }
+            }
     /* In a virtual machine, guest memory nobody has touched since boot (or that was handed
      * back to the host, as free page reporting does) also faults on the host, many times
      * slower, and would be charged to whichever child meets it first. So the first round is

@@ -222,6 +222,11 @@ struct batch_shape {
     const unsigned *order;
 };
 
+/* Mixed: token metadata, small tensors' headers and scratch records of eight sizes, 16 B to
+ * 1 KiB, one after the other, so that every free changes size class. */
+#define MIXED_SIZES 8
+static const size_t mixed_sizes[MIXED_SIZES] = {16, 48, 64, 96, 128, 256, 512, 1024};
+
 /* A shape laid out for the timed loop: each object's size read from an array, so that the loop
  * has no division (i % nsizes is a hardware divide in every call; at one size the divider
  * returns early, at eight it is a cost of the loop, not of the allocator). */
@@ -523,16 +528,23 @@ static void run_syscall_check(const struct backend *b, const struct child_option
     static struct live_set live;
     void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
     uint64_t rng = 0x9E3779B97F4A7C15ULL, failures = 0, calls = 0;
-    static const size_t batch_sizes[] = {64, 4096};
+    /* The calls of every timed batch pattern: 64 B, 4 KiB, the mixed sizes, and 64 B freed in
+     * the shuffled order. */
+    static const size_t size64[] = {64}, size4k[] = {4096};
+    const struct batch_shape shapes[] = {{size64, 1, NULL},
+                                         {size4k, 1, NULL},
+                                         {mixed_sizes, MIXED_SIZES, NULL},
+                                         {size64, 1, shuffled_order()}};
 
     mark(BENCH_MARK_BEGIN "\n");
-    for (size_t s = 0; s < sizeof batch_sizes / sizeof batch_sizes[0]; s++) {
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        const struct batch_shape *shape = &shapes[s];
         for (unsigned r = 0; r < o->rounds; r++) {
             for (int i = 0; i < BATCH_OBJECTS; i++)
-                if (bench_alloc_into(b, batch_sizes[s], &slots[i]))
-                    die("allocation of %zu bytes failed", batch_sizes[s]);
+                if (bench_alloc_into(b, shape->sizes[(size_t)i % shape->nsizes], &slots[i]))
+                    die("allocation of %zu bytes failed", shape->sizes[(size_t)i % shape->nsizes]);
             for (int i = 0; i < BATCH_OBJECTS; i++)
-                if (bench_release(b, slots[i]))
+                if (bench_release(b, slots[shape->order ? shape->order[i] : (unsigned)i]))
                     die("a free was refused");
             calls += 2 * BATCH_OBJECTS;
         }
@@ -608,9 +620,7 @@ int bench_child_main(int argc, char **argv)
     if (is_kvalloc && strcmp(o.pattern, "touch") != 0)
         create_pool(LARGE_POOL, o.prefault, strcmp(o.pattern, "syscalls") == 0 ? 1 : 0);
 
-    /* Mixed: token metadata, small tensors' headers and scratch records of eight sizes, 16 B to
-     * 1 KiB, one after the other, so that every free changes size class. */
-    static const size_t size64[] = {64}, size4k[] = {4096}, mixed[] = {16, 48, 64, 96, 128, 256, 512, 1024};
+    static const size_t size64[] = {64}, size4k[] = {4096};
     if (strcmp(o.pattern, "batch64") == 0)
         run_batch(b, &o, &(struct batch_shape){size64, 1, NULL}, BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS,
                   BENCH_BATCH64_FREE_NS);
@@ -621,7 +631,7 @@ int bench_child_main(int argc, char **argv)
         run_batch(b, &o, &(struct batch_shape){size64, 1, shuffled_order()}, BENCH_SHUFFLED64_NS,
                   BENCH_SHUFFLED64_ALLOC_NS, BENCH_SHUFFLED64_FREE_NS);
     else if (strcmp(o.pattern, "mixed") == 0)
-        run_batch(b, &o, &(struct batch_shape){mixed, sizeof mixed / sizeof mixed[0], NULL}, BENCH_MIXED_NS,
+        run_batch(b, &o, &(struct batch_shape){mixed_sizes, MIXED_SIZES, NULL}, BENCH_MIXED_NS,
                   BENCH_MIXED_ALLOC_NS, BENCH_MIXED_FREE_NS);
     else if (strcmp(o.pattern, "large") == 0)
         run_large(b, &o);

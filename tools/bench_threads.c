@@ -710,18 +710,21 @@ static int runs_at(int pattern, unsigned threads)
 }
 
 /* Every figure is the median over several processes, run in turns across the allocators so that
- * a slow spell of the machine is shared by all of them. */
+ * a slow spell of the machine is shared by all of them; the allocator that goes first changes
+ * from one repetition to the next, so that no allocator always follows the same one. */
 static void run_all(const struct settings *s)
 {
     unsigned children = 0;
     for (unsigned rep = 0; rep < s->processes; rep++)
         for (int p = 0; p < PAT_COUNT; p++)
             for (unsigned t = 0; t < s->thread_counts; t++)
-                for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
+                for (int k = 0; k < BENCH_ALLOCATOR_COUNT; k++) {
+                    int a = (int)((k + rep) % BENCH_ALLOCATOR_COUNT);
                     if (s->pattern_on[p] && g_alloc[a].measured && runs_at(p, s->threads[t])) {
                         run_child(s, (enum bench_allocator)a, p, t);
                         children++;
                     }
+                }
     if (children == 0)
         die("nothing to run: no allocator found, or producer/consumer alone at odd thread "
             "counts");
