@@ -198,20 +198,23 @@ static void list_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     if (!slab->listed) list_push_tail(sl, arena_class(sl, s), s);
 }
 
-void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner) {
+void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, uint64_t freeing) {
     kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
-    /* No fence needed: a remote free ORs its bit only into a word it saw owned by another cache;
-     * one that ORs into this word's remote bits just as it changes hands either lands before the
-     * load below (merged now) or after it, and then finds this owner, or finds no owner and
-     * takes this arena's lock, which is held here, and then finds this owner: either way its bit
-     * waits for this owner's next merge. */
-    __atomic_store_n(&kva_slab_owner(slab, g)[w], owner, __ATOMIC_RELEASE);
+    /* The bits first, the owner after (a release store): a remote free reads the owner, then
+     * the object's bit, so one that finds this owner finds the objects freed here free too (a
+     * double free, refused). A remote free that ORs into this word's remote bits just as it
+     * changes hands either lands before the exchange below (merged now) or after it, and then
+     * finds this owner, or finds no owner and takes this arena's lock, which is held here, and
+     * then finds this owner: either way its bit waits for this owner's next merge. */
     uint64_t *l0 = &slab->l0[w];
     uint64_t before = kva_load(l0), *remote_word = &kva_slab_remote(slab, g)[w];
     uint64_t remote = kva_load(remote_word) ? __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL) : 0;
-    kva_store(l0, before | remote);
-    /* The word's objects all count as in use now; its remote ones were counted live already. */
+    kva_slab_count_doubled(sl, slab->cls, remote & before);
+    kva_store(l0, before | remote | freeing);
+    __atomic_store_n(&kva_slab_owner(slab, g)[w], owner, __ATOMIC_RELEASE);
+    /* The word's objects all count as in use now; its remote ones were counted live already,
+     * and so were the ones freed here. */
     slab->inuse += (uint32_t)__builtin_popcountll(before);
     uint64_t *slot = kva_slab_bitmap(sl, s);
     uint64_t l1 = slot[w >> 6];
@@ -239,7 +242,7 @@ int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int ma
     unsigned i = kva_ctz64(slab->l2);
     uint32_t w = i * 64 + kva_ctz64(slot[i]);
     if (ac->empty_slab == s) ac->empty_slab = KVA_NIL; /* no longer empty once claimed */
-    kva_slab_claim_word(sl, s, w, owner);
+    kva_slab_claim_word(sl, s, w, owner, 0);
     *slab_out = s;
     *word_out = w;
     return 1;
@@ -254,7 +257,11 @@ void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
     uint64_t *l0 = &slab->l0[w], *remote_word = &kva_slab_remote(slab, g)[w];
     uint64_t bits = kva_load(l0);
-    if (__atomic_load_n(remote_word, __ATOMIC_SEQ_CST)) bits |= __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL);
+    if (__atomic_load_n(remote_word, __ATOMIC_SEQ_CST)) {
+        uint64_t passed = __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL);
+        kva_slab_count_doubled(sl, slab->cls, passed & bits);
+        bits |= passed;
+    }
     kva_store(l0, bits);
     if (bits == 0) return;
     slab->inuse -= (uint32_t)__builtin_popcountll(bits);
@@ -279,8 +286,9 @@ void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w) {
     if (c == KVA_SLAB_NONE || kva_load(&slab->arena) != a) return;
     const kva_class_geometry *g = &sl->geom[c];
     if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return;
-    uint64_t freed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL) & ~kva_load(&slab->l0[w]);
-    if (freed) free_unowned(sl, s, w, freed);
+    uint64_t passed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL), free = kva_load(&slab->l0[w]);
+    kva_slab_count_doubled(sl, c, passed & free);
+    if (passed & ~free) free_unowned(sl, s, w, passed & ~free);
 }
 
 int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit) {

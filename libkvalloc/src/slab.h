@@ -113,6 +113,10 @@ typedef struct kva_slabs {
     kva_arena *arenas;
     unsigned narenas;
     uint32_t live_slabs;    /* under the pool lock */
+    /* (atomic) Per class, frees of one object that raced each other and were both accepted
+     * (docs/reliability.md, "Known limits"), found when their bits meet: both were counted
+     * among the frees, so the totals take these back out (kva_tc_totals_locked). */
+    uint64_t doubled_frees[KVA_NUM_SIZE_CLASSES];
     /* The pool's: slab growth and release take a chunk from and give it to the buddy, and
      * commit or decommit its memory, under the pool lock. */
     kva_buddy *buddy;
@@ -212,8 +216,10 @@ KVA_INLINE uint32_t kva_slab_owner_of(const kva_slabs *sl, const kva_object_ref 
  * the slab and word, 0 when there is none. */
 int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int grow, uint32_t *slab, uint32_t *word);
 
-/* Claims word w of slab s, which nobody owns, for owner. */
-void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner);
+/* Claims word w of slab s, which nobody owns, for owner, freeing the live objects `freeing`
+ * of it first: their bits are in the word before its owner is, so a remote free that finds
+ * the owner also finds them free. */
+void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, uint64_t freeing);
 
 /* Gives back word w of slab s, owned by the caller: its free objects (remote ones merged)
  * return to the slab and its arena. */
@@ -235,12 +241,21 @@ unsigned kva_slab_trim(kva_slabs *sl);
 
 /* ---- words: the owner side (no lock) ------------------------------------------------------- */
 
-/* Merges the remote frees of an owned word into it; returns the word's free bits. A remote bit
- * whose object is already free in the word is two frees that raced; the object stays free once. */
-KVA_INLINE uint64_t kva_slab_merge_remote(uint64_t *l0, uint64_t *remote) {
+/* A remote bit whose object is already free in the word is two frees that raced and were
+ * both accepted: the object stays free once, and the second free is taken back out of the
+ * class's count. */
+KVA_INLINE void kva_slab_count_doubled(kva_slabs *sl, unsigned c, uint64_t doubled) {
+    if (kva_unlikely(doubled != 0))
+        __atomic_fetch_add(&sl->doubled_frees[c], (uint64_t)__builtin_popcountll(doubled), __ATOMIC_RELAXED);
+}
+
+/* Merges the remote frees of an owned word of class c into it; returns the word's free bits. */
+KVA_INLINE uint64_t kva_slab_merge_remote(kva_slabs *sl, unsigned c, uint64_t *l0, uint64_t *remote) {
     uint64_t bits = kva_load(l0);
     if (kva_load(remote) == 0) return bits;
-    bits |= __atomic_exchange_n(remote, 0, __ATOMIC_ACQ_REL);
+    uint64_t passed = __atomic_exchange_n(remote, 0, __ATOMIC_ACQ_REL);
+    kva_slab_count_doubled(sl, c, passed & bits);
+    bits |= passed;
     kva_store(l0, bits);
     return bits;
 }

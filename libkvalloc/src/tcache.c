@@ -131,13 +131,13 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
 }
 
 int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
-    const kva_slabs *sl = &pool->slabs;
+    kva_slabs *sl = &pool->slabs;
     kva_tc_class *k = &tc->cls[c];
     uint32_t n = k->nowned, i = k->cur == KVA_NIL ? 0 : k->cur + 1;
     for (uint32_t j = 0; j < n; j++, i++) {
         if (i == n) i = 0;
         uint32_t s = k->slab[i], w = k->word[i];
-        if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w))) {
+        if (kva_slab_merge_remote(sl, c, word_l0(sl, s, w), word_remote(sl, s, w))) {
             set_current(pool, tc, c, i);
             return 1;
         }
@@ -197,6 +197,14 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
     if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
+    /* The owner may have freed the object itself since the test above (a double free racing
+     * this one): its bit is then set. With this free's bit still passed on, nothing has merged
+     * it, so the object's bit comes from that other free: take this one back and refuse it. (An
+     * owner's store still in flight escapes this test; the merge then finds both bits and takes
+     * the second free out of the count: kva_slab_merge_remote.) */
+    if (kva_unlikely(kva_load(ref->l0) & ref->bit) &&
+        (__atomic_fetch_and(remote, ~ref->bit, __ATOMIC_SEQ_CST) & ref->bit))
+        return KVA_ERR_DOUBLE_FREE;
     kva_bump(&tc->frees[ref->cls]);
     kva_bump(&tc->remote_frees);
     /* Not a free into this cache's words: refill's test of whether the thread frees what it
@@ -243,9 +251,8 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
         pthread_mutex_unlock(&arena->lock);
         return KVA_ERR_DOUBLE_FREE;
     }
-    kva_slab_claim_word(sl, ref->slab, ref->word, tc->id);
+    kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
     add_owned(k, ref->slab, ref->word);
-    kva_store(ref->l0, kva_load(ref->l0) | ref->bit);
     kva_bump(&tc->frees[ref->cls]);
     uint32_t fresh = k->nowned - 1;
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, fresh)) != KVA_NIL;) {
@@ -270,7 +277,7 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
         uint32_t owner = kva_slab_owner_of(sl, &ref);
         if (owner == tc->id) {
             /* Its remote frees first: the object may be among them. */
-            uint64_t bits = kva_slab_merge_remote(ref.l0, word_remote(sl, ref.slab, ref.word));
+            uint64_t bits = kva_slab_merge_remote(sl, ref.cls, ref.l0, word_remote(sl, ref.slab, ref.word));
             if (bits & ref.bit) return KVA_ERR_DOUBLE_FREE;
             kva_store(ref.l0, bits | ref.bit);
             kva_bump(&tc->frees[ref.cls]);
@@ -457,7 +464,8 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
     }
     out->remote_frees = pool->retired_remote_frees;
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-        out->frees[c] += __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_RELAXED);
+        out->frees[c] += __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_RELAXED) -
+                         __atomic_load_n(&sl->doubled_frees[c], __ATOMIC_RELAXED);
     const kva_tcache *mine = NULL;
     for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
         if (pool_of(tc) == pool) mine = tc;
