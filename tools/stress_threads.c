@@ -6,11 +6,13 @@
  * kva_walk and kva_check throughout. Every object is stamped at both ends; after each phase
  * kva_check must pass and the live counts must equal what the test holds.
  *
- *     build/tools/stress_threads PHASE SECONDS THREADS [ARENAS]   (PHASE: ring df window var all)
+ *     build/tools/stress_threads PHASE SECONDS THREADS [ARENAS]
+ *         PHASE: ring df df-counts window var all (df-counts: df without its exactness check)
  *
- * Not run by ctest: `df` fails today (docs/reliability.md, "Known limits": two racing frees of
- * one object can both be accepted and counted), and is the reproducer for that defect; the
- * other phases pass, also under ThreadSanitizer (build the library with -DKVA_SANITIZE=thread).
+ * ctest runs `df-counts`. `df` still fails its exactness check (docs/reliability.md, "Known
+ * limits": rarely, two racing frees of one object are both accepted, though counted once) and is
+ * the reproducer for that; its other checks and the other phases pass, also under
+ * ThreadSanitizer (build the library with -DKVA_SANITIZE=thread).
  * Written by a review on 2026-11-29.
  */
 #include <inttypes.h>
@@ -32,6 +34,9 @@ static int nthr;
 static atomic_long failures, held; /* held: live objects the test holds */
 static atomic_ullong next_tag = 1;
 static atomic_int stop_flag, poller_stop;
+/* df: whether exactly one of two racing frees must be refused (phase df), or only that the
+ * pool stays consistent, counts included (phase df-counts, what ctest runs). */
+static int df_exact = 1;
 
 #define FAIL(...)                                                                                  \
     do {                                                                                           \
@@ -455,9 +460,11 @@ static void phase_df(void) {
     fprintf(stderr, "[df] statuses seen in 'other' pairs: OK=%lu DF=%lu BAD_POINTER=%lu INVALID=%lu CORRUPT=%lu; duplicate hand-outs=%lu\n",
             atomic_load(&df_other[0]), atomic_load(&df_other[3]), atomic_load(&df_other[4]), atomic_load(&df_other[2]),
             atomic_load(&df_other[6]), atomic_load(&df_dups));
-    for (int m = 0; m < 3; m++)
+    for (int m = 0; m < 3 && df_exact; m++)
         if (atomic_load(&df_counts[m][0]) || atomic_load(&df_counts[m][2]) || atomic_load(&df_counts[m][3]))
             FAIL("df mode %s: a racing double free was not reported to exactly one thread", mn[m]);
+    if (atomic_load(&df_dups))
+        FAIL("df: %lu objects handed out twice", (unsigned long)atomic_load(&df_dups));
     quiescent("df", atomic_load(&held));
 }
 
@@ -671,6 +678,10 @@ int main(int argc, char **argv) {
     int all = !strcmp(phase, "all");
     if (all || !strcmp(phase, "ring")) phase_ring();
     if (all || !strcmp(phase, "df")) phase_df();
+    if (!strcmp(phase, "df-counts")) {
+        df_exact = 0;
+        phase_df();
+    }
     if (all || !strcmp(phase, "window")) phase_window();
     if (!strcmp(phase, "dup")) phase_dup();
     if (all || !strcmp(phase, "var")) {

@@ -26,8 +26,8 @@
  * calls with a lock of their own. A process may fork while other threads use a pool: the child
  * finds every pool lock free (what the other threads' caches held stays theirs).
  * Freeing one object from two threads at the same moment is the caller's race, and the one bad
- * input not always refused: both calls may return KVA_OK (docs/reliability.md, "Known limits",
- * says what that costs).
+ * input not always refused: rarely, both calls return KVA_OK; the object is free once and
+ * counted once (docs/reliability.md, "Known limits", says what is left).
  */
 #ifndef KVALLOC_H
 #define KVALLOC_H
