@@ -6,10 +6,10 @@
  * kva_walk and kva_check throughout. Every object is stamped at both ends; after each phase
  * kva_check must pass and the live counts must equal what the test holds.
  *
- *     build/tools/stress_threads PHASE SECONDS THREADS [ARENAS]
+ *     build/tests/c/stress_threads PHASE SECONDS THREADS [ARENAS]
  *         PHASE: ring df df-counts window var all (df-counts: df without its exactness check)
  *
- * ctest runs `df-counts`. `df` still fails its exactness check (docs/reliability.md, "Known
+ * ctest runs `df-counts` (label threads, so also under ThreadSanitizer). `df` still fails its exactness check (docs/reliability.md, "Known
  * limits": rarely, two racing frees of one object are both accepted, though counted once) and is
  * the reproducer for that; its other checks and the other phases pass, also under
  * ThreadSanitizer (build the library with -DKVA_SANITIZE=thread).
