@@ -270,6 +270,13 @@ static size_t usable_size(kva_pool *pool, const void *ptr);
 /* The allocation behind a checked pool's pointer starts a red zone earlier. */
 static unsigned char *guarded_start(const void *ptr) { return (unsigned char *)ptr - KVA_REDZONE; }
 
+/* The size asked for, which the front red zone keeps inverted (checked_alloc). */
+static uint64_t stored_size(const unsigned char *start) {
+    uint64_t stored;
+    memcpy(&stored, start, sizeof stored);
+    return ~stored;
+}
+
 static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
                                 kva_status (*alloc)(kva_pool *, size_t, void **)) {
     if (!out || size == 0) return alloc(pool, size, out);
@@ -308,11 +315,9 @@ static kva_status checked_free(kva_pool *pool, void *ptr) {
     size_t usable = usable_size(pool, start), bad;
     if (usable == 0) return free_any(pool, start); /* names the fault: double free, bad pointer */
     const char *overrun = NULL;
-    uint64_t stored;
-    memcpy(&stored, start, sizeof stored);
-    uint64_t size = ~stored;
+    uint64_t size = stored_size(start);
     if (size > usable - 2 * KVA_REDZONE ||
-        !kva_holds(start + sizeof stored, KVA_REDZONE - sizeof stored, KVA_POISON_REDZONE, &bad))
+        !kva_holds(start + sizeof size, KVA_REDZONE - sizeof size, KVA_POISON_REDZONE, &bad))
         overrun = "before its start";
     else if (!kva_holds(start + KVA_REDZONE + size, usable - KVA_REDZONE - size, KVA_POISON_REDZONE, &bad))
         overrun = "past its end";
@@ -531,9 +536,8 @@ size_t kva_usable_size(kva_pool *pool, const void *ptr) {
         if (!usable) return 0;
         /* What may be written: the requested size, kept in the front red zone; past it begins
          * the back red zone (a corrupted front one cannot say more than the block holds). */
-        uint64_t stored;
-        memcpy(&stored, start, sizeof stored);
-        return ~stored < usable - 2 * KVA_REDZONE ? (size_t)~stored : usable - 2 * KVA_REDZONE;
+        uint64_t size = stored_size(start);
+        return size < usable - 2 * KVA_REDZONE ? (size_t)size : usable - 2 * KVA_REDZONE;
     }
     return usable_size(pool, ptr);
 }
