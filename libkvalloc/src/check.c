@@ -167,12 +167,12 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
                     kva_slab_owner(&sl->slabs[s], g)[w] != tc->id)
                     return BROKEN("S6: thread cache %u lists word %u of slab %u for class %u, which it does not own",
                                   tc->id, w, s, c);
-                if (k->cur == i && (h->l0 != sl->slabs[s].l0 + w ||
+                if (k->cur == i && (h->l0 != sl->slabs[s].l0 + w || h->remote != kva_slab_remote(&sl->slabs[s], g) + w ||
                                     h->addr != pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * g->size))
                     return BROKEN("S6: thread cache %u's current word of class %u points elsewhere", tc->id, c);
                 listed++;
             }
-            if (k->cur == KVA_NIL && kva_load(h->l0) != 0)
+            if (k->cur == KVA_NIL && (kva_load(h->l0) | kva_load(h->remote)) != 0)
                 return BROKEN("S6: thread cache %u has no current word of class %u but allocates from one", tc->id, c);
         }
         for (unsigned i = 0; i < KVA_TC_WINDOWS; i++)

@@ -40,11 +40,13 @@ static void set_current(kva_pool *pool, kva_tcache *tc, unsigned c, uint32_t i) 
     kva_store(&k->cur, i);
     h->addr = pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * h->size;
     h->l0 = word_l0(sl, s, w);
+    h->remote = word_remote(sl, s, w);
 }
 
 static void no_current(kva_tcache *tc, unsigned c) {
     kva_store(&tc->cls[c].cur, KVA_NIL);
     tc->hot[c].l0 = &no_word;
+    tc->hot[c].remote = &no_word;
 }
 
 static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {

@@ -42,15 +42,17 @@
 #define KVA_TC_MIN_WORDS 4           /* the fewest, whatever the object size */
 #define KVA_TC_BYTES (128u << 10)    /* object span kept per class: 64 objects x size per word */
 
-/* What allocation of a class reads: 32 bytes, so that finding it is one shift. */
+/* What allocation of a class reads: 64 bytes, so that finding it is one shift. */
 typedef struct kva_tc_hot {
     uint64_t *l0;           /* the current word, or the always-zero word when there is none */
+    uint64_t *remote;       /* the current word's remote word (the always-zero word likewise) */
     unsigned char *addr;    /* the address of the current word's first object */
     uint64_t size;          /* the class's object size */
     uint64_t allocs;        /* by this thread since the cache was made */
+    uint64_t reserved[3];
 } kva_tc_hot;
 
-_Static_assert(sizeof(kva_tc_hot) == 32, "a class's allocation record is 32 bytes");
+_Static_assert(sizeof(kva_tc_hot) == 64, "a class's allocation record is 64 bytes");
 
 /* The owned words of a class: slab[i], word[i] for i < nowned; cur indexes the current one
  * (KVA_NIL: none). Changed by the owner only, read by the stats from other threads. */
@@ -213,12 +215,16 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     return 1;
 }
 
-/* The allocation fast path: pops the lowest free object of the current word of class c. */
+/* The allocation fast path: pops the lowest free object of the current word of class c. A free
+ * object whose remote bit is set too is two frees that raced and were both accepted (slab.h):
+ * while the word holds one, its objects are left to the next merge of the word
+ * (kva_tc_next_word), which takes the second free out of the count, so that no object is handed
+ * out while a stray remote bit could free it again. */
 KVA_INLINE int kva_tc_alloc_fast(kva_tcache *tc, unsigned c, void **out) {
     kva_tc_hot *k = &tc->hot[c];
     kva_opaque(k);
     uint64_t bits = kva_load(k->l0);
-    if (kva_unlikely(bits == 0)) return 0;
+    if (kva_unlikely(bits == 0 || (kva_load(k->remote) & bits) != 0)) return 0;
     kva_store(k->l0, bits & (bits - 1));
     kva_bump(&k->allocs);
     *out = k->addr + (uint64_t)__builtin_ctzll(bits) * k->size;

@@ -300,6 +300,43 @@ static void test_free_window(void) {
     kva_pool_destroy(pool);
 }
 
+/* ---- two frees that raced ------------------------------------------------------------------ */
+
+/* The state two racing frees of one object leave when both are accepted (reliability.md, "Known
+ * limits"): the owner's free set the object's bit in its word while another thread's free,
+ * missing that store, set the object's remote bit; each counted its free. The owner must not
+ * hand the object out again while that remote bit stands, or the bit's merge would free the live
+ * object and hand it out twice. */
+static void test_raced_double_free_is_not_handed_out_twice(void) {
+    pool = make_pool(64 * MiB);
+    enum { FIRST = 10, MORE = 300 };
+    static void *objs[FIRST + MORE];
+    for (int i = 0; i < FIRST; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, objs[5]), KVA_OK); /* the owner's free: a plain store */
+    kva_object_ref ref;
+    REQUIRE(kva_slab_locate(&pool->slabs, (uint64_t)((unsigned char *)objs[5] - pool->base), &ref));
+    kva_tcache *tc = kva_tc_find(pool);
+    REQUIRE(tc && kva_slab_owner_of(&pool->slabs, &ref) == tc->id);
+    __atomic_fetch_or(kva_ref_remote(&pool->slabs, &ref), ref.bit, __ATOMIC_SEQ_CST); /* the other free */
+    tc->frees[ref.cls]++;
+    tc->remote_frees++;
+    objs[5] = NULL;
+    /* Past the next merge of the word (it runs dry after 55 more) and beyond: every object
+     * handed out is distinct from every other live one; objs[5]'s place comes back once. */
+    for (int i = FIRST; i < FIRST + MORE; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
+    int duplicates = 0;
+    for (int i = 0; i < FIRST + MORE; i++)
+        for (int j = i + 1; j < FIRST + MORE; j++) duplicates += objs[i] && objs[i] == objs[j];
+    CHECK(duplicates == 0);
+    CHECK(stats().live_allocations == FIRST - 1 + MORE); /* the second free counted out once */
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    for (int i = 0; i < FIRST + MORE; i++)
+        if (objs[i]) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    CHECK(stats().live_allocations == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 /* A thread whose cache of one pool is refused (no id left) still gives back its cache of
  * another pool when it exits. */
 static kva_pool *other;
@@ -334,6 +371,7 @@ int main(void) {
     test_free_only_thread_keeps_one_word();
     test_allocating_thread_keeps_its_limit();
     test_remote_frees_make_no_keeper();
+    test_raced_double_free_is_not_handed_out_twice();
     test_free_window();
     test_refused_cache_keeps_the_others();
     return CHECK_DONE();
