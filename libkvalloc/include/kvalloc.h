@@ -18,7 +18,8 @@
  *    from its slow paths: to map device memory when a block or a new slab first needs it, and
  *    to unmap it (kva_trim, trim_watermark).
  *
- * Thread safety: every entry point may be called from any number of threads at once. The
+ * Thread safety: every entry point may be called from any number of threads at once, except
+ * kva_pool_destroy, which must not overlap any other call on the same pool. The
  * allocation and free fast paths touch only the calling thread's cache (bitmap words of slab
  * objects it owns, see kva_thread_flush): no lock, no atomic read-modify-write, no cache line
  * another core writes. Slow paths (once per up to 64 objects) lock one per-CPU arena; buddy
@@ -207,7 +208,8 @@ typedef struct kva_pool kva_pool;
 KVA_API kva_status kva_pool_create(const kva_config *cfg, kva_pool **out);
 
 /* Unmaps the region and releases all metadata. Outstanding allocations become invalid.
- * NULL is accepted and ignored. */
+ * NULL is accepted and ignored. No other call on this pool may be running or start afterwards;
+ * other threads' caches of it are freed when those threads next look one up, or exit. */
 KVA_API void kva_pool_destroy(kva_pool *pool);
 
 /* Allocates size bytes. Sizes up to KVA_SLAB_MAX_SIZE come from slabs and are aligned to the

@@ -49,6 +49,21 @@
 #define kva_bump(p) kva_store((p), kva_load(p) + 1)
 #endif
 
+/* kva_bump with release order: a reader that reads the new count with acquire sees everything
+ * the thread did before the count, its taking of the object it counts included (the free
+ * counts, which kva_tc_totals_locked reads before the allocation counts). On
+ * x86-64 that is the same add, since stores there are never reordered with earlier loads or
+ * stores: only the compiler is told. */
+#if defined(__x86_64__) && !defined(KVA_HAS_TSAN)
+#define kva_bump_release(p)                                                                        \
+    do {                                                                                           \
+        __atomic_signal_fence(__ATOMIC_RELEASE);                                                   \
+        kva_bump(p);                                                                               \
+    } while (0)
+#else
+#define kva_bump_release(p) __atomic_store_n((p), kva_load(p) + 1, __ATOMIC_RELEASE)
+#endif
+
 /* The "no index" value of every u32 index list. */
 #define KVA_NIL UINT32_MAX
 

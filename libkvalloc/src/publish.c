@@ -82,7 +82,7 @@ static void publish_classes(kva_pool *pool, kva_segment *seg) {
         uint64_t slabs = 0;
         for (unsigned a = 0; a < sl->narenas; a++) slabs += sl->arenas[a].classes[c].slabs;
         out[c] = (kva_shm_class){.object_size = sl->geom[c].size, .objects_per_slab = sl->geom[c].nobj,
-                                 .live_objects = totals.allocs[c] - totals.frees[c], .slabs = slabs,
+                                 .live_objects = kva_tc_live(&totals, c), .slabs = slabs,
                                  .allocs = totals.allocs[c], .frees = totals.frees[c]};
     }
 }

@@ -41,7 +41,7 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.fragmentation = st.bytes_free ? 1.0 - (double)st.largest_free / (double)st.bytes_free : 0.0;
 
     size_t slab_object_bytes = 0, slab_capacity_bytes = 0, bitmap_bytes = 0;
-    uint64_t allocs = pool->block_allocs, frees = pool->block_frees;
+    uint64_t allocs = pool->block_allocs, frees = pool->block_frees, live = allocs - frees;
     kva_tc_totals totals;
     kva_tc_totals_locked(pool, &totals);
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
@@ -49,7 +49,12 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
         uint64_t slabs = class_slabs(sl, c);
         allocs += totals.allocs[c];
         frees += totals.frees[c];
-        slab_object_bytes += (size_t)(totals.allocs[c] - totals.frees[c]) * g->size;
+        /* While threads run, objects allocated and freed between the two passes of the totals
+         * count as live: at most what the class's slabs hold, read under the locks. */
+        uint64_t objects = kva_tc_live(&totals, c), room = slabs * g->nobj;
+        if (objects > room) objects = room;
+        live += objects;
+        slab_object_bytes += (size_t)objects * g->size;
         slab_capacity_bytes += (size_t)slabs * g->nobj * g->size;
         bitmap_bytes += (size_t)slabs * kva_slot_words(g->l0_words, g->l1_words) * sizeof(uint64_t);
         st.cached_bytes += (size_t)totals.cached[c] * g->size;
@@ -62,7 +67,7 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.slab_free_bytes = slab_capacity_bytes - slab_object_bytes;
     size_t block_bytes = (size_t)buddy->used_units << buddy->min_shift;
     st.bytes_in_use = slab_object_bytes + (block_bytes - st.slab_bytes);
-    st.live_allocations = allocs - frees;
+    st.live_allocations = live;
     st.alloc_count = allocs;
     st.free_count = frees;
     st.alloc_failures = __atomic_load_n(&pool->alloc_failures, __ATOMIC_RELAXED);
@@ -90,7 +95,7 @@ kva_status kva_get_class_stats(kva_pool *pool, unsigned index, kva_class_stats *
     const kva_class_geometry *g = &pool->slabs.geom[index];
     *out = (kva_class_stats){.object_size = g->size,
                              .objects_per_slab = g->nobj,
-                             .live_objects = totals.allocs[index] - totals.frees[index],
+                             .live_objects = kva_tc_live(&totals, index),
                              .slabs = class_slabs(&pool->slabs, index)};
     kva_pool_unlock_all(pool);
     return KVA_OK;

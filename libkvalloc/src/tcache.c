@@ -24,6 +24,21 @@ void kva_tc_registry_unlock(void) { pthread_mutex_unlock(&registry); }
 
 static kva_pool *pool_of(const kva_tcache *tc) { return __atomic_load_n(&tc->pool, __ATOMIC_ACQUIRE); }
 
+/* ---- the test hook ------------------------------------------------------------------------- */
+
+static void (*test_fn)(int point, void *ctx);
+static void *test_ctx;
+
+void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx) {
+    __atomic_store_n(&test_ctx, ctx, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&test_fn, fn, __ATOMIC_SEQ_CST);
+}
+
+static void test_point(int point) {
+    void (*fn)(int, void *) = __atomic_load_n(&test_fn, __ATOMIC_ACQUIRE);
+    if (kva_unlikely(fn != NULL)) fn(point, __atomic_load_n(&test_ctx, __ATOMIC_ACQUIRE));
+}
+
 /* ---- the owned words of a class ------------------------------------------------------------ */
 
 static uint64_t *word_l0(const kva_slabs *sl, uint32_t s, uint32_t w) { return sl->slabs[s].l0 + w; }
@@ -189,6 +204,23 @@ int kva_tc_alloc(kva_pool *pool, kva_tcache *tc, unsigned c, uint64_t *offset) {
 
 /* ---- free ---------------------------------------------------------------------------------- */
 
+/* A remote free's take-back (remote_free): its bit comes out of the remote word again if it is
+ * still there and the slab is still the one the free passed its object to. Once passed on, the
+ * object may have been merged, its slab emptied and a new slab made in the chunk, maybe of
+ * another class, whose words lie where the old ones did: those must not be touched. A slab is
+ * released only under its arena's lock, so under that lock a slab of the generation read
+ * before the pass is that slab until the lock goes. 1 if the bit was taken back. */
+static int take_back(kva_slabs *sl, unsigned a, const kva_object_ref *ref, uint32_t generation) {
+    const kva_slab *slab = &sl->slabs[ref->slab];
+    pthread_mutex_lock(&sl->arenas[a].lock);
+    /* cls first, with acquire: grow() counts the generation before it publishes cls. */
+    int same = __atomic_load_n(&slab->cls, __ATOMIC_ACQUIRE) == ref->cls && kva_load(&slab->generation) == generation &&
+               kva_load(&slab->arena) == a;
+    int taken = same && (__atomic_fetch_and(kva_ref_remote(sl, ref), ~ref->bit, __ATOMIC_SEQ_CST) & ref->bit) != 0;
+    pthread_mutex_unlock(&sl->arenas[a].lock);
+    return taken;
+}
+
 /* A free into a word another cache owns: the object's remote bit, for the owner to merge. */
 static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *ref) {
     kva_slabs *sl = &pool->slabs;
@@ -197,17 +229,18 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     uint64_t *remote = kva_ref_remote(sl, ref);
     uint32_t *owner = kva_ref_owner(sl, ref);
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
+    uint32_t generation = kva_load(&sl->slabs[ref->slab].generation);
     if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
+    test_point(KVA_TC_POINT_PASSED);
     /* The owner may have freed the object itself since the test above (a double free racing
      * this one): its bit is then set. With this free's bit still passed on, nothing has merged
      * it, so the object's bit comes from that other free: take this one back and refuse it. (An
      * owner's store still in flight escapes this test; the merge then finds both bits and takes
-     * the second free out of the count: kva_slab_merge_remote.) */
-    if (kva_unlikely(kva_load(ref->l0) & ref->bit) &&
-        (__atomic_fetch_and(remote, ~ref->bit, __ATOMIC_SEQ_CST) & ref->bit))
-        return KVA_ERR_DOUBLE_FREE;
-    kva_bump(&tc->frees[ref->cls]);
+     * the second free out of the count: kva_slab_merge_remote.) The bit read here may also be a
+     * new slab's, made in the chunk since: take_back tells. */
+    if (kva_unlikely(kva_load(ref->l0) & ref->bit) && take_back(sl, a, ref, generation)) return KVA_ERR_DOUBLE_FREE;
+    kva_bump_release(&tc->frees[ref->cls]);
     kva_bump(&tc->remote_frees);
     /* Not a free into this cache's words: refill's test of whether the thread frees what it
      * allocates must not count it. */
@@ -255,7 +288,7 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
     }
     kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
     add_owned(k, ref->slab, ref->word);
-    kva_bump(&tc->frees[ref->cls]);
+    kva_bump_release(&tc->frees[ref->cls]);
     uint32_t fresh = k->nowned - 1;
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, fresh)) != KVA_NIL;) {
         if (sl->slabs[k->slab[victim]].arena != a) break;
@@ -282,7 +315,7 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
             uint64_t bits = kva_slab_merge_remote(sl, ref.cls, ref.l0, word_remote(sl, ref.slab, ref.word));
             if (bits & ref.bit) return KVA_ERR_DOUBLE_FREE;
             kva_store(ref.l0, bits | ref.bit);
-            kva_bump(&tc->frees[ref.cls]);
+            kva_bump_release(&tc->frees[ref.cls]);
             return KVA_OK;
         }
         if (owner != KVA_NO_OWNER) return remote_free(pool, tc, &ref);
@@ -304,7 +337,7 @@ kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
             uint32_t *owner = kva_ref_owner(sl, &ref);
             unsigned a = kva_load(&sl->slabs[ref.slab].arena);
             if (__atomic_fetch_or(remote, ref.bit, __ATOMIC_SEQ_CST) & ref.bit) return KVA_ERR_DOUBLE_FREE;
-            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELAXED);
+            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELEASE);
             if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
                 pthread_mutex_lock(&sl->arenas[a].lock);
                 kva_slab_drain_remote(sl, a, ref.slab, ref.word);
@@ -319,7 +352,7 @@ kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
         pthread_mutex_unlock(&arena->lock);
         if (!live) return KVA_ERR_DOUBLE_FREE;
         if (freed) {
-            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELAXED);
+            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELEASE);
             return KVA_OK;
         }
         /* Claimed meanwhile: the remote way, next time round. */
@@ -451,7 +484,13 @@ kva_tcache *kva_tc_get(kva_pool *pool) {
 
 void kva_tc_pool_destroyed(kva_pool *pool) {
     pthread_mutex_lock(&registry);
-    for (kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) __atomic_store_n(&tc->pool, KVA_TC_NO_POOL, __ATOMIC_RELEASE);
+    /* Each cache's successor is read before the cache is marked: once marked, its thread may
+     * free it at any moment (kva_tc_find, which takes no lock). */
+    for (kva_tcache *tc = pool->tcaches, *next; tc; tc = next) {
+        next = tc->pool_next;
+        __atomic_store_n(&tc->pool, KVA_TC_NO_POOL, __ATOMIC_RELEASE);
+        test_point(KVA_TC_POINT_MARKED);
+    }
     pool->tcaches = NULL;
     pool->ncaches = 0;
     pthread_mutex_unlock(&registry);
@@ -460,25 +499,33 @@ void kva_tc_pool_destroyed(kva_pool *pool) {
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
     const kva_slabs *sl = &pool->slabs;
     *out = (kva_tc_totals){0};
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        out->allocs[c] = pool->retired_allocs[c];
-        out->frees[c] = pool->retired_frees[c];
-    }
-    out->remote_frees = pool->retired_remote_frees;
+    /* Every free counter first, every allocation counter after: an object's free is counted
+     * after its allocation, often by another thread whose cache may come first in the list, so
+     * read the other way round (or cache by cache) the frees of objects handed between threads
+     * could outrun their allocations and live counts wrap below zero. The free counts are read
+     * with acquire, pairing with the release of each (kva_bump_release): what a thread did
+     * before a free it counted, such as taking the object from its allocating thread, is seen
+     * by the reads that follow. Retired counts do not move: the registry lock is held. */
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-        out->frees[c] += __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_RELAXED) -
-                         __atomic_load_n(&sl->doubled_frees[c], __ATOMIC_RELAXED);
+        out->frees[c] = pool->retired_frees[c] + __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_ACQUIRE) -
+                        __atomic_load_n(&sl->doubled_frees[c], __ATOMIC_RELAXED);
+    out->remote_frees = pool->retired_remote_frees;
+    for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+        out->remote_frees += kva_load(&tc->remote_frees);
+        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
+            out->frees[c] += __atomic_load_n(&tc->frees[c], __ATOMIC_ACQUIRE);
+        test_point(KVA_TC_POINT_COUNTED);
+    }
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) out->allocs[c] = pool->retired_allocs[c];
     const kva_tcache *mine = NULL;
     for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
         if (pool_of(tc) == pool) mine = tc;
     for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
         out->caches++;
         if (tc != mine) out->foreign_caches++;
-        out->remote_frees += kva_load(&tc->remote_frees);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
             out->allocs[c] += kva_load(&tc->hot[c].allocs);
-            out->frees[c] += kva_load(&tc->frees[c]);
             /* Another thread may change its set meanwhile: bounded reads, an estimate. */
             uint32_t n = kva_load(&k->nowned);
             for (uint32_t i = 0; i < n && i < KVA_TC_WORDS; i++) {

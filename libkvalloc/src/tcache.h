@@ -147,6 +147,16 @@ void kva_tc_flush(kva_pool *pool, kva_tcache *tc);
 /* The pool is going away: its caches are marked dead (their threads free them). */
 void kva_tc_pool_destroyed(kva_pool *pool);
 
+/* Test hook (process-wide; NULL restores): fn(point, ctx) runs at each point below, a window in
+ * which another thread's step may strike, so that a test can place that step there.
+ *  KVA_TC_POINT_PASSED  in a remote free, just after its atomic OR has passed the object on;
+ *  KVA_TC_POINT_MARKED  in a pool's destruction, just after one of its caches is marked dead
+ *                       (the registry lock held);
+ *  KVA_TC_POINT_COUNTED in kva_tc_totals_locked, just after a cache's free counts are read (the
+ *                       pool's locks held). */
+enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED };
+void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx);
+
 void kva_tc_registry_lock(void);
 void kva_tc_registry_unlock(void);
 
@@ -161,6 +171,13 @@ typedef struct kva_tc_totals {
     uint32_t foreign_caches;               /* caches of threads other than the caller */
 } kva_tc_totals;
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
+
+/* Live objects of class c by the totals. The totals never count a free before its allocation,
+ * but two frees of one object that raced (both accepted) are taken back out only when their
+ * bits meet: until then a class may show more frees than allocations, and reads 0. */
+KVA_INLINE uint64_t kva_tc_live(const kva_tc_totals *t, unsigned c) {
+    return t->allocs[c] > t->frees[c] ? t->allocs[c] - t->frees[c] : 0;
+}
 
 /* The window free: 1 if ptr is a live object of its window's words, now freed; 0, with nothing
  * changed, otherwise (outside the window, not an object's start, free already, remote frees
@@ -178,7 +195,7 @@ KVA_INLINE int kva_tc_free_window(kva_tcache *tc, const void *ptr) {
     uint64_t w = object >> 6, *l0 = win->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
     if (kva_unlikely(((bits & bit) | kva_load(win->remote + w)) != 0)) return 0;
     kva_store(l0, bits | bit);
-    kva_bump(win->frees);
+    kva_bump_release(win->frees);
     return 1;
 }
 
@@ -206,7 +223,7 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
     if (kva_unlikely(((bits & bit) | kva_load(kva_slab_remote_fast(slab) + w)) != 0)) return 0;
     kva_store(l0, bits | bit);
-    kva_bump(&tc->frees[c]);
+    kva_bump_release(&tc->frees[c]);
     kva_tc_window *win = kva_tc_window_of(tc, base + offset);
     if (kva_unlikely(win->missed == slab))
         kva_tc_open_window(tc, win, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);

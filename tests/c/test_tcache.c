@@ -8,6 +8,7 @@
  * of words a cache owns and refuses, exactly as the full path does, what is not a live object
  * of it.
  */
+#include <semaphore.h>
 #include <string.h>
 
 #include "pool.h"
@@ -337,9 +338,206 @@ static void test_raced_double_free_is_not_handed_out_twice(void) {
     kva_pool_destroy(pool);
 }
 
+/* ---- steps placed in another thread's window (kva_tc_test_hook) ----------------------------- */
+
+/* Two threads in turn: the hook's thread posts `arrived` and waits for `resume`, while the
+ * other does its step. */
+static sem_t arrived, resume;
+static int hook_point = -1;
+
+static void pause_at_point(int point, void *ctx) {
+    (void)ctx;
+    if (point != hook_point) return;
+    hook_point = -1; /* once */
+    sem_post(&arrived);
+    sem_wait(&resume);
+}
+
+/* A remote free passes its object on with an atomic OR; from then on the owner may merge it,
+ * the slab empty, and a slab of another class be made in the chunk, whose words lie where the
+ * old slab's did. The free must not then touch them: it once re-read the object's old bit
+ * there, found one of the new slab's free bits and cleared a bit of the new slab's (its
+ * take-back of a racing double free), losing an object and refusing a valid free. */
+static void *free_x(void *arg) {
+    TCHECK_STATUS(kva_free(pool, arg), KVA_OK);
+    return NULL;
+}
+
+static void test_remote_free_outlived_by_its_slab(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 8 * MiB;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.arenas = 1;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    void *x, *y;
+    CHECK_STATUS(kva_alloc(pool, 4096, &x), KVA_OK); /* in a word this thread owns */
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
+    hook_point = KVA_TC_POINT_PASSED;
+    kva_tc_test_hook(pause_at_point, NULL);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, free_x, x) == 0);
+    sem_wait(&arrived);
+    /* The other thread has passed x on. Its word goes back (x merged: the slab is empty), the
+     * empty slab to the buddy, and a 64 B slab is made in the same chunk, its objects free. */
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
+    CHECK_STATUS(kva_trim(pool), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 64, &y), KVA_OK);
+    REQUIRE(((uintptr_t)y - (uintptr_t)pool->base) >> pool->slabs.chunk_shift ==
+            ((uintptr_t)x - (uintptr_t)pool->base) >> pool->slabs.chunk_shift);
+    CHECK_STATUS(kva_free(pool, y), KVA_OK);
+    sem_post(&resume);
+    pthread_join(t, NULL);
+    kva_tc_test_hook(NULL, NULL);
+    thread_failures_merge();
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_stats st = stats();
+    CHECK(st.live_allocations == 0);
+    /* Every 64 B object of the pool can be had: none was lost. */
+    size_t n = 0;
+    void *p;
+    while (kva_alloc(pool, 64, &p) == KVA_OK) n++;
+    CHECK(n == cfg.capacity / 64);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+}
+
+/* A pool's destruction marks each of its caches dead, and a marked cache's thread may free it
+ * at any moment, on its next lookup. The destruction once read the cache's successor after
+ * marking it: from freed memory, which the program may have been given back meanwhile (here
+ * zeroed by calloc), and then stopped early, leaving later caches of the dead pool unmarked. */
+static kva_pool *other;
+static kva_tcache *idle_cache; /* the idle thread's cache of `pool` */
+static sem_t idle_done;
+
+static void *use_then_idle(void *arg) {
+    (void)arg;
+    void *p;
+    TCHECK_STATUS(kva_alloc(pool, 64, &p), KVA_OK);
+    TCHECK_STATUS(kva_free(pool, p), KVA_OK);
+    idle_cache = kva_tc_find(pool);
+    sem_post(&arrived);
+    sem_wait(&idle_done); /* idle while the pool is destroyed */
+    return NULL;
+}
+
+static void *use_both_then_drop(void *arg) {
+    (void)arg;
+    void *p;
+    TCHECK_STATUS(kva_alloc(other, 64, &p), KVA_OK);
+    TCHECK_STATUS(kva_free(other, p), KVA_OK);
+    TCHECK_STATUS(kva_alloc(pool, 64, &p), KVA_OK); /* its cache of `pool`: first in the pool's list */
+    TCHECK_STATUS(kva_free(pool, p), KVA_OK);
+    sem_post(&arrived);
+    sem_wait(&resume); /* the destruction has marked this thread's cache of `pool` */
+    /* A call on `other` looks the thread's caches up and frees the dead one; then memory of
+     * its size is taken again. */
+    TCHECK_STATUS(kva_alloc(other, 64, &p), KVA_OK);
+    TCHECK_STATUS(kva_free(other, p), KVA_OK);
+    void *again = calloc(1, sizeof(kva_tcache));
+    sem_post(&arrived);
+    sem_wait(&resume);
+    free(again);
+    return NULL;
+}
+
+static void after_mark(int point, void *ctx) {
+    (void)ctx;
+    if (point != KVA_TC_POINT_MARKED || hook_point != KVA_TC_POINT_MARKED) return;
+    hook_point = -1; /* at the first cache marked, the dropping thread's */
+    sem_post(&resume);
+    sem_wait(&arrived);
+}
+
+static void test_destroy_outlived_by_a_cache(void) {
+    pool = make_pool(16 * MiB);
+    other = make_pool(16 * MiB);
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0 && sem_init(&idle_done, 0, 0) == 0);
+    pthread_t idle, dropping;
+    REQUIRE(pthread_create(&idle, NULL, use_then_idle, NULL) == 0);
+    sem_wait(&arrived);
+    REQUIRE(pthread_create(&dropping, NULL, use_both_then_drop, NULL) == 0);
+    sem_wait(&arrived);
+    REQUIRE(idle_cache != NULL && idle_cache->pool == pool);
+    hook_point = KVA_TC_POINT_MARKED;
+    kva_tc_test_hook(after_mark, NULL);
+    kva_pool_destroy(pool);
+    kva_tc_test_hook(NULL, NULL);
+    CHECK(__atomic_load_n(&idle_cache->pool, __ATOMIC_ACQUIRE) == KVA_TC_NO_POOL); /* marked too */
+    sem_post(&resume);
+    pthread_join(dropping, NULL);
+    sem_post(&idle_done);
+    pthread_join(idle, NULL);
+    thread_failures_merge();
+    CHECK_STATUS(kva_check(other), KVA_OK);
+    kva_pool_destroy(other);
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+    sem_destroy(&idle_done);
+}
+
+/* ---- statistics while objects move between threads ----------------------------------------- */
+
+/* Another thread allocates objects and hands them to this one, which frees them: remote frees,
+ * counted in this thread's cache. Totalled cache by cache, a free could be counted while its
+ * allocation, in a cache read before, was not: here, between the reading of the producer's cache
+ * and this thread's, the producer allocates 10 more and this thread frees all 20, and the live
+ * counts wrapped below zero (and bytes in use went past the capacity). */
+enum { HANDED = 20 };
+static void *handed[HANDED];
+
+static void *produce_in_two_batches(void *arg) {
+    (void)arg;
+    for (int i = 0; i < HANDED / 2; i++) TCHECK_STATUS(kva_alloc(pool, 64, &handed[i]), KVA_OK);
+    sem_post(&arrived);
+    sem_wait(&resume); /* inside the totalling */
+    for (int i = HANDED / 2; i < HANDED; i++) TCHECK_STATUS(kva_alloc(pool, 64, &handed[i]), KVA_OK);
+    sem_post(&arrived);
+    sem_wait(&idle_done); /* alive, its cache listed, until the test is done */
+    return NULL;
+}
+
+static void between_caches(int point, void *ctx) {
+    (void)ctx;
+    if (point != KVA_TC_POINT_COUNTED || hook_point != KVA_TC_POINT_COUNTED) return;
+    hook_point = -1; /* after the first cache read, the producer's (the newest comes first) */
+    sem_post(&resume);
+    sem_wait(&arrived);
+    for (int i = 0; i < HANDED; i++) CHECK_STATUS(kva_free(pool, handed[i]), KVA_OK);
+}
+
+static void test_stats_while_objects_move(void) {
+    pool = make_pool(16 * MiB);
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0 && sem_init(&idle_done, 0, 0) == 0);
+    void *p;
+    CHECK_STATUS(kva_alloc(pool, 64, &p), KVA_OK); /* this thread's cache, made first */
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    pthread_t producer;
+    REQUIRE(pthread_create(&producer, NULL, produce_in_two_batches, NULL) == 0);
+    sem_wait(&arrived);
+    hook_point = KVA_TC_POINT_COUNTED;
+    kva_tc_test_hook(between_caches, NULL);
+    kva_stats st = stats();
+    kva_tc_test_hook(NULL, NULL);
+    CHECK(hook_point == -1);
+    CHECK(st.live_allocations == 0 && st.bytes_in_use <= st.capacity && st.slab_free_bytes <= st.slab_bytes);
+    kva_class_stats cs;
+    REQUIRE(kva_get_class_stats(pool, (unsigned)kva_size_class_of(64), &cs) == KVA_OK);
+    CHECK(cs.live_objects == 0);
+    sem_post(&idle_done);
+    pthread_join(producer, NULL);
+    thread_failures_merge();
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+    sem_destroy(&idle_done);
+}
+
 /* A thread whose cache of one pool is refused (no id left) still gives back its cache of
  * another pool when it exits. */
-static kva_pool *other;
 
 static void *two_pools(void *arg) {
     (void)arg;
@@ -372,6 +570,9 @@ int main(void) {
     test_allocating_thread_keeps_its_limit();
     test_remote_frees_make_no_keeper();
     test_raced_double_free_is_not_handed_out_twice();
+    test_remote_free_outlived_by_its_slab();
+    test_destroy_outlived_by_a_cache();
+    test_stats_while_objects_move();
     test_free_window();
     test_refused_cache_keeps_the_others();
     return CHECK_DONE();
