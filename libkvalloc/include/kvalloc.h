@@ -82,7 +82,9 @@ KVA_API const char *kva_last_error(void);
 typedef enum kva_page_mode {
     KVA_PAGES_AUTO = 0,    /* try 2 MiB hugetlb, then transparent huge pages, then 4 KiB */
     KVA_PAGES_HUGETLB = 1, /* hugetlb 2 MiB pages only; KVA_ERR_BACKEND if none are available */
-    KVA_PAGES_THP = 2,     /* normal mapping advised MADV_HUGEPAGE */
+    KVA_PAGES_THP = 2,     /* normal mapping advised MADV_HUGEPAGE; KVA_ERR_BACKEND if this
+                              process gets no transparent huge pages (sysfs enabled "never",
+                              prctl PR_SET_THP_DISABLE) */
     KVA_PAGES_SMALL = 3    /* normal pages, no advice */
 } kva_page_mode;
 
@@ -146,7 +148,8 @@ typedef struct kva_config {
                             no policy, the kernel's first-touch placement */
     kva_numa_policy numa_policy; /* default KVA_NUMA_BIND */
     int lock;            /* host: mlock the region, so every page is resident and never swapped
-                            (RLIMIT_MEMLOCK applies) */
+                            (RLIMIT_MEMLOCK applies to the capacity rounded up to whole pages:
+                            4 KiB, or 2 MiB for hugetlb) */
     int pin;             /* host: register the region with the CUDA driver (cuMemHostRegister) as
                             page-locked memory that copies to and from the GPU at full speed, an
                             offload tier; KVA_ERR_BACKEND saying why if no driver or GPU is there */

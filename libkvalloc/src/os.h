@@ -2,7 +2,8 @@
  * os.h — every operating-system call the library makes, behind one small interface.
  *
  * Contract: each function returns a kva_status (KVA_OK or KVA_ERR_BACKEND with kva_last_error()
- * naming the call and errno) and never leaves a partial mapping behind on failure. Nothing
+ * naming the call and errno; kva_os_map_metadata says KVA_ERR_NOMEM when the kernel has no
+ * memory) and never leaves a partial mapping behind on failure. Nothing
  * here is called once a pool exists, except kva_os_unmap at destruction.
  *
  * Tests reach every failure path through kva_os_fail_nth (at the end), which makes a chosen
@@ -25,13 +26,20 @@ kva_status kva_os_reserve(size_t length, size_t alignment, void **out);
  * the memory comes from hugetlb 2 MiB pages (addr and length multiples of 2 MiB). */
 kva_status kva_os_commit(void *addr, size_t length, int huge);
 
-/* Advises transparent huge pages for the range (KVA_ERR_BACKEND if the kernel refuses). */
+/* Advises transparent huge pages for the range. KVA_ERR_BACKEND if the kernel refuses, or if this
+ * process would get none there: THP disabled for it (prctl PR_SET_THP_DISABLE, as a container
+ * runtime or a parent may set) or for the system (sysfs "never"), where the advice succeeds
+ * and changes nothing. */
 kva_status kva_os_advise_thp(void *addr, size_t length);
 
-/* Takes every first-touch page fault of the range now. */
+/* Takes every first-touch page fault of the range now. page_size, the page size of the kind
+ * backing the range, is not used: where MADV_POPULATE_WRITE is missing (before Linux 5.14) the
+ * range is touched once per base page, since a huge page fault may get a base page. */
 kva_status kva_os_populate(void *addr, size_t length, size_t page_size);
 
-/* Zeroed, lazily committed host memory for metadata. */
+/* Zeroed, lazily committed host memory for metadata (MAP_NORESERVE: the overcommit heuristic
+ * does not count it, as for kva_os_commit). KVA_ERR_NOMEM if the kernel has no memory for the
+ * mapping. */
 kva_status kva_os_map_metadata(size_t length, void **out);
 
 /* Releases a reservation or a metadata mapping (whole or in part). NULL or 0 is a no-op. */
@@ -98,7 +106,7 @@ typedef enum kva_os_call {
     KVA_OS_COMMIT,      /* kva_os_commit of normal pages */
     KVA_OS_COMMIT_HUGE, /* kva_os_commit of hugetlb pages */
     KVA_OS_ADVISE,      /* kva_os_advise_thp */
-    KVA_OS_POPULATE,    /* kva_os_populate */
+    KVA_OS_POPULATE,    /* kva_os_populate (EINVAL: as before Linux 5.14, the fallback runs) */
     KVA_OS_METADATA,    /* kva_os_map_metadata */
     KVA_OS_MBIND,       /* kva_os_mbind */
     KVA_OS_LOCK,        /* kva_os_lock */

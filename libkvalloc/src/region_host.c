@@ -26,13 +26,27 @@ static kva_status commit_kind(unsigned char *base, size_t length, kva_page_kind 
     return kva_fail(KVA_ERR_INVALID, "unknown page kind %d", (int)kind);
 }
 
+/* Bytes per page of the kind: what prefault, the KV trim and the statistics count in. */
+static size_t page_size_of(kva_page_kind kind) {
+    return kind == KVA_PAGE_KIND_SMALL ? kva_os_page_size() : KVA_HUGE_PAGE_SIZE;
+}
+
+/* The bytes mapped for a capacity of length: whole pages of the kind. Only hugetlb needs whole
+ * 2 MiB pages; a transparent huge page range ends at the base page after the capacity, since a
+ * huge page in the tail would be memory the pool never uses (faulted in by prefault, counted
+ * against RLIMIT_MEMLOCK by lock). Its last partial 2 MiB gets base pages. */
+static size_t mapped_length(size_t length, kva_page_kind kind) {
+    return round_up(length, kind == KVA_PAGE_KIND_HUGETLB ? KVA_HUGE_PAGE_SIZE : kva_os_page_size());
+}
+
 /* One attempt of the chain: reserve, commit with `kind`, bind, prefault. On failure nothing
  * stays mapped; *fall_through says whether the next page kind may still succeed. */
-static kva_status map_kind(const kva_config *cfg, size_t mapped, size_t alignment, kva_page_kind kind,
+static kva_status map_kind(const kva_config *cfg, size_t length, size_t alignment, kva_page_kind kind,
                            unsigned char **out, int *fall_through) {
     /* A fresh reservation per attempt: a failed MAP_FIXED may already have discarded part of the
      * range it was meant to replace, so a reservation is never reused after one. */
     void *reserved;
+    size_t mapped = mapped_length(length, kind);
     *fall_through = 0;
     kva_status st = kva_os_reserve(mapped, alignment, &reserved);
     if (st != KVA_OK) return st;
@@ -44,8 +58,7 @@ static kva_status map_kind(const kva_config *cfg, size_t mapped, size_t alignmen
         st = kva_numa_bind(reserved, mapped, cfg->numa_node, cfg->numa_policy);
         *fall_through = st == KVA_OK;
     }
-    size_t page_size = kind == KVA_PAGE_KIND_SMALL ? kva_os_page_size() : KVA_HUGE_PAGE_SIZE;
-    if (st == KVA_OK && cfg->prefault) st = kva_os_populate(reserved, mapped, page_size);
+    if (st == KVA_OK && cfg->prefault) st = kva_os_populate(reserved, mapped, page_size_of(kind));
     if (st != KVA_OK) {
         kva_os_unmap(reserved, mapped);
         return st;
@@ -68,23 +81,23 @@ kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t a
     kva_status st = cfg->numa_node >= 0 ? kva_numa_check_node(cfg->numa_node) : KVA_OK;
     if (st != KVA_OK) return st;
 
-    /* Whole huge pages are mapped even when the capacity is not a multiple of 2 MiB; the pool
-     * still manages exactly its capacity. */
-    size_t mapped = round_up(length, KVA_HUGE_PAGE_SIZE);
+    /* 2 MiB-aligned whatever the kind, so that every whole 2 MiB of a huge-page pool can be one
+     * page; the pool still manages exactly its capacity. */
     if (alignment < KVA_HUGE_PAGE_SIZE) alignment = KVA_HUGE_PAGE_SIZE;
     unsigned char *base = NULL;
     size_t i = first;
     for (int fall_through = 1; i <= last; i++) {
-        st = map_kind(cfg, mapped, alignment, chain[i], &base, &fall_through);
+        st = map_kind(cfg, length, alignment, chain[i], &base, &fall_through);
         if (st == KVA_OK || !fall_through) break;
     }
     if (st != KVA_OK) return st;
 
+    size_t mapped = mapped_length(length, chain[i]);
     kva_region region = {.base = base,
                          .length = mapped,
                          .backend = KVA_BACKEND_HOST,
                          .page_kind = chain[i],
-                         .page_size = chain[i] == KVA_PAGE_KIND_SMALL ? kva_os_page_size() : KVA_HUGE_PAGE_SIZE,
+                         .page_size = page_size_of(chain[i]),
                          .numa_node = cfg->numa_node};
     if (cfg->lock) {
         st = kva_os_lock(base, mapped);

@@ -12,7 +12,8 @@
 #include "proc_self.h"
 #include "kvalloc.h"
 #include "os.h"
-
+#include "pool.h"
+#include "pool_range.h"
 
 static kva_config config(kva_page_mode pages, int prefault, int node, int lock) {
     kva_config cfg;
@@ -85,7 +86,7 @@ static void test_each_refusal(void) {
     CHECK(access(path, F_OK) != 0);
     refusal(KVA_OS_RESERVE, &small, KVA_ERR_BACKEND, "mmap reserve");
     refusal(KVA_OS_COMMIT, &small, KVA_ERR_BACKEND, "mmap of");
-    refusal(KVA_OS_METADATA, &small, KVA_ERR_BACKEND, "metadata");
+    refusal(KVA_OS_METADATA, &small, KVA_ERR_NOMEM, "metadata"); /* kva_pool_create's word for it */
     kva_config huge = config(KVA_PAGES_HUGETLB, 0, -1, 0);
     refusal(KVA_OS_COMMIT_HUGE, &huge, KVA_ERR_BACKEND, "MAP_HUGETLB");
     kva_config thp = config(KVA_PAGES_THP, 0, -1, 0);
@@ -118,6 +119,59 @@ static void test_fallback_chain(void) {
     kva_pool_destroy(pool);
 }
 
+/* Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL (made so here by the hook): the
+ * fallback must still fault in every base page, whatever page size the caller names, since a
+ * fault in a transparent huge page range takes a base page when no huge page is free. */
+static void test_populate_fallback(void) {
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), length = (size_t)4 << 20;
+    /* A range on base pages, described as 2 MiB ones: as in a THP pool that got none. */
+    void *range = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(range != MAP_FAILED);
+    madvise(range, length, MADV_NOHUGEPAGE);
+    kva_os_fail_nth(KVA_OS_POPULATE, 1, EINVAL);
+    CHECK_STATUS(kva_os_populate(range, length, (size_t)2 << 20), KVA_OK);
+    CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0);
+    CHECK(resident_pages(range, length) == length / page);
+    munmap(range, length);
+
+    /* Each populate of a prefault pool's creation in turn (block records, slab records,
+     * bitmaps, the region) falls back: all of it is resident all the same. */
+    kva_config cfg = config(KVA_PAGES_AUTO, 1, -1, 0);
+    for (unsigned n = 1;; n++) {
+        kva_pool *pool = NULL;
+        kva_os_fail_nth(KVA_OS_POPULATE, n, EINVAL);
+        CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+        unsigned left = kva_os_fail_nth(KVA_OS_ANY, 0, 0);
+        REQUIRE(pool);
+        CHECK(resident_pages(pool->base, cfg.capacity) == cfg.capacity / page);
+        size_t records = (pool->buddy.pages_bytes + page - 1) / page * page;
+        size_t bitmaps = (pool->slabs.bitmaps_bytes + page - 1) / page * page;
+        CHECK(resident_pages(pool->buddy.pages, records) == records / page);
+        CHECK(resident_pages(pool->slabs.bitmaps, bitmaps) == bitmaps / page);
+        kva_pool_destroy(pool);
+        if (left > 0) break; /* creation made fewer than n populate calls */
+        CHECK(n < 10);
+    }
+
+    /* Memory a THP pool takes back for the KV trim (kva_pool_range_take) on a kernel whose huge
+     * page faults fall back to base pages (MADV_NOHUGEPAGE here): every base page is resident. */
+    kva_config thp = config(KVA_PAGES_THP, 0, -1, 0);
+    kva_pool *pool = NULL;
+    if (kva_pool_create(&thp, &pool) != KVA_OK) {
+        fprintf(stderr, "test_populate_fallback: no THP pool here (%s), kva_pool_range_take not checked\n",
+                kva_last_error());
+        return;
+    }
+    void *block;
+    CHECK_STATUS(kva_alloc(pool, length, &block), KVA_OK);
+    REQUIRE(madvise(pool->base, thp.capacity, MADV_NOHUGEPAGE) == 0);
+    kva_os_fail_nth(KVA_OS_POPULATE, 1, EINVAL);
+    CHECK_STATUS(kva_pool_range_take(pool, block, length), KVA_OK);
+    CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0);
+    CHECK(resident_pages(block, length) == length / page);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
     /* The first failures allocate what error reporting needs (and, under AddressSanitizer, the
      * allocator maps its regions): let that happen before mappings are counted. */
@@ -130,6 +184,7 @@ int main(void) {
     kva_os_fail_nth(KVA_OS_ANY, 0, 0);
     test_each_refusal();
     test_fallback_chain();
+    test_populate_fallback();
     kva_config a = config(KVA_PAGES_SMALL, 0, -1, 0), b = config(KVA_PAGES_AUTO, 1, 0, 1),
                c = config(KVA_PAGES_AUTO, 0, -1, 0);
     sweep(&a, "small pages");
