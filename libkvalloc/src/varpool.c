@@ -6,6 +6,7 @@
  */
 #include <stdlib.h>
 
+#include "config.h"
 #include "os.h"
 #include "varpool.h"
 
@@ -285,15 +286,19 @@ static kva_status validate(const kva_var_config *cfg) {
     return KVA_OK;
 }
 
-/* A host pool whose largest block holds `bytes`: the next power of two above it. */
+/* A host pool whose largest block holds `bytes`: the next power of two above it, in blocks of
+ * the default size or larger where a pool's u32 block indices need it (from 16 TiB up, where
+ * 4 KiB blocks number 2^32): the caller never wrote that pool's config, so it must not be
+ * refused for it. */
 static kva_status create_own_pool(const kva_var_config *cfg, size_t bytes, kva_pool **out) {
     kva_config pc;
     kva_config_init(&pc);
     size_t capacity = (size_t)1 << 20;
     while (capacity < bytes) capacity <<= 1;
+    while ((capacity >> kva_log2(pc.min_block)) >= KVA_NIL && pc.min_block < KVA_MIN_BLOCK_MAX) pc.min_block <<= 1;
     pc.capacity = capacity;
     pc.pages = cfg->pages;
-    return kva_pool_create(&pc, out);
+    return kva_pool_create_own(&pc, out);
 }
 
 kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var **out) {
@@ -662,11 +667,35 @@ kva_status kva_var_alloc(kva_var *v, size_t size, void **out) {
     return alloc_locked(v, size, out, me);
 }
 
-/* Why a unit that is not a used head cannot be freed: the range that holds it (the nearest head
- * at or before it, since every record inside a range is zero) is free or live. */
+/* The free range that holds unit `at`, or KVA_NIL: a walk over the free ranges, in whichever
+ * structure the policy keeps them. */
+static uint32_t free_range_holding(const kva_var *v, uint32_t at) {
+    const kva_var_range *ranges = v->ranges;
+    if (v->policy != KVA_VAR_TLSF) {
+        for (uint32_t r = v->head; r != KVA_NIL; r = ranges[r].link_next)
+            if (r <= at && at - r < kva_var_len(&ranges[r])) return r;
+        return KVA_NIL;
+    }
+    for (unsigned cls = 0; cls < KVA_TLSF_FL * KVA_TLSF_SL; cls++)
+        for (uint32_t r = v->bins[cls]; r != KVA_NIL; r = ranges[r].link_next)
+            if (r <= at && at - r < kva_var_len(&ranges[r])) return r;
+    return KVA_NIL;
+}
+
+/* Why a unit that is not a used head cannot be freed: the range that holds it is free or live.
+ * That range's head is the nearest head at or before it (every record inside a range is zero),
+ * when a short look back finds one; else it is free exactly when one of the free ranges holds
+ * the unit. */
 static kva_status classify_bad_free(const kva_var *v, const void *ptr, uint64_t offset) {
-    uint32_t at = (uint32_t)(offset >> v->align_shift);
-    while (at > 0 && v->ranges[at].length == 0) at--;
+    uint32_t unit = (uint32_t)(offset >> v->align_shift), at = unit;
+    while (at > 0 && unit - at < KVA_VAR_BACK_SCAN && v->ranges[at].length == 0) at--;
+    if (v->ranges[at].length == 0 && at > 0) {
+        uint32_t r = free_range_holding(v, unit);
+        if (r != KVA_NIL) at = r;
+        else
+            return kva_fail(KVA_ERR_BAD_POINTER, "%p (offset %llu) is inside a live range, not at its start", ptr,
+                            (unsigned long long)offset);
+    }
     uint64_t head = (uint64_t)at << v->align_shift;
     if (kva_var_is_free(&v->ranges[at]))
         return kva_fail(KVA_ERR_DOUBLE_FREE, "%p (offset %llu) lies in the free range at offset %llu", ptr,

@@ -153,6 +153,35 @@ static void test_bad_input(kva_var_policy policy) {
     kva_var_destroy(v);
 }
 
+/* Bad frees deep inside long ranges, beyond the look back for the range's head
+ * (KVA_VAR_BACK_SCAN records): the free ranges then say which kind of range holds the unit,
+ * among several free ranges of other classes. */
+static void test_bad_free_deep_inside(kva_var_policy policy) {
+    size_t units = 4 * KVA_VAR_BACK_SCAN + 64;
+    kva_var *v = make(policy, units * ALIGN);
+    void *small[4], *live, *gone;
+    CHECK_STATUS(kva_var_alloc(v, ALIGN, &small[0]), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, 2 * KVA_VAR_BACK_SCAN * ALIGN, &live), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, ALIGN, &small[1]), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, (KVA_VAR_BACK_SCAN + 500) * ALIGN, &gone), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, ALIGN, &small[2]), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, 3 * ALIGN, &small[3]), KVA_OK);
+    CHECK_STATUS(kva_var_free(v, small[0]), KVA_OK); /* free ranges of 1 unit, ... */
+    CHECK_STATUS(kva_var_free(v, gone), KVA_OK);     /* ... KVA_VAR_BACK_SCAN + 500 and the rest */
+    kva_var_stats before = stats_of(v);
+    CHECK(before.free_ranges == 3);
+    char *live_far = (char *)live + (size_t)(KVA_VAR_BACK_SCAN + 7) * ALIGN;
+    char *gone_far = (char *)gone + (size_t)(KVA_VAR_BACK_SCAN + 300) * ALIGN;
+    CHECK_STATUS(kva_var_free(v, live_far), KVA_ERR_BAD_POINTER);
+    CHECK_STATUS(kva_var_free(v, gone_far), KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_var_free(v, (char *)gone + ALIGN), KVA_ERR_DOUBLE_FREE); /* near the head */
+    CHECK_STATUS(kva_var_free(v, (char *)live + ALIGN), KVA_ERR_BAD_POINTER);
+    kva_var_stats after = stats_of(v);
+    CHECK(same_state(&before, &after) && after.rejected_calls == before.rejected_calls + 4);
+    CHECK_STATUS(kva_var_check(v), KVA_OK);
+    kva_var_destroy(v);
+}
+
 static void test_config(void) {
     kva_var_config cfg;
     kva_var_config_init(&cfg);
@@ -187,6 +216,20 @@ static void test_config(void) {
     CHECK_STATUS(kva_var_alloc(v, 1, &p), KVA_OK);
     CHECK((uintptr_t)p % 4096 == 0 && stats_of(v).internal_waste == 4095);
     kva_var_destroy(v);
+
+    /* 16 TiB in 16,384 units of 1 GiB: its own pool needs blocks above the default 4 KiB (2^32
+     * of those are too many), a config the caller never wrote, so it must not be refused for
+     * it. Address space only: nothing is touched but the metadata of the unit handed out. */
+    cfg.capacity = (size_t)1 << 44;
+    cfg.alignment = (size_t)1 << 30;
+    CHECK_STATUS(kva_var_create(&cfg, NULL, &v), KVA_OK);
+    if (v != (kva_var *)0x1 && v != NULL) {
+        CHECK(stats_of(v).capacity == cfg.capacity);
+        CHECK_STATUS(kva_var_alloc(v, (size_t)3 << 30, &p), KVA_OK);
+        CHECK_STATUS(kva_var_free(v, p), KVA_OK);
+        CHECK_STATUS(kva_var_check(v), KVA_OK);
+        kva_var_destroy(v);
+    }
 }
 
 /* On a caller's pool: the region is one exact allocation of it, given back at destroy. */
@@ -598,6 +641,7 @@ int main(int argc, char **argv) {
         test_round_trip_and_coalescing(policies[i]);
         test_merge_orders(policies[i]);
         test_bad_input(policies[i]);
+        test_bad_free_deep_inside(policies[i]);
         test_differential(policies[i], policy_names[i], MIX_SPREAD, 100000);
         test_differential(policies[i], policy_names[i], MIX_ONE_CLASS, 100000);
     }
