@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _ffi
-from .errors import InvalidArgument, PoolClosedError
+from .errors import BackendError, InvalidArgument, PoolClosedError
 from .pool import _SIZE_MAX, Pool, _returned_address, _size_arg
 
 __all__ = ["VarPool", "VarStats", "POLICIES"]
@@ -36,6 +36,10 @@ _POLICY_NAMES = {value: name for name, value in POLICIES.items()}
 # library does not publish it). test_varpool's checked pool of exactly a power of two fails if it
 # grows.
 _REDZONE = 16
+
+
+_MAX_BLOCKS = 2**32 - 1      # a pool's block indices are u32, UINT32_MAX meaning none
+_MIN_BLOCK_MAX = 64 << 20    # the largest min_block a pool takes (config.h)
 
 
 @dataclass(frozen=True)
@@ -94,8 +98,23 @@ class VarPool:
             backing <<= 1
         if backing > _SIZE_MAX:
             raise InvalidArgument(f"capacity {config.capacity} is more than a pool can hold")
-        pool_options.setdefault("pages", "thp")
-        pool = Pool(backing, **pool_options)
+        # Blocks above the default 4 KiB where a pool's 32-bit block indices need them (from
+        # 16 TiB up), as the library does for the pool it makes itself.
+        if "min_block" not in pool_options:
+            min_block = 4096
+            while backing // min_block >= _MAX_BLOCKS and min_block < _MIN_BLOCK_MAX:
+                min_block *= 2
+            pool_options["min_block"] = min_block
+        # Transparent huge pages are this class's preference, not the caller's: a process that
+        # gets none (its container or parent may deny them) takes base pages, as the library's
+        # own pools do; pages the caller names are used or refused.
+        if "pages" in pool_options or "hugepages" in pool_options:
+            pool = Pool(backing, **pool_options)
+        else:
+            try:
+                pool = Pool(backing, pages="thp", **pool_options)
+            except BackendError:
+                pool = Pool(backing, pages="small", **pool_options)
         handle = c_void_p()
         try:
             lib.kva_var_create(byref(config), pool._open_handle(), byref(handle))

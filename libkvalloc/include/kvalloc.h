@@ -447,7 +447,8 @@ typedef struct kva_kv_config {
     uint64_t hash_seed;      /* mixed into every prefix key; a secret random value keeps
                                 clients from precomputing keys. Default 0 */
     kva_page_mode pages;     /* pages of the pool the cache creates when given none.
-                                Default KVA_PAGES_THP (see kva_kv_create) */
+                                Default KVA_PAGES_THP (see kva_kv_create); where this process
+                                gets no transparent huge pages, THP means base pages here */
     const char *name;        /* the name of the pool the cache creates (NULL: anonymous). A
                                 named cache publishes its pool's statistics and its own (block
                                 states, hits, evictions) for kvalloc top; with a pool given, that
@@ -734,7 +735,10 @@ typedef struct kva_var_config {
     size_t alignment;      /* every range's start and size are multiples of it: a power of two
                               in [16 B, 1 GiB]. Default 256. capacity / alignment < 2^31 */
     kva_var_policy policy; /* default KVA_VAR_TLSF */
-    kva_page_mode pages;   /* pages of the pool created when none is given. Default THP */
+    kva_page_mode pages;   /* pages of the pool created when none is given. Default THP;
+                              where this process gets no transparent huge pages, THP means
+                              base pages here. That pool's blocks are 4 KiB, or larger from
+                              16 TiB up (a pool holds fewer than 2^32 blocks) */
 } kva_var_config;
 
 /* Fills every field of *cfg with its default. */

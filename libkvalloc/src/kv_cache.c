@@ -118,7 +118,7 @@ static kva_status own_pool(const kva_kv_config *cfg, const kva_kv_info *info, si
         units = pow2;
     }
     pc.capacity = units * pc.min_block;
-    return kva_pool_create(&pc, out);
+    return kva_pool_create_own(&pc, out);
 }
 
 static kva_stats pool_stats(kva_pool *pool) {

@@ -32,10 +32,14 @@ kva_status kva_os_commit(void *addr, size_t length, int huge);
  * and changes nothing. */
 kva_status kva_os_advise_thp(void *addr, size_t length);
 
-/* Takes every first-touch page fault of the range now. page_size, the page size of the kind
- * backing the range, is not used: where MADV_POPULATE_WRITE is missing (before Linux 5.14) the
- * range is touched once per base page, since a huge page fault may get a base page. */
-kva_status kva_os_populate(void *addr, size_t length, size_t page_size);
+/* Why this process gets no transparent huge pages in a range it advises (a phrase for an error
+ * message), or NULL if it may. */
+const char *kva_os_thp_unavailable(void);
+
+/* Takes every first-touch page fault of the range now. Where MADV_POPULATE_WRITE is missing
+ * (before Linux 5.14) the range is touched once per base page, whatever backs it, since a huge
+ * page fault may get a base page. */
+kva_status kva_os_populate(void *addr, size_t length);
 
 /* Zeroed, lazily committed host memory for metadata (MAP_NORESERVE: the overcommit heuristic
  * does not count it, as for kva_os_commit). KVA_ERR_NOMEM if the kernel has no memory for the

@@ -111,9 +111,9 @@ static const char *thp_setting(const char *path, char *line, size_t size) {
     return chosen;
 }
 
-/* Why this process gets no transparent huge pages in a range it advises, or NULL if it may.
- * madvise(MADV_HUGEPAGE) succeeds all the same in each of these cases, so only asking tells. */
-static const char *thp_unavailable(void) {
+/* madvise(MADV_HUGEPAGE) succeeds all the same in each case kva_os_thp_unavailable names, so
+ * only asking tells. */
+const char *kva_os_thp_unavailable(void) {
     /* PR_GET_THP_DISABLE gives 1 when disabled outright; with PR_THP_DISABLE_EXCEPT_ADVISED
      * (bit 1, Linux 6.18) advised ranges still get them. */
     int disabled = prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0);
@@ -136,13 +136,12 @@ static const char *thp_unavailable(void) {
 kva_status kva_os_advise_thp(void *addr, size_t length) {
     if (fails_now(KVA_OS_ADVISE) || madvise(addr, length, MADV_HUGEPAGE) != 0)
         return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_HUGEPAGE): %s", strerror(errno));
-    const char *why = thp_unavailable();
+    const char *why = kva_os_thp_unavailable();
     if (why) return kva_fail(KVA_ERR_BACKEND, "transparent huge pages are %s", why);
     return KVA_OK;
 }
 
-kva_status kva_os_populate(void *addr, size_t length, size_t page_size) {
-    (void)page_size; /* see os.h: the fallback steps by base pages whatever backs the range */
+kva_status kva_os_populate(void *addr, size_t length) {
     if (!fails_now(KVA_OS_POPULATE) && madvise(addr, length, MADV_POPULATE_WRITE) == 0) return KVA_OK;
     if (errno != EINVAL)
         return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_POPULATE_WRITE): %s", strerror(errno));

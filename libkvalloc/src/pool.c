@@ -76,10 +76,9 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (cfg->prefault) {
         /* The metadata is committed lazily too: without this, the first calls to reach each
          * page of block records or bitmaps would take the faults prefault promises away. */
-        size_t page = kva_os_page_size();
-        st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes, page);
-        if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes, page);
-        if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes, page);
+        st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
+        if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes);
+        if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
         if (st != KVA_OK) goto fail_slabs;
     }
 
@@ -609,7 +608,7 @@ kva_status kva_pool_range_take(kva_pool *pool, void *start, size_t length) {
     if (length == 0) return KVA_OK;
     /* Host pages are faulted in now, so that a shortage is this call's error rather than a
      * later page fault's. */
-    if (!pool->region.device) return kva_os_populate(start, length, pool->region.page_size);
+    if (!pool->region.device) return kva_os_populate(start, length);
     pthread_mutex_lock(&pool->lock);
     kva_status st = kva_cuda_region_take(pool->region.device, (uint64_t)((unsigned char *)start - pool->base), length);
     pthread_mutex_unlock(&pool->lock);

@@ -58,7 +58,7 @@ static kva_status map_kind(const kva_config *cfg, size_t length, size_t alignmen
         st = kva_numa_bind(reserved, mapped, cfg->numa_node, cfg->numa_policy);
         *fall_through = st == KVA_OK;
     }
-    if (st == KVA_OK && cfg->prefault) st = kva_os_populate(reserved, mapped, page_size_of(kind));
+    if (st == KVA_OK && cfg->prefault) st = kva_os_populate(reserved, mapped);
     if (st != KVA_OK) {
         kva_os_unmap(reserved, mapped);
         return st;

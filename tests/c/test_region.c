@@ -329,6 +329,33 @@ static int thp_disabled_child(void) {
     }
     CHECK(create(KVA_PAGES_THP, (size_t)8 << 20, 0, KVA_ERR_BACKEND) == NULL);
     CHECK(strstr(kva_last_error(), "PR_SET_THP_DISABLE") != NULL);
+    /* The pools a KV cache and a variable-size pool make for themselves prefer THP by default;
+     * here they take base pages rather than refuse: their callers asked for a cache and a
+     * pool, not for THP. */
+    kva_kv_config kc;
+    kva_kv_config_init(&kc);
+    kc.layers = 2;
+    kc.kv_heads = 2;
+    kc.head_dim = 64;
+    kc.num_blocks = 64;
+    kva_kv *kv = NULL;
+    CHECK_STATUS(kva_kv_create(&kc, NULL, &kv), KVA_OK);
+    if (kv) {
+        kva_kv_seq seq;
+        CHECK_STATUS(kva_kv_seq_allocate(kv, 100, NULL, 0, NULL, 0, 0, 0, &seq, NULL), KVA_OK);
+        CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+        kva_kv_destroy(kv);
+    }
+    kva_var_config vc;
+    kva_var_config_init(&vc);
+    kva_var *var = NULL;
+    CHECK_STATUS(kva_var_create(&vc, NULL, &var), KVA_OK);
+    void *p;
+    if (var) {
+        CHECK_STATUS(kva_var_alloc(var, 4096, &p), KVA_OK);
+        CHECK_STATUS(kva_var_free(var, p), KVA_OK);
+        kva_var_destroy(var);
+    }
     return check_failures ? 1 : 0;
 }
 

@@ -120,16 +120,16 @@ static void test_fallback_chain(void) {
 }
 
 /* Kernels before 5.14 answer MADV_POPULATE_WRITE with EINVAL (made so here by the hook): the
- * fallback must still fault in every base page, whatever page size the caller names, since a
- * fault in a transparent huge page range takes a base page when no huge page is free. */
+ * fallback must still fault in every base page, whatever backs the range, since a fault in a
+ * transparent huge page range takes a base page when no huge page is free. */
 static void test_populate_fallback(void) {
     size_t page = (size_t)sysconf(_SC_PAGESIZE), length = (size_t)4 << 20;
-    /* A range on base pages, described as 2 MiB ones: as in a THP pool that got none. */
+    /* A range on base pages: as in a THP pool that got none. */
     void *range = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     REQUIRE(range != MAP_FAILED);
     madvise(range, length, MADV_NOHUGEPAGE);
     kva_os_fail_nth(KVA_OS_POPULATE, 1, EINVAL);
-    CHECK_STATUS(kva_os_populate(range, length, (size_t)2 << 20), KVA_OK);
+    CHECK_STATUS(kva_os_populate(range, length), KVA_OK);
     CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0);
     CHECK(resident_pages(range, length) == length / page);
     munmap(range, length);
@@ -172,6 +172,33 @@ static void test_populate_fallback(void) {
     kva_pool_destroy(pool);
 }
 
+/* A variable-size pool's range records are metadata too: no host memory for them is
+ * KVA_ERR_NOMEM, as the header says (it was KVA_ERR_BACKEND), with nothing left behind. */
+static void test_varpool_metadata_nomem(void) {
+    kva_config pc;
+    kva_config_init(&pc);
+    pc.capacity = (size_t)16 << 20;
+    pc.pages = KVA_PAGES_SMALL;
+    kva_pool *pool = NULL;
+    REQUIRE(kva_pool_create(&pc, &pool) == KVA_OK);
+    kva_var_config vc;
+    kva_var_config_init(&vc);
+    vc.capacity = (size_t)8 << 20;
+    long before = mapping_count();
+    kva_var *v = (kva_var *)0x1;
+    kva_os_fail_nth(KVA_OS_METADATA, 1, ENOMEM);
+    CHECK_STATUS(kva_var_create(&vc, pool, &v), KVA_ERR_NOMEM);
+    CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0);
+    CHECK(v == (kva_var *)0x1);
+    CHECK(!MAPS_ARE_RELIABLE || mapping_count() == before);
+    kva_stats st;
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.live_allocations == 0); /* the range went back to the pool */
+    CHECK_STATUS(kva_var_create(&vc, pool, &v), KVA_OK);
+    kva_var_destroy(v);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
     /* The first failures allocate what error reporting needs (and, under AddressSanitizer, the
      * allocator maps its regions): let that happen before mappings are counted. */
@@ -185,6 +212,7 @@ int main(void) {
     test_each_refusal();
     test_fallback_chain();
     test_populate_fallback();
+    test_varpool_metadata_nomem();
     kva_config a = config(KVA_PAGES_SMALL, 0, -1, 0), b = config(KVA_PAGES_AUTO, 1, 0, 1),
                c = config(KVA_PAGES_AUTO, 0, -1, 0);
     sweep(&a, "small pages");

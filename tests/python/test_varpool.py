@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import random
+import subprocess
+import sys
+import textwrap
 
 import pytest
 from support import MiB
@@ -93,6 +96,42 @@ def test_bad_config():
         VarPool(100)
     with pytest.raises(pykvalloc.InvalidArgument, match="capacity 9223372036854775809"):
         VarPool(2**63 + 1)   # the message names what the caller gave
+
+
+def test_huge_capacity():
+    # 16 TiB in units of 1 GiB: the backing pool needs blocks above 4 KiB (2^32 of those are
+    # too many), a config the caller never wrote, so it must not be refused for it. Address
+    # space only: nothing is touched but the metadata of what is handed out.
+    with VarPool(1 << 44, alignment=1 << 30) as var:
+        assert var.capacity == 1 << 44
+        var.free(var.alloc(3 << 30))
+        var.check()
+
+
+def test_default_pages_without_thp():
+    # Transparent huge pages are VarPool's and KVCache's default preference, not the caller's
+    # demand: in a process denied them (prctl PR_SET_THP_DISABLE, as a container runtime or a
+    # parent may set) both are made on base pages, and only a THP request made by name is refused.
+    script = textwrap.dedent("""
+        import ctypes, sys
+        if ctypes.CDLL(None, use_errno=True).prctl(41, 1, 0, 0, 0) != 0:  # PR_SET_THP_DISABLE
+            print("prctl refused"); sys.exit(77)
+        import pykvalloc
+        with pykvalloc.VarPool(8 << 20) as var:
+            var.free(var.alloc(4096))
+        with pykvalloc.KVCache(layers=2, kv_heads=2, head_dim=64, num_blocks=64) as cache:
+            cache.allocate(100).free()
+        try:
+            pykvalloc.VarPool(8 << 20, pages="thp")
+        except pykvalloc.BackendError as error:
+            assert "PR_SET_THP_DISABLE" in str(error), error
+        else:
+            sys.exit("a THP VarPool was made where THP is disabled")
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    if done.returncode == 77:
+        pytest.skip("this machine refuses prctl(PR_SET_THP_DISABLE)")
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_over_a_checked_pool():
