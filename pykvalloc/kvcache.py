@@ -133,10 +133,29 @@ def _u32(name: str, value: Any) -> int:
 
 
 def _array_arg(name: str, values: Any, dtype: Any) -> np.ndarray | None:
-    """A C-contiguous array of exactly dtype for a pointer argument (no copy when it is one)."""
+    """A C-contiguous array of exactly dtype for a pointer argument (no copy when it is one).
+
+    Anything but an array is read item by item: numpy would make a float64 array of a list that
+    mixes 64-bit keys at or above 2**63 with smaller ones (and a 0-d object array of a
+    generator), where every item is a valid key."""
     if values is None:
         return None
-    array = np.asarray(values)
+    if not isinstance(values, np.ndarray):
+        try:
+            items = list(values)
+        except TypeError:
+            raise InvalidArgument(f"{name} must be an iterable of integers, not "
+                                  f"{type(values).__name__}") from None
+        limit = int(np.iinfo(dtype).max)
+        for item in items:
+            if isinstance(item, (bool, np.bool_)) or not isinstance(item, (int, np.integer)):
+                raise InvalidArgument(f"{name} must hold integers, not {type(item).__name__}")
+            if not 0 <= item <= limit:
+                raise InvalidArgument(f"{name} holds values outside {np.dtype(dtype)}")
+        values = np.array(items, dtype=dtype)
+    array = values
+    if array.size > 0xFFFFFFFF:  # the C counts are 32-bit
+        raise InvalidArgument(f"{name} holds {array.size} values; at most {0xFFFFFFFF}")
     if array.ndim != 1:
         raise InvalidArgument(f"{name} must be one-dimensional, not of shape {array.shape}")
     if array.size and array.dtype.kind not in "iu":

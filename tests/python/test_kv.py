@@ -256,6 +256,27 @@ def test_bad_configurations_are_refused(kwargs) -> None:
         small(**kwargs)
 
 
+def test_keys_span_64_bits_in_any_iterable() -> None:
+    # A trace's hash ids span all 64 bits: a list mixing keys at or above 2**63 with smaller
+    # ones (which numpy would make float64) is the same as the uint64 array, and so are a
+    # generator and a tuple.
+    keys = [1, 2**63 + 5, 2**64 - 1]
+    with small(num_blocks=16) as cache:
+        first = cache.allocate(12, block_keys=keys)
+        assert first.num_cached_tokens == 0
+        again = cache.allocate(12, block_keys=np.array(keys, dtype=np.uint64))
+        assert again.num_cached_tokens == 12 and list(again.block_table) == list(first.block_table)
+        from_generator = cache.allocate(12, block_keys=(key for key in keys))
+        assert from_generator.num_cached_tokens == 12
+        pin = cache.pin(block_keys=tuple(keys))
+        assert pin.num_cached_tokens == 12
+        from_tokens = cache.allocate(8, tokens=iter(range(8)))
+        assert from_tokens.num_tokens == 8
+        for sequence in (first, again, from_generator, pin, from_tokens):
+            sequence.free()
+        cache.check()
+
+
 def test_bad_calls_change_nothing() -> None:
     with small(num_blocks=8) as cache:
         seq = cache.allocate(10, block_keys=[5, 6])
@@ -279,6 +300,11 @@ def test_bad_calls_change_nothing() -> None:
         refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[-3])
         refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[[1]])
         refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=["a"])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[True])  # not 1 in disguise
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[1.0])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=[2**64])
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, block_keys=5)
+        refused(pykvalloc.InvalidArgument, cache.allocate, 4, tokens=[2**32, 1, 2, 3])
         refused(pykvalloc.OutOfMemory, cache.allocate, 9 * 4)       # more than the cache
         refused(pykvalloc.OutOfMemory, cache.allocate, 6 * 4)       # more than is free now
         refused(pykvalloc.OutOfMemory, child.append, 6 * 4)         # 6 new + 1 copy > 5 free
