@@ -88,7 +88,9 @@ class BackendError(KvallocError, OSError):
 
 
 class CorruptionError(KvallocError):
-    """``Pool.check()`` found a broken invariant in the pool's metadata (KVA_ERR_CORRUPT)."""
+    """The pool's memory or metadata is damaged (KVA_ERR_CORRUPT): ``check()`` found a broken
+    invariant, or a checked pool found its poison or a red zone overwritten (``free`` and
+    ``alloc`` raise it then)."""
 
     status = 6
 

@@ -398,7 +398,7 @@ class KVCache:
         freed block must be finished, the device synchronized, before this call. The trimmed
         blocks still count as free for capacity: a call that needs them maps their memory again
         first (or evicts cached blocks if the memory cannot be had). A pool whose memory must
-        stay (prefault, lock, pin, hugetlb) gives nothing back. Returns the number of trimmed
+        stay (prefault, lock, pin, checked, hugetlb) gives nothing back. Returns the number of trimmed
         blocks (``stats()["trimmed_blocks"]``). Paged mode only (``InvalidArgument``
         otherwise)."""
         trimmed = c_uint32()

@@ -19,8 +19,10 @@ same bytes to two owners:
   ``__del__``, so nothing runs against half torn-down modules). At interpreter exit, pools
   without live views are closed; a pool with live views is left to the operating system,
   because module teardown cannot promise that nothing touches a view after the unmap.
-* The C pool is not thread safe; each ``Pool`` serializes its calls with its own lock, so
-  sharing a pool between threads is safe, not parallel.
+* Each ``Pool`` serializes its calls with a lock of its own, since the bookkeeping above (open
+  or closed, live views, allocations freed) is Python state: sharing a pool between threads is
+  safe, not parallel. The C pool itself takes calls from any number of threads at once (C
+  callers get that; kvalloc.h, "Thread safety").
 * ``Pool`` and ``Allocation`` cannot be copied or pickled: a copy would share the C handle or
   the address without sharing the bookkeeping above. Only a ``Pool`` creates an ``Allocation``:
   one made up by hand could view any address.

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Installs the system packages the build and the tests need, when they are missing and we may
-# (root, apt-get present). A fresh machine has python3, gcc and cmake; this adds the rest.
+# (root, apt-get present). A fresh machine has python3, gcc, cmake and make (it runs this script);
+# this adds the rest.
 set -euo pipefail
 missing=()
 command -v pkg-config >/dev/null || missing+=(pkg-config)
-command -v make >/dev/null || missing+=(make)
 command -v strace >/dev/null || missing+=(strace)   # the no-system-call test
 # The replay's jemalloc baseline (tests/python/test_replay_sim.py); small, the runtime only.
 ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2 ' || missing+=(libjemalloc2)

@@ -69,9 +69,11 @@ typedef enum kva_status {
 /* A static, human-readable name for a status ("out of memory", ...). Never NULL. */
 KVA_API const char *kva_strerror(kva_status status);
 
-/* Details of the most recent failed call made by this thread (for example which invariant
- * kva_check found broken, or which mmap flag the kernel refused). Empty string if none.
- * The text stays valid until this thread's next failing call. */
+/* Details of the most recent failure this thread met (for example which invariant kva_check
+ * found broken, or which mmap flag the kernel refused); empty string if none. Read it after a
+ * call returned a status other than KVA_OK: like errno, a successful call does not clear it,
+ * and one that recovered from a failed step (hugetlb refused, so transparent huge pages) leaves
+ * that step's text. The text stays valid until this thread's next failure. */
 KVA_API const char *kva_last_error(void);
 
 /* ------------------------------------------------------------------------------------------ */
@@ -711,8 +713,11 @@ KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);
  *
  * Thread safety: every function may be called from any number of threads at once. Each
  * variable-size pool has one lock, held for the whole of kva_var_alloc, kva_var_free,
- * kva_var_usable_size, kva_var_get_stats and kva_var_check (uncontended: one atomic exchange
- * and one store per call); kva_var_base reads the region's start, fixed at creation, without
+ * kva_var_usable_size, kva_var_get_stats and kva_var_check. It is biased to the thread that
+ * keeps taking it: after 256 acquisitions in a row by one thread, that thread enters with plain
+ * loads and stores, and another thread that then wants it pays one membarrier system call to
+ * revoke the bias (a lock that changes hands all the time stays an atomic exchange and a store
+ * per call); kva_var_base reads the region's start, fixed at creation, without
  * it. kva_var_destroy must not overlap any other call on the same pool (nor may one start after
  * it). The backing pool is called only at create and destroy, and other threads may use it
  * meanwhile.
