@@ -176,7 +176,7 @@ kva_status kv_metadata_map(size_t bytes, void **out, size_t *length) {
     void *p;
     kva_status st = kva_os_reserve(len, unit, &p);
     if (st != KVA_OK) return st;
-    st = kva_os_commit(p, len, 0);
+    st = kva_os_commit(p, len, KVA_OS_LAZY);
     if (st != KVA_OK) {
         kva_os_unmap(p, len);
         return st;

@@ -22,9 +22,23 @@
  * *out receives the aligned start. */
 kva_status kva_os_reserve(size_t length, size_t alignment, void **out);
 
-/* Replaces [addr, addr+length) of a reservation with readable, writable memory. With huge set
- * the memory comes from hugetlb 2 MiB pages (addr and length multiples of 2 MiB). */
-kva_status kva_os_commit(void *addr, size_t length, int huge);
+/* What backs a range kva_os_commit makes readable and writable. */
+typedef enum kva_os_backing {
+    /* Base (or transparent huge) pages, committed as they are first touched and left out of the
+     * kernel's overcommit accounting (MAP_NORESERVE): a pool is often far larger than what it
+     * will touch (a KV cache sized for the worst case), and the heuristic would refuse a
+     * mapping larger than memory. */
+    KVA_OS_LAZY,
+    /* The same pages, counted at once: for a range that will all be touched (prefault, lock),
+     * so that the kernel refuses one larger than it can back (KVA_ERR_NOMEM) rather than its
+     * OOM killer striking in the middle of the touching. */
+    KVA_OS_CHARGED,
+    /* hugetlb 2 MiB pages, reserved at once (addr and length multiples of 2 MiB). */
+    KVA_OS_HUGETLB
+} kva_os_backing;
+
+/* Replaces [addr, addr+length) of a reservation with readable, writable memory. */
+kva_status kva_os_commit(void *addr, size_t length, kva_os_backing backing);
 
 /* Advises transparent huge pages for the range. KVA_ERR_BACKEND if the kernel refuses, or if this
  * process would get none there: THP disabled for it (prctl PR_SET_THP_DISABLE, as a container

@@ -82,20 +82,19 @@ kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {
     return KVA_OK;
 }
 
-kva_status kva_os_commit(void *addr, size_t length, int huge) {
-    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED;
-    /* Base and transparent huge pages are committed as they are first touched, and a pool is
-     * often far larger than what it will touch (a KV cache sized for the worst case): without
-     * MAP_NORESERVE the kernel's overcommit heuristic refuses a mapping larger than memory.
-     * hugetlb pages are reserved up front instead, which is what makes their failure early. */
-    if (huge) flags |= MAP_HUGETLB | MAP_HUGE_2MB;
-    else flags |= MAP_NORESERVE;
+kva_status kva_os_commit(void *addr, size_t length, kva_os_backing backing) {
+    int flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, huge = backing == KVA_OS_HUGETLB;
+    if (huge) flags |= MAP_HUGETLB | MAP_HUGE_2MB; /* reserved up front: their failure is early */
+    else if (backing == KVA_OS_LAZY) flags |= MAP_NORESERVE;
     void *p = fails_now(huge ? KVA_OS_COMMIT_HUGE : KVA_OS_COMMIT)
                   ? MAP_FAILED
                   : mmap(addr, length, PROT_READ | PROT_WRITE, flags, -1, 0);
     if (p == MAP_FAILED) {
         int err = errno;
-        return kva_fail(KVA_ERR_BACKEND, "mmap%s of %zu bytes: %s", huge ? " MAP_HUGETLB" : "", length,
+        /* What an accounted mapping's refusal means: the kernel cannot back it now. */
+        kva_status st = backing == KVA_OS_CHARGED && err == ENOMEM ? KVA_ERR_NOMEM : KVA_ERR_BACKEND;
+        return kva_fail(st, "mmap%s of %zu bytes%s: %s", huge ? " MAP_HUGETLB" : "", length,
+                        backing == KVA_OS_CHARGED ? ", all of them to be touched (prefault or lock)" : "",
                         strerror(err));
     }
     return KVA_OK;

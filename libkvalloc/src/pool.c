@@ -73,20 +73,21 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (st != KVA_OK) goto fail_buddy;
     pool->slabs.region = &pool->region;
     pool->slabs.pool_lock = &pool->lock;
-    if (cfg->prefault) {
-        /* The metadata is committed lazily too: without this, the first calls to reach each
-         * page of block records or bitmaps would take the faults prefault promises away. */
-        st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
-        if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes);
-        if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
-        if (st != KVA_OK) goto fail_slabs;
-    }
-
     pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
     size_t chunk = (size_t)1 << geo.chunk_shift;
     size_t alignment = pool->max_alloc_size > chunk ? pool->max_alloc_size : chunk;
     st = kva_region_create(cfg, geo.capacity, alignment, &pool->region);
     if (st != KVA_OK) goto fail_slabs;
+    if (cfg->prefault) {
+        /* The metadata is committed lazily too: without this, the first calls to reach each
+         * page of block records or bitmaps would take the faults prefault promises away. After
+         * the region, whose refusal when it is more than memory can back should come before
+         * the metadata (about 2% of it) is touched. */
+        st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
+        if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes);
+        if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
+        if (st != KVA_OK) goto fail_region;
+    }
     pool->base = pool->region.base;
     place_arenas(pool, cfg);
     pool->fast_limit = KVA_SLAB_MAX_SIZE;

@@ -12,15 +12,17 @@
 
 static size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
-/* Commits the reserved range [base, base+length) with one page kind. */
-static kva_status commit_kind(unsigned char *base, size_t length, kva_page_kind kind) {
+/* Commits the reserved range [base, base+length) with one page kind; a range the config will
+ * touch whole (prefault, lock) is counted by the kernel at once (KVA_OS_CHARGED). */
+static kva_status commit_kind(const kva_config *cfg, unsigned char *base, size_t length, kva_page_kind kind) {
+    kva_os_backing backing = cfg->prefault || cfg->lock ? KVA_OS_CHARGED : KVA_OS_LAZY;
     switch (kind) {
-    case KVA_PAGE_KIND_HUGETLB: return kva_os_commit(base, length, 1);
+    case KVA_PAGE_KIND_HUGETLB: return kva_os_commit(base, length, KVA_OS_HUGETLB);
     case KVA_PAGE_KIND_THP: {
-        kva_status st = kva_os_commit(base, length, 0);
+        kva_status st = kva_os_commit(base, length, backing);
         return st == KVA_OK ? kva_os_advise_thp(base, length) : st;
     }
-    case KVA_PAGE_KIND_SMALL: return kva_os_commit(base, length, 0);
+    case KVA_PAGE_KIND_SMALL: return kva_os_commit(base, length, backing);
     case KVA_PAGE_KIND_DEVICE: break;
     }
     return kva_fail(KVA_ERR_INVALID, "unknown page kind %d", (int)kind);
@@ -51,7 +53,7 @@ static kva_status map_kind(const kva_config *cfg, size_t length, size_t alignmen
     kva_status st = kva_os_reserve(mapped, alignment, &reserved);
     if (st != KVA_OK) return st;
     *fall_through = 1;
-    st = commit_kind(reserved, mapped, kind);
+    st = commit_kind(cfg, reserved, mapped, kind);
     /* The policy is set before anything touches the memory, so every page obeys it. A refusal
      * is no matter of page size: the chain stops. */
     if (st == KVA_OK && cfg->numa_node >= 0) {

@@ -184,6 +184,41 @@ static void test_pool_larger_than_memory(void) {
     kva_pool_destroy(pool);
 }
 
+/* A pool that will be touched whole (prefault, lock) and is larger than the memory and swap the
+ * machine has: the kernel counts it at once and refuses it, and the pool is refused with
+ * KVA_ERR_NOMEM, nothing left mapped. Left out of the accounting (MAP_NORESERVE, as a lazily
+ * touched pool is), it was accepted and the touching ran until the OOM killer struck. Under
+ * overcommit_memory=1 the kernel counts nothing, so this cannot be asked without risking that. */
+static void test_touched_pool_larger_than_memory(void) {
+    FILE *f = fopen("/proc/sys/vm/overcommit_memory", "r");
+    int mode = -1;
+    if (f) {
+        if (fscanf(f, "%d", &mode) != 1) mode = -1;
+        fclose(f);
+    }
+    if (mode != 0 && mode != 2) {
+        fprintf(stderr, "test_touched_pool_larger_than_memory: skipped, overcommit_memory is %d: the kernel "
+                        "would accept the mapping and the prefault would meet the OOM killer\n", mode);
+        return;
+    }
+    size_t memory = (size_t)(meminfo_value("MemTotal") + meminfo_value("SwapTotal")) * 1024;
+    size_t capacity = (size_t)1 << 30;
+    while (capacity < 2 * memory) capacity *= 2;
+    long maps_before = mapping_count();
+    for (int lock = 0; lock <= 1; lock++) {
+        kva_config cfg;
+        kva_config_init(&cfg);
+        cfg.capacity = capacity;
+        cfg.prefault = !lock;
+        cfg.lock = lock;
+        kva_pool *pool = NULL;
+        CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_ERR_NOMEM);
+        CHECK(pool == NULL);
+        CHECK(strstr(kva_last_error(), "to be touched") != NULL);
+    }
+    CHECK(!MAPS_ARE_RELIABLE || mapping_count() == maps_before);
+}
+
 /* The metadata is committed as it is touched, like the region: a pool far larger than memory
  * (4 TiB here, whose slab bitmaps alone are some 80 GiB) is not refused up front by the
  * overcommit heuristic. Under overcommit_memory=2 nothing is committed lazily, and the refusal
@@ -367,6 +402,7 @@ int main(void) {
     test_alignment_and_cleanup();
     test_pool_larger_than_memory();
     test_metadata_larger_than_memory();
+    test_touched_pool_larger_than_memory();
     test_prefault_maps_only_capacity();
     in_child(lock_fits_the_limit, "test_lock_fits_the_limit");
     in_child(thp_disabled_child, "test_thp_disabled");
