@@ -107,6 +107,10 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_
         *in_caches += (uint64_t)__builtin_popcountll(pending);
         if ((bits != 0) != listed) return BROKEN("S2: slab %u l1 bit %u disagrees with its l0 word", s, w);
     }
+    /* The last l1 word's bits past the l0 words: a claim would take such a "word", which lies
+     * over the remote words. */
+    if (g->l0_words % 64 && (l1[g->l1_words - 1] >> (g->l0_words % 64)))
+        return BROKEN("S2: slab %u's l1 lists words past its %u l0 words", s, g->l0_words);
     uint32_t tail = g->nobj % 64;
     if (tail && ((kva_load(&l0[g->l0_words - 1]) | kva_load(&remote[g->l0_words - 1])) >> tail))
         return BROKEN("S2: slab %u marks objects past its %u objects free", s, g->nobj);
@@ -153,10 +157,15 @@ static int window_is_sound(const kva_pool *pool, const kva_tcache *tc, const kva
 static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
     const kva_slabs *sl = &pool->slabs;
     uint64_t listed = 0;
+    uint32_t caches = 0;
     for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+        if (++caches > pool->ncaches) return BROKEN("S6: the pool's list of thread caches is longer than its %u caches", pool->ncaches);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
             const kva_tc_hot *h = &tc->hot[c];
+            if (h->size != sl->geom[c].size)
+                return BROKEN("S6: thread cache %u's object size of class %u is %llu, not %u", tc->id, c,
+                              (unsigned long long)h->size, sl->geom[c].size);
             if (k->nowned > k->limit || k->limit > KVA_TC_WORDS || (k->cur != KVA_NIL && k->cur >= k->nowned) ||
                 (k->cur == KVA_NIL && k->nowned > 1))
                 return BROKEN("S6: thread cache %u holds %u words of class %u, current %u", tc->id, k->nowned, c, k->cur);
@@ -172,7 +181,8 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
                     return BROKEN("S6: thread cache %u's current word of class %u points elsewhere", tc->id, c);
                 listed++;
             }
-            if (k->cur == KVA_NIL && (kva_load(h->l0) | kva_load(h->remote)) != 0)
+            /* Compared, never read through: a corrupted pointer must not crash the check. */
+            if (k->cur == KVA_NIL && (h->l0 != kva_tc_no_word() || h->remote != kva_tc_no_word()))
                 return BROKEN("S6: thread cache %u has no current word of class %u but allocates from one", tc->id, c);
         }
         for (unsigned i = 0; i < KVA_TC_WINDOWS; i++)
@@ -180,6 +190,8 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
                 return BROKEN("S6: thread cache %u's free window %u is not on a run of words it owns, as they are",
                               tc->id, i);
     }
+    if (caches != pool->ncaches)
+        return BROKEN("S6: the pool's list of thread caches holds %u of its %u caches", caches, pool->ncaches);
     if (listed != owned_entries)
         return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,
                       (unsigned long long)listed);

@@ -58,6 +58,8 @@ static void set_current(kva_pool *pool, kva_tcache *tc, unsigned c, uint32_t i) 
     h->remote = word_remote(sl, s, w);
 }
 
+uint64_t *kva_tc_no_word(void) { return &no_word; }
+
 static void no_current(kva_tcache *tc, unsigned c) {
     kva_store(&tc->cls[c].cur, KVA_NIL);
     tc->hot[c].l0 = &no_word;
@@ -510,7 +512,10 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
         out->frees[c] = pool->retired_frees[c] + __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_ACQUIRE) -
                         __atomic_load_n(&sl->doubled_frees[c], __ATOMIC_RELAXED);
     out->remote_frees = pool->retired_remote_frees;
-    for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+    /* Both walks stop at the pool's count of caches: kva_check reads these totals before it has
+     * checked the list, which must not make it loop. */
+    uint32_t n = 0;
+    for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++) {
         out->remote_frees += kva_load(&tc->remote_frees);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
             out->frees[c] += __atomic_load_n(&tc->frees[c], __ATOMIC_ACQUIRE);
@@ -520,21 +525,24 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
     const kva_tcache *mine = NULL;
     for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
         if (pool_of(tc) == pool) mine = tc;
-    for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
+    n = 0;
+    for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++) {
         out->caches++;
         if (tc != mine) out->foreign_caches++;
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
             out->allocs[c] += kva_load(&tc->hot[c].allocs);
-            /* Another thread may change its set meanwhile: bounded reads, an estimate. */
-            uint32_t n = kva_load(&k->nowned);
-            for (uint32_t i = 0; i < n && i < KVA_TC_WORDS; i++) {
+            /* Another thread may change its set meanwhile: bounded reads, an estimate. The
+             * word's place comes from the class's geometry, not from the slab descriptor's
+             * copies, which kva_check has not verified yet when it asks. */
+            const kva_class_geometry *g = &sl->geom[c];
+            uint32_t owned = kva_load(&k->nowned);
+            for (uint32_t i = 0; i < owned && i < KVA_TC_WORDS; i++) {
                 uint32_t s = kva_load(&k->slab[i]), w = kva_load(&k->word[i]);
-                if (s >= sl->nchunks || __atomic_load_n(&sl->slabs[s].cls, __ATOMIC_ACQUIRE) != c ||
-                    w >= sl->geom[c].l0_words)
+                if (s >= sl->nchunks || __atomic_load_n(&sl->slabs[s].cls, __ATOMIC_ACQUIRE) != c || w >= g->l0_words)
                     continue;
-                out->cached[c] += (uint64_t)__builtin_popcountll(kva_load(word_l0(sl, s, w)) |
-                                                                 kva_load(word_remote(sl, s, w)));
+                const uint64_t *l0 = kva_slab_bitmap(sl, s) + g->l1_words + w;
+                out->cached[c] += (uint64_t)__builtin_popcountll(kva_load(l0) | kva_load(l0 + g->l0_words));
             }
         }
     }

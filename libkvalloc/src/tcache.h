@@ -118,6 +118,9 @@ extern const char kva_tc_nowhere;
  * has one. */
 extern __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec")));
 
+/* The always-zero word a class with no current word allocates from (its l0 and remote). */
+uint64_t *kva_tc_no_word(void);
+
 /* This thread's cache for pool, made on first use; NULL if there is no host memory for one. */
 kva_tcache *kva_tc_get(kva_pool *pool);
 /* The same without making one: NULL if this thread has none. */

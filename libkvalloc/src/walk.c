@@ -44,6 +44,16 @@ static int walk_slab(const kva_pool *pool, uint32_t s, walker *w) {
     return flush_free_run(w);
 }
 
+/* A slab block the walk can read: a whole chunk whose descriptor names a class and that class's
+ * place in its own bitmap slot. */
+static int slab_is_walkable(const kva_pool *pool, uint32_t index) {
+    const kva_slabs *sl = &pool->slabs;
+    uint32_t s = index >> sl->chunk_order;
+    if (index & (((uint32_t)1 << sl->chunk_order) - 1) || s >= sl->nchunks) return 0;
+    const kva_slab *slab = &sl->slabs[s];
+    return slab->cls < KVA_NUM_SIZE_CLASSES && slab->l0 == kva_slab_bitmap(sl, s) + sl->geom[slab->cls].l1_words;
+}
+
 kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx) {
     if (!pool || !fn) return kva_fail(KVA_ERR_INVALID, "pool or callback is NULL");
     kva_pool_lock_all(pool);
@@ -57,8 +67,15 @@ kva_status kva_walk_locked(kva_pool *pool, kva_walk_fn fn, void *ctx) {
     walker w = {.fn = fn, .ctx = ctx};
     for (uint32_t index = 0; index < buddy->nblocks;) {
         const kva_page *page = &buddy->pages[index];
+        uint32_t length = kva_buddy_length(page);
+        /* What the walk itself relies on, checked before it is used (the rest is kva_check's):
+         * a head that moves the walk forward within the pool, and a slab whose class and
+         * bitmap are its own. */
+        if (page->order >= buddy->num_orders || length == 0 || length > (uint32_t)1 << page->order ||
+            length > buddy->nblocks - index || (page->state == KVA_BLOCK_SLAB && !slab_is_walkable(pool, index)))
+            return kva_fail(KVA_ERR_CORRUPT, "minimum block %u does not head a sound block; run kva_check", index);
         uint64_t offset = (uint64_t)index << buddy->min_shift;
-        uint64_t size = (uint64_t)kva_buddy_length(page) << buddy->min_shift;
+        uint64_t size = (uint64_t)length << buddy->min_shift;
         int stop = 0;
         switch (page->state) {
         case KVA_BLOCK_FREE: stop = fn(offset, size, KVA_WALK_FREE, ctx); break;
@@ -67,7 +84,7 @@ kva_status kva_walk_locked(kva_pool *pool, kva_walk_fn fn, void *ctx) {
         default: return kva_fail(KVA_ERR_CORRUPT, "minimum block %u is not a block head; run kva_check", index);
         }
         if (stop) break;
-        index += kva_buddy_length(page);
+        index += length;
     }
     return KVA_OK;
 }

@@ -12,6 +12,22 @@
 
 static kva_pool *pool;
 
+static int count_ranges(uint64_t offset, uint64_t size, kva_walk_kind kind, void *ctx) {
+    (void)offset, (void)size, (void)kind;
+    ++*(unsigned *)ctx;
+    return 0;
+}
+
+/* kva_walk on broken metadata: KVA_ERR_CORRUPT, not a loop or a read out of bounds. */
+static void expect_walk_refused(int line) {
+    unsigned ranges = 0;
+    kva_status st = kva_walk(pool, count_ranges, &ranges);
+    if (st != KVA_ERR_CORRUPT) {
+        fprintf(stderr, "line %d: kva_walk returned %d after %u ranges, expected KVA_ERR_CORRUPT\n", line, st, ranges);
+        check_failures++;
+    }
+}
+
 /* Runs kva_check and verifies it names the invariant `code` ("B3", "S2", ...). */
 static void expect_broken(const char *code, int line) {
     kva_status st = kva_check(pool);
@@ -47,6 +63,9 @@ int main(void) {
     REQUIRE(kva_thread_flush(pool) == KVA_OK && kva_alloc(pool, 64, &extra) == KVA_OK);
     /* Two fast frees in the slab open the cache's free window on word 1. */
     for (int i = 0; i < 2; i++) REQUIRE(kva_alloc(pool, 64, &freed) == KVA_OK && kva_free(pool, freed) == KVA_OK);
+    /* A slab of 48 B objects: its l0 words do not fill its last l1 word. */
+    void *odd;
+    REQUIRE(kva_alloc(pool, 48, &odd) == KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
 
     kva_buddy *b = &pool->buddy;
@@ -91,6 +110,30 @@ int main(void) {
     CORRUPT("S4", ac->empty_slab, 3);
     CORRUPT("S5", kva_tc_current->hot[c].allocs, kva_tc_current->hot[c].allocs + 1);
     CORRUPT("S5", ac->slabs, ac->slabs + 1);
+    /* What a corruption must not do to the check itself: crash it, hang it, or pass. */
+    kva_tcache *me = kva_tc_current;
+    unsigned unused_class = (unsigned)kva_size_class_of(40); /* never allocated here */
+    REQUIRE(me->cls[unused_class].cur == KVA_NIL);
+    CORRUPT("S6", me->hot[unused_class].l0, (uint64_t *)0x10);    /* compared, not read */
+    CORRUPT("S6", me->hot[unused_class].remote, (uint64_t *)0x10);
+    CORRUPT("S6", me->hot[c].size, me->hot[c].size + 16);          /* the fast path multiplies by it */
+    CORRUPT("S6", me->pool_next, me);                              /* a loop in the pool's caches */
+    CORRUPT("S1", slab->l0, (uint64_t *)0x1000);                   /* before the totals read it */
+    CORRUPT("S1", slab->l0_words, 0x40000000);
+    uint32_t odd_chunk = (uint32_t)(((unsigned char *)odd - pool->base) >> sl->chunk_shift);
+    const kva_class_geometry *odd_g = &sl->geom[sl->slabs[odd_chunk].cls];
+    REQUIRE(odd_g->l0_words % 64 != 0);
+    uint64_t *odd_l1 = kva_slab_bitmap(sl, odd_chunk) + odd_g->l1_words - 1;
+    CORRUPT("S2", *odd_l1, *odd_l1 | (uint64_t)1 << (odd_g->l0_words % 64)); /* a word past the last */
+    uint32_t saved_length = b->pages[used].next;
+    b->pages[used].next = 0; /* a head that would not move the walk on */
+    expect_walk_refused(__LINE__);
+    b->pages[used].next = saved_length;
+    uint8_t saved_cls = sl->slabs[odd_chunk].cls;
+    sl->slabs[odd_chunk].cls = 0xf0; /* a class past the table */
+    expect_walk_refused(__LINE__);
+    sl->slabs[odd_chunk].cls = saved_cls;
+    CHECK_STATUS(kva_check(pool), KVA_OK);
     CORRUPT("P2", pool->capacity, pool->capacity + 4096);
     CORRUPT("P3", pool->block_allocs, pool->block_allocs + 1);
 
@@ -121,6 +164,7 @@ int main(void) {
 
     /* Everything restored: the pool still works and checks clean. */
     for (int i = 0; i < 100; i++) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, odd), KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
     return CHECK_DONE();
