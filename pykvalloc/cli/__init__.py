@@ -14,9 +14,9 @@ from typing import Any
 
 from .. import __version__, _ffi
 from ..errors import KvallocError
-from . import demo, dump, ls, replay, top
+from . import bench, demo, dump, ls, replay, top
 
-_COMMANDS = (demo, replay, ls, dump, top)
+_COMMANDS = (demo, replay, bench, ls, dump, top)
 
 
 def version_text() -> str:

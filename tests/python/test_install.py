@@ -74,6 +74,14 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     script = _run([str(venv / "bin" / "kvalloc"), "--version"], cwd=tmp_path).stdout
     assert script.startswith(f"kvalloc (pykvalloc) {version}\nlibrary: {library}")
     _run([str(venv / "bin" / "kvalloc"), "ls"], cwd=tmp_path)
+    # The benchmarks ship in the wheel, linked to the static library: they need no other file.
+    for executable in ("bench_alloc", "bench_threads", "bench_kv", "bench_varpool"):
+        assert f"pykvalloc/bench/{executable}," in record
+    listed = _run([str(venv / "bin" / "kvalloc"), "bench", "--list"], cwd=tmp_path).stdout
+    assert listed.count(str(site_packages / "pykvalloc" / "bench")) == 4, listed
+    ran = subprocess.run([str(venv / "bin" / "kvalloc"), "bench", "varpool", "--quick"], capture_output=True,
+                         text=True, cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL, timeout=600)
+    assert ran.returncode in (0, 1) and "TLSF" in ran.stdout, ran.stdout + ran.stderr  # 1: a target missed
 
     # An editable install over it: the .py files come from the source tree, the library from
     # what scikit-build-core installed into site-packages.

@@ -1,0 +1,135 @@
+"""``kvalloc bench``: the C benchmarks of tools/, shipped with the package.
+
+Four programs measure the library against its targets (docs/benchmarks.md says what each one
+does and records their figures):
+
+  alloc    libkvalloc beside glibc malloc, jemalloc, mimalloc and tcmalloc, one thread: batches
+           of 64 B and 4 KiB, shuffled frees, mixed sizes, 1-64 MiB blocks, first touch
+  threads  the same allocators at 1, 2 and 4 x the CPUs' threads: batches and producer/consumer
+  kv       the KV-cache manager: allocation, append, prefix hits, eviction, fork
+  varpool  the variable-size pools (first, best and worst fit, TLSF) and the buddy on the same
+           traces: fragmentation, waste, failures, ns per operation
+
+Each runs in a child process of its own and prints its table as it goes; the peers run with
+LD_PRELOAD set to their Debian libraries (libjemalloc2, libmimalloc2.0,
+libgoogle-perftools4 / libtcmalloc-minimal4), and a peer that is not installed is left out.
+Timings are only comparable within one run, on a machine with nothing else running.
+
+The exit status is 0 when every benchmark ran and met its targets as it judges them itself
+(kv and varpool exit 1 when one of theirs is missed; alloc and threads print their verdicts and
+exit 0), else the first nonzero status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+# name on the command line -> (executable, takes --only and --json)
+BENCHMARKS = {
+    "alloc": ("bench_alloc", True),
+    "threads": ("bench_threads", True),
+    "kv": ("bench_kv", False),
+    "varpool": ("bench_varpool", False),
+}
+
+ENV_VAR = "KVALLOC_BENCH_DIR"  # where the executables are, instead of the package's own
+
+
+def search_dirs() -> list[Path]:
+    """Where the benchmark executables may be, in order: ``$KVALLOC_BENCH_DIR`` alone when set;
+    else the package's ``bench`` directory (where pip puts them; an editable install's package
+    spans the source tree and site-packages), then ``build/tools`` of a source checkout."""
+    override = os.environ.get(ENV_VAR)
+    if override is not None:
+        return [Path(override)]
+    from .. import __path__ as package_path
+
+    dirs = [Path(entry) / "bench" for entry in package_path]
+    dirs.append(Path(__file__).resolve().parents[2] / "build" / "tools")
+    return dirs
+
+
+def find(executable: str) -> Path | None:
+    for directory in search_dirs():
+        candidate = directory / executable
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def command_line(name: str, path: Path, args: argparse.Namespace) -> list[str]:
+    executable, rich_options = BENCHMARKS[name]
+    argv = [str(path)]
+    if args.quick:
+        argv.append("--quick")
+    if rich_options and args.only:
+        argv += ["--only", args.only]
+    if rich_options and args.json:
+        argv += ["--json", str(Path(args.json) / f"{executable}.json")]
+    return argv
+
+
+def benchmark_name(text: str) -> str:
+    """A benchmark's name (argparse's choices would refuse the empty default of nargs="*")."""
+    if text not in BENCHMARKS and text != "all":
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose from {', '.join([*BENCHMARKS, 'all'])})")
+    return text
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "bench", help="run the allocator benchmarks against glibc, jemalloc, mimalloc, tcmalloc",
+        description=__doc__.split("\n\n", 1)[1].strip(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("benchmarks", nargs="*", metavar="BENCHMARK", type=benchmark_name,
+                        default=[],
+                        help="alloc, threads, kv, varpool or all (default: alloc)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few seconds each: a smoke run, not figures to keep")
+    parser.add_argument("--only", metavar="NAME[,NAME...]",
+                        help="alloc and threads: these allocators only "
+                             "(glibc, jemalloc, mimalloc, tcmalloc, kvalloc)")
+    parser.add_argument("--json", metavar="DIR",
+                        help="alloc and threads: write every figure to DIR/bench_alloc.json "
+                             "and DIR/bench_threads.json")
+    parser.add_argument("--list", action="store_true",
+                        help="say which benchmarks are installed, and where, then exit")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    names = list(dict.fromkeys(args.benchmarks or ["alloc"]))
+    if "all" in names:
+        names = list(BENCHMARKS)
+    if args.list:
+        for name, (executable, _) in BENCHMARKS.items():
+            path = find(executable)
+            print(f"{name:8} {executable:14} {path if path else 'not installed'}")
+        return 0
+    paths = {name: find(BENCHMARKS[name][0]) for name in names}
+    missing = [BENCHMARKS[name][0] for name, path in paths.items() if path is None]
+    if missing:
+        where = ", ".join(str(directory) for directory in search_dirs())
+        print(f"kvalloc bench: {', '.join(missing)} not found (looked in {where}); pip installs "
+              f"them with the package, and a source checkout builds them with "
+              f"`cmake --build build`", file=sys.stderr)
+        return 2
+    if args.json:
+        Path(args.json).mkdir(parents=True, exist_ok=True)
+    status = 0
+    for name in names:
+        argv = command_line(name, paths[name], args)
+        print(f"== kvalloc bench {name}: {' '.join(argv)}", flush=True)
+        code = subprocess.run(argv, check=False).returncode
+        if code < 0:  # killed by a signal: the shell's way of saying so
+            code = 128 - code
+        if code != 0:
+            print(f"== kvalloc bench {name}: exit status {code}", flush=True)
+            status = status or code
+    return status
