@@ -38,8 +38,9 @@ test-tsan: deps
 
 # The virtual environment holds the package installed in editable mode (scikit-build-core
 # builds libkvalloc into it) and pytest.
-# The editable install carries its own build of the library: rebuild it when the C changes.
-$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard libkvalloc/src/* libkvalloc/include/*) | deps
+# The editable install carries its own build of the library and of the benchmarks `kvalloc bench`
+# runs: rebuild it when the C changes.
+$(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard libkvalloc/src/* libkvalloc/include/* tools/CMakeLists.txt tools/*.c tools/*.h) | deps
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --upgrade pip
 	$(VENV)/bin/pip install --quiet -e '.[test]'
