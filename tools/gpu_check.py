@@ -9,16 +9,25 @@ It checks, in order:
   1. the driver and the device (name, memory, driver version);
   2. a CUDA pool (``pykvalloc.Pool(backend="cuda")``): allocations of every slab size class and of
      every buddy order up to an eighth of the pool, all distinct, aligned and inside the pool,
-     with ``Pool.check()`` passing;
-  3. a host-to-device-and-back round trip through several of them (cuMemcpyHtoD, cuMemcpyDtoH),
-     compared byte for byte, one spanning several mapping granules;
-  4. trim: everything freed, ``Pool.trim()`` unmaps it all, and the device's free memory
-     (cuMemGetInfo) grows by what was unmapped;
-  5. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
+     with ``Pool.check()`` passing, and the device's free memory (cuMemGetInfo) down by at least
+     what the pool mapped for them;
+  3. the data: a distinct pattern copied into every one of them (cuMemcpyHtoD), then every one
+     copied back (cuMemcpyDtoH) and compared byte for byte, so that two allocations sharing
+     device memory, or a granule mapped twice, would show;
+  4. trim: every other allocation freed, ``Pool.trim()``, the survivors' bytes read back intact
+     (a trim that unmapped a granule still in use would lose them); then everything freed,
+     trimmed to nothing mapped, and the device's free memory up by what was unmapped;
+  5. the other ways memory is mapped and given back: a prefaulted pool maps its whole capacity
+     at creation; with ``trim_watermark`` a free unmaps what lies idle beyond it by itself; a
+     host pool pinned for the device (``pin=True``, cuMemHostRegister) copies to and from a
+     device allocation intact;
+  6. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
      pays the same call overhead (the ctypes floor is reported beside them): for each size, the
      first call (which maps device memory for kvalloc) and the median and p99 of warm calls.
 It prints a short report, then one line of JSON (``{"gpu_check": ...}``) for the record.
-Exit status: 0 all checks passed, 1 a check failed, 2 no usable driver or GPU.
+Exit status: 0 all checks passed, 1 a check failed (a driver call the library makes that the
+driver refuses included), 2 no usable driver or GPU (the driver cannot be loaded or has no such
+device, or refuses the first CUDA pool at creation).
 
 The driver is the one libkvalloc loads: $KVA_CUDA_DRIVER if set, else libcuda.so.1. The numbers
 are only meaningful on a real GPU; on the fake driver of tests/fake_cuda the script still runs
@@ -51,6 +60,11 @@ CUdeviceptr = c_ulonglong
 
 class CheckFailed(Exception):
     """A check did not hold; the message says which."""
+
+
+class NoDevice(Exception):
+    """No driver, no such device, or no pool of device memory to be had on it (exit 2): the
+    check cannot run here, as opposed to failing."""
 
 
 class Driver:
@@ -156,20 +170,61 @@ def allocate_everything(pool: pykvalloc.Pool) -> list[pykvalloc.Allocation]:
     return live
 
 
-def round_trip(driver: Driver, allocations: list[pykvalloc.Allocation], granularity: int) -> int:
-    """Random bytes to the device and back through each allocation; the bytes moved."""
-    moved = 0
+def pattern(allocation: pykvalloc.Allocation) -> bytes:
+    """Bytes that differ from allocation to allocation and from place to place within one: the
+    allocation's offset, then a counter, repeated."""
+    seed = allocation.offset.to_bytes(8, "little")
+    block = b"".join(seed + i.to_bytes(8, "little") for i in range(512))  # 8 KiB
+    return (block * (allocation.size // len(block) + 1))[:allocation.size]
+
+
+def write_all(driver: Driver, allocations: list[pykvalloc.Allocation]) -> int:
+    """Each allocation's pattern to the device; the bytes moved."""
     for allocation in allocations:
-        size = allocation.size
-        data = os.urandom(size)
-        back = ctypes.create_string_buffer(size)
-        driver.call("cuMemcpyHtoD", allocation.address, data, size)
-        driver.call("cuMemcpyDtoH", back, allocation.address, size)
-        check(back.raw == data, f"round trip through {allocation!r} changed the bytes")
-        moved += 2 * size
-    spanning = [a for a in allocations if a.size > granularity]
-    check(bool(spanning), "no allocation spans several mapping granules")
-    return moved
+        driver.call("cuMemcpyHtoD", allocation.address, pattern(allocation), allocation.size)
+    return sum(a.size for a in allocations)
+
+
+def read_all(driver: Driver, allocations: list[pykvalloc.Allocation], when: str) -> int:
+    """Each allocation back from the device, compared with its pattern; the bytes moved. Only
+    after every pattern is written: a write through one allocation that lands in another's
+    memory then shows as the other's bytes changed."""
+    for allocation in allocations:
+        back = ctypes.create_string_buffer(allocation.size)
+        driver.call("cuMemcpyDtoH", back, allocation.address, allocation.size)
+        check(back.raw == pattern(allocation), f"{when}: the bytes of {allocation!r} changed")
+    return sum(a.size for a in allocations)
+
+
+def other_mappings(driver: Driver, device: int, granularity: int) -> dict[str, Any]:
+    """Prefault, trim_watermark and a pinned host pool (step 5 of the module docstring)."""
+    result: dict[str, Any] = {}
+    capacity = 16 * granularity
+    with pykvalloc.Pool(capacity, backend="cuda", device=device, prefault=True) as pool:
+        mapped = pool.stats().mapped_bytes
+        check(mapped == pool.capacity, f"a prefaulted pool of {pool.capacity} bytes maps {mapped}")
+        result["prefault_mapped"] = mapped
+    with pykvalloc.Pool(capacity, backend="cuda", device=device, trim_watermark=granularity) as pool:
+        blocks = [pool.alloc(granularity) for _ in range(8)]
+        check(pool.stats().mapped_bytes >= 8 * granularity, "eight granules in use but not mapped")
+        for block in blocks:
+            pool.free(block)
+        idle = pool.stats().mapped_bytes
+        check(idle <= granularity, f"{idle} bytes stay mapped past a watermark of {granularity}")
+        result["watermark_idle_mapped"] = idle
+    with pykvalloc.Pool(capacity, pin=True) as host, \
+            pykvalloc.Pool(capacity, backend="cuda", device=device) as pool:
+        check(host.stats().pinned, "the host pool is not pinned")
+        source, target = host.alloc(4 * MiB), pool.alloc(4 * MiB)
+        view = source.view()
+        view[:] = bytearray(pattern(target)[: 4 * MiB])
+        driver.call("cuMemcpyHtoD", target.address, source.address, 4 * MiB)
+        view[:] = 0
+        driver.call("cuMemcpyDtoH", source.address, target.address, 4 * MiB)
+        check(bytes(view) == pattern(target)[: 4 * MiB], "a copy through pinned memory changed the bytes")
+        del view
+        result["pinned_copy_bytes"] = 8 * MiB
+    return result
 
 
 def percentile(samples: list[int], q: float) -> float:
@@ -234,20 +289,31 @@ def latency(driver: Driver, capacity: int, device: int, sizes: list[int], iterat
 def run(args: argparse.Namespace) -> dict[str, Any]:
     began = time.monotonic()
     deadline = began + (DEADLINE_S if not args.quick else 30.0)
-    driver = Driver(args.device)
+    try:
+        driver = Driver(args.device)
+    except pykvalloc.BackendError as exc:
+        raise NoDevice(str(exc)) from exc
     report: dict[str, Any] = {"device": driver.name, "device_index": args.device,
                               "device_memory": driver.total_memory,
                               "driver_version": driver.version, "driver": driver.path}
     try:
-        with pykvalloc.Pool(args.capacity, backend="cuda", device=args.device) as pool:
+        try:
+            first_pool = pykvalloc.Pool(args.capacity, backend="cuda", device=args.device)
+        except pykvalloc.BackendError as exc:  # no virtual memory management on this device
+            raise NoDevice(str(exc)) from exc
+        with first_pool as pool:
             stats = pool.stats()
             check(stats.backend is Backend.CUDA, "the pool is not a CUDA pool")
             check(stats.mapped_bytes == 0, "a fresh CUDA pool already maps memory")
             granularity = stats.page_size
             report.update(capacity=pool.capacity, granularity=granularity, base=hex(pool.base))
 
+            free_at_start = driver.free_memory()
             live = allocate_everything(pool)
             mapped = pool.stats().mapped_bytes
+            taken = free_at_start - driver.free_memory()
+            check(mapped > 0, "allocations were made but nothing is mapped")
+            check(taken >= mapped, f"the pool maps {mapped} bytes but the device lost only {taken}")
             report["allocations"] = len(live)
             report["mapped_after_allocating"] = mapped
             try:
@@ -256,13 +322,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             except pykvalloc.InvalidArgument:
                 pass
 
-            sample = [live[0], live[len(live) // 2]] + [a for a in live if a.size > granularity][:2]
-            report["roundtrip_bytes"] = round_trip(driver, sample, granularity)
+            check(any(a.size > granularity for a in live), "no allocation spans several granules")
+            moved = write_all(driver, live)
+            moved += read_all(driver, live, "after writing every allocation")
+            report["roundtrip_bytes"] = moved
+
+            # Half freed and trimmed: the other half's bytes must survive.
+            for allocation in live[::2]:
+                pool.free(allocation)
+            pool.trim()
+            survivors = live[1::2]
+            report["roundtrip_bytes"] += read_all(driver, survivors, "after trimming around it")
+            pool.check()
 
             free_before = driver.free_memory()
-            for allocation in live:
+            for allocation in survivors:
                 pool.free(allocation)
             before_trim = pool.stats().mapped_bytes
+            check(before_trim > 0, "nothing stays mapped once freed, so trim has nothing to show")
             pool.trim()
             after_trim = pool.stats().mapped_bytes
             gained = driver.free_memory() - free_before
@@ -273,6 +350,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["trim"] = {"mapped_before": before_trim, "mapped_after": after_trim,
                               "device_free_gain": gained}
 
+        report["other_mappings"] = other_mappings(driver, args.device, granularity)
         sizes = [256, 64 << 10, 2 * MiB, 64 * MiB] if not args.quick else [256, 2 * MiB]
         report["latency"] = latency(driver, args.capacity, args.device, sizes, args.iterations,
                                     deadline)
@@ -291,7 +369,12 @@ def print_report(report: dict[str, Any]) -> None:
           f"granularity {report['granularity'] >> 10} KiB")
     print(f"allocations: {report['allocations']} (every slab class and buddy order), "
           f"{report['mapped_after_allocating'] >> 20} MiB mapped; check passed")
-    print(f"round trip: {report['roundtrip_bytes']} bytes host -> device -> host, identical")
+    print(f"data: {report['roundtrip_bytes']} bytes host -> device -> host, every allocation "
+          f"written before any was read, and the survivors of a trim read again: identical")
+    other = report["other_mappings"]
+    print(f"prefault maps {other['prefault_mapped'] >> 20} MiB at creation; with a watermark "
+          f"{other['watermark_idle_mapped'] >> 10} KiB stay mapped once freed; "
+          f"{other['pinned_copy_bytes'] >> 20} MiB copied through pinned host memory")
     trim = report["trim"]
     print(f"trim: {trim['mapped_before'] >> 20} MiB mapped -> {trim['mapped_after']}; "
           f"device free memory +{trim['device_free_gain'] >> 20} MiB")
@@ -322,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         args.iterations = min(args.iterations, 50)
     try:
         report = run(args)
-    except pykvalloc.BackendError as exc:
+    except NoDevice as exc:
         print(f"gpu_check: no usable CUDA device: {exc}", file=sys.stderr)
         return 2
     except (CheckFailed, pykvalloc.KvallocError) as exc:

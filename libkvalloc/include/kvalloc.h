@@ -208,7 +208,7 @@ typedef struct kva_pool kva_pool;
 /* Validates cfg, maps the region and builds the metadata. On failure *out is untouched and
  * nothing is left mapped, reserved or registered. Errors: KVA_ERR_INVALID (the config, a NUMA
  * node this process cannot use, a GPU ordinal that does not exist), KVA_ERR_NOMEM (host memory
- * for the metadata; for prefault or lock, host memory the kernel cannot back: such a pool is
+ * for the metadata; for prefault, lock or pin, host memory the kernel cannot back: such a pool is
  * counted by its overcommit accounting at once, where a pool touched lazily is not; GPU memory
  * for prefault), KVA_ERR_BACKEND (mmap, hugetlb, mbind, mlock;
  * for CUDA: no driver, no GPU, a driver call refused), each explained by kva_last_error(). */

@@ -29,7 +29,7 @@ typedef enum kva_os_backing {
      * will touch (a KV cache sized for the worst case), and the heuristic would refuse a
      * mapping larger than memory. */
     KVA_OS_LAZY,
-    /* The same pages, counted at once: for a range that will all be touched (prefault, lock),
+    /* The same pages, counted at once: for a range that will all be touched (prefault, lock, pin),
      * so that the kernel refuses one larger than it can back (KVA_ERR_NOMEM) rather than its
      * OOM killer striking in the middle of the touching. */
     KVA_OS_CHARGED,

@@ -94,7 +94,7 @@ kva_status kva_os_commit(void *addr, size_t length, kva_os_backing backing) {
         /* What an accounted mapping's refusal means: the kernel cannot back it now. */
         kva_status st = backing == KVA_OS_CHARGED && err == ENOMEM ? KVA_ERR_NOMEM : KVA_ERR_BACKEND;
         return kva_fail(st, "mmap%s of %zu bytes%s: %s", huge ? " MAP_HUGETLB" : "", length,
-                        backing == KVA_OS_CHARGED ? ", all of them to be touched (prefault or lock)" : "",
+                        backing == KVA_OS_CHARGED ? ", all of them to be touched (prefault, lock or pin)" : "",
                         strerror(err));
     }
     return KVA_OK;

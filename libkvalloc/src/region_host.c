@@ -13,9 +13,10 @@
 static size_t round_up(size_t value, size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
 
 /* Commits the reserved range [base, base+length) with one page kind; a range the config will
- * touch whole (prefault, lock) is counted by the kernel at once (KVA_OS_CHARGED). */
+ * touch whole (prefault, lock, and pin: registration with the CUDA driver page-locks every
+ * page) is counted by the kernel at once (KVA_OS_CHARGED). */
 static kva_status commit_kind(const kva_config *cfg, unsigned char *base, size_t length, kva_page_kind kind) {
-    kva_os_backing backing = cfg->prefault || cfg->lock ? KVA_OS_CHARGED : KVA_OS_LAZY;
+    kva_os_backing backing = cfg->prefault || cfg->lock || cfg->pin ? KVA_OS_CHARGED : KVA_OS_LAZY;
     switch (kind) {
     case KVA_PAGE_KIND_HUGETLB: return kva_os_commit(base, length, KVA_OS_HUGETLB);
     case KVA_PAGE_KIND_THP: {

@@ -14,7 +14,9 @@
  *  - cuMemSetAccess needs the whole range mapped; cuMemUnmap must cover whole mappings;
  *  - cuMemRelease of a mapped handle succeeds, and the memory is freed at its last unmap (as
  *    the driver documents); cuMemAddressFree refuses a range that still has mappings;
- *  - device memory is finite: cuMemCreate beyond it returns CUDA_ERROR_OUT_OF_MEMORY.
+ *  - device memory is finite: cuMemCreate beyond it returns CUDA_ERROR_OUT_OF_MEMORY;
+ *  - the last release of a device's primary context resets the device: its memory is freed,
+ *    mapped or not (reservations stay).
  * cuMemcpyHtoD/DtoH copy to and from a host shadow of each allocation, made on first use.
  *
  * Control. The environment, read when the library is loaded:
@@ -23,6 +25,9 @@
  *   FAKE_CUDA_GRANULARITY=b    allocation granularity, a power of two (default 2 MiB)
  *   FAKE_CUDA_NO_VMM=1         devices without virtual memory management
  *   FAKE_CUDA_FAIL=fn:n:code[,fn:n:code...]   the n-th call of fn returns code ("*": of any fn)
+ *   FAKE_CUDA_ALIAS=1          a broken driver: the second cuMemMap maps the memory the first
+ *                              one mapped instead of the allocation named, so that two granules
+ *                              share memory (for the test that tools/gpu_check.py notices)
  * and, for C tests that dlopen this same library, the fake_cuda_* functions at the end.
  */
 #include <pthread.h>
@@ -84,6 +89,7 @@ static struct {
     int devices;
     size_t memory, granularity;
     int vmm;
+    int alias;
 } config, env_config;
 static int initialized;
 static struct CUctx_st contexts[MAX_DEVICES];
@@ -195,6 +201,8 @@ __attribute__((constructor)) static void read_environment(void) {
     env_config.granularity = parse_size(getenv("FAKE_CUDA_GRANULARITY"), (size_t)2 << 20);
     const char *no_vmm = getenv("FAKE_CUDA_NO_VMM");
     env_config.vmm = !(no_vmm && *no_vmm && strcmp(no_vmm, "0") != 0);
+    const char *alias = getenv("FAKE_CUDA_ALIAS");
+    env_config.alias = alias && *alias && strcmp(alias, "0") != 0;
     config = env_config;
     parse_rules(getenv("FAKE_CUDA_FAIL"));
 }
@@ -304,11 +312,33 @@ API CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice device) {
     return finish(CUDA_SUCCESS);
 }
 
+static void unmap_at(size_t m);
+
+/* The last release of a device's primary context resets it, as the driver documents ("the
+ * context is automatically reset once the last reference to it is released"): its device memory
+ * goes, mapped or not, handle or not. Address reservations stay: they are the process's address
+ * space, given back by cuMemAddressFree alone. */
+static void reset_device(int device) {
+    for (size_t m = nmappings; m-- > 0;) {
+        if (allocs[mappings[m].alloc].device != device) continue;
+        uintptr_t va = mappings[m].va;
+        size_t size = mappings[m].size;
+        int legacy = mappings[m].legacy;
+        unmap_at(m);
+        if (legacy) munmap((void *)va, size);
+    }
+    for (size_t i = 0; i < nallocs; i++) {
+        if (allocs[i].device != device || allocs[i].freed) continue;
+        allocs[i].released = 1;
+        free_if_done(&allocs[i]);
+    }
+}
+
 API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice device) {
     BEGIN(NEED_INIT);
     if (!valid_device(device)) return finish(CUDA_ERROR_INVALID_DEVICE);
     if (contexts[device].retains == 0) return finish(CUDA_ERROR_INVALID_CONTEXT);
-    contexts[device].retains--;
+    if (--contexts[device].retains == 0) reset_device(device);
     return finish(CUDA_SUCCESS);
 }
 
@@ -444,7 +474,11 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericA
     if (!a || flags != 0 || offset != 0 || size == 0 || !aligned(ptr) || !aligned(size) || size > a->size)
         return finish(CUDA_ERROR_INVALID_VALUE);
     if (!reservation_holding(ptr, size)) return finish(CUDA_ERROR_INVALID_VALUE);
-    return finish(map(ptr, size, (size_t)(a - allocs), 0));
+    size_t index = (size_t)(a - allocs);
+    static unsigned long vmm_maps;
+    if (config.alias && ++vmm_maps == 2 && nmappings > 0 && allocs[mappings[0].alloc].size >= size)
+        index = mappings[0].alloc;
+    return finish(map(ptr, size, index, 0));
 }
 
 /* Whether [va, va+size) is covered by mappings, each at least `access`. */

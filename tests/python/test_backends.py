@@ -248,10 +248,40 @@ def test_gpu_check_runs_end_to_end_on_the_fake_driver(fake_driver):
     assert report["roundtrip_bytes"] > 0
     assert report["trim"]["mapped_after"] == 0
     assert report["trim"]["device_free_gain"] >= report["trim"]["mapped_before"] > 0
+    other = report["other_mappings"]
+    assert other["prefault_mapped"] > 0 and other["pinned_copy_bytes"] > 0
+    assert other["watermark_idle_mapped"] <= report["granularity"]
     for row in report["latency"]["sizes"].values():
         assert set(row) == {"kvalloc", "cuMemAlloc"}
     assert report["elapsed_s"] < 180
-    assert "round trip" in result.stdout
+    assert "host -> device -> host" in result.stdout
+
+
+def gpu_check_on(fake_driver, **fake) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_check.py"), "--quick"],
+                          capture_output=True, text=True, timeout=120,
+                          env=clean_env(KVA_CUDA_DRIVER=str(fake_driver), **fake))
+
+
+def test_gpu_check_sees_allocations_sharing_memory(fake_driver):
+    # A driver (or a library) that maps two addresses onto one piece of memory: every
+    # allocation is written before any is read back, so the first one's bytes change.
+    result = gpu_check_on(fake_driver, FAKE_CUDA_ALIAS="1")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILED" in result.stderr and "changed" in result.stderr
+
+
+def test_gpu_check_fails_on_a_refused_driver_call(fake_driver):
+    # A driver refusing what the library asks once the pool exists is the failure the check is
+    # for, not "no usable device" (exit 2, which CI reads as a skip).
+    result = gpu_check_on(fake_driver, FAKE_CUDA_FAIL="cuMemUnmap:1:999")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAILED" in result.stderr and "cuMemUnmap" in result.stderr
+
+
+def test_gpu_check_without_a_device_skips(fake_driver):
+    result = gpu_check_on(fake_driver, FAKE_CUDA_NO_VMM="1")
+    assert result.returncode == 2 and "no usable CUDA device" in result.stderr
 
 
 def test_gpu_check_without_a_driver_says_so():
