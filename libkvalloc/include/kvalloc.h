@@ -25,7 +25,10 @@
  * another core writes. Slow paths (once per up to 64 objects) lock one per-CPU arena; buddy
  * blocks and slab growth lock the pool. The KV manager and variable-size pools serialize their
  * calls with a lock of their own. A process may fork while other threads use a pool: the child
- * finds every pool lock free (what the other threads' caches held stays theirs).
+ * finds every pool lock free (what the other threads' caches held stays theirs). CUDA does not
+ * survive fork: in a child, a CUDA pool or a pinned host pool of the parent makes no driver
+ * call; what needs one (mapping or unmapping device memory) returns KVA_ERR_BACKEND, and
+ * destroying it frees only what is the child's.
  * Freeing one object from two threads at the same moment is the caller's race, and the one bad
  * input not always refused: rarely, both calls return KVA_OK; the object is free once and
  * counted once (docs/reliability.md, "Known limits", says what is left).

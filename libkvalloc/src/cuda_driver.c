@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "cuda_driver.h"
+#include "fork.h"
 #include "os.h"
 
 #define DRIVER_ENV "KVA_CUDA_DRIVER"
@@ -139,17 +140,24 @@ kva_status kva_cuda_device_open(int ordinal, int need_vmm, kva_cuda_device *out)
         st = kva_cuda_fail(d, r, "cuDevicePrimaryCtxRetain of device %d", ordinal);
         return st == KVA_ERR_NOMEM ? KVA_ERR_BACKEND : st;
     }
-    *out = (kva_cuda_device){.driver = d, .ordinal = ordinal, .device = device, .context = context};
+    *out = (kva_cuda_device){
+        .driver = d, .ordinal = ordinal, .device = device, .context = context, .fork_depth = kva_fork_depth()};
     return KVA_OK;
 }
 
+int kva_cuda_inherited(const kva_cuda_device *dev) { return dev->fork_depth != kva_fork_depth(); }
+
 void kva_cuda_device_close(kva_cuda_device *dev) {
     if (!dev->driver) return;
-    dev->driver->cuDevicePrimaryCtxRelease(dev->device);
+    if (!kva_cuda_inherited(dev)) dev->driver->cuDevicePrimaryCtxRelease(dev->device);
     dev->driver = NULL;
 }
 
 kva_status kva_cuda_enter(const kva_cuda_device *dev) {
+    if (kva_cuda_inherited(dev))
+        return kva_fail(KVA_ERR_BACKEND, "CUDA device %d was opened before this process was forked from its "
+                                         "opener; CUDA does not survive fork, so its pools here can only be destroyed",
+                        dev->ordinal);
     CUresult r = dev->driver->cuCtxPushCurrent(dev->context);
     return r == CUDA_SUCCESS ? KVA_OK : kva_cuda_fail(dev->driver, r, "cuCtxPushCurrent on device %d", dev->ordinal);
 }

@@ -114,7 +114,14 @@ typedef struct kva_cuda_device {
     int ordinal;
     CUdevice device;
     CUcontext context; /* its primary context, retained */
+    unsigned fork_depth; /* kva_fork_depth() when it was opened */
 } kva_cuda_device;
+
+/* Whether the device was opened by an ancestor of this process: CUDA does not survive fork
+ * (the driver's state is the parent's, and NVIDIA documents no use of it in a child), so a
+ * forked child makes no driver call for such a device. Its pools refuse what needs one with
+ * KVA_ERR_BACKEND (kva_cuda_enter) and are destroyed without one; the memory is the parent's. */
+int kva_cuda_inherited(const kva_cuda_device *dev);
 
 /* Loads the driver if needed and opens GPU `ordinal`, retaining its primary context. With
  * need_vmm the device must support virtual memory management. Errors: KVA_ERR_BACKEND (no

@@ -343,10 +343,13 @@ kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t a
 void kva_region_cuda_destroy(kva_region *region) {
     kva_cuda_region *r = region->device;
     /* Without the context (a push refused, say at process teardown) the calls are made all the
-     * same: those that need none still give the memory back, the others fail harmlessly. */
-    int entered = kva_cuda_enter(&r->dev) == KVA_OK;
-    release_all(r);
-    if (entered) kva_cuda_leave(&r->dev);
+     * same: those that need none still give the memory back, the others fail harmlessly. In a
+     * forked child none is made: the device memory is the parent's (kva_cuda_inherited). */
+    if (!kva_cuda_inherited(&r->dev)) {
+        int entered = kva_cuda_enter(&r->dev) == KVA_OK;
+        release_all(r);
+        if (entered) kva_cuda_leave(&r->dev);
+    }
     kva_os_unmap(r->granules, r->granules_bytes);
     kva_cuda_device_close(&r->dev);
     free(r);

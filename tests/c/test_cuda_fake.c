@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "proc_self.h"
@@ -620,6 +622,51 @@ static void test_destroy_past_refusals(void) {
     CHECK_NO_LEAKS();
 }
 
+/* CUDA does not survive fork: a child forked from a process with a CUDA pool and a pinned host
+ * pool makes no driver call for them. What needs one is refused, saying why; destroying them
+ * frees what is the child's and leaves the parent's device memory to the parent. */
+static int forked_child(kva_pool *device_pool, kva_pool *pinned, void *mapped) {
+    unsigned long before = fake.calls("*");
+    void *more;
+    CHECK_STATUS(kva_alloc(device_pool, 16 * MiB, &more), KVA_ERR_BACKEND); /* would map granules */
+    CHECK_ERROR_SAYS("forked");
+    CHECK_STATUS(kva_free(device_pool, mapped), KVA_OK); /* its granules stay mapped: no call */
+    CHECK_STATUS(kva_trim(device_pool), KVA_ERR_BACKEND);
+    void *host;
+    CHECK_STATUS(kva_alloc(pinned, 4096, &host), KVA_OK); /* host memory: the child's copy */
+    memset(host, 7, 4096);
+    kva_pool_destroy(device_pool);
+    kva_pool_destroy(pinned);
+    CHECK(fake.calls("*") == before);
+    return check_failures ? 1 : 0;
+}
+
+static void test_forked_child(void) {
+    kva_pool *device_pool = cuda_pool(64 * MiB, 0, 0), *pinned = NULL;
+    kva_config host = {0};
+    kva_config_init(&host);
+    host.capacity = 4 * MiB;
+    host.pin = 1;
+    CHECK_STATUS(kva_pool_create(&host, &pinned), KVA_OK);
+    REQUIRE(pinned != NULL);
+    void *mapped;
+    CHECK_STATUS(kva_alloc(device_pool, 8 * MiB, &mapped), KVA_OK);
+    fflush(stderr);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) _exit(forked_child(device_pool, pinned, mapped));
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    /* The parent's pools are as they were, and go as usual. */
+    CHECK(fake.mappings() == 8 * MiB / granule && fake.registrations() == 1);
+    CHECK_STATUS(kva_free(device_pool, mapped), KVA_OK);
+    check_agrees(device_pool);
+    kva_pool_destroy(device_pool);
+    kva_pool_destroy(pinned);
+    CHECK_NO_LEAKS();
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s path/to/libfakecuda.so\n", argv[0]);
@@ -641,5 +688,6 @@ int main(int argc, char **argv) {
     test_callers_context();
     test_introspection();
     test_destroy_past_refusals();
+    test_forked_child();
     return CHECK_DONE();
 }
