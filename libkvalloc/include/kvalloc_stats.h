@@ -144,8 +144,12 @@ typedef struct kva_shm_classes {
 } kva_shm_classes;
 
 /* KVA_SHM_SECTION_SLABS: one entry per live slab (count of capacity entries are valid; the
- * section is exactly sizeof(kva_shm_slabs) + capacity entries, which gives the entry size). Each
- * slab's occupancy is a strip of strip_cells cells, each the in-use share of its objects 0..255. */
+ * section is exactly sizeof(kva_shm_slabs) + capacity entries, which gives the entry size), in
+ * chunk order. Each slab's occupancy is a strip of strip_cells cells, each the in-use share of its
+ * objects 0..255. capacity is at most KVA_SHM_SLABS_MAX: a pool with more slabs lists its first
+ * ones (the summary's slab_count counts them all), so that the segment stays a few MiB however
+ * large the pool (a 1 TiB pool of 64 KiB chunks would have needed 1.3 GB). */
+#define KVA_SHM_SLABS_MAX 65536
 #define KVA_SHM_STRIP_CELLS 64
 typedef struct kva_shm_slab {
     uint32_t chunk;           /* chunk index: offset = chunk * slab_chunk */

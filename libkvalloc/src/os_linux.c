@@ -204,16 +204,23 @@ kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *f
         fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     }
     if (fd < 0) return kva_fail(KVA_ERR_BACKEND, "shm_open(%s): %s", name, strerror(errno));
+    /* The pages are allocated now (posix_fallocate), not at the first write to them: a tmpfs
+     * without room for them (a container's 64 MiB /dev/shm, shared) then refuses the creation,
+     * where a sparse file would kill the writer with SIGBUS at that write, in the middle of
+     * creating the pool or of a publish long after. */
     const char *step = "sizing";
-    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0 || (step = "locking", flock(fd, LOCK_SH)) != 0) {
-        int err = errno;
+    int err = 0;
+    if (fchmod(fd, 0600) != 0 || ftruncate(fd, (off_t)length) != 0 ||
+        (step = "allocating", err = posix_fallocate(fd, 0, (off_t)length)) != 0 ||
+        (step = "locking", flock(fd, LOCK_SH)) != 0) {
+        if (err == 0) err = errno;
         close(fd);
         shm_unlink(name);
         return kva_fail(KVA_ERR_BACKEND, "%s %s (%zu bytes): %s", step, name, length, strerror(err));
     }
     void *p = mmap(NULL, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
-        int err = errno;
+        err = errno;
         close(fd);
         shm_unlink(name);
         return kva_fail(KVA_ERR_BACKEND, "mmap of %s: %s", name, strerror(err));

@@ -64,10 +64,10 @@ static void *add_section(kva_segment *seg, uint32_t kind, size_t size, size_t *e
 }
 
 static uint32_t heap_cells(uint32_t nblocks, uint32_t *cell_blocks) {
-    uint32_t per = 1;
-    while ((nblocks + per - 1) / per > 16384) per *= 2; /* at most 16,384 cells */
-    *cell_blocks = per;
-    return (nblocks + per - 1) / per;
+    uint64_t n = nblocks, per = 1; /* 64-bit: nblocks + per - 1 passes 2^32 near the largest pools */
+    while ((n + per - 1) / per > 16384) per *= 2; /* at most 16,384 cells */
+    *cell_blocks = (uint32_t)per;
+    return (uint32_t)((n + per - 1) / per);
 }
 
 static uint64_t next_uid;
@@ -81,11 +81,12 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     snprintf(seg->name, sizeof seg->name, "/%s%u.%s", KVA_SHM_PREFIX, kva_os_pid(), pool_name);
 
     uint32_t cell_blocks, cells = heap_cells(geo->nblocks, &cell_blocks);
+    uint32_t slabs_listed = geo->nchunks < KVA_SHM_SLABS_MAX ? geo->nchunks : KVA_SHM_SLABS_MAX;
     size_t sizes[] = {
         sizeof(kva_shm_summary),
         sizeof(kva_shm_heapmap) + 2 * (size_t)cells,
         sizeof(kva_shm_classes) + KVA_NUM_SIZE_CLASSES * sizeof(kva_shm_class),
-        sizeof(kva_shm_slabs) + (size_t)geo->nchunks * sizeof(kva_shm_slab),
+        sizeof(kva_shm_slabs) + (size_t)slabs_listed * sizeof(kva_shm_slab),
         sizeof(kva_shm_arenas) + (size_t)geo->narenas * sizeof(kva_shm_arena),
         sizeof(kva_shm_latency),
         sizeof(kva_shm_kv),
@@ -126,7 +127,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     seg->classes->count = KVA_NUM_SIZE_CLASSES;
     seg->classes->entry_size = sizeof(kva_shm_class);
     seg->slabs = add_section(seg, KVA_SHM_SECTION_SLABS, sizes[3], &end);
-    seg->slabs->capacity = geo->nchunks;
+    seg->slabs->capacity = slabs_listed;
     seg->arenas = add_section(seg, KVA_SHM_SECTION_ARENAS, sizes[4], &end);
     seg->arenas->count = geo->narenas;
     seg->arenas->entry_size = sizeof(kva_shm_arena);
@@ -200,8 +201,7 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
     kva_segment_end(seg);
 }
 
-__thread unsigned kva_segment_countdown = 1;
-__thread uint64_t kva_segment_ticked; /* uid of the segment last ticked; uids start at 1 */
+__thread kva_segment_ticker kva_segment_tickers[KVA_SEGMENT_TICK_SLOTS]; /* uids start at 1 */
 
 int kva_segment_clock_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();

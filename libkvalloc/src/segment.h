@@ -86,19 +86,27 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
 int kva_segment_clock_due(kva_segment *seg);
 
 /* Whether this slow-path call on seg should read the clock (kva_segment_clock_due, under the
- * pool's publish lock): every KVA_SEGMENT_CHECK_EVERY calls of the thread, and the first call
- * of a thread on a segment other than the one it last ticked (so a pool's first slow call
- * publishes, as an inspector expects). A countdown of the thread's own, not the segment's: one
- * all threads decremented would be a cache line they all write. */
-extern __thread unsigned kva_segment_countdown;
-extern __thread uint64_t kva_segment_ticked;
+ * pool's publish lock): every KVA_SEGMENT_CHECK_EVERY calls of the thread on that segment. The
+ * countdowns are the thread's own, not the segment's (one all threads decremented would be a
+ * cache line they all write), one per segment in KVA_SEGMENT_TICK_SLOTS slots picked by the
+ * segment's uid, so that a thread that alternates between pools still reads the clock once per
+ * 64 calls of each (one countdown reset at every switch read it at every call, and took the
+ * publish lock with it). Two segments that share a slot share its countdown. A pool's creation
+ * publishes, so its first slow call need not. */
+#define KVA_SEGMENT_TICK_SLOTS 8
+typedef struct kva_segment_ticker {
+    uint64_t uid;
+    unsigned countdown;
+} kva_segment_ticker;
+extern __thread kva_segment_ticker kva_segment_tickers[KVA_SEGMENT_TICK_SLOTS];
 KVA_INLINE int kva_segment_tick(const kva_segment *seg) {
-    if (kva_unlikely(seg->uid != kva_segment_ticked)) {
-        kva_segment_ticked = seg->uid;
-        kva_segment_countdown = 1;
+    kva_segment_ticker *t = &kva_segment_tickers[seg->uid % KVA_SEGMENT_TICK_SLOTS];
+    if (kva_unlikely(t->uid != seg->uid)) {
+        t->uid = seg->uid;
+        if (t->countdown == 0) t->countdown = KVA_SEGMENT_CHECK_EVERY;
     }
-    if (kva_likely(--kva_segment_countdown)) return 0;
-    kva_segment_countdown = KVA_SEGMENT_CHECK_EVERY;
+    if (kva_likely(--t->countdown)) return 0;
+    t->countdown = KVA_SEGMENT_CHECK_EVERY;
     return 1;
 }
 

@@ -10,7 +10,9 @@
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <errno.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -508,7 +510,81 @@ static void test_two_caches_on_one_pool(void) {
     kva_pool_destroy(pool);
 }
 
+/* The segment's size does not grow without bound with the pool: the heap map has at most 16,384
+ * cells, also for a pool of 2^32 - 2 blocks (the cell count was computed in 32 bits and wrapped
+ * to 0), and the slab table lists at most KVA_SHM_SLABS_MAX slabs (a 1 TiB pool of 64 KiB
+ * chunks made a segment of 1.3 GB, which readers refused as corrupt). Address space only. */
+static void check_geometry(size_t capacity, size_t min_block, size_t slab_chunk, uint32_t slabs_listed) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = capacity;
+    cfg.min_block = min_block;
+    cfg.slab_chunk = slab_chunk;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.name = "geometry";
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    if (!pool) return;
+    char name[64];
+    snprintf(name, sizeof name, "/kvalloc.%d.geometry", (int)getpid());
+    mapped m;
+    REQUIRE(map_segment(name, &m));
+    CHECK(m.size < ((size_t)8 << 20));
+    uint64_t len;
+    const kva_shm_heapmap *map = section(m.base, m.size, KVA_SHM_SECTION_HEAPMAP, &len);
+    const kva_shm_slabs *slabs = section(m.base, m.size, KVA_SHM_SECTION_SLABS, &len);
+    REQUIRE(map && slabs);
+    uint64_t blocks = capacity / min_block;
+    CHECK(map->cells > 0 && map->cells <= 16384 && (uint64_t)map->cells * map->cell_blocks >= blocks &&
+          (uint64_t)(map->cells - 1) * map->cell_blocks < blocks);
+    CHECK(slabs->capacity == slabs_listed && len == sizeof *slabs + (uint64_t)slabs_listed * sizeof(kva_shm_slab));
+    unmap_segment(&m);
+    kva_pool_destroy(pool);
+}
+
+static void test_segment_geometry_of_huge_pools(void) {
+    size_t most_blocks = ((size_t)1 << 32) - 2; /* of 256 B: 1 TiB, in 524,288 chunks of 2 MiB */
+    check_geometry(most_blocks * 256, 256, 0, KVA_SHM_SLABS_MAX);
+    check_geometry((size_t)1 << 40, 4096, 64 << 10, KVA_SHM_SLABS_MAX); /* 16,777,216 chunks */
+    check_geometry((size_t)64 << 20, 4096, 0, 32);                      /* 32 of 2 MiB: all listed */
+}
+
+/* A /dev/shm without room for the segment (a container's 64 MiB, shared): the pool is refused,
+ * where the sparse segment file killed the writer with SIGBUS at its first write. In a child
+ * with a mount namespace of its own and a 16 KiB tmpfs on /dev/shm (the real one untouched). */
+static int no_room_child(void) {
+    if (unshare(CLONE_NEWNS) != 0 || mount(NULL, "/", NULL, MS_REC | MS_PRIVATE, NULL) != 0 ||
+        mount("tmpfs", "/dev/shm", "tmpfs", 0, "size=16k") != 0) {
+        fprintf(stderr, "test_no_room_in_dev_shm: skipped, no private mount namespace here: %s\n", strerror(errno));
+        return 77;
+    }
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)64 << 20;
+    cfg.name = "noroom";
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_ERR_BACKEND);
+    CHECK(pool == NULL && strstr(kva_last_error(), "No space") != NULL);
+    cfg.name = NULL; /* an anonymous pool needs no segment */
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    kva_pool_destroy(pool);
+    return check_failures ? 1 : 0;
+}
+
+static void test_no_room_in_dev_shm(void) {
+    fflush(stderr);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) _exit(no_room_child());
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 77) return;
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0); /* a SIGBUS shows as a signal here */
+}
+
 int main(void) {
+    test_segment_geometry_of_huge_pools();
+    test_no_room_in_dev_shm();
     test_layout_and_content();
     test_trace_mode();
     test_other_processes();
