@@ -100,7 +100,7 @@ SHM_DIR = Path("/dev/shm")
 
 MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
 ABI_MAJOR = 1
-ABI_MINOR = 2
+ABI_MINOR = 3
 MAX_SECTIONS = 16
 LATENCY_BUCKETS = 40
 STRIP_CELLS = 64
@@ -421,6 +421,7 @@ class Segment:
         self.path = Path(path)
         self._lock = threading.Lock()
         self._map: mmap.mmap | None = None
+        self._trace_written_at: int | None = None  # -1: no ring
         fd, info = _open_segment_file(self.path)
         try:
             self._identity = (info.st_dev, info.st_ino)
@@ -483,13 +484,34 @@ class Segment:
         with self._lock:
             if self._map is None:
                 raise ValueError(f"{self!r} is closed")
-            data = self._consistent_copy(self._map, attempts)
-        snap = Snapshot(data, self.path)
+            data, trace_bounds = self._consistent_copy(self._map, attempts)
+        snap = Snapshot(data, self.path, trace_bounds=trace_bounds)
         if check_writer:
             self._check_writer(snap)
         return snap
 
-    def _consistent_copy(self, mapping: mmap.mmap, attempts: int) -> bytes:
+    def _trace_written(self, mapping: mmap.mmap) -> int | None:
+        """The live trace ring's ``written`` (kvalloc_stats.h, "The trace ring"), None when the
+        segment has no ring. Where it lies is read once from the section table: the writer lays
+        the segment out at creation and never moves a section."""
+        if self._trace_written_at is None:
+            header = np.frombuffer(mapping[:HEADER_DTYPE.itemsize], HEADER_DTYPE, count=1)[0]
+            at = -1
+            for entry in header["sections"][:min(int(header["section_count"]), MAX_SECTIONS)]:
+                if int(entry["kind"]) == SECTION_TRACE:
+                    offset = int(entry["offset"]) + TRACE_DTYPE.fields["written"][1]
+                    if offset % 8 == 0 and offset + 8 <= min(self.size, mapping.size()):
+                        at = offset
+                    break
+            self._trace_written_at = at
+        if self._trace_written_at < 0:
+            return None
+        return _U64.unpack_from(mapping, self._trace_written_at)[0]
+
+    def _consistent_copy(self, mapping: mmap.mmap, attempts: int
+                         ) -> tuple[bytes, tuple[int, int] | None]:
+        """A copy under the sequence lock, with the trace ring's ``written`` read before and
+        after it (None without a ring): the ring is outside the lock since layout 1.3."""
         failure: type[SegmentError] = InconsistentSnapshot
         reason = "the writer was publishing at every attempt"
         for attempt in range(max(1, attempts)):
@@ -534,10 +556,13 @@ class Segment:
             # The read side of the sequence lock: sequence, copy, sequence again. Python has no
             # fences; x86-64 never reorders loads with loads, and elsewhere the interpreter's
             # own atomic operations between these steps order them in practice.
+            written_before = self._trace_written(mapping)
             data = mapping[:max(stated, HEADER_DTYPE.itemsize)]
             after = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
+            written_after = self._trace_written(mapping)
             if after == before == _U64.unpack_from(data, _SEQUENCE_AT)[0]:
-                return data
+                bounds = None if written_before is None else (written_before, written_after)
+                return data, bounds
         raise failure(f"no consistent snapshot of {self.path} in {attempts} attempts: {reason}",
                       path=str(self.path))
 
@@ -572,9 +597,14 @@ class Snapshot:
     they read as zero in the arrays and as None in ``to_dict()``.
     """
 
-    def __init__(self, data: bytes, path: Path | None = None) -> None:
+    def __init__(self, data: bytes, path: Path | None = None, *,
+                 trace_bounds: tuple[int, int] | None = None) -> None:
+        """``trace_bounds``: the live ring's ``written`` before and after the copy was taken
+        (``Segment.snapshot`` passes them), which say which of its records the copy holds whole;
+        without them the copy's own count is trusted, as for a copy of a quiet segment."""
         self.data = data
         self.path = path
+        self._trace_bounds = trace_bounds
         self.taken_ns = time.time_ns()
         if len(data) < HEADER_DTYPE.itemsize:
             raise self._truncated(f"{len(data)} bytes, fewer than the {HEADER_DTYPE.itemsize} "
@@ -623,6 +653,7 @@ class Snapshot:
         kv = self._fixed(SECTION_KV, KV_DTYPE)
         self.kv: np.void | None = kv if kv is not None and kv["present"] else None
         self.trace_written = 0
+        self._trace_first = 0  # the oldest record the copy holds whole
         self._ring: np.ndarray | None = self._trace_ring()
 
     # -- parsing, every offset checked before use ----------------------------------------------
@@ -743,7 +774,15 @@ class Snapshot:
         capacity, written = int(head["capacity"]), int(head["written"])
         ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity,
                            int(head["entry_size"]))
+        # The records whole in the copy (kvalloc_stats.h, "The trace ring"): below the count
+        # read before the copy, and from the last one the writer may have begun meanwhile less
+        # a lap of the ring.
+        first = written - capacity
+        if self._trace_bounds is not None:
+            before, after = self._trace_bounds
+            written, first = before, max(before, after + 1) - capacity
         self.trace_written = written
+        self._trace_first = max(0, first)
         return ring
 
     @property
@@ -759,7 +798,7 @@ class Snapshot:
         if ring is None:
             return None
         capacity = len(ring)
-        kept = min(self.trace_written, capacity)
+        kept = max(0, min(self.trace_written - self._trace_first, capacity))
         if newest is not None:
             kept = min(kept, max(0, newest))
         # Record i of the ring sits at i % capacity.

@@ -20,7 +20,10 @@
  *    namespace either lives in; writer_pid is for display.
  *  - Consistency is a sequence lock: the writer makes `sequence` odd, writes, makes it even.
  *    A reader copies the segment between two reads of `sequence` and keeps the copy only if
- *    both reads are equal and even; otherwise it retries (a bounded number of times).
+ *    both reads are equal and even; otherwise it retries (a bounded number of times). The lock
+ *    covers every section but the trace ring and the latency histogram (since 1.3), which a
+ *    traced pool writes at every call: see "The trace ring" below for how a reader takes
+ *    records from a copy; the histogram's counters are read as they stand.
  */
 #ifndef KVALLOC_STATS_H
 #define KVALLOC_STATS_H
@@ -33,9 +36,10 @@ extern "C" {
 
 #define KVA_SHM_MAGIC 0x315441545341564bull /* "KVASTAT1" read as a little-endian u64 */
 #define KVA_SHM_ABI_MAJOR 1
-#define KVA_SHM_ABI_MINOR 2 /* 1.1: the summary's publish interval and backing fields, entry
+#define KVA_SHM_ABI_MINOR 3 /* 1.1: the summary's publish interval and backing fields, entry
                                 sizes of the array sections, the liveness lock. 1.2: one
-                                arenas entry per arena, with slab and claim figures */
+                                arenas entry per arena, with slab and claim figures. 1.3: the
+                                trace ring and the latency histogram outside the sequence lock */
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
 
@@ -217,10 +221,16 @@ typedef struct kva_shm_trace_record {
     uint8_t status;     /* kva_status */
     uint16_t reserved;
 } kva_shm_trace_record;
+/* The trace ring: record i (counting from 0 since the pool was created) sits in slot
+ * i % capacity. The writer stores record i, then `written` = i + 1 (a release store), outside
+ * the sequence lock. A reader loads `written` before its copy (w1) and again after it (w2): the
+ * copy holds records [w1 - capacity, w1) whole except those whose slots the writer may have
+ * written over meanwhile, the records below w2 + 1 - capacity. So it keeps records
+ * [max(w1, w2 + 1) - capacity, w1) (and none below 0). */
 typedef struct kva_shm_trace {
     uint32_t capacity;
     uint32_t entry_size;    /* sizeof(kva_shm_trace_record) as written */
-    uint64_t written;
+    uint64_t written;       /* records written since creation */
     /* kva_shm_trace_record records[capacity]; */
 } kva_shm_trace;
 

@@ -182,23 +182,26 @@ static unsigned latency_bucket(uint64_t ns) {
     return b < KVA_SHM_LATENCY_BUCKETS ? b : KVA_SHM_LATENCY_BUCKETS - 1;
 }
 
+/* Outside the sequence lock (kvalloc_stats.h, "The trace ring"): a traced pool records every
+ * call, and each record making the sequence odd left readers of a busy pool no window for a
+ * consistent copy. The record is stored first, then `written` with release, so a reader that
+ * reads `written` before and after its copy knows which records it holds whole. */
 void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_t offset, uint64_t size,
                         uint64_t latency_ns) {
-    kva_segment_begin(seg);
     kva_shm_trace *t = seg->trace;
-    kva_shm_trace_record *r = (kva_shm_trace_record *)(t + 1) + t->written % t->capacity;
+    uint64_t n = t->written;
+    kva_shm_trace_record *r = (kva_shm_trace_record *)(t + 1) + n % t->capacity;
     *r = (kva_shm_trace_record){.time_ns = kva_os_realtime_ns(),
                                 .offset = offset,
                                 .size = size,
                                 .thread = kva_os_thread_id(),
                                 .op = op,
                                 .status = (uint8_t)status};
-    t->written++;
+    __atomic_store_n(&t->written, n + 1, __ATOMIC_RELEASE);
     if (latency_ns != UINT64_MAX) {
-        uint64_t *hist = op == KVA_SHM_OP_FREE ? seg->latency->free : seg->latency->alloc;
-        hist[latency_bucket(latency_ns)]++;
+        uint64_t *bucket = &(op == KVA_SHM_OP_FREE ? seg->latency->free : seg->latency->alloc)[latency_bucket(latency_ns)];
+        __atomic_store_n(bucket, *bucket + 1, __ATOMIC_RELAXED); /* a counter: read as it stands */
     }
-    kva_segment_end(seg);
 }
 
 __thread kva_segment_ticker kva_segment_tickers[KVA_SEGMENT_TICK_SLOTS]; /* uids start at 1 */

@@ -1,9 +1,9 @@
 /*
  * segment.h — a named pool's live statistics segment (layout in kvalloc_stats.h).
  *
- * The segment is written only by the thread that owns the pool (pools are single-threaded), so
- * one sequence lock suffices: every write to the segment, the periodic publish as much as one
- * trace record, happens between segment_begin and segment_end.
+ * Writers are serialized by the pool's publish lock. A publish happens between segment_begin and
+ * segment_end, the sequence lock readers copy under; a trace record and the latency counters are
+ * written outside it, the ring by its own protocol (kvalloc_stats.h, "The trace ring").
  */
 #ifndef KVA_SEGMENT_H
 #define KVA_SEGMENT_H
@@ -86,13 +86,13 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
 int kva_segment_clock_due(kva_segment *seg);
 
 /* Whether this slow-path call on seg should read the clock (kva_segment_clock_due, under the
- * pool's publish lock): every KVA_SEGMENT_CHECK_EVERY calls of the thread on that segment. The
- * countdowns are the thread's own, not the segment's (one all threads decremented would be a
- * cache line they all write), one per segment in KVA_SEGMENT_TICK_SLOTS slots picked by the
- * segment's uid, so that a thread that alternates between pools still reads the clock once per
- * 64 calls of each (one countdown reset at every switch read it at every call, and took the
- * publish lock with it). Two segments that share a slot share its countdown. A pool's creation
- * publishes, so its first slow call need not. */
+ * pool's publish lock): the thread's first call on the segment (so that a pool's first slow
+ * call publishes, as an inspector expects), then every KVA_SEGMENT_CHECK_EVERY calls of the
+ * thread on it. The countdowns are the thread's own, not the segment's (one all threads
+ * decremented would be a cache line they all write), one per segment in KVA_SEGMENT_TICK_SLOTS
+ * slots picked by the segment's uid, so that a thread that alternates between pools still reads
+ * the clock once per 64 calls of each (one countdown, reset to 1 at every switch, read it at
+ * every call and took the publish lock with it). Segments that share a slot reset it in turn. */
 #define KVA_SEGMENT_TICK_SLOTS 8
 typedef struct kva_segment_ticker {
     uint64_t uid;
@@ -103,7 +103,7 @@ KVA_INLINE int kva_segment_tick(const kva_segment *seg) {
     kva_segment_ticker *t = &kva_segment_tickers[seg->uid % KVA_SEGMENT_TICK_SLOTS];
     if (kva_unlikely(t->uid != seg->uid)) {
         t->uid = seg->uid;
-        if (t->countdown == 0) t->countdown = KVA_SEGMENT_CHECK_EVERY;
+        t->countdown = 1;
     }
     if (kva_likely(--t->countdown)) return 0;
     t->countdown = KVA_SEGMENT_CHECK_EVERY;

@@ -263,6 +263,19 @@ def test_the_newest_trace_records_are_read_without_the_rest_of_the_ring(named_po
     assert list(snap.trace_tail(3)["size"]) == [9, 10, 11]
     assert len(snap.trace_tail(0)) == 0 and len(snap.trace_tail(99)) == capacity
 
+    # The ring is outside the sequence lock (layout 1.3): the live count read before the copy
+    # (12) and after it (14: records 12 and 13 went into the slots of 7 and 8, and 14 may have
+    # begun in 9's) leave 10 and 11 whole in the copy, and only those are read.
+    raced = stats.Snapshot(bytes(data), trace_bounds=(12, 14))
+    assert raced.trace_written == 12
+    assert [r["size"] for r in raced.trace_records()] == [10, 11]
+    assert list(raced.trace_tail(1)["size"]) == [11]
+    # A count read before the copy below the copy's own: the records past it are not trusted.
+    assert [r["size"] for r in stats.Snapshot(bytes(data), trace_bounds=(11, 11)).trace_records()] \
+        == [7, 8, 9, 10]
+    # Lapped during the copy: nothing is whole.
+    assert list(stats.Snapshot(bytes(data), trace_bounds=(12, 20)).trace_records()) == []
+
 
 def test_a_destroyed_pool_and_an_exited_process_say_so():
     pool = pykvalloc.Pool(16 * MiB, name=unique_name("destroyed"))
