@@ -132,6 +132,12 @@ struct kva_kv {
     uint64_t hash_seed;
     uint64_t memory_offset;   /* paged, publishing: memory - the pool's base (heap-map cells) */
     int publishing;           /* the cache's publisher is attached to a named pool */
+    /* Under the pool's publish lock: the heap-map cells the paged KV memory covers as last
+     * painted (their states, then their fills), put back when a full publish repaints the
+     * map from the buddy while the cache's lock is busy (kv_publish.c). */
+    uint8_t *painted;
+    uint64_t painted_first;   /* the first cell */
+    uint32_t painted_cells;
     int timed;                /* trace: time every call under the lock */
 
     /* Everything below: under the lock. */

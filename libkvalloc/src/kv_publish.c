@@ -15,6 +15,7 @@
  * thread holding the cache's lock and waiting for pool locks cannot deadlock. It makes no pool
  * call either (the pool's base was read at attach).
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "kv_cache.h"
@@ -38,9 +39,19 @@ static void paint_cell(const kva_kv *kv, uint32_t first, uint32_t last, uint8_t 
     *fill = (uint8_t)(255u * (used + cached) / seen);
 }
 
-/* Paints every cell the paged KV memory covers. The block a byte belongs to follows from the
- * layout's strides: blocks then layers, or layers then blocks. */
-static void paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
+/* The cells [*first, *first + return) the paged KV memory covers. */
+static uint32_t covered_cells(const kva_kv *kv, const kva_shm_heapmap *map, uint64_t *first) {
+    uint64_t start = kv->memory_offset, end = start + kv->info.kv_bytes;
+    *first = start / map->cell_bytes;
+    uint64_t last = (end + map->cell_bytes - 1) / map->cell_bytes;
+    if (last > map->cells) last = map->cells;
+    return last > *first ? (uint32_t)(last - *first) : 0;
+}
+
+/* Paints every cell the paged KV memory covers, and keeps a copy of them for the publishes that
+ * cannot paint (restore_paint). The block a byte belongs to follows from the layout's strides:
+ * blocks then layers, or layers then blocks. */
+static void paint(kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
     if (!map->cell_bytes) return;
     const kva_kv_info *g = &kv->info;
     uint64_t start = kv->memory_offset, bytes = g->kv_bytes;
@@ -63,6 +74,30 @@ static void paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, 
         if (last >= kv->num_blocks) last = kv->num_blocks - 1;
         paint_cell(kv, (uint32_t)first, (uint32_t)last, &state[cell], &fill[cell]);
     }
+    uint64_t first;
+    uint32_t n = covered_cells(kv, map, &first);
+    if (!kv->painted || kv->painted_first != first || kv->painted_cells != n) {
+        free(kv->painted);
+        kv->painted = malloc(2 * (size_t)n); /* none: the next busy publish shows plain blocks */
+        kv->painted_first = first;
+        kv->painted_cells = kv->painted ? n : 0;
+    }
+    if (kv->painted) {
+        memcpy(kv->painted, state + first, n);
+        memcpy(kv->painted + n, fill + first, n);
+    }
+}
+
+/* A full publish repainted the map from the buddy, where the KV memory is one allocation, and
+ * the cache's lock is busy: the cells get back what they showed at the last paint (the lock's
+ * holder is changing the blocks; the next publish paints them afresh). */
+static void restore_paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
+    uint64_t first;
+    if (!kv->painted || !map->cell_bytes || covered_cells(kv, map, &first) != kv->painted_cells ||
+        first != kv->painted_first)
+        return;
+    memcpy(state + first, kv->painted, kv->painted_cells);
+    memcpy(fill + first, kv->painted + kv->painted_cells, kv->painted_cells);
 }
 
 static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
@@ -71,7 +106,10 @@ static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, u
      * anywhere else it is taken if free, else this publish keeps the section it had. */
     int took = 0;
     if (kv_self_publishing != kv) {
-        if (pthread_mutex_trylock(&kv->lock) != 0) return;
+        if (pthread_mutex_trylock(&kv->lock) != 0) {
+            if (map && kv->info.mode == KVA_KV_PAGED) restore_paint(kv, map, state, fill);
+            return;
+        }
         took = 1;
     }
     const kva_kv_counters *c = &kv->counters;
@@ -109,6 +147,8 @@ void kv_publish_detach(kva_kv *kv) {
     if (!kv->publishing) return;
     kva_pool_detach_kv(kv->pool, kv);
     kv->publishing = 0;
+    free(kv->painted); /* no publish reaches the cache any more */
+    kv->painted = NULL;
     if (!kv->owns_pool) kva_stats_publish(kv->pool); /* the pool lives on: say the cache is gone */
 }
 

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "kv_cache.h" /* the cache's lock, held by hand as another thread's call would */
 #include "kvalloc.h"
 #include "kvalloc_stats.h"
 
@@ -506,6 +507,19 @@ static void test_kv_cache_section(void) {
     /* Used cells cover about the used blocks' bytes. */
     uint64_t used_bytes = 104 * (uint64_t)info.block_bytes;
     CHECK(kv_used * map->cell_bytes >= used_bytes / 2 && kv_used * map->cell_bytes <= used_bytes * 2);
+
+    /* A full publish while the cache's lock is busy (another thread in a cache call, here held
+     * by hand) repaints the map from the buddy, where the KV memory is one allocation: the
+     * cells keep what the last paint showed, not plain blocks as they did in 1,843 of 1,919
+     * snapshots of the review's run. */
+    pthread_mutex_lock(&kv->lock);
+    CHECK_STATUS(kva_stats_publish(info.pool), KVA_OK);
+    pthread_mutex_unlock(&kv->lock);
+    REQUIRE(snapshot(&m, buf, 100));
+    uint32_t kv_used_busy = 0, kv_cached_busy = 0;
+    for (uint32_t i = 0; i < map->cells; i++)
+        kv_used_busy += state[i] == KVA_SHM_CELL_KV_USED, kv_cached_busy += state[i] == KVA_SHM_CELL_KV_CACHED;
+    CHECK(kv_used_busy == kv_used && kv_cached_busy == kv_cached);
 
     /* The cache's own calls publish once the interval has passed, without kva_stats_publish. */
     uint64_t before = ((const kva_shm_header *)m.base)->publish_count;
