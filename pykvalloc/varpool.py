@@ -113,7 +113,11 @@ class VarPool:
         else:
             try:
                 pool = Pool(backing, pages="thp", **pool_options)
-            except BackendError:
+            except BackendError as exc:
+                # Only the refusal of THP itself (kva_os_advise_thp's message); any other
+                # backend error is the caller's to see as it was.
+                if "transparent huge pages" not in str(exc):
+                    raise
                 pool = Pool(backing, pages="small", **pool_options)
         handle = c_void_p()
         try:

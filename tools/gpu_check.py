@@ -47,6 +47,8 @@ from ctypes import POINTER, byref, c_char, c_int, c_size_t, c_uint, c_ulonglong,
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pykvalloc  # noqa: E402
@@ -171,11 +173,12 @@ def allocate_everything(pool: pykvalloc.Pool) -> list[pykvalloc.Allocation]:
 
 
 def pattern(allocation: pykvalloc.Allocation) -> bytes:
-    """Bytes that differ from allocation to allocation and from place to place within one: the
-    allocation's offset, then a counter, repeated."""
-    seed = allocation.offset.to_bytes(8, "little")
-    block = b"".join(seed + i.to_bytes(8, "little") for i in range(512))  # 8 KiB
-    return (block * (allocation.size // len(block) + 1))[:allocation.size]
+    """Bytes that differ at every 8-byte word of the pool: each word holds its own offset in
+    the pool. Two places that share device memory then always disagree, within one allocation
+    (two of its granules mapped onto one) as between two."""
+    words = (allocation.size + 7) // 8
+    offsets = np.arange(words, dtype=np.uint64) * np.uint64(8) + np.uint64(allocation.offset)
+    return offsets.astype("<u8").tobytes()[:allocation.size]
 
 
 def write_all(driver: Driver, allocations: list[pykvalloc.Allocation]) -> int:
@@ -291,7 +294,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     deadline = began + (DEADLINE_S if not args.quick else 30.0)
     try:
         driver = Driver(args.device)
-    except pykvalloc.BackendError as exc:
+    except (pykvalloc.BackendError, CheckFailed) as exc:  # no driver, no device, no context
         raise NoDevice(str(exc)) from exc
     report: dict[str, Any] = {"device": driver.name, "device_index": args.device,
                               "device_memory": driver.total_memory,

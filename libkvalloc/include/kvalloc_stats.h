@@ -222,11 +222,13 @@ typedef struct kva_shm_trace_record {
     uint16_t reserved;
 } kva_shm_trace_record;
 /* The trace ring: record i (counting from 0 since the pool was created) sits in slot
- * i % capacity. The writer stores record i, then `written` = i + 1 (a release store), outside
- * the sequence lock. A reader loads `written` before its copy (w1) and again after it (w2): the
- * copy holds records [w1 - capacity, w1) whole except those whose slots the writer may have
- * written over meanwhile, the records below w2 + 1 - capacity. So it keeps records
- * [max(w1, w2 + 1) - capacity, w1) (and none below 0). */
+ * i % capacity. The writer, outside the sequence lock, makes a release fence, stores record i,
+ * then `written` = i + 1 (a release store). A reader loads `written` with acquire before its
+ * copy (w1), and after it, past an acquire fence, loads it again (w2): the copy holds records
+ * [w1 - capacity, w1) whole except those whose slots the writer may have written over meanwhile,
+ * the records below w2 + 1 - capacity. So it keeps records [max(w1, w2 + 1) - capacity, w1)
+ * (and none below 0). (On x86-64 the fences are no instructions: a reader without them, such as
+ * pykvalloc's, is right there.) */
 typedef struct kva_shm_trace {
     uint32_t capacity;
     uint32_t entry_size;    /* sizeof(kva_shm_trace_record) as written */

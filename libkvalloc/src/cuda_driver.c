@@ -44,6 +44,7 @@ static const struct {
 
 /* The process's driver: valid once `library` is set, read-only from then on. */
 static kva_cuda_driver loaded;
+static unsigned loaded_fork_depth; /* kva_fork_depth() when the driver was loaded and initialized */
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static const char *error_name(const kva_cuda_driver *driver, CUresult result, char *buf, size_t len) {
@@ -106,7 +107,15 @@ static kva_status driver_get(const kva_cuda_driver **out) {
         const char *path = kva_os_getenv(DRIVER_ENV);
         kva_cuda_driver fresh;
         st = load(path && *path ? path : DRIVER_DEFAULT, &fresh);
-        if (st == KVA_OK) loaded = fresh;
+        if (st == KVA_OK) {
+            loaded = fresh;
+            loaded_fork_depth = kva_fork_depth();
+        }
+    } else if (loaded_fork_depth != kva_fork_depth()) {
+        /* Initialized by an ancestor: CUDA does not survive fork, so this process may not use
+         * the driver at all, for new pools either (kva_cuda_inherited). */
+        st = kva_fail(KVA_ERR_BACKEND, "the CUDA driver was initialized before this process was forked; CUDA does "
+                                       "not survive fork, so a forked child cannot use it");
     }
     pthread_mutex_unlock(&load_lock);
     if (st == KVA_OK) *out = &loaded;

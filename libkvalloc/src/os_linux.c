@@ -134,7 +134,7 @@ const char *kva_os_thp_unavailable(void) {
 
 kva_status kva_os_advise_thp(void *addr, size_t length) {
     if (fails_now(KVA_OS_ADVISE) || madvise(addr, length, MADV_HUGEPAGE) != 0)
-        return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_HUGEPAGE): %s", strerror(errno));
+        return kva_fail(KVA_ERR_BACKEND, "transparent huge pages refused: madvise(MADV_HUGEPAGE): %s", strerror(errno));
     const char *why = kva_os_thp_unavailable();
     if (why) return kva_fail(KVA_ERR_BACKEND, "transparent huge pages are %s", why);
     return KVA_OK;

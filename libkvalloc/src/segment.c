@@ -190,6 +190,10 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
                         uint64_t latency_ns) {
     kva_shm_trace *t = seg->trace;
     uint64_t n = t->written;
+    /* The last `written` store before this record's: a reader whose copy holds any of this
+     * record then reads `written` >= n afterwards, and so does not keep the record of the
+     * slot's previous lap (the release fence pairs with the reader's acquire fence). */
+    __atomic_thread_fence(__ATOMIC_RELEASE);
     kva_shm_trace_record *r = (kva_shm_trace_record *)(t + 1) + n % t->capacity;
     *r = (kva_shm_trace_record){.time_ns = kva_os_realtime_ns(),
                                 .offset = offset,

@@ -637,6 +637,12 @@ static int forked_child(kva_pool *device_pool, kva_pool *pinned, void *mapped) {
     memset(host, 7, 4096);
     kva_pool_destroy(device_pool);
     kva_pool_destroy(pinned);
+    /* Nor a new pool: the driver was initialized by the parent. */
+    kva_config cfg = cuda_config(64 * MiB);
+    kva_pool *fresh = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &fresh), KVA_ERR_BACKEND);
+    CHECK_ERROR_SAYS("forked");
+    CHECK(fresh == NULL);
     CHECK(fake.calls("*") == before);
     return check_failures ? 1 : 0;
 }

@@ -25,9 +25,10 @@
  *   FAKE_CUDA_GRANULARITY=b    allocation granularity, a power of two (default 2 MiB)
  *   FAKE_CUDA_NO_VMM=1         devices without virtual memory management
  *   FAKE_CUDA_FAIL=fn:n:code[,fn:n:code...]   the n-th call of fn returns code ("*": of any fn)
- *   FAKE_CUDA_ALIAS=1          a broken driver: the second cuMemMap maps the memory the first
- *                              one mapped instead of the allocation named, so that two granules
- *                              share memory (for the test that tools/gpu_check.py notices)
+ *   FAKE_CUDA_ALIAS=n          a broken driver: the n-th cuMemMap (n >= 2) maps the memory the
+ *                              one before it mapped instead of the allocation named, so that two
+ *                              granules share memory (for the test that tools/gpu_check.py
+ *                              notices)
  * and, for C tests that dlopen this same library, the fake_cuda_* functions at the end.
  */
 #include <pthread.h>
@@ -89,7 +90,7 @@ static struct {
     int devices;
     size_t memory, granularity;
     int vmm;
-    int alias;
+    unsigned long alias;
 } config, env_config;
 static int initialized;
 static struct CUctx_st contexts[MAX_DEVICES];
@@ -202,7 +203,7 @@ __attribute__((constructor)) static void read_environment(void) {
     const char *no_vmm = getenv("FAKE_CUDA_NO_VMM");
     env_config.vmm = !(no_vmm && *no_vmm && strcmp(no_vmm, "0") != 0);
     const char *alias = getenv("FAKE_CUDA_ALIAS");
-    env_config.alias = alias && *alias && strcmp(alias, "0") != 0;
+    env_config.alias = alias && *alias ? strtoul(alias, NULL, 10) : 0;
     config = env_config;
     parse_rules(getenv("FAKE_CUDA_FAIL"));
 }
@@ -476,8 +477,10 @@ API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericA
     if (!reservation_holding(ptr, size)) return finish(CUDA_ERROR_INVALID_VALUE);
     size_t index = (size_t)(a - allocs);
     static unsigned long vmm_maps;
-    if (config.alias && ++vmm_maps == 2 && nmappings > 0 && allocs[mappings[0].alloc].size >= size)
-        index = mappings[0].alloc;
+    static size_t previous; /* the allocation the map before this one mapped */
+    if (config.alias >= 2 && ++vmm_maps == config.alias && allocs[previous].size >= size && !allocs[previous].freed)
+        index = previous;
+    previous = index;
     return finish(map(ptr, size, index, 0));
 }
 

@@ -263,10 +263,13 @@ def gpu_check_on(fake_driver, **fake) -> subprocess.CompletedProcess:
                           env=clean_env(KVA_CUDA_DRIVER=str(fake_driver), **fake))
 
 
-def test_gpu_check_sees_allocations_sharing_memory(fake_driver):
-    # A driver (or a library) that maps two addresses onto one piece of memory: every
-    # allocation is written before any is read back, so the first one's bytes change.
-    result = gpu_check_on(fake_driver, FAKE_CUDA_ALIAS="1")
+@pytest.mark.parametrize("nth", [2, 75])
+def test_gpu_check_sees_granules_sharing_memory(fake_driver, nth):
+    # A driver (or a library) that maps a granule onto the memory of the one mapped before it:
+    # two slab chunks of different allocations (the 2nd map), or two granules of one 32 MiB
+    # block (the 75th of the 81 the check's first pool maps). Every allocation is written before
+    # any is read back, and every 8-byte word holds its own offset, so either shows.
+    result = gpu_check_on(fake_driver, FAKE_CUDA_ALIAS=str(nth))
     assert result.returncode == 1, result.stdout + result.stderr
     assert "FAILED" in result.stderr and "changed" in result.stderr
 
@@ -279,9 +282,14 @@ def test_gpu_check_fails_on_a_refused_driver_call(fake_driver):
     assert "FAILED" in result.stderr and "cuMemUnmap" in result.stderr
 
 
-def test_gpu_check_without_a_device_skips(fake_driver):
-    result = gpu_check_on(fake_driver, FAKE_CUDA_NO_VMM="1")
-    assert result.returncode == 2 and "no usable CUDA device" in result.stderr
+@pytest.mark.parametrize("fake", [{"FAKE_CUDA_NO_VMM": "1"},
+                                  {"FAKE_CUDA_FAIL": "cuDevicePrimaryCtxRetain:1:2"},
+                                  {"FAKE_CUDA_FAIL": "cuDeviceGetCount:1:3"}])
+def test_gpu_check_without_a_usable_device_skips(fake_driver, fake):
+    # No virtual memory management, no context to be had (another process holds the GPU in
+    # exclusive mode, or its memory), a driver that cannot count its devices: exit 2.
+    result = gpu_check_on(fake_driver, **fake)
+    assert result.returncode == 2 and "no usable CUDA device" in result.stderr, result.stderr
 
 
 def test_gpu_check_without_a_driver_says_so():
