@@ -28,7 +28,8 @@
  * finds every pool lock free (what the other threads' caches held stays theirs). CUDA does not
  * survive fork: in a child, a CUDA pool or a pinned host pool of the parent makes no driver
  * call; what needs one (mapping or unmapping device memory) returns KVA_ERR_BACKEND, and
- * destroying it frees only what is the child's.
+ * destroying it frees only what is the child's; a new CUDA or pinned pool is refused
+ * (KVA_ERR_BACKEND) once an ancestor has loaded the driver.
  * Freeing one object from two threads at the same moment is the caller's race, and the one bad
  * input not always refused: rarely, both calls return KVA_OK; the object is free once and
  * counted once (docs/reliability.md, "Known limits", says what is left).
