@@ -373,45 +373,59 @@ static void test_other_processes(void) {
     close(fds[1]);
 }
 
-/* A reader racing a writer that publishes continuously never accepts a torn snapshot: every
- * accepted copy satisfies the relations that hold within one publish. */
-static void test_reader_races_writer(void) {
-    kva_pool *pool = make_named("race", 0);
+/* Runs read(m, buf) in a child process that maps the pool's segment, as an inspector does, while
+ * this process calls write(pool, i) for i = 0, 1, ... until the child ends; the child's exit
+ * status is read's (0: satisfied). */
+static void read_beside_writer(kva_pool *pool, int (*read)(const mapped *m, unsigned char *buf),
+                               void (*write)(kva_pool *pool, unsigned i)) {
     char name[128];
     snprintf(name, sizeof name, "%s", kva_stats_segment_name(pool));
+    fflush(stderr);
     pid_t reader = fork();
+    REQUIRE(reader >= 0);
     if (reader == 0) {
         mapped m;
         if (!map_segment(name, &m)) _exit(2);
         unsigned char *buf = malloc(m.size);
-        int accepted = 0;
-        for (int i = 0; i < 5000; i++) {
-            if (!snapshot(&m, buf, 1000)) continue;
-            accepted++;
-            uint64_t len;
-            const kva_shm_summary *s = section(buf, m.size, KVA_SHM_SECTION_SUMMARY, &len);
-            uint64_t free_bytes = 0;
-            for (uint32_t k = 0; k < s->num_orders && k < 48; k++) free_bytes += s->free_blocks[k] * (s->min_block << k);
-            if (free_bytes != s->bytes_free || s->alloc_count - s->free_count != s->live_allocations ||
-                s->bytes_in_use + s->bytes_free + s->slab_free_bytes > s->capacity)
-                _exit(5); /* torn */
-        }
-        _exit(accepted > 100 ? 0 : 6);
+        _exit(buf ? read(&m, buf) : 3);
     }
-    /* The writer: churn and publish until the reader is done. */
-    void *live[64] = {0};
-    unsigned i = 0;
     int status = 0;
-    while (waitpid(reader, &status, WNOHANG) == 0) {
-        unsigned slot = i % 64;
-        if (live[slot]) kva_free(pool, live[slot]), live[slot] = NULL;
-        else kva_alloc(pool, (size_t)4096 << (i % 9), &live[slot]);
-        kva_stats_publish(pool);
-        if (i % 4 == 0) usleep(20); /* publishes back to back, with short gaps for the reader */
-        i++;
-    }
+    for (unsigned i = 0; waitpid(reader, &status, WNOHANG) == 0; i++) write(pool, i);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fprintf(stderr, "reader exit status %d\n", WEXITSTATUS(status));
+}
+
+/* A reader racing a writer that publishes continuously never accepts a torn snapshot: every
+ * accepted copy satisfies the relations that hold within one publish. */
+static int read_summaries(const mapped *m, unsigned char *buf) {
+    int accepted = 0;
+    for (int i = 0; i < 5000; i++) {
+        if (!snapshot(m, buf, 1000)) continue;
+        accepted++;
+        uint64_t len;
+        const kva_shm_summary *s = section(buf, m->size, KVA_SHM_SECTION_SUMMARY, &len);
+        uint64_t free_bytes = 0;
+        for (uint32_t k = 0; k < s->num_orders && k < 48; k++) free_bytes += s->free_blocks[k] * (s->min_block << k);
+        if (free_bytes != s->bytes_free || s->alloc_count - s->free_count != s->live_allocations ||
+            s->bytes_in_use + s->bytes_free + s->slab_free_bytes > s->capacity)
+            return 5; /* torn */
+    }
+    return accepted > 100 ? 0 : 6;
+}
+
+/* The writer: churn and publish, back to back with short gaps for the reader. */
+static void churn_and_publish(kva_pool *pool, unsigned i) {
+    static void *live[64];
+    unsigned slot = i % 64;
+    if (live[slot]) kva_free(pool, live[slot]), live[slot] = NULL;
+    else kva_alloc(pool, (size_t)4096 << (i % 9), &live[slot]);
+    kva_stats_publish(pool);
+    if (i % 4 == 0) usleep(20);
+}
+
+static void test_reader_races_writer(void) {
+    kva_pool *pool = make_named("race", 0);
+    read_beside_writer(pool, read_summaries, churn_and_publish);
     kva_pool_destroy(pool);
 }
 
@@ -421,45 +435,40 @@ static void test_reader_races_writer(void) {
  * segment while the writer records flat out, and keeps, by the ring's protocol
  * (kvalloc_stats.h, "The trace ring"), only records that are whole: the writer's calls in order,
  * an allocation of 64 B then its free, with times that never go back. */
+static int read_trace_rings(const mapped *m, unsigned char *buf) {
+    uint64_t len;
+    const kva_shm_trace *live = section(m->base, m->size, KVA_SHM_SECTION_TRACE, &len);
+    if (!live) return 4;
+    int accepted = 0;
+    for (int i = 0; i < 200; i++) {
+        uint64_t before = __atomic_load_n(&live->written, __ATOMIC_ACQUIRE);
+        if (!snapshot(m, buf, 64)) continue; /* ends with an acquire fence */
+        uint64_t after = __atomic_load_n(&live->written, __ATOMIC_ACQUIRE);
+        accepted++;
+        const kva_shm_trace *t = section(buf, m->size, KVA_SHM_SECTION_TRACE, &len);
+        const kva_shm_trace_record *r = (const kva_shm_trace_record *)(t + 1);
+        uint64_t first = (before > after + 1 ? before : after + 1), last_time = 0;
+        first = first > t->capacity ? first - t->capacity : 0;
+        for (uint64_t k = first; k < before; k++) {
+            const kva_shm_trace_record *rec = &r[k % t->capacity];
+            uint8_t op = k % 2 ? KVA_SHM_OP_FREE : KVA_SHM_OP_ALLOC;
+            if (rec->op != op || rec->size != (k % 2 ? 0u : 64u) || rec->status != KVA_OK || rec->time_ns < last_time)
+                return 5; /* a torn or overwritten record kept */
+            last_time = rec->time_ns;
+        }
+    }
+    return accepted >= 190 ? 0 : 6;
+}
+
+static void alloc_and_free_64(kva_pool *pool, unsigned i) {
+    (void)i;
+    void *p;
+    if (kva_alloc(pool, 64, &p) == KVA_OK) kva_free(pool, p);
+}
+
 static void test_trace_ring_beside_a_busy_writer(void) {
     kva_pool *pool = make_named("busytrace", 1);
-    char name[128];
-    snprintf(name, sizeof name, "%s", kva_stats_segment_name(pool));
-    pid_t reader = fork();
-    if (reader == 0) {
-        mapped m;
-        if (!map_segment(name, &m)) _exit(2);
-        unsigned char *buf = malloc(m.size);
-        uint64_t len;
-        const kva_shm_trace *live = section(m.base, m.size, KVA_SHM_SECTION_TRACE, &len);
-        if (!live) _exit(3);
-        int accepted = 0;
-        for (int i = 0; i < 200; i++) {
-            uint64_t before = __atomic_load_n(&live->written, __ATOMIC_ACQUIRE);
-            if (!snapshot(&m, buf, 64)) continue;
-            uint64_t after = __atomic_load_n(&live->written, __ATOMIC_ACQUIRE);
-            accepted++;
-            const kva_shm_trace *t = section(buf, m.size, KVA_SHM_SECTION_TRACE, &len);
-            const kva_shm_trace_record *r = (const kva_shm_trace_record *)(t + 1);
-            uint64_t first = (before > after + 1 ? before : after + 1), last_time = 0;
-            first = first > t->capacity ? first - t->capacity : 0;
-            for (uint64_t k = first; k < before; k++) {
-                const kva_shm_trace_record *rec = &r[k % t->capacity];
-                uint8_t op = k % 2 ? KVA_SHM_OP_FREE : KVA_SHM_OP_ALLOC;
-                if (rec->op != op || rec->size != (k % 2 ? 0u : 64u) || rec->status != KVA_OK || rec->time_ns < last_time)
-                    _exit(5); /* a torn or overwritten record kept */
-                last_time = rec->time_ns;
-            }
-        }
-        _exit(accepted >= 190 ? 0 : 6);
-    }
-    int status = 0;
-    while (waitpid(reader, &status, WNOHANG) == 0) {
-        void *p;
-        if (kva_alloc(pool, 64, &p) == KVA_OK) kva_free(pool, p);
-    }
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fprintf(stderr, "reader exit status %d\n", WEXITSTATUS(status));
+    read_beside_writer(pool, read_trace_rings, alloc_and_free_64);
     kva_pool_destroy(pool);
 }
 
