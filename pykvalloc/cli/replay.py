@@ -3,7 +3,13 @@
 TRACE is an Azure LLM inference trace CSV or a Mooncake JSON-lines trace; without it, the
 embedded default workload (published statistics of real traffic) is replayed. ``--compare``
 runs paged (16/32/64/128-token blocks), contiguous and per-request malloc (glibc, and jemalloc
-where installed) on the same traffic and prints them side by side.
+where installed) on the same traffic and prints them side by side; a configuration that fails
+shows as a failed column with its reason.
+
+A request that can never complete on the KV cache, even alone (its prompt and answer beyond the
+capacity, or in contiguous mode beyond max_context or the buckets its growth holds at once), is
+rejected and counted, as an engine rejects it. The exit status is 1 when a request was rejected
+or a configuration failed.
 """
 from __future__ import annotations
 
@@ -20,11 +26,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
-from ..replay.report import print_report, write_json, write_plot
-from ..replay.simulator import ReplayConfig, ReplayResult, pacer, replay
+from ..replay.report import failed, print_report, write_json, write_plot
+from ..replay.simulator import ReplayConfig, ReplayResult, keyable, pacer, replay
 from ..replay.traces import Trace, load_trace
 from ..replay.workload import default_workload
-from ..errors import InvalidArgument
+from ..errors import InvalidArgument, KvallocError
 from .arguments import kv_dtype, output_file, positive_int, positive_number, positive_size
 
 MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
@@ -40,7 +46,10 @@ def register(subparsers: Any) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", type=Path, help="Azure CSV or Mooncake JSONL (default: embedded workload)")
     parser.add_argument("--mode", choices=MODES, default="paged")
-    parser.add_argument("--block-tokens", type=positive_int, default=16, help="tokens per KV block (paged)")
+    parser.add_argument("--block-tokens", type=positive_int, default=16,
+                        help="tokens per KV block (paged). Prefix caching keys blocks from the trace's "
+                             "512-token hash ids, so it needs a size that divides 512 or is a multiple of "
+                             "it; with any other, prefix caching is off and the hit rate shows as -")
     parser.add_argument("--kv-size", type=positive_size, default=None,
                         help="KV capacity in bytes, e.g. 8G (default: 8 GiB)")
     parser.add_argument("--kv-tokens", type=positive_int, default=None,
@@ -127,6 +136,11 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
     if trace.skipped:
         console.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
                       f"{trace.skipped_examples[0][1]})", style="yellow")
+    unkeyed = sorted({c.block_tokens for c in configs if c.mode == "paged" and c.prefix_caching
+                      and not keyable(c.block_tokens)})
+    if unkeyed and any(r.hash_ids for r in trace.requests):
+        console.print(f"--block-tokens {unkeyed[0]} neither divides nor is a multiple of the trace's 512-token "
+                      f"hash blocks: prefix caching is off and its hit rate is not measured", style="yellow")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, disable=quiet or len(trace.requests) < 2000) as progress:
         for config in configs:
@@ -135,10 +149,17 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
             def update(finished: int, total: int, task: Any = task) -> None:
                 progress.update(task, completed=finished)
 
-            if config.mode == "malloc-jemalloc" and not jemalloc_is_malloc():
-                results.append(replay_preloaded(args, config))
-            else:
-                results.append(replay(trace, config, progress=update, on_step=pacer(pace) if pace else None))
+            try:
+                if config.mode == "malloc-jemalloc" and not jemalloc_is_malloc():
+                    results.append(replay_preloaded(args, config))
+                else:
+                    results.append(replay(trace, config, progress=update, on_step=pacer(pace) if pace else None))
+            except KvallocError as exc:
+                if len(configs) == 1:
+                    raise
+                # One configuration's failure (a pool too small for contiguous buckets, say)
+                # must not cost the comparison the others made.
+                results.append(failed(config, trace, exc))
             progress.update(task, completed=len(trace.requests))
     return results
 
@@ -153,4 +174,4 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         write_plot(results, args.plot)
     rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
-    return 0 if all(r["finished"] == r["requests"] for r in rows) else 1
+    return 0 if all("error" not in r and r["finished"] == r["requests"] for r in rows) else 1

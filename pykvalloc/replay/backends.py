@@ -7,6 +7,9 @@
   admission, as engines did before paged attention; glibc's malloc, or jemalloc's when its
   library is installed. The allocator has no capacity, so the backend enforces the same budget.
 
+Each backend also says which requests can never complete on it (``never_fits``), so that the
+simulator rejects them, as an engine does, instead of preempting and readmitting them forever.
+
 Every call into an allocator is timed, so the report can say what share of the replay the
 allocator took: inside the library for the KV manager (a traced cache times each call in C, from
 taking its lock to giving it up), and around the ctypes call for malloc, which cannot be timed
@@ -80,6 +83,14 @@ class PagedBackend:
                              dtype=geometry.dtype, name=pool_name, trace=True)
         self.capacity_blocks = self.cache.num_blocks
 
+    def never_fits(self, prompt_tokens: int, final_tokens: int) -> Optional[str]:
+        """Why a request of ``prompt_tokens`` that grows to ``final_tokens`` cannot complete even
+        alone in this cache, or None when it can."""
+        blocks = -(-final_tokens // self.block_tokens)
+        if blocks > self.capacity_blocks:
+            return f"{final_tokens:,} tokens need {blocks:,} blocks of the cache's {self.capacity_blocks:,}"
+        return None
+
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
         """(handle, token slots) for a request of `tokens` prompt tokens; None when full."""
         try:
@@ -136,6 +147,15 @@ class PagedBackend:
         self.cache.close()
 
 
+#: The smallest bucket of contiguous mode, in tokens (KVA_KV_MIN_BUCKET in kvalloc.h).
+CONTIGUOUS_MIN_BUCKET = 64
+
+
+def contiguous_bucket(tokens: int) -> int:
+    """The bucket contiguous mode gives a sequence of ``tokens``: the next power of two."""
+    return max(CONTIGUOUS_MIN_BUCKET, 1 << (tokens - 1).bit_length())
+
+
 class ContiguousBackend(PagedBackend):
     """The KV manager's contiguous mode: each request holds one buffer in a power-of-two bucket
     of tokens, moved to the next bucket as it grows."""
@@ -151,6 +171,20 @@ class ContiguousBackend(PagedBackend):
         self.cache = KVCache(num_blocks=None, capacity_bytes=self.capacity_bytes, mode="contiguous",
                              layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                              dtype=geometry.dtype, name=pool_name, trace=True)
+        info = self.cache.info
+        self.max_context = int(info["max_context"])
+        self.pool_tokens = int(info["kv_bytes"]) // self.bytes_per_token
+
+    def never_fits(self, prompt_tokens: int, final_tokens: int) -> Optional[str]:
+        if final_tokens > self.max_context:
+            return f"{final_tokens:,} tokens exceed max_context {self.max_context:,}"
+        # Growing into the next bucket allocates it while the current one is still held (the
+        # data is copied across), so the last growth needs one and a half times its bucket.
+        first, last = contiguous_bucket(prompt_tokens), contiguous_bucket(final_tokens)
+        if last > first and last // 2 + last > self.pool_tokens:
+            return (f"growing to {final_tokens:,} tokens holds buckets of {last // 2:,} and {last:,} tokens "
+                    f"at once, beyond the cache's {self.pool_tokens:,}")
+        return None
 
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
         try:
@@ -179,6 +213,7 @@ class MallocBackend:
 
     def __init__(self, capacity_tokens: int, geometry: Geometry, library: str, timings: Timings) -> None:
         self.name = f"malloc-{library}"
+        self.prefix_caching = False
         self.timings = timings
         self.bytes_per_token = geometry.bytes_per_token
         self.capacity_tokens = capacity_tokens
@@ -190,6 +225,12 @@ class MallocBackend:
         self._free = lib.free
         self._free.restype = None
         self._free.argtypes = [ctypes.c_void_p]
+
+    def never_fits(self, prompt_tokens: int, final_tokens: int) -> Optional[str]:
+        need = max(prompt_tokens, final_tokens)
+        if need > self.capacity_tokens:
+            return f"{need:,} tokens exceed the budget of {self.capacity_tokens:,}"
+        return None
 
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
         need = max(tokens, final_tokens)

@@ -15,10 +15,11 @@ from .simulator import ReplayResult
 _ROWS = (
     ("requests", "requests", "{:,}"),
     ("finished", "finished", "{:,}"),
+    ("rejected", "rejected", "{:,}"),
     ("preemptions", "preemptions", "{:,}"),
     ("kv_use_at_first_preemption", "KV use at first preemption", "{:.1%}"),
     ("peak_kv_use", "peak KV use", "{:.1%}"),
-    ("mean_kv_use", "mean KV use", "{:.1%}"),
+    ("mean_kv_use", "mean KV use while busy", "{:.1%}"),
     ("internal_waste", "internal waste", "{:.2%}"),
     ("fragmentation", "fragmentation", "{:.2%}"),
     ("prefix_hit_rate", "prefix hit rate", "{:.1%}"),
@@ -32,6 +33,7 @@ _ROWS = (
 
 
 def _cell(value: Any, fmt: str) -> str:
+    # None: not measured (no prefix keys, no preemption) or not run (a failed configuration).
     return "-" if value is None else fmt.format(value)
 
 
@@ -44,9 +46,19 @@ def table(results: Sequence[dict[str, Any]], title: str) -> Table:
     out.add_column("figure")
     for result in results:
         out.add_column(label(result), justify="right")
+    if any("error" in r for r in results):
+        out.add_row("status", *("failed" if "error" in r else "ran" for r in results))
     for key, name, fmt in _ROWS:
         out.add_row(name, *(_cell(r.get(key), fmt) for r in results))
     return out
+
+
+def failed(config: Any, trace: Any, error: Exception) -> dict[str, Any]:
+    """The report row of a configuration whose replay raised: its name and the reason, every
+    figure absent, so that the other configurations still make their table."""
+    return {"mode": config.mode, "block_tokens": config.block_tokens, "capacity_tokens": config.capacity_tokens,
+            "capacity_bytes": config.capacity_tokens * config.geometry.bytes_per_token,
+            "source": trace.source, "requests": len(trace.requests), "error": f"{type(error).__name__}: {error}"}
 
 
 def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Optional[Console] = None) -> None:
@@ -59,7 +71,13 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
     if "capacity_bytes" in first:
         title += f" ({first['capacity_bytes'] / 2**30:.1f} GiB)"
     console.print(table(rows, title))
-    timed = {label(r): r["timing"] for r in rows}
+    for row in rows:
+        if "error" in row:
+            console.print(f"{label(row)} failed: {row['error']}", style="red")
+        if row.get("rejected"):
+            console.print(f"{label(row)}: rejected {row['rejected']:,} of {row['requests']:,} requests, which can "
+                          f"never complete on this KV cache, even alone (give it more: --kv-size)", style="yellow")
+    timed = {label(r): r["timing"] for r in rows if "error" not in r}
     console.print("allocator calls timed " + "; ".join(f"{name}: {where}" for name, where in timed.items())
                   + ". Inside the library, call percentiles are log2-bucket upper bounds.", style="dim")
 

@@ -1,16 +1,25 @@
 """A continuous-batching engine, simulated, driving a real KV cache.
 
 The model is the scheduler of a vLLM-style engine, one step at a time:
-- requests arrive at their trace times (divided by ``time_scale``) and wait in FIFO order;
-- each step, every running request decodes one token; one that needs a new KV block and finds
-  none preempts the most recently admitted request (freed and requeued, to be recomputed);
-- then waiting requests are admitted while the step's token budget and the KV cache allow,
-  their prompt (minus any cached prefix) being prefilled in that step;
+- requests arrive at their trace times (divided by ``time_scale``) and wait in FIFO order; one
+  that could never complete on this cache even alone (its prompt and answer beyond what the
+  cache holds) is rejected, as an engine rejects it, and counted;
+- each step, every running request past its prefill decodes one token; one that needs a new KV
+  block and finds none preempts the most recently admitted request (freed and requeued, to be
+  recomputed); a request that must preempt itself with nothing else running can never grow on
+  this cache, and is rejected;
+- the rest of the step's token budget goes to prefill, chunked as vLLM's chunked prefill does:
+  the requests already prefilling continue in admission order, then waiting requests are
+  admitted in arrival order while budget and KV cache allow. Only a prompt's uncached tokens
+  count, and a prompt longer than what is left is split over the following steps. The whole
+  prompt's KV is allocated on admission, in one call, so that its prefix is looked up at once;
 - a step lasts ``step_base_s + step_token_s * tokens`` of simulated time.
 Nothing of the model runs: the point is the allocator's behaviour under real traffic.
 
-Prefix reuse comes from the trace's hash ids, each covering 512 tokens: for a block size B, a
-full prompt block j is keyed by the id it falls in and its position inside that id.
+Prefix reuse comes from the trace's hash ids, each covering 512 tokens: for a block size B that
+divides 512, a full prompt block is keyed by the id it falls in and its position inside that
+id; for a multiple of 512, by the ids it covers. Other block sizes cannot be keyed, and their
+prefix hit rate is not measured.
 """
 from __future__ import annotations
 
@@ -19,6 +28,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+
+import numpy as np
 
 from ..errors import InvalidArgument
 from .backends import ContiguousBackend, Geometry, MallocBackend, PagedBackend, Timings, require_counts
@@ -62,6 +73,7 @@ class _Running:
     generated: int
     synced: int           # tokens already announced to the backend
     capacity: int         # token slots the backend gave it
+    prefill: int          # uncached prompt tokens still to compute; it decodes once this is 0
 
 
 @dataclass
@@ -79,13 +91,14 @@ class ReplayResult:
     source: str
     requests: int
     finished: int
+    rejected: int                     # could never complete on this cache, even alone
     preemptions: int
     kv_use_at_first_preemption: Optional[float]
     peak_kv_use: float
     mean_kv_use: float
     internal_waste: float
     fragmentation: float
-    prefix_hit_rate: float
+    prefix_hit_rate: Optional[float]  # None where no request had prefix keys
     alloc_ns_p50: float
     alloc_ns_p99: float
     alloc_ns_p999: float
@@ -97,7 +110,7 @@ class ReplayResult:
     samples: list[Sample] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        keys = ("requests", "finished", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
+        keys = ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
@@ -109,14 +122,44 @@ class ReplayResult:
         return out
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(value: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit values that spreads every input bit."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
+    return value ^ (value >> 31)
+
+
+def _key(ids: tuple[int, ...], position: int) -> int:
+    # A chain of bijective mixes: distinct (ids, position) give distinct keys but for 64-bit
+    # collisions (about n^2 / 2^65 for n keys, none in practice). Shifting the id left to make
+    # room for the position overflowed 64 bits for ids of 2^56 and more.
+    key = _mix64((position + 0x9E3779B97F4A7C15) & _MASK64)
+    for block_id in ids:
+        key = _mix64(key ^ block_id)
+    return key
+
+
+def keyable(block_tokens: int) -> bool:
+    """Whether blocks of ``block_tokens`` can be keyed from the trace's 512-token hash ids."""
+    return MOONCAKE_BLOCK_TOKENS % block_tokens == 0 or block_tokens % MOONCAKE_BLOCK_TOKENS == 0
+
+
 def block_keys(request: Request, block_tokens: int) -> Optional[list[int]]:
-    """Content keys of the request's full prompt blocks, from its 512-token hash ids."""
+    """Content keys of the request's full prompt blocks, from its 512-token hash ids; None
+    without ids or for a block size that cannot be keyed from them (see ``keyable``)."""
     ids = request.hash_ids
-    if not ids or MOONCAKE_BLOCK_TOKENS % block_tokens:
+    if not ids or not keyable(block_tokens):
         return None
+    if block_tokens >= MOONCAKE_BLOCK_TOKENS:
+        per_block = block_tokens // MOONCAKE_BLOCK_TOKENS
+        full = min(request.input_tokens // block_tokens, len(ids) // per_block)
+        return [_key(ids[j * per_block:(j + 1) * per_block], 0) for j in range(full)]
     per_id = MOONCAKE_BLOCK_TOKENS // block_tokens
     full = min(request.input_tokens // block_tokens, len(ids) * per_id)
-    return [(ids[j // per_id] << 8) | (j % per_id) for j in range(full)]
+    return [_key((ids[j // per_id],), j % per_id) for j in range(full)]
 
 
 def make_backend(config: ReplayConfig, timings: Timings) -> Any:
@@ -163,9 +206,19 @@ def replay(trace: Trace, config: ReplayConfig,
     running: list[_Running] = []                         # in admission order
     next_arrival = 0
     now = 0.0
-    steps = preemptions = finished = 0
+    steps = preemptions = finished = rejected = 0
+    keyed = False                                        # whether any request had prefix keys
+    # Each request's keys, made once: a prompt the full cache turns away is offered again
+    # every step, and rebuilding its keys each time dominated the run.
+    key_cache: dict[int, Optional[np.ndarray]] = {}
+
+    def keys_of(request: Request, index: int) -> Optional[np.ndarray]:
+        if index not in key_cache:
+            keys = block_keys(request, config.block_tokens) if backend.prefix_caching else None
+            key_cache[index] = np.array(keys, dtype=np.uint64) if keys else None
+        return key_cache[index]
     first_preemption_use: Optional[float] = None
-    peak_use = use_time = waste_time = frag_time = elapsed = 0.0
+    peak_use = use_time = waste_time = frag_time = elapsed = frag_now = 0.0
     samples: list[Sample] = []
     wall_start = time.perf_counter()
 
@@ -179,21 +232,30 @@ def replay(trace: Trace, config: ReplayConfig,
         preemptions += 1
 
     try:
-        while finished < total:
+        while finished + rejected < total:
             while next_arrival < total and requests[next_arrival].arrival_s / config.time_scale <= now:
-                waiting.append((requests[next_arrival], next_arrival, 0))
+                request = requests[next_arrival]
+                if backend.never_fits(request.input_tokens, request.input_tokens + request.output_tokens):
+                    rejected += 1
+                else:
+                    waiting.append((request, next_arrival, 0))
                 next_arrival += 1
             if not running and not waiting:
-                now = requests[next_arrival].arrival_s / config.time_scale
+                if next_arrival < total:
+                    now = requests[next_arrival].arrival_s / config.time_scale
                 continue
 
             step_tokens = 0
-            # Decode one token for each running request. One whose slots are used up asks the
-            # backend for more, announcing every token since its last call; when none is left,
-            # the most recently admitted request is preempted, possibly this one.
+            # Decode one token for each running request past its prefill. One whose slots are
+            # used up asks the backend for more, announcing every token since its last call;
+            # when none is left, the most recently admitted request is preempted, possibly
+            # this one.
             at = 0
             while at < len(running):
                 r = running[at]
+                if r.prefill:
+                    at += 1
+                    continue
                 if r.context >= r.capacity:
                     need = r.context + 1 - r.synced
                     capacity = backend.extend(r.handle, need)
@@ -201,7 +263,13 @@ def replay(trace: Trace, config: ReplayConfig,
                         preempt_latest()
                         capacity = backend.extend(r.handle, need)
                     if capacity is None:
-                        preempt_latest()      # r itself: it was the latest
+                        if len(running) == 1:
+                            # Alone and still out of room: it can never grow here.
+                            backend.release(running.pop().handle)
+                            key_cache.pop(r.index)
+                            rejected += 1
+                        else:
+                            preempt_latest()      # r itself: it was the latest
                         continue
                     r.capacity, r.synced = capacity, r.context + 1
                 r.context += 1
@@ -210,29 +278,40 @@ def replay(trace: Trace, config: ReplayConfig,
                 at += 1
             still = []
             for r in running:
-                if r.generated >= r.request.output_tokens:
+                if not r.prefill and r.generated >= r.request.output_tokens:
                     backend.release(r.handle)
+                    key_cache.pop(r.index)
                     finished += 1
                 else:
                     still.append(r)
             running = still
-            # Admit in arrival order while the step's budget and the cache allow.
-            while waiting and len(running) < config.max_running:
+            # The rest of the budget prefills: first the prompts already under way, then new
+            # ones in arrival order, each taking what is left of the budget.
+            for r in running:
+                if step_tokens >= config.max_batch_tokens:
+                    break
+                chunk = min(r.prefill, config.max_batch_tokens - step_tokens)
+                r.prefill -= chunk
+                step_tokens += chunk
+            while waiting and len(running) < config.max_running and step_tokens < config.max_batch_tokens:
                 request, index, generated = waiting[0]
                 prompt = request.input_tokens + generated
-                if step_tokens and step_tokens + prompt > config.max_batch_tokens:
-                    break
-                keys = block_keys(request, config.block_tokens) if config.prefix_caching else None
+                keys = keys_of(request, index)
+                keyed = keyed or keys is not None
                 admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
                 if admitted is None:
-                    if not running:
-                        raise InvalidArgument(f"request {index} ({prompt} tokens) can never fit a KV cache "
-                                              f"of {config.capacity_tokens} tokens: give it more (--kv-size)")
-                    break
+                    if running:
+                        break
+                    waiting.popleft()      # alone in the cache and it does not fit: never will
+                    key_cache.pop(index)
+                    rejected += 1
+                    continue
                 handle, capacity = admitted
                 waiting.popleft()
-                step_tokens += prompt - backend.cached_tokens(handle)
-                running.append(_Running(request, index, handle, prompt, generated, prompt, capacity))
+                todo = prompt - backend.cached_tokens(handle)
+                chunk = min(todo, config.max_batch_tokens - step_tokens)
+                step_tokens += chunk
+                running.append(_Running(request, index, handle, prompt, generated, prompt, capacity, todo - chunk))
 
             step_s = config.step_base_s + config.step_token_s * step_tokens
             use, slots = backend.usage()
@@ -241,8 +320,11 @@ def replay(trace: Trace, config: ReplayConfig,
             use_time += use * step_s
             waste_time += (slack / slots if slots else 0.0) * step_s
             elapsed += step_s
+            # Measured every 16th step (it walks the pool), each measure standing for the
+            # steps until the next one.
             if steps % 16 == 0:
-                frag_time += backend.fragmentation() * step_s * 16
+                frag_now = backend.fragmentation()
+            frag_time += frag_now * step_s
             now += step_s
             steps += 1
             if steps % config.sample_every == 0:
@@ -271,12 +353,13 @@ def replay(trace: Trace, config: ReplayConfig,
         timing = "around the ctypes call"
 
     return ReplayResult(
-        config=config, source=trace.source, requests=total, finished=finished, preemptions=preemptions,
+        config=config, source=trace.source, requests=total, finished=finished, rejected=rejected,
+        preemptions=preemptions,
         kv_use_at_first_preemption=first_preemption_use, peak_kv_use=peak_use,
         mean_kv_use=use_time / elapsed if elapsed else 0.0,
         internal_waste=waste_time / elapsed if elapsed else 0.0,
         fragmentation=frag_time / elapsed if elapsed else 0.0,
-        prefix_hit_rate=hits / queries if queries else 0.0,
+        prefix_hit_rate=hits / queries if keyed and queries else None,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples)
 

@@ -1,10 +1,11 @@
 """Readers for the two public LLM-serving trace formats.
 
 - The Azure LLM inference trace (CSV): ``TIMESTAMP,ContextTokens,GeneratedTokens``, one request a
-  row, timestamps as ``YYYY-MM-DD HH:MM:SS.fffffff``. Patel et al., "Splitwise: Efficient
+  row, timestamps as ``YYYY-MM-DD HH:MM:SS.fffffff`` in UTC. Patel et al., "Splitwise: Efficient
   Generative LLM Inference Using Phase Splitting", ISCA 2024 (Azure/AzurePublicDataset).
 - The Mooncake trace (JSON lines): ``timestamp`` (ms), ``input_length``, ``output_length``,
-  ``hash_ids`` (one id per 512-token prompt block; equal ids mean an identical prefix block).
+  ``hash_ids`` (one id per 512-token prompt block; equal ids mean an identical prefix block;
+  each below 2^64, the width of the KV cache's block keys).
   Qin et al., "Mooncake: Trading More Storage for Less Computation", FAST 2025.
 
 Both become a list of :class:`Request`, arrival times in seconds from the first request. A
@@ -18,7 +19,7 @@ import csv
 import json
 import math
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
@@ -158,7 +159,7 @@ def parse_azure_csv(lines: Iterable[str], path: str = "<azure csv>", skip_bad: b
             collector.bad(line, f"expected 3 columns, found {len(row)}")
             continue
         try:
-            when = datetime.fromisoformat(_trim_fraction(row[0].strip())).timestamp()
+            when = _utc_seconds(row[0])
             request = Request(0.0, _positive(row[1], "ContextTokens"), _positive(row[2], "GeneratedTokens"))
         except ValueError as exc:
             collector.bad(line, str(exc))
@@ -166,6 +167,15 @@ def parse_azure_csv(lines: Iterable[str], path: str = "<azure csv>", skip_bad: b
         arrivals.append(when)
         collector.trace.requests.append(request)
     return collector.finish(arrivals)
+
+
+def _utc_seconds(text: str) -> float:
+    # The trace's times are UTC. A naive datetime's timestamp() reads them in the machine's own
+    # zone, where a daylight-saving change adds or removes an hour between two requests.
+    when = datetime.fromisoformat(_trim_fraction(text.strip()))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=timezone.utc)
+    return when.timestamp()
 
 
 def _trim_fraction(stamp: str) -> str:
@@ -196,9 +206,9 @@ def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", s
             output_tokens = _positive(row["output_length"], "output_length")
             ids = row.get("hash_ids")
             if ids is not None:
-                if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
-                                                        for i in ids):
-                    raise ValueError("hash_ids must be a list of non-negative integers")
+                if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool)
+                                                        and 0 <= i < 1 << 64 for i in ids):
+                    raise ValueError("hash_ids must be a list of integers in 0 .. 2^64-1")
                 needed = -(-input_tokens // MOONCAKE_BLOCK_TOKENS)
                 if len(ids) > needed:
                     raise ValueError(f"{len(ids)} hash_ids for {input_tokens} input tokens (at most {needed})")

@@ -46,7 +46,7 @@ def test_demo(capsys):
     out = capsys.readouterr().out
     for expected in ("Replaying 300 requests of the embedded workload", "2 GiB paged KV cache",
                      "Replay of default workload (300 requests", "prefix hit rate",
-                     "KV use at first preemption", "allocator share of the run",
+                     "KV use at first preemption", "mean KV use while busy", "allocator share of the run",
                      "inside the library"):
         assert expected in out, expected
     row = next(line for line in out.splitlines() if "finished" in line)
@@ -61,10 +61,20 @@ def test_demo_rejects_bad_options(capsys, argv):
 
 
 def test_library_errors_become_a_message_and_status_1(capsys):
-    # 64 MiB of KV holds 512 tokens of this model: the workload's long prompts can never fit.
-    assert main(["demo", "--kv-size", "64M", "--no-tui"]) == 1
+    # 1,000 bytes of KV hold not one token of this model.
+    assert main(["demo", "--kv-size", "1000", "--no-tui"]) == 1
     err = capsys.readouterr().err
-    assert err.startswith("kvalloc demo: InvalidArgument: ") and "can never fit" in err
+    assert err.startswith("kvalloc demo: InvalidArgument: ") and "capacity_tokens must be" in err
+
+
+def test_demo_rejects_the_requests_that_can_never_fit_and_reports_the_rest(capsys):
+    # 64 MiB of KV holds 512 tokens of this model: the workload's long requests can never fit.
+    # They are rejected, as an engine rejects them; the replay used to end at the first one.
+    assert main(["demo", "--kv-size", "64M", "--requests", "100", "--no-tui"]) == 1
+    out = capsys.readouterr().out
+    assert "which can never complete on this KV cache" in " ".join(out.split())    # however it wraps
+    row = next(line for line in out.splitlines() if "rejected" in line and "│" in line)
+    assert int(row.split()[-2]) > 0
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -36,10 +36,149 @@ def test_malloc_baseline_finishes_everything_within_its_budget(mode: str) -> Non
     assert 0.0 < result.allocator_share < 1.0
 
 
-def test_a_request_that_can_never_fit_is_reported() -> None:
-    with pytest.raises(InvalidArgument, match="can never fit"):
-        replay(burst(1, prompt=5000, output=10), ReplayConfig(mode="malloc-glibc", capacity_tokens=4000,
-                                                             geometry=SMALL_MODEL))
+def step_limit(limit: int):
+    """An on_step that fails a replay still running after ``limit`` steps (one that never ends)."""
+    steps = [0]
+
+    def count(simulated_s: float) -> None:
+        steps[0] += 1
+        if steps[0] > limit:
+            raise AssertionError(f"the replay runs past {limit} steps")
+
+    return count
+
+
+@pytest.mark.parametrize("mode, capacity, prompt, output", [
+    ("paged", 160, 100, 200),          # the prompt fits, prompt + answer never does
+    ("contiguous", 8192, 4000, 200),   # growing out of the 4,096 bucket holds it and the 8,192 one
+    ("contiguous", 12288, 8000, 300),  # past max_context (8,192 here), though within the capacity
+    ("malloc-glibc", 4000, 5000, 10),  # the prompt alone is over the budget
+])
+def test_a_request_that_can_never_complete_is_rejected_and_the_replay_goes_on(
+        mode: str, capacity: int, prompt: int, output: int) -> None:
+    # The first two preempted themselves and were readmitted forever; the third raised
+    # InvalidArgument from the cache mid-run; the fourth aborted the whole replay.
+    trace = Trace([Request(0.0, prompt, output), Request(0.5, 50, 10)], source="one too large")
+    result = replay(trace, ReplayConfig(mode=mode, capacity_tokens=capacity, geometry=SMALL_MODEL),
+                    on_step=step_limit(1000))
+    assert (result.finished, result.rejected) == (1, 1)
+    assert result.as_dict()["rejected"] == 1
+
+
+def test_a_request_stuck_alone_in_the_cache_is_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Past what the backend foresees, a request that preempts itself or cannot be admitted with
+    # nothing else running has proved it can never fit: rejected, not readmitted forever.
+    from pykvalloc.replay.backends import PagedBackend
+    monkeypatch.setattr(PagedBackend, "never_fits", lambda self, prompt, final: None)
+    trace = Trace([Request(0.0, 100, 200), Request(0.0, 200, 5), Request(0.5, 50, 10)], source="stuck")
+    result = replay(trace, ReplayConfig(mode="paged", capacity_tokens=160, geometry=SMALL_MODEL),
+                    on_step=step_limit(1000))
+    assert (result.finished, result.rejected) == (1, 2)
+
+
+def test_a_rejected_request_is_in_the_report_and_the_exit_status(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "big.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 100, "output_length": 5}\n'
+                     '{"timestamp": 10, "input_length": 900, "output_length": 200}\n')
+    out = tmp_path / "report.json"
+    assert main(["replay", str(trace), "--kv-tokens", "1000", "--layers", "2", "--kv-heads", "2",
+                 "--head-dim", "64", "--json", str(out), "--quiet"]) == 1
+    printed = " ".join(capsys.readouterr().out.split())      # however the console wraps it
+    assert "rejected 1 of 2 requests, which can never complete" in printed
+    report = json.loads(out.read_text())
+    assert (report["finished"], report["rejected"]) == (1, 1)
+
+
+def test_compare_shows_a_failed_configuration_as_a_failed_column(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    # 40 tokens of KV hold no contiguous bucket (64 tokens at least): that configuration fails
+    # when its cache is made, and the others still make the table.
+    trace = tmp_path / "small.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n')
+    out = tmp_path / "compare.json"
+    assert main(["replay", str(trace), "--compare", "--kv-tokens", "40", "--layers", "2", "--kv-heads", "2",
+                 "--head-dim", "64", "--json", str(out), "--quiet"]) == 1
+    printed = " ".join(capsys.readouterr().out.split())      # however the console wraps it
+    assert "contiguous failed: InvalidArgument" in printed and "holds no bucket" in printed
+    rows = json.loads(out.read_text())
+    assert [r["mode"] for r in rows][:6] == ["paged"] * 4 + ["contiguous", "malloc-glibc"]
+    assert "error" in rows[4] and all(r["finished"] == 1 for i, r in enumerate(rows) if i != 4)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
+    # A 9,000-token prompt over the 8,192-token budget used to wait for an empty batch, here
+    # 1,000 steps of the first request's answer; chunked, it runs beside it.
+    tiny = Geometry(layers=1, kv_heads=1, head_dim=1)
+    trace = Trace([Request(0.0, 100, 1000), Request(0.001, 9000, 1000)], source="long prompt")
+    config = ReplayConfig(capacity_tokens=1 << 20, geometry=tiny)
+    times = [0.0]
+    result = replay(trace, config, on_step=times.append)
+    assert result.finished == 2 and result.steps < 1010
+    longest = max(b - a for a, b in zip(times, times[1:]))
+    assert longest <= config.step_base_s + config.step_token_s * config.max_batch_tokens + 1e-9
+
+
+def test_only_uncached_prompt_tokens_take_the_step_budget() -> None:
+    tiny = Geometry(layers=1, kv_heads=1, head_dim=1)
+    ids = tuple(range(16))
+    trace = Trace([Request(0.0, 100, 1000), Request(0.001, 8192, 1, ids), Request(0.05, 8192, 1, ids)],
+                  source="shared prompt")
+    config = ReplayConfig(capacity_tokens=1 << 20, geometry=tiny)
+    result = replay(trace, config)
+    assert result.finished == 3 and result.prefix_hit_rate > 0.4
+    # The second copy of the prompt was all but free: about one prompt's prefill in all.
+    prefill_s = result.simulated_s - result.steps * config.step_base_s - 1000 * config.step_token_s
+    assert prefill_s < (100 + 8192 + 512) * config.step_token_s
+
+
+def test_the_time_weighted_fragmentation_is_a_share() -> None:
+    # Measured every 16th step and weighted as 16 steps, a 3-step run reported 252%.
+    trace = Trace([Request(0.0, 100, 2), Request(0.0, 300, 2)], source="two requests")
+    result = replay(trace, ReplayConfig(mode="contiguous", capacity_tokens=1024))
+    assert result.steps < 16
+    assert 0.0 < result.fragmentation <= 1.0
+
+
+@pytest.mark.parametrize("mode, trace", [
+    ("malloc-glibc", default_workload(20, seed=2)),
+    ("contiguous", default_workload(20, seed=2)),
+    ("paged", burst(5, prompt=600, output=5)),          # no hash ids
+])
+def test_a_hit_rate_that_cannot_be_measured_is_none_and_shows_as_a_dash(
+        mode: str, trace: Trace, capsys: pytest.CaptureFixture[str]) -> None:
+    from pykvalloc.replay.report import print_report
+    result = replay(trace, ReplayConfig(mode=mode, capacity_tokens=60_000, geometry=SMALL_MODEL))
+    assert result.prefix_hit_rate is None
+    print_report([result])
+    row = next(line for line in capsys.readouterr().out.splitlines() if "prefix hit rate" in line)
+    assert "-" in row and "%" not in row
+
+
+def test_a_block_size_that_cannot_be_keyed_is_said_and_not_measured(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    # 48 neither divides 512 nor is a multiple of it: the hit rate printed 0.0%, silently.
+    trace = tmp_path / "ids.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}\n'
+                     '{"timestamp": 1000, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]}\n')
+    common = ["replay", str(trace), "--kv-tokens", "4096", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
+              "--quiet"]
+    assert main([*common, "--block-tokens", "48"]) == 0
+    printed = capsys.readouterr().out
+    assert "--block-tokens 48 neither divides nor is a multiple" in " ".join(printed.split())
+    row = next(line for line in printed.splitlines() if "prefix hit rate" in line)
+    assert "-" in row and "%" not in row
+    # A multiple of 512 keys each block by the ids it covers: the second request hits both.
+    out = tmp_path / "report.json"
+    assert main([*common, "--block-tokens", "1024", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["prefix_hit_rate"] == pytest.approx(1024 / 2200)
+
+
+def test_hash_ids_up_to_64_bits_replay() -> None:
+    # ids << 8 overflowed the cache's 64-bit keys from 2^56 up.
+    trace = Trace([Request(0.0, 600, 5, (1 << 56, 1)), Request(1.0, 600, 5, ((1 << 64) - 1, 1))], source="big ids")
+    result = replay(trace, ReplayConfig(capacity_tokens=4096, geometry=SMALL_MODEL))
+    assert result.finished == 2 and result.prefix_hit_rate == 0.0
 
 
 def test_waiting_requests_are_admitted_as_memory_frees() -> None:
@@ -64,7 +203,7 @@ def test_replay_command_writes_the_json_report(tmp_path: Path) -> None:
                    "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--json", str(out), "--quiet"])
     assert status == 0
     report = json.loads(out.read_text())
-    for key in ("requests", "finished", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
+    for key in ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "wall_s"):
         assert key in report

@@ -104,15 +104,46 @@ def test_block_keys_follow_the_hash_id_and_position() -> None:
     request = Request(0.0, 1100, 5, (10, 11, 12))        # 512 + 512 + 76 tokens
     keys16 = block_keys(request, 16)
     assert len(keys16) == 1100 // 16                       # full 16-token blocks only
-    assert keys16[0] == (10 << 8) | 0 and keys16[31] == (10 << 8) | 31 and keys16[32] == (11 << 8) | 0
-    assert len(set(keys16)) == len(keys16)
-    assert block_keys(request, 512) == [(10 << 8), (11 << 8)]
+    assert len(set(keys16)) == len(keys16) and all(0 <= k < 1 << 64 for k in keys16)
+    keys512 = block_keys(request, 512)
+    assert len(keys512) == 2 and len(set(keys512)) == 2
     assert block_keys(Request(0.0, 100, 5, None), 16) is None
-    assert block_keys(request, 48) is None                 # 48 does not divide 512
+    assert block_keys(request, 48) is None                 # 48 neither divides 512 nor is a multiple
     # Two requests sharing their first id share exactly that id's blocks.
     other = Request(0.0, 600, 5, (10, 99))
     shared = [a == b for a, b in zip(block_keys(request, 16), block_keys(other, 16))]
     assert shared == [True] * 32 + [False] * (len(shared) - 32)
+    # Ids that differ only above bit 56 (which the old id << 8 pushed out of 64 bits) stay apart.
+    assert block_keys(Request(0.0, 512, 5, (1 << 56,)), 16) != block_keys(Request(0.0, 512, 5, (0,)), 16)
+
+
+def test_block_keys_of_a_multiple_of_512_cover_its_ids() -> None:
+    # A 1024-token block is keyed by its two ids together; 1100 tokens hold one full block.
+    keys = block_keys(Request(0.0, 2100, 5, (10, 11, 12, 13, 14)), 1024)
+    assert len(keys) == 2 and keys[0] != keys[1]
+    assert block_keys(Request(0.0, 1100, 5, (10, 11, 12)), 1024) == keys[:1]
+    assert block_keys(Request(0.0, 1100, 5, (10, 99, 12)), 1024) != keys[:1]
+
+
+def test_mooncake_hash_ids_are_bounded_to_64_bits() -> None:
+    line = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [%d, 1]}'
+    assert parse_mooncake_jsonl([line % ((1 << 64) - 1)]).requests[0].hash_ids == ((1 << 64) - 1, 1)
+    with pytest.raises(TraceError, match=r"<mooncake jsonl>:1: hash_ids must be a list of integers in 0 \.\. 2\^64-1"):
+        parse_mooncake_jsonl([line % (1 << 64)])
+
+
+def test_azure_times_are_utc_whatever_the_local_zone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read in the machine's zone, the hour a clock springs forward vanished between two requests.
+    import time
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        trace = parse_azure_csv(["TIMESTAMP,ContextTokens,GeneratedTokens\n", "2023-03-12 01:59:59.0000000,100,10\n",
+                                 "2023-03-12 03:00:01.0000000,100,10\n"])
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+    assert trace.requests[1].arrival_s == 3602.0
 
 
 @needs_shared
