@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "child.h"
 #include "proc_self.h"
 #include "kvalloc.h"
 #include "pool.h"
@@ -50,23 +51,6 @@ static int smaps_mapping(const void *addr, uintptr_t *lo, uintptr_t *hi, size_t 
     }
     fclose(f);
     return found;
-}
-
-/* Runs fn in a child process and reports its verdict: 0 passed, 77 skipped (the child said
- * why), anything else failed. For tests that change what the process may do (limits,
- * capabilities, THP), which the rest of the run must not inherit. */
-static void in_child(int (*fn)(void), const char *name) {
-    fflush(stderr);
-    pid_t pid = fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) _exit(fn());
-    int status = 0;
-    REQUIRE(waitpid(pid, &status, 0) == pid);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 77) return;
-    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
-        fprintf(stderr, "%s: the child failed (status %#x)\n", name, status);
-        check_failures++;
-    }
 }
 
 static kva_pool *create(kva_page_mode mode, size_t capacity, int prefault, kva_status expect) {

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include "check.h"
+#include "child.h"
 #include "kv_cache.h" /* the cache's lock, held by hand as another thread's call would */
 #include "kvalloc.h"
 #include "kvalloc_stats.h"
@@ -643,14 +644,7 @@ static int no_room_child(void) {
 }
 
 static void test_no_room_in_dev_shm(void) {
-    fflush(stderr);
-    pid_t pid = fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) _exit(no_room_child());
-    int status = 0;
-    REQUIRE(waitpid(pid, &status, 0) == pid);
-    if (WIFEXITED(status) && WEXITSTATUS(status) == 77) return;
-    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0); /* a SIGBUS shows as a signal here */
+    in_child(no_room_child, "test_no_room_in_dev_shm"); /* a SIGBUS shows as the child's signal */
 }
 
 int main(void) {
