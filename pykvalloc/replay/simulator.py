@@ -223,10 +223,12 @@ def replay(trace: Trace, config: ReplayConfig,
     wall_start = time.perf_counter()
 
     def preempt_latest() -> None:
-        nonlocal preemptions, first_preemption_use
+        nonlocal preemptions, first_preemption_use, peak_use
         victim = running.pop()
+        use = backend.usage()[0]
+        peak_use = max(peak_use, use)  # a preemption comes at the fullest moment of its step
         if first_preemption_use is None:
-            first_preemption_use = backend.usage()[0]
+            first_preemption_use = use
         backend.release(victim.handle)
         waiting.appendleft((victim.request, victim.index, victim.generated))
         preemptions += 1
@@ -276,6 +278,9 @@ def replay(trace: Trace, config: ReplayConfig,
                 r.generated += 1
                 step_tokens += 1
                 at += 1
+            # The fullest moment of the step's decodes: before the requests that finished give
+            # their blocks back (the last token of one may have taken a block of its own).
+            peak_use = max(peak_use, backend.usage()[0])
             still = []
             for r in running:
                 if not r.prefill and r.generated >= r.request.output_tokens:
