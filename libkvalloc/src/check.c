@@ -313,9 +313,18 @@ static int check_free_range(uint64_t offset, uint64_t size, kva_walk_kind kind, 
 
 static kva_status check_locked(kva_pool *pool);
 
-/* Every lock, so that nothing but the threads' own words moves while the invariants are read. */
+/* Every lock, so that nothing but the threads' own words moves while the invariants are read.
+ * The counts that locking and every walk below rely on are checked first: the arenas (whose
+ * locks are taken) and the slab descriptors (one per chunk of the capacity). */
 kva_status kva_check(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    const kva_slabs *sl = &pool->slabs;
+    if (sl->narenas == 0 || sl->narenas > KVA_MAX_ARENAS)
+        return BROKEN("P4: the pool counts %u arenas, not 1 .. %d", sl->narenas, KVA_MAX_ARENAS);
+    uint64_t bytes = (uint64_t)pool->buddy.nblocks << pool->buddy.min_shift; /* P2 checks capacity against it */
+    if (sl->chunk_shift >= 64 || sl->nchunks != (bytes + ((uint64_t)1 << sl->chunk_shift) - 1) >> sl->chunk_shift)
+        return BROKEN("P4: the pool counts %u slab descriptors for %llu bytes in chunks of 2^%u", sl->nchunks,
+                      (unsigned long long)bytes, sl->chunk_shift);
     kva_pool_lock_all(pool);
     kva_status st = check_locked(pool);
     kva_pool_unlock_all(pool);

@@ -6,6 +6,9 @@
  *      min_block << k in absolute addresses too.
  *  P2  capacity == buddy.nblocks << buddy.min_shift <= region.length.
  *  P3  block_allocs - block_frees == the number of USED buddy blocks.
+ *  P4  the slabs count 1 .. KVA_MAX_ARENAS arenas and one descriptor per chunk of the capacity
+ *      (checked first: every lock taken and every walk relies on them; an arena count within
+ *      those bounds is trusted, as the pool pointer is: nothing else records it).
  */
 #ifndef KVA_POOL_H
 #define KVA_POOL_H

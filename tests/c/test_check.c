@@ -134,6 +134,8 @@ int main(void) {
     expect_walk_refused(__LINE__);
     sl->slabs[odd_chunk].cls = saved_cls;
     CHECK_STATUS(kva_check(pool), KVA_OK);
+    CORRUPT("P4", sl->narenas, 100000u);                  /* locking would take that many locks */
+    CORRUPT("P4", sl->nchunks, sl->nchunks + 100000);    /* walks would read past the descriptors */
     CORRUPT("P2", pool->capacity, pool->capacity + 4096);
     CORRUPT("P3", pool->block_allocs, pool->block_allocs + 1);
 
