@@ -88,23 +88,23 @@ static kva_status check_buddy(const kva_buddy *b, uint64_t *used_blocks) {
     return KVA_OK;
 }
 
-/* S2 for slab s; adds the slab's pending remote frees and, per owned word, its free and remote
- * bits to *in_caches. */
+/* S2 for slab s; adds the free bits of its owned words to *in_caches (S5: an owned word's
+ * objects all count in inuse; a remote bit is a free not counted yet, its object still live in
+ * both the counts and inuse). */
 static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_geometry *g, uint64_t *in_caches) {
     const kva_slab *slab = &sl->slabs[s];
     const uint64_t *l1 = kva_slab_bitmap(sl, s), *l0 = slab->l0, *remote = kva_slab_remote(slab, g);
     const uint32_t *owner = kva_slab_owner(slab, g);
     uint64_t free_bits = 0;
     for (uint32_t w = 0; w < g->l0_words; w++) {
-        uint64_t bits = kva_load(&l0[w]), pending = kva_load(&remote[w]);
+        uint64_t bits = kva_load(&l0[w]);
         int owned = kva_load(&owner[w]) != KVA_NO_OWNER, listed = (l1[w >> 6] >> (w & 63)) & 1;
         if (owned) {
-            *in_caches += (uint64_t)__builtin_popcountll(bits | pending);
+            *in_caches += (uint64_t)__builtin_popcountll(bits);
             if (listed) return BROKEN("S2: slab %u lists word %u in l1 though a thread cache owns it", s, w);
             continue;
         }
         free_bits += (uint64_t)__builtin_popcountll(bits);
-        *in_caches += (uint64_t)__builtin_popcountll(pending);
         if ((bits != 0) != listed) return BROKEN("S2: slab %u l1 bit %u disagrees with its l0 word", s, w);
     }
     /* The last l1 word's bits past the l0 words: a claim would take such a "word", which lies

@@ -56,7 +56,7 @@ struct kva_pool {
     uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_remote_frees;
-    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache */
+    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache (a remote one counted here only if drained here) */
     struct kva_pool *fork_prev, *fork_next; /* every live pool (fork.c) */
     uint32_t *free_ids;      /* ids of exited threads' caches, for reuse (grown by doubling) */
     uint32_t free_ids_count, free_ids_capacity;

@@ -199,7 +199,7 @@ static void list_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     if (!slab->listed) list_push_tail(sl, arena_class(sl, s), s);
 }
 
-void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, uint64_t freeing) {
+unsigned kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, uint64_t freeing) {
     kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
     /* The bits first, the owner after (a release store): a remote free reads the owner, then
@@ -211,7 +211,6 @@ void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, 
     uint64_t *l0 = &slab->l0[w];
     uint64_t before = kva_load(l0), *remote_word = &kva_slab_remote(slab, g)[w];
     uint64_t remote = kva_load(remote_word) ? __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL) : 0;
-    kva_slab_count_doubled(sl, slab->cls, remote & before);
     kva_store(l0, before | remote | freeing);
     __atomic_store_n(&kva_slab_owner(slab, g)[w], owner, __ATOMIC_RELEASE);
     /* The word's objects all count as in use now; its remote ones were counted live already,
@@ -224,10 +223,11 @@ void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, 
         if (l1 == 0) slab->l2 &= ~((uint64_t)1 << (w >> 6));
     }
     sl->arenas[slab->arena].claims++;
+    return kva_slab_newly_freed(remote, before);
 }
 
 int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int may_grow, uint32_t *slab_out,
-                   uint32_t *word_out) {
+                   uint32_t *word_out, uint64_t *merged) {
     kva_arena_class *ac = &sl->arenas[a].classes[c];
     uint32_t s;
     for (;;) {
@@ -243,13 +243,14 @@ int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int ma
     unsigned i = kva_ctz64(slab->l2);
     uint32_t w = i * 64 + kva_ctz64(slot[i]);
     if (ac->empty_slab == s) ac->empty_slab = KVA_NIL; /* no longer empty once claimed */
-    kva_slab_claim_word(sl, s, w, owner, 0);
+    unsigned freed = kva_slab_claim_word(sl, s, w, owner, 0);
+    if (freed) __atomic_store_n(merged, kva_load(merged) + freed, __ATOMIC_RELEASE);
     *slab_out = s;
     *word_out = w;
     return 1;
 }
 
-void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
+unsigned kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
     /* The owner first, with a full fence, then the remote word: a remote free ORs, then reads
@@ -258,16 +259,18 @@ void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
     uint64_t *l0 = &slab->l0[w], *remote_word = &kva_slab_remote(slab, g)[w];
     uint64_t bits = kva_load(l0);
+    unsigned merged = 0;
     if (__atomic_load_n(remote_word, __ATOMIC_SEQ_CST)) {
         uint64_t passed = __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL);
-        kva_slab_count_doubled(sl, slab->cls, passed & bits);
+        merged = kva_slab_newly_freed(passed, bits);
         bits |= passed;
     }
     kva_store(l0, bits);
-    if (bits == 0) return;
+    if (bits == 0) return 0;
     slab->inuse -= (uint32_t)__builtin_popcountll(bits);
     list_word(sl, s, w);
     if (slab->inuse == 0) emptied(sl, s);
+    return merged;
 }
 
 /* Frees `freed` (bits of live objects) in word w of slab s, which nobody owns. */
@@ -280,16 +283,16 @@ static void free_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t freed) 
     if (slab->inuse == 0) emptied(sl, s);
 }
 
-void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w) {
+unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w) {
     kva_slab *slab = &sl->slabs[s];
     /* cls read once, with acquire: grow() stores arena before it publishes cls. */
     unsigned c = __atomic_load_n(&slab->cls, __ATOMIC_ACQUIRE);
-    if (c == KVA_SLAB_NONE || kva_load(&slab->arena) != a) return;
+    if (c == KVA_SLAB_NONE || kva_load(&slab->arena) != a) return 0;
     const kva_class_geometry *g = &sl->geom[c];
-    if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return;
+    if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return 0;
     uint64_t passed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL), free = kva_load(&slab->l0[w]);
-    kva_slab_count_doubled(sl, c, passed & free);
     if (passed & ~free) free_unowned(sl, s, w, passed & ~free);
+    return kva_slab_newly_freed(passed, free);
 }
 
 int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit) {

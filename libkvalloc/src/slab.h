@@ -36,8 +36,9 @@
  *      slab leaves the list lazily, when a claim finds it at the head.)
  *  S4  At most one slab per class and arena is empty (inuse == 0), and then it is that arena
  *      class's empty_slab, which is KVA_NIL or a slab of the class in that arena.
- *  S5* A class's allocations less its frees equal the sum of inuse over its slabs less the free
- *      and remote bits of owned words and the remote bits of words nobody owns.
+ *  S5* A class's allocations less its counted frees equal the sum of inuse over its slabs less
+ *      the free bits of owned words. (A free is counted when its object's bit reaches the word:
+ *      a remote bit is a free still to count, whose object both sides still count live.)
  *  S6* Every owner entry names a live cache of the pool that lists the word among its own for
  *      that class, and every word a cache lists is owned by it in a slab of that class;
  *      a cache's current word of each class and its free window (tcache.h), when open, are
@@ -117,10 +118,6 @@ typedef struct kva_slabs {
     kva_arena *arenas;
     unsigned narenas;
     uint32_t live_slabs;    /* under the pool lock */
-    /* (atomic) Per class, frees of one object that raced each other and were both accepted
-     * (docs/reliability.md, "Known limits"), found when their bits meet: both were counted
-     * among the frees, so the totals take these back out (kva_tc_totals_locked). */
-    uint64_t doubled_frees[KVA_NUM_SIZE_CLASSES];
     /* The pool's: slab growth and release take a chunk from and give it to the buddy, and
      * commit or decommit its memory, under the pool lock. */
     kva_buddy *buddy;
@@ -217,23 +214,27 @@ KVA_INLINE uint32_t kva_slab_owner_of(const kva_slabs *sl, const kva_object_ref 
 
 /* Claims a word with free objects of class c for owner from arena a's slabs, growing a slab
  * from the buddy when the arena has none (grow = 0: only slabs the arena has). Returns 1 with
- * the slab and word, 0 when there is none. */
-int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int grow, uint32_t *slab, uint32_t *word);
+ * the slab and word, 0 when there is none. Remote frees waiting in the word are merged into
+ * it and added to *merged (the claiming thread's counter). */
+int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int grow, uint32_t *slab, uint32_t *word,
+                   uint64_t *merged);
 
 /* Claims word w of slab s, which nobody owns, for owner, freeing the live objects `freeing`
  * of it first: their bits are in the word before its owner is, so a remote free that finds
- * the owner also finds them free. */
-void kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, uint64_t freeing);
+ * the owner also finds them free. Returns how many objects the remote frees waiting in the
+ * word freed (merged into it now). */
+unsigned kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t owner, uint64_t freeing);
 
 /* Gives back word w of slab s, owned by the caller: its free objects (remote ones merged)
- * return to the slab and its arena. */
-void kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w);
+ * return to the slab and its arena. Returns how many objects the merged remote frees freed. */
+unsigned kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w);
 
 /* Frees the remote bits of word w of slab s if nobody owns it (a remote free that found the
  * word given back just as it passed the object on). The caller holds arena a's lock and read a
  * as the slab's arena before it passed the object on: by now the slab may have been emptied and
- * made anew elsewhere, and then there is nothing of the caller's left to drain. */
-void kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
+ * made anew elsewhere, and then there is nothing of the caller's left to drain. Returns how
+ * many objects it freed. */
+unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
 
 /* Frees the live object `bit` of word w of slab s if nobody owns the word (1); 0 if somebody
  * does, with nothing changed. For a thread that has no cache to free into. */
@@ -245,22 +246,26 @@ unsigned kva_slab_trim(kva_slabs *sl);
 
 /* ---- words: the owner side (no lock) ------------------------------------------------------- */
 
-/* A remote bit whose object is already free in the word is two frees that raced and were
- * both accepted: the object stays free once, and the second free is taken back out of the
- * class's count. */
-KVA_INLINE void kva_slab_count_doubled(kva_slabs *sl, unsigned c, uint64_t doubled) {
-    if (kva_unlikely(doubled != 0))
-        __atomic_fetch_add(&sl->doubled_frees[c], (uint64_t)__builtin_popcountll(doubled), __ATOMIC_RELAXED);
+/* Remote frees are counted when their bits reach the object's word, by whoever merges them
+ * there, not when they are passed on: a remote bit whose object is already free is a second
+ * free of a racing pair (slab.h's caller, tcache.c) or one that landed in a slab released and
+ * made anew meanwhile, and is never counted, so the counts stay exact whatever the races. The
+ * functions that merge remote bits return, or add to *merged, how many objects they freed. */
+KVA_INLINE unsigned kva_slab_newly_freed(uint64_t passed, uint64_t free_bits) {
+    return (unsigned)__builtin_popcountll(passed & ~free_bits);
 }
 
-/* Merges the remote frees of an owned word of class c into it; returns the word's free bits. */
-KVA_INLINE uint64_t kva_slab_merge_remote(kva_slabs *sl, unsigned c, uint64_t *l0, uint64_t *remote) {
+/* Merges the remote frees of an owned word into it, adding the objects they freed to *merged
+ * (a counter only the calling thread, the word's owner, writes: a release store, so that a
+ * reader of the count sees the objects' frees before it); returns the word's free bits. */
+KVA_INLINE uint64_t kva_slab_merge_remote(uint64_t *l0, uint64_t *remote, uint64_t *merged) {
     uint64_t bits = kva_load(l0);
     if (kva_load(remote) == 0) return bits;
     uint64_t passed = __atomic_exchange_n(remote, 0, __ATOMIC_ACQ_REL);
-    kva_slab_count_doubled(sl, c, passed & bits);
+    unsigned freed = kva_slab_newly_freed(passed, bits);
     bits |= passed;
     kva_store(l0, bits);
+    if (freed) __atomic_store_n(merged, kva_load(merged) + freed, __ATOMIC_RELEASE);
     return bits;
 }
 

@@ -88,19 +88,25 @@ static void remove_owned(kva_tcache *tc, unsigned c, uint32_t i) {
     kva_store(&k->nowned, n - 1);
 }
 
-/* Gives owned word w of slab s back to its arena. */
-static void give_back(kva_slabs *sl, uint32_t s, uint32_t w) {
+/* Adds n objects freed by remote frees, merged by this thread, to class c's count. */
+static void count_merged(kva_tcache *tc, unsigned c, unsigned n) {
+    if (n) __atomic_store_n(&tc->merged[c], kva_load(&tc->merged[c]) + n, __ATOMIC_RELEASE);
+}
+
+/* Gives owned word w of slab s (class c) back to its arena. */
+static void give_back(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s, uint32_t w) {
     kva_arena *arena = &sl->arenas[sl->slabs[s].arena];
     pthread_mutex_lock(&arena->lock);
-    kva_slab_release_word(sl, s, w);
+    unsigned merged = kva_slab_release_word(sl, s, w);
     pthread_mutex_unlock(&arena->lock);
+    count_merged(tc, c, merged);
 }
 
 /* Gives back an owned word with no free object without the arena lock: nothing about the slab
  * changes (all its objects count as in use either way) except the owner. A remote free that
  * passed an object on just before is drained under the lock (the owner store and the remote
  * check are ordered against the remote side's OR and owner check, see slab.h). */
-static void give_back_dry(kva_slabs *sl, uint32_t s, uint32_t w) {
+static void give_back_dry(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s, uint32_t w) {
     const kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
     /* Read while the word is still ours and the slab cannot go: see kva_slab_drain_remote. */
@@ -109,8 +115,9 @@ static void give_back_dry(kva_slabs *sl, uint32_t s, uint32_t w) {
     __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(remote, __ATOMIC_SEQ_CST) == 0) return;
     pthread_mutex_lock(&sl->arenas[a].lock);
-    kva_slab_drain_remote(sl, a, s, w);
+    unsigned merged = kva_slab_drain_remote(sl, a, s, w);
     pthread_mutex_unlock(&sl->arenas[a].lock);
+    count_merged(tc, c, merged);
 }
 
 /* ---- the free window ----------------------------------------------------------------------- */
@@ -140,7 +147,7 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
     kva_slabs *sl = &pool->slabs;
     uint32_t s, w;
     pthread_mutex_lock(&sl->arenas[a].lock);
-    int ok = kva_slab_claim(sl, a, c, tc->id, may_grow, &s, &w);
+    int ok = kva_slab_claim(sl, a, c, tc->id, may_grow, &s, &w, &tc->merged[c]);
     pthread_mutex_unlock(&sl->arenas[a].lock);
     if (!ok) return 0;
     kva_tc_class *k = &tc->cls[c];
@@ -156,7 +163,7 @@ int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
     for (uint32_t j = 0; j < n; j++, i++) {
         if (i == n) i = 0;
         uint32_t s = k->slab[i], w = k->word[i];
-        if (kva_slab_merge_remote(sl, c, word_l0(sl, s, w), word_remote(sl, s, w))) {
+        if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w), &tc->merged[c])) {
             set_current(pool, tc, c, i);
             return 1;
         }
@@ -183,7 +190,7 @@ static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
     uint32_t keep = frees != k->frees_at_refill ? k->limit - 1 : 0;
     k->frees_at_refill = frees;
     while (k->nowned > keep) {
-        give_back_dry(sl, k->slab[0], k->word[0]);
+        give_back_dry(sl, tc, c, k->slab[0], k->word[0]);
         remove_owned(tc, c, 0);
     }
     unsigned a = kva_arena_cpu() % sl->narenas;
@@ -233,25 +240,25 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
     uint32_t generation = kva_load(&sl->slabs[ref->slab].generation);
     if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
+    test_point(KVA_TC_POINT_PASSING);
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     test_point(KVA_TC_POINT_PASSED);
     /* The owner may have freed the object itself since the test above (a double free racing
      * this one): its bit is then set. With this free's bit still passed on, nothing has merged
      * it, so the object's bit comes from that other free: take this one back and refuse it. (An
-     * owner's store still in flight escapes this test; the merge then finds both bits and takes
-     * the second free out of the count: kva_slab_merge_remote.) The bit read here may also be a
-     * new slab's, made in the chunk since: take_back tells. */
+     * owner's store still in flight escapes this test, and so does a slab released and made
+     * anew since the first test: both frees are then accepted, but only one is counted, since a
+     * remote free counts where its bit is merged, and a bit that finds its object free already
+     * is not: slab.h.) The bit read here may also be a new slab's, made in the chunk since:
+     * take_back tells. */
     if (kva_unlikely(kva_load(ref->l0) & ref->bit) && take_back(sl, a, ref, generation)) return KVA_ERR_DOUBLE_FREE;
-    kva_bump_release(&tc->frees[ref->cls]);
     kva_bump(&tc->remote_frees);
-    /* Not a free into this cache's words: refill's test of whether the thread frees what it
-     * allocates must not count it. */
-    tc->cls[ref->cls].frees_at_refill++;
     /* Given back meanwhile: nobody will merge the bit, so free it in the slab now. */
     if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
         pthread_mutex_lock(&sl->arenas[a].lock);
-        kva_slab_drain_remote(sl, a, ref->slab, ref->word);
+        unsigned merged = kva_slab_drain_remote(sl, a, ref->slab, ref->word);
         pthread_mutex_unlock(&sl->arenas[a].lock);
+        count_merged(tc, ref->cls, merged);
     }
     return KVA_OK;
 }
@@ -288,19 +295,20 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
         pthread_mutex_unlock(&arena->lock);
         return KVA_ERR_DOUBLE_FREE;
     }
-    kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
+    unsigned merged = kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
     add_owned(k, ref->slab, ref->word);
     kva_bump_release(&tc->frees[ref->cls]);
+    count_merged(tc, ref->cls, merged);
     uint32_t fresh = k->nowned - 1;
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, fresh)) != KVA_NIL;) {
         if (sl->slabs[k->slab[victim]].arena != a) break;
-        kva_slab_release_word(sl, k->slab[victim], k->word[victim]);
+        count_merged(tc, ref->cls, kva_slab_release_word(sl, k->slab[victim], k->word[victim]));
         remove_owned(tc, ref->cls, victim);
         fresh--;
     }
     pthread_mutex_unlock(&arena->lock);
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, k->nowned - 1)) != KVA_NIL;) {
-        give_back(sl, k->slab[victim], k->word[victim]);
+        give_back(sl, tc, ref->cls, k->slab[victim], k->word[victim]);
         remove_owned(tc, ref->cls, victim);
     }
     return KVA_OK;
@@ -314,7 +322,7 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
         uint32_t owner = kva_slab_owner_of(sl, &ref);
         if (owner == tc->id) {
             /* Its remote frees first: the object may be among them. */
-            uint64_t bits = kva_slab_merge_remote(sl, ref.cls, ref.l0, word_remote(sl, ref.slab, ref.word));
+            uint64_t bits = kva_slab_merge_remote(ref.l0, word_remote(sl, ref.slab, ref.word), &tc->merged[ref.cls]);
             if (bits & ref.bit) return KVA_ERR_DOUBLE_FREE;
             kva_store(ref.l0, bits | ref.bit);
             kva_bump_release(&tc->frees[ref.cls]);
@@ -339,11 +347,12 @@ kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
             uint32_t *owner = kva_ref_owner(sl, &ref);
             unsigned a = kva_load(&sl->slabs[ref.slab].arena);
             if (__atomic_fetch_or(remote, ref.bit, __ATOMIC_SEQ_CST) & ref.bit) return KVA_ERR_DOUBLE_FREE;
-            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELEASE);
+            /* Counted where the bit is merged: here, if the word was given back meanwhile. */
             if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
                 pthread_mutex_lock(&sl->arenas[a].lock);
-                kva_slab_drain_remote(sl, a, ref.slab, ref.word);
+                unsigned merged = kva_slab_drain_remote(sl, a, ref.slab, ref.word);
                 pthread_mutex_unlock(&sl->arenas[a].lock);
+                if (merged) __atomic_fetch_add(&pool->uncached_frees[ref.cls], merged, __ATOMIC_RELEASE);
             }
             return KVA_OK;
         }
@@ -367,7 +376,7 @@ void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
         kva_tc_class *k = &tc->cls[c];
         while (k->nowned) {
             uint32_t last = k->nowned - 1;
-            give_back(sl, k->slab[last], k->word[last]);
+            give_back(sl, tc, c, k->slab[last], k->word[last]);
             remove_owned(tc, c, last);
         }
     }
@@ -379,7 +388,7 @@ void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
 static void retire(kva_pool *pool, kva_tcache *tc) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         pool->retired_allocs[c] += tc->hot[c].allocs;
-        pool->retired_frees[c] += tc->frees[c];
+        pool->retired_frees[c] += tc->frees[c] + tc->merged[c];
     }
     pool->retired_remote_frees += tc->remote_frees;
     /* Its words are all given back: the id is free for the next cache (ids are never reused
@@ -501,27 +510,27 @@ void kva_tc_pool_destroyed(kva_pool *pool) {
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
     const kva_slabs *sl = &pool->slabs;
     *out = (kva_tc_totals){0};
-    /* Every free counter first, every allocation counter after: an object's free is counted
-     * after its allocation, often by another thread whose cache may come first in the list, so
-     * read the other way round (or cache by cache) the frees of objects handed between threads
-     * could outrun their allocations and live counts wrap below zero. The free counts are read
-     * with acquire, pairing with the release of each (kva_bump_release): what a thread did
-     * before a free it counted, such as taking the object from its allocating thread, is seen
-     * by the reads that follow. Retired counts do not move: the registry lock is held. */
+    /* Three passes: the free counts, the remote frees waiting in owned words, then the
+     * allocation counts. An object's free is seen after its allocation, often by another
+     * thread whose cache may come first in the list, so read the other way round (or cache by
+     * cache) the frees of objects handed between threads could outrun their allocations and
+     * live counts wrap below zero. The free counts and remote words are read with acquire,
+     * pairing with the release that counts or passes each free: what a thread did before it,
+     * such as taking the object from its allocating thread, is seen by the reads that follow.
+     * Retired counts do not move: the registry lock is held. */
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-        out->frees[c] = pool->retired_frees[c] + __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_ACQUIRE) -
-                        __atomic_load_n(&sl->doubled_frees[c], __ATOMIC_RELAXED);
+        out->frees[c] = pool->retired_frees[c] + __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_ACQUIRE);
     out->remote_frees = pool->retired_remote_frees;
-    /* Both walks stop at the pool's count of caches: kva_check reads these totals before it has
-     * checked the list, which must not make it loop. */
+    /* Every walk stops at the pool's count of caches: kva_check reads these totals before it
+     * has checked the list, which must not make it loop. */
     uint32_t n = 0;
     for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++) {
         out->remote_frees += kva_load(&tc->remote_frees);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-            out->frees[c] += __atomic_load_n(&tc->frees[c], __ATOMIC_ACQUIRE);
+            out->frees[c] += __atomic_load_n(&tc->frees[c], __ATOMIC_ACQUIRE) +
+                             __atomic_load_n(&tc->merged[c], __ATOMIC_ACQUIRE);
         test_point(KVA_TC_POINT_COUNTED);
     }
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) out->allocs[c] = pool->retired_allocs[c];
     const kva_tcache *mine = NULL;
     for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
         if (pool_of(tc) == pool) mine = tc;
@@ -531,7 +540,6 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
         if (tc != mine) out->foreign_caches++;
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
-            out->allocs[c] += kva_load(&tc->hot[c].allocs);
             /* Another thread may change its set meanwhile: bounded reads, an estimate. The
              * word's place comes from the class's geometry, not from the slab descriptor's
              * copies, which kva_check has not verified yet when it asks. */
@@ -542,8 +550,14 @@ void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
                 if (s >= sl->nchunks || __atomic_load_n(&sl->slabs[s].cls, __ATOMIC_ACQUIRE) != c || w >= g->l0_words)
                     continue;
                 const uint64_t *l0 = kva_slab_bitmap(sl, s) + g->l1_words + w;
-                out->cached[c] += (uint64_t)__builtin_popcountll(kva_load(l0) | kva_load(l0 + g->l0_words));
+                uint64_t remote = __atomic_load_n(l0 + g->l0_words, __ATOMIC_ACQUIRE), bits = kva_load(l0);
+                out->pending[c] += kva_slab_newly_freed(remote, bits);
+                out->cached[c] += (uint64_t)__builtin_popcountll(bits | remote);
             }
         }
     }
+    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) out->allocs[c] = pool->retired_allocs[c];
+    n = 0;
+    for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++)
+        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) out->allocs[c] += kva_load(&tc->hot[c].allocs);
 }

@@ -60,8 +60,7 @@ typedef struct kva_tc_class {
     uint32_t nowned;
     uint32_t cur;
     uint32_t limit;         /* the words kept while allocating (see above) */
-    uint64_t frees_at_refill; /* the class's free count when its owned words last ran dry, plus
-                                 the remote frees (into other caches' words) since */
+    uint64_t frees_at_refill; /* the class's free count when its owned words last ran dry */
     uint32_t slab[KVA_TC_WORDS + 1]; /* + 1: a claim adds its word before the oldest goes back */
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;
@@ -101,9 +100,13 @@ typedef struct kva_tcache {
     uint32_t reserved;
     kva_tc_window windows[KVA_TC_WINDOWS];
     kva_tc_hot hot[KVA_NUM_SIZE_CLASSES];
-    uint64_t frees[KVA_NUM_SIZE_CLASSES]; /* by this thread since the cache was made (remote frees included) */
+    /* Frees this thread made into words it owns or claimed, since the cache was made. A remote
+     * free (into another cache's word) is not among them: it is counted when its bit reaches
+     * the object's word, by the thread that merges it there, in that thread's `merged`. */
+    uint64_t frees[KVA_NUM_SIZE_CLASSES];
+    uint64_t merged[KVA_NUM_SIZE_CLASSES]; /* objects other threads' remote frees freed, merged here */
     kva_tc_class cls[KVA_NUM_SIZE_CLASSES];
-    uint64_t remote_frees;
+    uint64_t remote_frees;    /* remote frees this thread made (passed on; counted as frees where merged) */
     struct kva_tcache *thread_next;           /* the thread's caches */
     struct kva_tcache *pool_prev, *pool_next; /* the pool's caches (registry lock) */
 } kva_tcache;
@@ -152,12 +155,13 @@ void kva_tc_pool_destroyed(kva_pool *pool);
 
 /* Test hook (process-wide; NULL restores): fn(point, ctx) runs at each point below, a window in
  * which another thread's step may strike, so that a test can place that step there.
+ *  KVA_TC_POINT_PASSING in a remote free, just before its atomic OR, its checks made;
  *  KVA_TC_POINT_PASSED  in a remote free, just after its atomic OR has passed the object on;
  *  KVA_TC_POINT_MARKED  in a pool's destruction, just after one of its caches is marked dead
  *                       (the registry lock held);
  *  KVA_TC_POINT_COUNTED in kva_tc_totals_locked, just after a cache's free counts are read (the
  *                       pool's locks held). */
-enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED };
+enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED, KVA_TC_POINT_PASSING };
 void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx);
 
 void kva_tc_registry_lock(void);
@@ -167,7 +171,8 @@ void kva_tc_registry_unlock(void);
  * caches' threads are not running; a close estimate while they are. */
 typedef struct kva_tc_totals {
     uint64_t allocs[KVA_NUM_SIZE_CLASSES];
-    uint64_t frees[KVA_NUM_SIZE_CLASSES];
+    uint64_t frees[KVA_NUM_SIZE_CLASSES];  /* counted: objects whose bit reached their word */
+    uint64_t pending[KVA_NUM_SIZE_CLASSES]; /* remote frees waiting in owned words to be merged */
     uint64_t cached[KVA_NUM_SIZE_CLASSES]; /* free objects in owned words (remote ones too) */
     uint64_t remote_frees;
     uint32_t caches;
@@ -175,11 +180,13 @@ typedef struct kva_tc_totals {
 } kva_tc_totals;
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
 
-/* Live objects of class c by the totals. The totals never count a free before its allocation,
- * but two frees of one object that raced (both accepted) are taken back out only when their
- * bits meet: until then a class may show more frees than allocations, and reads 0. */
+/* Live objects of class c by the totals: allocations less frees, counted and pending. The
+ * totals never count a free before its allocation; the clamp covers what an estimate read
+ * while other threads run can still get wrong (a stray remote bit of a racing double free
+ * read as pending, say). */
 KVA_INLINE uint64_t kva_tc_live(const kva_tc_totals *t, unsigned c) {
-    return t->allocs[c] > t->frees[c] ? t->allocs[c] - t->frees[c] : 0;
+    uint64_t gone = t->frees[c] + t->pending[c];
+    return t->allocs[c] > gone ? t->allocs[c] - gone : 0;
 }
 
 /* The window free: 1 if ptr is a live object of its window's words, now freed; 0, with nothing

@@ -304,10 +304,11 @@ static void test_free_window(void) {
 /* ---- two frees that raced ------------------------------------------------------------------ */
 
 /* The state two racing frees of one object leave when both are accepted (reliability.md, "Known
- * limits"): the owner's free set the object's bit in its word while another thread's free,
- * missing that store, set the object's remote bit; each counted its free. The owner must not
- * hand the object out again while that remote bit stands, or the bit's merge would free the live
- * object and hand it out twice. */
+ * limits"): the owner's free set the object's bit in its word (and counted it) while another
+ * thread's free, missing that store, set the object's remote bit (counted where it is merged).
+ * The owner must not hand the object out again while that remote bit stands, or the bit's merge
+ * would free the live object and hand it out twice; and the merge must not count the bit, whose
+ * object is free already. */
 static void test_raced_double_free_is_not_handed_out_twice(void) {
     pool = make_pool(64 * MiB);
     enum { FIRST = 10, MORE = 300 };
@@ -319,8 +320,7 @@ static void test_raced_double_free_is_not_handed_out_twice(void) {
     kva_tcache *tc = kva_tc_find(pool);
     REQUIRE(tc && kva_slab_owner_of(&pool->slabs, &ref) == tc->id);
     __atomic_fetch_or(kva_ref_remote(&pool->slabs, &ref), ref.bit, __ATOMIC_SEQ_CST); /* the other free */
-    tc->frees[ref.cls]++;
-    tc->remote_frees++;
+    CHECK(stats().live_allocations == FIRST - 1); /* the remote bit is not counted twice */
     objs[5] = NULL;
     /* Past the next merge of the word (it runs dry after 55 more) and beyond: every object
      * handed out is distinct from every other live one; objs[5]'s place comes back once. */
@@ -329,7 +329,7 @@ static void test_raced_double_free_is_not_handed_out_twice(void) {
     for (int i = 0; i < FIRST + MORE; i++)
         for (int j = i + 1; j < FIRST + MORE; j++) duplicates += objs[i] && objs[i] == objs[j];
     CHECK(duplicates == 0);
-    CHECK(stats().live_allocations == FIRST - 1 + MORE); /* the second free counted out once */
+    CHECK(stats().live_allocations == FIRST - 1 + MORE); /* the second free never counted */
     CHECK_STATUS(kva_check(pool), KVA_OK);
     for (int i = 0; i < FIRST + MORE; i++)
         if (objs[i]) CHECK_STATUS(kva_free(pool, objs[i]), KVA_OK);
@@ -398,6 +398,62 @@ static void test_remote_free_outlived_by_its_slab(void) {
     void *p;
     while (kva_alloc(pool, 64, &p) == KVA_OK) n++;
     CHECK(n == cfg.capacity / 64);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+}
+
+/* A remote free checks that its object is live, then passes it on with an atomic OR. Between
+ * the two, a racing free of the same object by its owner may empty the slab and the slab go
+ * back to the buddy: the OR then lands in a dead slab's words, where no merge will ever find
+ * it, and the free (whose take-back cannot tell either, the slab being gone) is accepted. It
+ * was counted as a free all the same, so the class showed one more free than allocations, and
+ * kva_check failed S5 (stress_threads' df phase, several times a run). A remote free is now
+ * counted where its bit is merged, and this one is merged nowhere. */
+static kva_status late_status;
+static void *free_x_late(void *arg) {
+    late_status = kva_free(pool, arg);
+    return NULL;
+}
+
+static void test_racing_free_lands_in_a_released_slab(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 8 * MiB;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.arenas = 1;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    void *x;
+    CHECK_STATUS(kva_alloc(pool, 4096, &x), KVA_OK); /* in a word this thread owns */
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
+    hook_point = KVA_TC_POINT_PASSING;
+    kva_tc_test_hook(pause_at_point, NULL);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, free_x_late, x) == 0);
+    sem_wait(&arrived);
+    /* The other thread found x live and is about to pass it on. The owner frees x first, gives
+     * its word back and trims: the slab, empty, goes back to the buddy. */
+    CHECK_STATUS(kva_free(pool, x), KVA_OK);
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
+    CHECK_STATUS(kva_trim(pool), KVA_OK);
+    CHECK(pool->slabs.live_slabs == 0);
+    sem_post(&resume);
+    pthread_join(t, NULL);
+    kva_tc_test_hook(NULL, NULL);
+    thread_failures_merge();
+    /* The late free may be accepted (a racing double free: reliability.md, "Known limits"), but
+     * it frees nothing more and counts nothing. */
+    CHECK(late_status == KVA_OK || late_status == KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK(stats().live_allocations == 0);
+    CHECK(stats().free_count == stats().alloc_count);
+    /* The chunk is a slab again, of 4 KiB objects: all of them can be had, once each. */
+    size_t n = 0;
+    void *p;
+    while (kva_alloc(pool, 4096, &p) == KVA_OK) n++;
+    CHECK(n == cfg.capacity / 4096);
+    CHECK(stats().live_allocations == n);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
     sem_destroy(&arrived);
@@ -571,6 +627,7 @@ int main(void) {
     test_remote_frees_make_no_keeper();
     test_raced_double_free_is_not_handed_out_twice();
     test_remote_free_outlived_by_its_slab();
+    test_racing_free_lands_in_a_released_slab();
     test_destroy_outlived_by_a_cache();
     test_stats_while_objects_move();
     test_free_window();
