@@ -83,7 +83,7 @@ static void publish_classes(kva_pool *pool, kva_segment *seg) {
         for (unsigned a = 0; a < sl->narenas; a++) slabs += sl->arenas[a].classes[c].slabs;
         out[c] = (kva_shm_class){.object_size = sl->geom[c].size, .objects_per_slab = sl->geom[c].nobj,
                                  .live_objects = kva_tc_live(&totals, c), .slabs = slabs,
-                                 .allocs = totals.allocs[c], .frees = totals.frees[c]};
+                                 .allocs = totals.allocs[c], .frees = kva_tc_frees_made(&totals, c)};
     }
 }
 

@@ -223,7 +223,9 @@ unsigned kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t own
         if (l1 == 0) slab->l2 &= ~((uint64_t)1 << (w >> 6));
     }
     sl->arenas[slab->arena].claims++;
-    return kva_slab_newly_freed(remote, before);
+    /* The objects freed here are the caller's to count: a remote bit of one of them is a
+     * second free that raced this one, passed on after the caller found the object live. */
+    return kva_slab_newly_freed(remote, before | freeing);
 }
 
 int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int may_grow, uint32_t *slab_out,
@@ -283,13 +285,14 @@ static void free_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t freed) 
     if (slab->inuse == 0) emptied(sl, s);
 }
 
-unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w) {
+unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w, unsigned *cls) {
     kva_slab *slab = &sl->slabs[s];
     /* cls read once, with acquire: grow() stores arena before it publishes cls. */
     unsigned c = __atomic_load_n(&slab->cls, __ATOMIC_ACQUIRE);
     if (c == KVA_SLAB_NONE || kva_load(&slab->arena) != a) return 0;
     const kva_class_geometry *g = &sl->geom[c];
     if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return 0;
+    *cls = c;
     uint64_t passed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL), free = kva_load(&slab->l0[w]);
     if (passed & ~free) free_unowned(sl, s, w, passed & ~free);
     return kva_slab_newly_freed(passed, free);

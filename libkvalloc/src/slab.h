@@ -232,9 +232,10 @@ unsigned kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w);
 /* Frees the remote bits of word w of slab s if nobody owns it (a remote free that found the
  * word given back just as it passed the object on). The caller holds arena a's lock and read a
  * as the slab's arena before it passed the object on: by now the slab may have been emptied and
- * made anew elsewhere, and then there is nothing of the caller's left to drain. Returns how
- * many objects it freed. */
-unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w);
+ * made anew elsewhere, and then there is nothing of the caller's left to drain; or made anew
+ * in the same arena, maybe of another class, whose word it then drains. Returns how many
+ * objects it freed, and their class in *cls (set only when it drained a word). */
+unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w, unsigned *cls);
 
 /* Frees the live object `bit` of word w of slab s if nobody owns the word (1); 0 if somebody
  * does, with nothing changed. For a thread that has no cache to free into. */

@@ -48,7 +48,7 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
         const kva_class_geometry *g = &sl->geom[c];
         uint64_t slabs = class_slabs(sl, c);
         allocs += totals.allocs[c];
-        frees += totals.frees[c] + totals.pending[c]; /* a remote free counts from the moment it is made */
+        frees += kva_tc_frees_made(&totals, c);
         /* While threads run, objects allocated and freed between the two passes of the totals
          * count as live: at most what the class's slabs hold, read under the locks. */
         uint64_t objects = kva_tc_live(&totals, c), room = slabs * g->nobj;

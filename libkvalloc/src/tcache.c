@@ -115,9 +115,9 @@ static void give_back_dry(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s,
     __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(remote, __ATOMIC_SEQ_CST) == 0) return;
     pthread_mutex_lock(&sl->arenas[a].lock);
-    unsigned merged = kva_slab_drain_remote(sl, a, s, w);
+    unsigned dc = c, merged = kva_slab_drain_remote(sl, a, s, w, &dc);
     pthread_mutex_unlock(&sl->arenas[a].lock);
-    count_merged(tc, c, merged);
+    count_merged(tc, dc, merged);
 }
 
 /* ---- the free window ----------------------------------------------------------------------- */
@@ -256,9 +256,9 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     /* Given back meanwhile: nobody will merge the bit, so free it in the slab now. */
     if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
         pthread_mutex_lock(&sl->arenas[a].lock);
-        unsigned merged = kva_slab_drain_remote(sl, a, ref->slab, ref->word);
+        unsigned dc = ref->cls, merged = kva_slab_drain_remote(sl, a, ref->slab, ref->word, &dc);
         pthread_mutex_unlock(&sl->arenas[a].lock);
-        count_merged(tc, ref->cls, merged);
+        count_merged(tc, dc, merged);
     }
     return KVA_OK;
 }
@@ -295,6 +295,7 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
         pthread_mutex_unlock(&arena->lock);
         return KVA_ERR_DOUBLE_FREE;
     }
+    test_point(KVA_TC_POINT_CLAIMING);
     unsigned merged = kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
     add_owned(k, ref->slab, ref->word);
     kva_bump_release(&tc->frees[ref->cls]);
@@ -350,9 +351,9 @@ kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
             /* Counted where the bit is merged: here, if the word was given back meanwhile. */
             if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {
                 pthread_mutex_lock(&sl->arenas[a].lock);
-                unsigned merged = kva_slab_drain_remote(sl, a, ref.slab, ref.word);
+                unsigned dc = ref.cls, merged = kva_slab_drain_remote(sl, a, ref.slab, ref.word, &dc);
                 pthread_mutex_unlock(&sl->arenas[a].lock);
-                if (merged) __atomic_fetch_add(&pool->uncached_frees[ref.cls], merged, __ATOMIC_RELEASE);
+                if (merged) __atomic_fetch_add(&pool->uncached_frees[dc], merged, __ATOMIC_RELEASE);
             }
             return KVA_OK;
         }

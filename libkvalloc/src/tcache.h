@@ -157,11 +157,14 @@ void kva_tc_pool_destroyed(kva_pool *pool);
  * which another thread's step may strike, so that a test can place that step there.
  *  KVA_TC_POINT_PASSING in a remote free, just before its atomic OR, its checks made;
  *  KVA_TC_POINT_PASSED  in a remote free, just after its atomic OR has passed the object on;
+ *  KVA_TC_POINT_CLAIMING in a free into a word nobody owns, the arena lock held and the object
+ *                       found live, just before the word is claimed;
  *  KVA_TC_POINT_MARKED  in a pool's destruction, just after one of its caches is marked dead
  *                       (the registry lock held);
  *  KVA_TC_POINT_COUNTED in kva_tc_totals_locked, just after a cache's free counts are read (the
  *                       pool's locks held). */
-enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED, KVA_TC_POINT_PASSING };
+enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED, KVA_TC_POINT_PASSING,
+       KVA_TC_POINT_CLAIMING };
 void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx);
 
 void kva_tc_registry_lock(void);
@@ -171,7 +174,8 @@ void kva_tc_registry_unlock(void);
  * caches' threads are not running; a close estimate while they are. */
 typedef struct kva_tc_totals {
     uint64_t allocs[KVA_NUM_SIZE_CLASSES];
-    uint64_t frees[KVA_NUM_SIZE_CLASSES];  /* counted: objects whose bit reached their word */
+    uint64_t frees[KVA_NUM_SIZE_CLASSES];  /* counted: objects whose bit reached their word (S5);
+                                              not the frees made: see kva_tc_frees_made */
     uint64_t pending[KVA_NUM_SIZE_CLASSES]; /* remote frees waiting in owned words to be merged */
     uint64_t cached[KVA_NUM_SIZE_CLASSES]; /* free objects in owned words (remote ones too) */
     uint64_t remote_frees;
@@ -180,12 +184,16 @@ typedef struct kva_tc_totals {
 } kva_tc_totals;
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
 
+/* Frees of class c made so far by the totals, counted and pending: what statistics report (a
+ * remote free counts from the moment it is made, as it did when it was counted there). */
+KVA_INLINE uint64_t kva_tc_frees_made(const kva_tc_totals *t, unsigned c) { return t->frees[c] + t->pending[c]; }
+
 /* Live objects of class c by the totals: allocations less frees, counted and pending. The
  * totals never count a free before its allocation; the clamp covers what an estimate read
  * while other threads run can still get wrong (a stray remote bit of a racing double free
  * read as pending, say). */
 KVA_INLINE uint64_t kva_tc_live(const kva_tc_totals *t, unsigned c) {
-    uint64_t gone = t->frees[c] + t->pending[c];
+    uint64_t gone = kva_tc_frees_made(t, c);
     return t->allocs[c] > gone ? t->allocs[c] - gone : 0;
 }
 

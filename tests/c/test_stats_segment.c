@@ -3,6 +3,8 @@
  * inspector in another process reads it: mapped read-only, copied under the sequence lock.
  */
 #include <fcntl.h>
+#include <pthread.h>
+#include <semaphore.h>
 #include <sys/file.h>
 #include <sched.h>
 #include <stdio.h>
@@ -19,6 +21,7 @@
 
 #include "check.h"
 #include "child.h"
+#include "thread_util.h"
 #include "kv_cache.h" /* the cache's lock, held by hand as another thread's call would */
 #include "kvalloc.h"
 #include "kvalloc_stats.h"
@@ -582,6 +585,57 @@ static void test_two_caches_on_one_pool(void) {
     kva_pool_destroy(pool);
 }
 
+/* Remote frees into the words of a thread that is alive and idle wait there to be merged. Since
+ * a remote free is counted where it is merged, the statistics add those waiting: the class
+ * section's free count did not, so one snapshot said 50 allocations, 0 frees and 0 live objects
+ * for the class while its summary said 50 frees. */
+static kva_pool *idle_pool;
+static void *idle_objs[50];
+static sem_t idle_made, idle_finish;
+
+static void *allocate_then_idle(void *arg) {
+    (void)arg;
+    for (int i = 0; i < 50; i++) TCHECK_STATUS(kva_alloc(idle_pool, 64, &idle_objs[i]), KVA_OK);
+    sem_post(&idle_made);
+    sem_wait(&idle_finish);
+    return NULL;
+}
+
+static void check_published_class_64(const char *name, uint64_t allocs, uint64_t frees, uint64_t live) {
+    mapped m;
+    REQUIRE(map_segment(name, &m));
+    unsigned char *buf = malloc(m.size);
+    REQUIRE(buf && snapshot(&m, buf, 100));
+    uint64_t len;
+    const kva_shm_summary *sum = section(buf, m.size, KVA_SHM_SECTION_SUMMARY, &len);
+    const kva_shm_classes *classes = section(buf, m.size, KVA_SHM_SECTION_CLASSES, &len);
+    REQUIRE(sum && classes && classes->count == KVA_NUM_SIZE_CLASSES);
+    const kva_shm_class *c64 = (const kva_shm_class *)(classes + 1) + kva_size_class_of(64);
+    CHECK(c64->allocs == allocs && c64->frees == frees && c64->live_objects == live);
+    CHECK(sum->alloc_count == allocs && sum->free_count == frees && sum->live_allocations == live);
+    free(buf);
+    unmap_segment(&m);
+}
+
+static void test_remote_frees_published_before_their_merge(void) {
+    idle_pool = make_named("remote", 0);
+    REQUIRE(sem_init(&idle_made, 0, 0) == 0 && sem_init(&idle_finish, 0, 0) == 0);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, allocate_then_idle, NULL) == 0);
+    sem_wait(&idle_made);
+    for (int i = 0; i < 50; i++) CHECK_STATUS(kva_free(idle_pool, idle_objs[i]), KVA_OK);
+    CHECK_STATUS(kva_stats_publish(idle_pool), KVA_OK);
+    check_published_class_64(kva_stats_segment_name(idle_pool), 50, 50, 0);
+    sem_post(&idle_finish);
+    pthread_join(t, NULL);
+    thread_failures_merge();
+    CHECK_STATUS(kva_stats_publish(idle_pool), KVA_OK); /* merged at the thread's exit: the same */
+    check_published_class_64(kva_stats_segment_name(idle_pool), 50, 50, 0);
+    kva_pool_destroy(idle_pool);
+    sem_destroy(&idle_made);
+    sem_destroy(&idle_finish);
+}
+
 /* The segment's size does not grow without bound with the pool: the heap map has at most 16,384
  * cells, also for a pool of 2^32 - 2 blocks (the cell count was computed in 32 bits and wrapped
  * to 0), and the slab table lists at most KVA_SHM_SLABS_MAX slabs (a 1 TiB pool of 64 KiB
@@ -658,6 +712,7 @@ int main(void) {
     test_names_are_unique();
     test_kv_cache_section();
     test_two_caches_on_one_pool();
+    test_remote_frees_published_before_their_merge();
     test_reader_races_writer();
     test_trace_ring_beside_a_busy_writer();
     return CHECK_DONE();

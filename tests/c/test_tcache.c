@@ -460,6 +460,108 @@ static void test_racing_free_lands_in_a_released_slab(void) {
     sem_destroy(&resume);
 }
 
+/* The same late free, but the chunk is made a slab again, of 32 KiB objects, whose bitmap words
+ * lie where the 64 KiB slab's did, and its object is live in a word nobody owns: the late free's
+ * bit frees it there (a racing double free: reliability.md, "Known limits"), and the drain that
+ * does so counted the free under the late free's class, 64 KiB, not under the class it freed,
+ * so both classes' counts were wrong (S5). */
+static void test_late_free_drained_in_another_class(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 8 * MiB;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.arenas = 1;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    unsigned big = (unsigned)kva_size_class_of(65536), half = (unsigned)kva_size_class_of(32768);
+    REQUIRE(pool->slabs.geom[big].l0_words == pool->slabs.geom[half].l0_words &&
+            pool->slabs.geom[big].l1_words == pool->slabs.geom[half].l1_words);
+    void *x, *y;
+    CHECK_STATUS(kva_alloc(pool, 65536, &x), KVA_OK);
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
+    hook_point = KVA_TC_POINT_PASSING;
+    kva_tc_test_hook(pause_at_point, NULL);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, free_x_late, x) == 0);
+    sem_wait(&arrived);
+    CHECK_STATUS(kva_free(pool, x), KVA_OK);
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
+    CHECK_STATUS(kva_trim(pool), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 32768, &y), KVA_OK);
+    REQUIRE(y == x); /* the first object of the same chunk: the late free's bit is y's */
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK); /* y live in a word nobody owns */
+    sem_post(&resume);
+    pthread_join(t, NULL);
+    kva_tc_test_hook(NULL, NULL);
+    thread_failures_merge();
+    CHECK(late_status == KVA_OK || late_status == KVA_ERR_DOUBLE_FREE);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_class_stats cs;
+    CHECK_STATUS(kva_get_class_stats(pool, big, &cs), KVA_OK);
+    CHECK(cs.live_objects == 0);
+    /* y was freed by the late free or it was not, and the counts say which. */
+    uint64_t y_live = (kva_usable_size(pool, y) != 0);
+    CHECK_STATUS(kva_get_class_stats(pool, half, &cs), KVA_OK);
+    CHECK(cs.live_objects == y_live);
+    CHECK(stats().live_allocations == y_live);
+    kva_pool_destroy(pool);
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+}
+
+/* A free into a word nobody owns checks under the arena lock that its object is live, then
+ * claims the word, merging the remote bits waiting there. A remote free of the same object that
+ * found the word still owned may pass its bit on in between (a racing double free): the claim
+ * then merged that bit and counted it as a free of its own, beside the free it was making, so
+ * the one object was counted free twice. The remote free's thread is placed by the test points:
+ * it pauses before its OR; the owner gives the word back and frees the object, and pauses in the
+ * claim, lock held, until the other thread's OR has landed. */
+static __thread int is_late_thread;
+static sem_t passed;
+
+static void claim_race(int point, void *ctx) {
+    (void)ctx;
+    if (is_late_thread && point == KVA_TC_POINT_PASSING) {
+        sem_post(&arrived);
+        sem_wait(&resume);
+    } else if (is_late_thread && point == KVA_TC_POINT_PASSED) {
+        sem_post(&passed);
+    } else if (!is_late_thread && point == KVA_TC_POINT_CLAIMING) {
+        sem_post(&resume);
+        sem_wait(&passed);
+    }
+}
+
+static void *free_late_marked(void *arg) {
+    is_late_thread = 1;
+    late_status = kva_free(pool, arg);
+    return NULL;
+}
+
+static void test_claim_racing_a_remote_free_counts_once(void) {
+    pool = make_pool(64 * MiB);
+    void *x;
+    CHECK_STATUS(kva_alloc(pool, 64, &x), KVA_OK); /* in a word this thread owns */
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0 && sem_init(&passed, 0, 0) == 0);
+    kva_tc_test_hook(claim_race, NULL);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, free_late_marked, x) == 0);
+    sem_wait(&arrived);                            /* the other thread found x live and owned */
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);  /* the word goes back: nobody owns it */
+    CHECK_STATUS(kva_free(pool, x), KVA_OK);       /* claims it; the other OR lands in the claim */
+    pthread_join(t, NULL);
+    kva_tc_test_hook(NULL, NULL);
+    thread_failures_merge();
+    CHECK(late_status == KVA_OK || late_status == KVA_ERR_DOUBLE_FREE);
+    kva_stats st = stats();
+    CHECK(st.live_allocations == 0 && st.free_count == st.alloc_count && st.alloc_count == 1);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK_STATUS(kva_free(pool, x), KVA_ERR_DOUBLE_FREE);
+    kva_pool_destroy(pool);
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+    sem_destroy(&passed);
+}
+
 /* A pool's destruction marks each of its caches dead, and a marked cache's thread may free it
  * at any moment, on its next lookup. The destruction once read the cache's successor after
  * marking it: from freed memory, which the program may have been given back meanwhile (here
@@ -628,6 +730,8 @@ int main(void) {
     test_raced_double_free_is_not_handed_out_twice();
     test_remote_free_outlived_by_its_slab();
     test_racing_free_lands_in_a_released_slab();
+    test_late_free_drained_in_another_class();
+    test_claim_racing_a_remote_free_counts_once();
     test_destroy_outlived_by_a_cache();
     test_stats_while_objects_move();
     test_free_window();
