@@ -33,6 +33,7 @@ Lifetime rules, each there so that no Python call can crash the interpreter:
 from __future__ import annotations
 
 import enum
+import operator
 import threading
 import weakref
 from collections.abc import Iterable
@@ -41,7 +42,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _ffi
+from . import _ffi, _locks
 from .errors import InvalidArgument, KvallocError, OutOfMemory, PoolClosedError
 from .pool import Pool, _name_arg, _size_arg
 
@@ -107,6 +108,8 @@ class Move(NamedTuple):
 
 def dtype_bytes(dtype: Any) -> int:
     """Bytes per element of a dtype given as a name, a numpy dtype or a torch dtype."""
+    if dtype is None:  # numpy reads None as float64; a KV cache's element type is never implied
+        raise InvalidArgument("dtype must be given (a name such as 'float16', or a numpy or torch dtype)")
     if isinstance(dtype, str):
         name = dtype.lower().removeprefix("torch.")
     else:
@@ -221,22 +224,27 @@ class KVCache:
         config.layout = _enum_arg("layout", layout, KVLayout)
         config.mode = _enum_arg("mode", mode, KVMode)
         config.max_context = 0 if max_context is None else _u32("max_context", max_context)
-        if not isinstance(hash_seed, int) or not 0 <= hash_seed < 1 << 64:
+        try:
+            seed = operator.index(hash_seed) if not isinstance(hash_seed, bool) else None
+        except TypeError:
+            seed = None
+        if seed is None or not 0 <= seed < 1 << 64:
             raise InvalidArgument("hash_seed must be an integer in 0 .. 2^64-1")
-        config.hash_seed = hash_seed
+        config.hash_seed = seed
         config.pages = _pages_value(pages)
         self._name_bytes = _name_arg(name)   # kept alive: the C config points at it
         config.name = self._name_bytes
         config.trace = 1 if trace else 0
 
+        if pool is not None and not isinstance(pool, Pool):
+            raise InvalidArgument(f"pool must be a pykvalloc.Pool, not {type(pool).__name__}")
         self._lib = lib
         self._lock = threading.RLock()
+        self._views_lock = threading.Lock()  # a leaf (_locks.py): view finalizers take only it
         self._pool = pool
         self._pool_lock = pool._lock if pool is not None else None
         handle = c_void_p()
         pool_handle = None
-        if pool is not None and not isinstance(pool, Pool):
-            raise InvalidArgument(f"pool must be a pykvalloc.Pool, not {type(pool).__name__}")
         with self._pool_guard():
             if pool is not None:
                 # The cache is a user of the pool: closing the pool then waits for the cache.
@@ -252,8 +260,9 @@ class KVCache:
         self._handle: int | None = handle.value
         self._closed = False
         self._views = 0
-        self._finalizer = weakref.finalize(self, _destroy, lib, handle.value, pool)
+        self._finalizer = weakref.finalize(self, _destroy_forgotten, lib, handle.value, pool)
         self._finalizer.atexit = False  # at exit the process's memory goes with it
+        _locks.track(self, 0)
         info = _ffi.KvaKvInfo()
         lib.kva_kv_get_info(self._handle, byref(info))
         self._info = {name: getattr(info, name) for name, _ in _ffi.KvaKvInfo._fields_}
@@ -270,8 +279,10 @@ class KVCache:
             if self._closed:
                 return
             self._closed = True
-            if self._views == 0:
-                self._finalizer()
+            with self._views_lock:
+                idle = self._views == 0
+            if idle:
+                self._destroy_now()
 
     @property
     def closed(self) -> bool:
@@ -281,7 +292,8 @@ class KVCache:
         """The fragmentation (1 - largest free block / free bytes) of the pool the cache's
         memory comes from: what limits contiguous mode."""
         raw = _ffi.KvaStats()
-        with self._lock:
+        with self._lock, self._pool_guard():
+            self._open()
             self._lib.kva_get_stats(self._info["pool"], byref(raw))
         return float(raw.fragmentation)
 
@@ -289,14 +301,32 @@ class KVCache:
         """Publishes the statistics of the cache's pool, the cache's own section included, now
         (a named cache; otherwise nothing happens). A named cache also publishes on its own from
         its calls, at most every ``publish_interval_ms`` of its pool."""
-        with self._lock:
+        with self._lock, self._pool_guard():
+            self._open()
             self._lib.kva_stats_publish(self._info["pool"])
 
     def __enter__(self) -> KVCache:
+        self._open()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def _fork_locks(self) -> tuple[list[Any], list[Any]]:
+        return [self._lock], [self._views_lock]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("KVCache objects cannot be copied or pickled: a copy would share the C "
+                        "cache without sharing its bookkeeping")
+
+    def _destroy_now(self) -> None:
+        """Destroys the C cache, once: from close() (the cache's lock held, so the pool's lock
+        may be waited on) or from the last view's finalizer (which must not wait: _locks.py)."""
+        detached = self._finalizer.detach()
+        if detached is not None:
+            _, _, (lib, handle, pool), _ = detached
+            with self._pool_guard():
+                _destroy(lib, handle, pool)
 
     def _open(self) -> int:
         if self._closed:
@@ -466,10 +496,16 @@ class KVCache:
     # -- used by Sequence -------------------------------------------------------------------
 
     def _view_released(self) -> None:
-        with self._lock:
+        # A finalizer (a block table view is garbage): only the leaf lock here, and the
+        # destruction, which needs the pool's lock, only if that lock is free (_locks.py).
+        with self._views_lock:
             self._views -= 1
-            if self._closed and self._views == 0:
-                self._finalizer()
+            last = self._closed and self._views == 0
+        if last:
+            detached = self._finalizer.detach()
+            if detached is not None:
+                _, _, args, _ = detached
+                _destroy_forgotten(*args)
 
 
 class _NoLock:
@@ -485,25 +521,30 @@ _NO_LOCK = _NoLock()
 
 def _destroy(lib: Any, handle: int, pool: Pool | None) -> None:
     # The cache's blocks go back to the pool before the pool can go: the finalizer holds the
-    # pool, and the cache is one of its users until here.
-    if pool is None:
-        lib.kva_kv_destroy(handle)
-        return
-    with pool._lock:
-        lib.kva_kv_destroy(handle)
+    # pool, and the cache is one of its users until here. The caller holds the pool's lock.
+    lib.kva_kv_destroy(handle)
+    if pool is not None:
         pool._user_gone()
 
 
+def _destroy_forgotten(lib: Any, handle: int, pool: Pool | None) -> None:
+    """A finalizer: the cache became garbage, or its last view did after close()."""
+    _locks.run_or_defer([pool._lock] if pool is not None else [], _destroy, lib, handle, pool)
+
+
 def _free_forgotten(cache: KVCache, handle: int, pin: bool) -> None:
-    """A sequence or pin that became garbage without being freed."""
-    with cache._lock:
-        if cache._closed:
-            return
-        try:
-            with cache._pool_guard():
-                (cache._lib.kva_kv_unpin if pin else cache._lib.kva_kv_seq_free)(cache._handle, handle)
-        except KvallocError:
-            pass  # freed another way already; nothing to give back
+    """A finalizer: a sequence or pin became garbage without being freed."""
+    locks = [cache._lock] + ([cache._pool_lock] if cache._pool_lock is not None else [])
+    _locks.run_or_defer(locks, _free_forgotten_locked, cache, handle, pin)
+
+
+def _free_forgotten_locked(cache: KVCache, handle: int, pin: bool) -> None:
+    if cache._closed:
+        return
+    try:
+        (cache._lib.kva_kv_unpin if pin else cache._lib.kva_kv_seq_free)(cache._handle, handle)
+    except KvallocError:
+        pass  # freed another way already; nothing to give back
 
 
 class Sequence:
@@ -585,15 +626,16 @@ class Sequence:
             anchor = _TableAnchor(self, address, length.value)
             released = weakref.finalize(anchor, self._view_released)
             released.atexit = False
-            self._views += 1
-            cache._views += 1
+            with cache._views_lock:
+                self._views += 1
+                cache._views += 1
         view = np.asarray(anchor)
         view.flags.writeable = False
         return view
 
     def _view_released(self) -> None:
-        cache = self._cache
-        with cache._lock:
+        cache = self._cache  # a finalizer: the leaf lock only (_locks.py)
+        with cache._views_lock:
             self._views -= 1
         cache._view_released()
 

@@ -22,7 +22,8 @@ same bytes to two owners:
 * Each ``Pool`` serializes its calls with a lock of its own, since the bookkeeping above (open
   or closed, live views, allocations freed) is Python state: sharing a pool between threads is
   safe, not parallel. The C pool itself takes calls from any number of threads at once (C
-  callers get that; kvalloc.h, "Thread safety").
+  callers get that; kvalloc.h, "Thread safety"). Finalizers never wait on these locks, and
+  ``os.fork()`` while another thread holds one leaves the child a usable pool (``_locks.py``).
 * ``Pool`` and ``Allocation`` cannot be copied or pickled: a copy would share the C handle or
   the address without sharing the bookkeeping above. Only a ``Pool`` creates an ``Allocation``:
   one made up by hand could view any address.
@@ -49,7 +50,7 @@ import numpy as np
 if TYPE_CHECKING:
     import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
 
-from . import _ffi
+from . import _ffi, _locks
 from .errors import (
     AllocationFreedError,
     AllocationInUseError,
@@ -215,6 +216,8 @@ class ClassStats:
 
 
 def _size_arg(what: str, value: int) -> int:
+    if isinstance(value, bool):  # an index to Python, but never meant as a size
+        raise TypeError(f"{what} must be an integer, not bool")
     try:
         number = operator.index(value)
     except TypeError:
@@ -413,7 +416,7 @@ class Pool:
     to views that outlive the pool.
     """
 
-    __slots__ = ("_lib", "_handle", "_lock", "_closed", "_users", "_finalizer", "_base",
+    __slots__ = ("_lib", "_handle", "_lock", "_users_lock", "_closed", "_users", "_finalizer", "_base",
                  "_capacity", "_min_block", "_slab_chunk", "_name", "_backend", "__weakref__")
 
     def __init__(self, capacity: int, *, min_block: int | None = None,
@@ -462,6 +465,9 @@ class Pool:
         self._finalizer = weakref.finalize(self, lib.kva_pool_destroy, self._handle)
         self._finalizer.atexit = False
         self._lock = threading.RLock()
+        # A leaf lock (_locks.py) for the count of users, which finalizers change from inside
+        # garbage collections: they must not wait on _lock.
+        self._users_lock = threading.Lock()
         self._closed = False
         self._users = 0  # numpy views and KV caches alive: the C pool outlives close() for them
         self._name = name
@@ -475,6 +481,7 @@ class Pool:
         self._slab_chunk = stats.slab_chunk
         self._backend = stats.backend
         _open_pools.add(self)
+        _locks.track(self, 1)
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -486,11 +493,14 @@ class Pool:
                 return
             self._closed = True
             _open_pools.discard(self)
-            if self._users == 0:
+            with self._users_lock:
+                idle = self._users == 0
+            if idle:
                 self._release()
 
     def _release(self) -> None:
-        """Destroys the C pool, once. Callers hold the lock and have made sure no user lives."""
+        """Destroys the C pool, once. Callers have made sure the pool is closed (no call can
+        start) and no user lives."""
         # detach() rather than calling the finalizer: after weakref's own exit hook has run,
         # calling a finalizer silently does nothing, and _close_idle_pools may run after it.
         detached = self._finalizer.detach()
@@ -511,6 +521,9 @@ class Pool:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         _refuse_copy(self)
+
+    def _fork_locks(self) -> tuple[list[Any], list[Any]]:
+        return [self._lock], [self._users_lock]
 
     def _open_handle(self) -> int:
         if self._closed:
@@ -615,31 +628,35 @@ class Pool:
             anchor = _ViewAnchor(self, allocation._address, nbytes)
             released = weakref.finalize(anchor, self._view_released, allocation)
             released.atexit = False  # at exit the views die with the process, not before it
-            allocation._views += 1
-            self._users += 1
+            with self._users_lock:
+                allocation._views += 1
+                self._users += 1
         return np.asarray(anchor).view(dt).reshape(dims)
 
     def _view_released(self, allocation: Allocation) -> None:
-        # Runs when a view's anchor is garbage, possibly inside a garbage collection started
-        # while this thread holds the lock; the lock is reentrant for that reason.
-        with self._lock:
+        # Runs when a view's anchor is garbage, inside a garbage collection that may have
+        # started in any thread holding any lock: only the leaf lock is taken (_locks.py).
+        with self._users_lock:
             allocation._views -= 1
-            self._user_gone()
+        self._user_gone()
 
     def _add_user(self) -> int:
         """Registers a user that calls into the C pool (a KV cache): the handle, which stays
         valid until the user calls ``_user_gone``, even across ``close()``. Caller holds the
         lock."""
         handle = self._open_handle()
-        self._users += 1
+        with self._users_lock:
+            self._users += 1
         return handle
 
     def _user_gone(self) -> None:
-        """A view or a KV cache is gone; the last one out destroys a closed pool."""
-        with self._lock:
+        """A view or a KV cache is gone; the last one out destroys a closed pool. Takes only
+        the leaf lock: finalizers call it (_locks.py)."""
+        with self._users_lock:
             self._users -= 1
-            if self._closed and self._users == 0:
-                self._release()
+            last = self._closed and self._users == 0
+        if last:
+            self._release()
 
     # -- maintenance and introspection ------------------------------------------------------
 

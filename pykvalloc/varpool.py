@@ -23,7 +23,7 @@ from ctypes import byref, c_void_p
 from dataclasses import dataclass
 from typing import Any
 
-from . import _ffi
+from . import _ffi, _locks
 from .errors import BackendError, InvalidArgument, PoolClosedError
 from .pool import _SIZE_MAX, Pool, _returned_address, _size_arg
 
@@ -70,6 +70,7 @@ def _destroy(lib: _ffi.KvaLib, handle: int, pool: Pool) -> None:
     # The range goes back to the pool before the pool goes: the finalizer holds the pool, so
     # garbage collection cannot release them in the other order.
     lib.kva_var_destroy(handle)
+    pool._user_gone()
     pool.close()
 
 
@@ -120,9 +121,14 @@ class VarPool:
                     raise
                 pool = Pool(backing, pages="small", **pool_options)
         handle = c_void_p()
+        # The VarPool is its pool's one user: the exit hook that closes idle pools
+        # (pool.py, _close_idle_pools) must leave it to the VarPool, which may be used later.
+        with pool._lock:
+            pool_handle = pool._add_user()
         try:
-            lib.kva_var_create(byref(config), pool._open_handle(), byref(handle))
+            lib.kva_var_create(byref(config), pool_handle, byref(handle))
         except BaseException:
+            pool._user_gone()
             pool.close()
             raise
         self._lib = lib
@@ -131,6 +137,7 @@ class VarPool:
         self._finalizer = weakref.finalize(self, _destroy, lib, self._handle, pool)
         self._finalizer.atexit = False
         self._lock = threading.Lock()
+        _locks.track(self, 0)
         base = c_void_p()
         lib.kva_var_base(self._handle, byref(base))
         self._base = _returned_address(base, "kva_var_base")
@@ -149,6 +156,7 @@ class VarPool:
         return not self._finalizer.alive
 
     def __enter__(self) -> VarPool:
+        self._open_handle()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -162,6 +170,9 @@ class VarPool:
     def __reduce__(self) -> Any:
         raise TypeError("VarPool objects cannot be copied or pickled: a copy would share the C "
                         "resource without sharing its bookkeeping")
+
+    def _fork_locks(self) -> tuple[list[Any], list[Any]]:
+        return [self._lock], []
 
     def _open_handle(self) -> int:
         if not self._finalizer.alive:

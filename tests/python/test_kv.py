@@ -250,10 +250,56 @@ def test_dtypes(dtype, size) -> None:
     {"num_blocks": None, "capacity_bytes": -1},
     {"num_blocks": None, "capacity_bytes": 2**64 + 32768},  # would wrap to 32 KiB in C
     {"name": "ab\0cd"},                                    # C would see "ab"
+    {"dtype": None},                                       # numpy would read float64
+    {"hash_seed": True},
 ])
 def test_bad_configurations_are_refused(kwargs) -> None:
     with pytest.raises(pykvalloc.InvalidArgument):
         small(**kwargs)
+
+
+def test_hash_seed_takes_any_integer_type() -> None:
+    cache = small(hash_seed=np.uint64(2**64 - 1))
+    cache.close()
+
+
+def test_pool_argument_must_be_a_pool() -> None:
+    for bad in (5, "pool", object()):
+        with pytest.raises(pykvalloc.InvalidArgument, match="must be a pykvalloc.Pool"):
+            small(pool=bad)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_closed_cache_refuses_its_pool_calls(shared) -> None:
+    # pool_fragmentation() and publish() passed the destroyed pool to C (a segfault, a use
+    # after free under ASan), both for the cache's own pool and for a shared one.
+    pool = pykvalloc.Pool(64 << 20, pages="small") if shared else None
+    cache = small(pool=pool)
+    assert 0.0 <= cache.pool_fragmentation() <= 1.0
+    cache.publish()
+    cache.close()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        cache.pool_fragmentation()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        cache.publish()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        with cache:
+            pass
+    if pool is not None:
+        pool.close()
+
+
+def test_a_cache_cannot_be_copied_or_pickled() -> None:
+    # A copy shared the C handle: closing it destroyed the cache under the original.
+    import copy
+    import pickle
+    cache = small()
+    for attempt in (copy.copy, copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="cannot be copied or pickled"):
+            attempt(cache)
+    seq = cache.allocate(8)
+    seq.free()
+    cache.close()
 
 
 def test_keys_span_64_bits_in_any_iterable() -> None:

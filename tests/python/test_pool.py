@@ -286,3 +286,10 @@ def test_threads_share_a_pool_safely():
     pool.check()
     assert pool.stats().live_allocations == 0
     pool.close()
+
+
+def test_bool_is_not_a_size() -> None:
+    with pykvalloc.Pool(16 * MiB, pages="small") as pool:
+        with pytest.raises(TypeError, match="not bool"):
+            pool.alloc(True)
+        assert pool.stats().live_allocations == 0

@@ -184,3 +184,35 @@ def test_garbage_collection_releases_the_pool():
     del var
     gc.collect()
     assert not finalizer.alive
+
+
+def test_usable_from_an_exit_hook_that_runs_after_the_package_s():
+    # The package's exit hook closes idle pools. A VarPool's own pool was one of them, so a
+    # later exit hook (registered before the package was imported) found a VarPool that said it
+    # was open over unmapped memory, and its first write crashed the interpreter.
+    script = textwrap.dedent("""
+        import atexit, ctypes
+        kept = []
+        def late():
+            vp = kept[0]
+            address = vp.alloc(4096)
+            ctypes.memset(address, 7, 4096)
+            vp.free(address)
+            vp.check()
+            vp.close()
+            print("late hook done", flush=True)
+        atexit.register(late)
+        import pykvalloc
+        kept.append(pykvalloc.VarPool(1 << 20))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "late hook done" in done.stdout
+
+
+def test_a_closed_var_pool_refuses_with():
+    vp = VarPool(1 * MiB)
+    vp.close()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        with vp:
+            pass

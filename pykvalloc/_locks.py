@@ -1,0 +1,140 @@
+"""The package's Python locks: their order, finalizers that must not wait on them, and fork.
+
+Order. A ``KVCache``'s or ``VarPool``'s lock comes before the lock of the ``Pool`` it calls
+into; the counters of users and views have leaf locks of their own, under which nothing else
+is taken. Every method takes locks in that order, so methods cannot deadlock one another.
+
+Finalizers. ``weakref.finalize`` callbacks run inside a garbage collection, which may start in
+any thread at any allocation, that thread holding any of these locks. A finalizer that waited
+on a lock there could close a cycle no method can (a thread in a ``Pool`` method collecting a
+forgotten sequence waits on the cache's lock, held by a thread in a ``KVCache`` method waiting
+on that pool's lock). So a finalizer that needs locks (``run_or_defer``) takes them only if
+they are free at once; otherwise its work goes to a reaper thread, which waits for them in
+order, holding nothing else.
+
+Fork. A child of ``os.fork`` has only the forking thread; a lock another thread held at that
+moment would stay held in the child forever. Before the fork the forking thread takes every
+lock of every live object, in order, and releases them in parent and child after it, the way
+the C library's ``pthread_atfork`` handlers treat its own locks.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+
+class _Lock(Protocol):
+    def acquire(self, blocking: bool = ...) -> bool: ...
+
+    def release(self) -> None: ...
+
+
+# ---- finalizers --------------------------------------------------------------------------
+
+_pending: collections.deque[tuple[Sequence[_Lock], Callable[..., None], tuple[Any, ...]]] = \
+    collections.deque()
+_wake = threading.Event()
+_reaper_pid = 0
+
+
+def _run_locked(locks: Sequence[_Lock], work: Callable[..., None], args: tuple[Any, ...]) -> None:
+    for lock in locks:
+        lock.acquire()
+    try:
+        work(*args)
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+
+
+def _reap() -> None:
+    while True:
+        _wake.wait()
+        _wake.clear()
+        while _pending:
+            locks, work, args = _pending.popleft()
+            try:
+                _run_locked(locks, work, args)
+            except Exception:  # a finalizer's failure is not the reaper's to report
+                pass
+
+
+def run_or_defer(locks: Sequence[_Lock], work: Callable[..., None], *args: Any) -> None:
+    """Runs ``work(*args)`` holding ``locks`` (in the package's order) if every one can be had
+    at once, else hands it to the reaper thread. For finalizers only."""
+    taken: list[_Lock] = []
+    for lock in locks:
+        if not lock.acquire(blocking=False):
+            break
+        taken.append(lock)
+    if len(taken) == len(locks):
+        try:
+            work(*args)
+        finally:
+            for lock in reversed(taken):
+                lock.release()
+        return
+    for lock in reversed(taken):
+        lock.release()
+    global _reaper_pid
+    _pending.append((tuple(locks), work, args))
+    if _reaper_pid != os.getpid():  # none yet, or this is a forked child, which has none
+        _reaper_pid = os.getpid()
+        threading.Thread(target=_reap, name="pykvalloc-reaper", daemon=True).start()
+    _wake.set()
+
+
+def drain_deferred(timeout: float = 5.0) -> bool:
+    """Waits until the reaper has run everything deferred so far; whether it did (tests)."""
+    if _reaper_pid != os.getpid():
+        return not _pending  # nothing was deferred in this process
+    done = threading.Event()
+    _pending.append(((), done.set, ()))
+    _wake.set()
+    return done.wait(timeout)
+
+
+# ---- fork ----------------------------------------------------------------------------------
+
+# Objects whose locks a fork must hold, by rank: 0 caches and VarPools, 1 pools.
+_ranked: tuple[weakref.WeakSet[Any], ...] = (weakref.WeakSet(), weakref.WeakSet())
+_held: list[_Lock] = []
+
+
+def track(obj: Any, rank: int) -> None:
+    """Registers ``obj``, whose ``_fork_locks()`` lists its locks in order, with the fork
+    handlers: rank 0 for a KVCache or VarPool, 1 for a Pool."""
+    _ranked[rank].add(obj)
+
+
+def _before_fork() -> None:
+    objects = [list(group) for group in _ranked]
+    # Every object's outer locks first, rank by rank, then every leaf lock (a leaf is never
+    # held while another lock is taken).
+    outer = [lock for group in objects for obj in group for lock in obj._fork_locks()[0]]
+    leaves = [lock for group in objects for obj in group for lock in obj._fork_locks()[1]]
+    for lock in outer + leaves:
+        lock.acquire()
+        _held.append(lock)
+
+
+def _after_fork() -> None:
+    while _held:
+        _held.pop().release()
+
+
+def _after_fork_in_child() -> None:
+    _after_fork()
+    global _reaper_pid, _wake
+    _reaper_pid = 0  # the reaper thread did not come along; the next deferral starts one
+    _wake = threading.Event()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(before=_before_fork, after_in_parent=_after_fork,
+                        after_in_child=_after_fork_in_child)

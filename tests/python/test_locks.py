@@ -1,0 +1,145 @@
+"""The package's Python locks (pykvalloc/_locks.py): a finalizer never waits on a lock, so a
+garbage collection cannot close a cycle with a method; and os.fork() while another thread holds
+one leaves the child a usable pool."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import threading
+import time
+
+import pytest
+from support import MiB
+
+import pykvalloc
+from pykvalloc import _locks
+
+
+def _forget_in_a_cycle(cache: pykvalloc.KVCache, tokens: int) -> None:
+    """A sequence only the cycle collector can free (its finalizer frees it in C)."""
+    cycle: list = [cache.allocate(tokens)]
+    cycle.append(cycle)
+
+
+def test_a_collection_holding_the_pool_lock_does_not_wait_on_the_cache() -> None:
+    # Thread A is in a KVCache method: it holds the cache's lock and waits for the pool's.
+    # This thread holds the pool's lock (as a Pool method does) when a collection frees a
+    # forgotten sequence. The finalizer used to wait for the cache's lock: both threads hung.
+    pool = pykvalloc.Pool(64 * MiB, pages="small")
+    cache = pykvalloc.KVCache(num_blocks=64, block_tokens=16, layers=1, kv_heads=1, head_dim=64,
+                              pool=pool)
+    gc.collect()
+    gc.disable()
+    try:
+        _forget_in_a_cycle(cache, 40)
+        assert cache.stats()["used_blocks"] == 3
+        holds_cache = threading.Event()
+
+        def cache_method() -> None:
+            with cache._lock:
+                holds_cache.set()
+                with pool._lock:
+                    pass
+
+        collector_done = threading.Event()
+
+        def collector() -> None:
+            with pool._lock:
+                a = threading.Thread(target=cache_method, daemon=True)
+                a.start()
+                assert holds_cache.wait(10)
+                gc.collect()  # runs the sequence's finalizer with the pool's lock held
+            a.join(10)
+            collector_done.set()
+
+        t = threading.Thread(target=collector, daemon=True)
+        t.start()
+        t.join(20)
+        assert collector_done.is_set(), "the finalizer waited on the cache's lock: deadlock"
+    finally:
+        gc.enable()
+    # The free went to the reaper, which took the locks in order once they were free.
+    assert _locks.drain_deferred()
+    assert cache.stats()["used_blocks"] == 0
+    cache.check()
+    cache.close()
+    pool.close()
+
+
+def test_a_view_finalizer_takes_no_pool_lock() -> None:
+    # The last view of a closed pool's allocation becomes garbage while another thread holds
+    # the pool's lock: the finalizer only counts under the pool's leaf lock and destroys the
+    # closed pool without the main lock, so it finishes at once (two pools' view finalizers,
+    # each run in a thread holding the other pool's lock, could otherwise wait on each other).
+    pool = pykvalloc.Pool(16 * MiB, pages="small")
+    view = pool.alloc(4096).view()
+    view[:] = 1
+    pool.close()
+    assert pool._users == 1
+    release = threading.Event()
+    holding = threading.Event()
+
+    def hold_lock() -> None:
+        with pool._lock:
+            holding.set()
+            release.wait(20)
+
+    holder = threading.Thread(target=hold_lock, daemon=True)
+    holder.start()
+    assert holding.wait(10)
+    finished = threading.Event()
+
+    def drop_view() -> None:
+        nonlocal view
+        del view
+        gc.collect()
+        finished.set()
+
+    dropper = threading.Thread(target=drop_view, daemon=True)
+    dropper.start()
+    done_while_held = finished.wait(10)
+    release.set()
+    holder.join(10)
+    dropper.join(10)
+    assert done_while_held, "the view's finalizer waited on the pool's lock"
+    assert pool._users == 0 and not pool._finalizer.alive
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_fork_while_another_thread_holds_a_pool_lock() -> None:
+    # The child has only the forking thread: a Python lock another thread held at the fork
+    # stayed held in the child forever, and its first call on the pool hung (20 of 20 forks
+    # beside a thread in a loop of pool calls). The fork now waits for the lock and the child
+    # starts with it free.
+    pool = pykvalloc.Pool(16 * MiB, pages="small")
+    cache = pykvalloc.KVCache(num_blocks=16, block_tokens=4, layers=1, kv_heads=1, head_dim=8,
+                              pool=pool)
+    holding = threading.Event()
+
+    def hold_locks_a_while() -> None:
+        with cache._lock, pool._lock:
+            holding.set()
+            time.sleep(0.3)
+
+    t = threading.Thread(target=hold_locks_a_while)
+    t.start()
+    assert holding.wait(10)
+    pid = os.fork()
+    if pid == 0:  # the child: any failure or hang is its exit status
+        signal.alarm(10)
+        try:
+            pool.free(pool.alloc(4096))
+            seq = cache.allocate(8)
+            seq.free()
+            cache.check()
+            os._exit(0)
+        except BaseException:
+            os._exit(3)
+    t.join()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+    pool.free(pool.alloc(4096))  # the parent's locks came back free too
+    cache.close()
+    pool.close()
