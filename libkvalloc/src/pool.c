@@ -262,6 +262,38 @@ static kva_status alloc_any(kva_pool *pool, size_t size, void **out) {
     return alloc_block(pool, size, out);
 }
 
+/* ---- why a free is refused ---------------------------------------------------------------- */
+
+/* Why a non-slab address cannot be freed: it lies in free memory or inside a live block. Pool
+ * lock held. */
+static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t offset) {
+    uint32_t head = kva_buddy_block_of(&pool->buddy, (uint32_t)(offset >> pool->buddy.min_shift));
+    if (head == KVA_NIL) return kva_fail(KVA_ERR_CORRUPT, "no block contains offset %llu", (unsigned long long)offset);
+    uint64_t head_offset = (uint64_t)head << pool->buddy.min_shift;
+    if (pool->buddy.pages[head].state == KVA_BLOCK_FREE)
+        return kva_fail(KVA_ERR_DOUBLE_FREE, "%p (offset %llu) lies in a free block at offset %llu", ptr,
+                        (unsigned long long)offset, (unsigned long long)head_offset);
+    return kva_fail(KVA_ERR_BAD_POINTER, "%p (offset %llu) is inside the live block at offset %llu", ptr,
+                    (unsigned long long)offset, (unsigned long long)head_offset);
+}
+
+/* Why a slab address that is no object's start cannot be freed: it lies inside a free object
+ * (memory already free, as a buddy block's interior is) or inside a live one, or in the slack
+ * after the last object. */
+static kva_status classify_slab_interior(kva_pool *pool, const void *ptr, uint64_t offset) {
+    const kva_slabs *sl = &pool->slabs;
+    unsigned c = kva_load(&sl->slabs[kva_slab_chunk(sl, offset)].cls);
+    if (c < KVA_NUM_SIZE_CLASSES) {
+        const kva_class_geometry *g = &sl->geom[c];
+        uint64_t rel = offset & sl->chunk_mask, start = offset - rel % g->size;
+        kva_object_ref ref;
+        if (rel / g->size < g->nobj && kva_slab_locate(sl, start, &ref) && !kva_slab_is_live(sl, &ref))
+            return kva_fail(KVA_ERR_DOUBLE_FREE, "%p lies inside slab object %p, which is free", ptr,
+                            (void *)(pool->base + start));
+    }
+    return kva_fail(KVA_ERR_BAD_POINTER, "%p is not the start of a slab object", ptr);
+}
+
 /* ---- checked mode (checked.h): red zones, poison verified on the way out and in ------------ */
 
 static kva_status free_any(kva_pool *pool, void *ptr);
@@ -292,6 +324,7 @@ static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
         uint64_t at = (uint64_t)(start + bad - pool->base);
         kva_poison(start, usable);
         free_any(pool, start); /* nothing is handed out; the block is clean again */
+        __atomic_fetch_add(&pool->retracted_allocs, 1, __ATOMIC_RELAXED);
         return kva_fail(KVA_ERR_CORRUPT, "write after free: byte %llu of the pool, in freed memory, was changed",
                         (unsigned long long)at);
     }
@@ -305,6 +338,19 @@ static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
     return KVA_OK;
 }
 
+/* Why ptr, inside the pool but no checked allocation's start, cannot be freed, judged by ptr
+ * itself: the address a red zone before it belongs to something else (the end of a freed
+ * block before a live one, the red zone of a live object after a free one). Changes nothing. */
+static kva_status classify_not_an_allocation(kva_pool *pool, const void *ptr, uint64_t offset) {
+    if (__atomic_load_n(&pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)].cls, __ATOMIC_ACQUIRE) !=
+        KVA_SLAB_NONE)
+        return classify_slab_interior(pool, ptr, offset);
+    pthread_mutex_lock(&pool->lock);
+    kva_status st = classify_bad_free(pool, ptr, offset);
+    pthread_mutex_unlock(&pool->lock);
+    return st;
+}
+
 static kva_status checked_free(kva_pool *pool, void *ptr) {
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (!ptr || offset >= pool->capacity) return free_any(pool, ptr);
@@ -313,7 +359,7 @@ static kva_status checked_free(kva_pool *pool, void *ptr) {
                                                           "bytes into their block", ptr, KVA_REDZONE));
     unsigned char *start = guarded_start(ptr);
     size_t usable = usable_size(pool, start), bad;
-    if (usable == 0) return free_any(pool, start); /* names the fault: double free, bad pointer */
+    if (usable == 0) return reject(pool, classify_not_an_allocation(pool, ptr, offset));
     const char *overrun = NULL;
     uint64_t size = stored_size(start);
     if (size > usable - 2 * KVA_REDZONE ||
@@ -419,36 +465,6 @@ kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
 
 /* ---- free ---------------------------------------------------------------------------------- */
 
-/* Why a non-slab address cannot be freed: it lies in free memory or inside a live block. Pool
- * lock held. */
-static kva_status classify_bad_free(kva_pool *pool, const void *ptr, uint64_t offset) {
-    uint32_t head = kva_buddy_block_of(&pool->buddy, (uint32_t)(offset >> pool->buddy.min_shift));
-    if (head == KVA_NIL) return kva_fail(KVA_ERR_CORRUPT, "no block contains offset %llu", (unsigned long long)offset);
-    uint64_t head_offset = (uint64_t)head << pool->buddy.min_shift;
-    if (pool->buddy.pages[head].state == KVA_BLOCK_FREE)
-        return kva_fail(KVA_ERR_DOUBLE_FREE, "%p (offset %llu) lies in a free block at offset %llu", ptr,
-                        (unsigned long long)offset, (unsigned long long)head_offset);
-    return kva_fail(KVA_ERR_BAD_POINTER, "%p (offset %llu) is inside the live block at offset %llu", ptr,
-                    (unsigned long long)offset, (unsigned long long)head_offset);
-}
-
-/* Why a slab address that is no object's start cannot be freed: it lies inside a free object
- * (memory already free, as a buddy block's interior is) or inside a live one, or in the slack
- * after the last object. */
-static kva_status classify_slab_interior(kva_pool *pool, const void *ptr, uint64_t offset) {
-    const kva_slabs *sl = &pool->slabs;
-    unsigned c = kva_load(&sl->slabs[kva_slab_chunk(sl, offset)].cls);
-    if (c < KVA_NUM_SIZE_CLASSES) {
-        const kva_class_geometry *g = &sl->geom[c];
-        uint64_t rel = offset & sl->chunk_mask, start = offset - rel % g->size;
-        kva_object_ref ref;
-        if (rel / g->size < g->nobj && kva_slab_locate(sl, start, &ref) && !kva_slab_is_live(sl, &ref))
-            return kva_fail(KVA_ERR_DOUBLE_FREE, "%p lies inside slab object %p, which is free", ptr,
-                            (void *)(pool->base + start));
-    }
-    return kva_fail(KVA_ERR_BAD_POINTER, "%p is not the start of a slab object", ptr);
-}
-
 static kva_status free_any(kva_pool *pool, void *ptr) {
     if (!ptr) return reject(pool, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
@@ -530,8 +546,10 @@ kva_status kva_thread_flush(kva_pool *pool) {
 size_t kva_usable_size(kva_pool *pool, const void *ptr) {
     if (!pool || !ptr) return 0;
     if (pool->checked) {
-        if ((uintptr_t)ptr - (uintptr_t)pool->base < KVA_REDZONE) return 0;
-        const unsigned char *start = guarded_start(ptr);
+        /* In integers first: a foreign pointer's arithmetic could overflow. */
+        uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+        if (offset < KVA_REDZONE || offset >= pool->capacity) return 0;
+        const unsigned char *start = pool->base + (offset - KVA_REDZONE);
         size_t usable = usable_size(pool, start);
         if (!usable) return 0;
         /* What may be written: the requested size, kept in the front red zone; past it begins

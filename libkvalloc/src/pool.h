@@ -41,6 +41,10 @@ struct kva_pool {
     uint64_t block_frees;
     uint64_t alloc_failures; /* atomic */
     uint64_t rejected_calls; /* atomic */
+    /* atomic: checked allocations taken back for a write after free (checked_alloc): each was
+     * counted as an allocation and a free that the caller never saw, so the totals take both
+     * out again */
+    uint64_t retracted_allocs;
     size_t max_alloc_size;
     kva_region region;
     kva_segment *segment;            /* NULL for an anonymous pool */

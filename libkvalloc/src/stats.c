@@ -41,6 +41,7 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.fragmentation = st.bytes_free ? 1.0 - (double)st.largest_free / (double)st.bytes_free : 0.0;
 
     size_t slab_object_bytes = 0, slab_capacity_bytes = 0, bitmap_bytes = 0;
+    uint64_t retracted = __atomic_load_n(&pool->retracted_allocs, __ATOMIC_RELAXED);
     uint64_t allocs = pool->block_allocs, frees = pool->block_frees, live = allocs - frees;
     kva_tc_totals totals;
     kva_tc_totals_locked(pool, &totals);
@@ -68,8 +69,8 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     size_t block_bytes = (size_t)buddy->used_units << buddy->min_shift;
     st.bytes_in_use = slab_object_bytes + (block_bytes - st.slab_bytes);
     st.live_allocations = live;
-    st.alloc_count = allocs;
-    st.free_count = frees;
+    st.alloc_count = allocs - retracted;
+    st.free_count = frees - retracted;
     st.alloc_failures = __atomic_load_n(&pool->alloc_failures, __ATOMIC_RELAXED);
     st.rejected_calls = __atomic_load_n(&pool->rejected_calls, __ATOMIC_RELAXED);
     st.page_kind = pool->region.page_kind;

@@ -3,6 +3,7 @@
  * next allocation of that memory and by kva_check; a write past either end of an allocation is
  * reported at its free; all on slab objects, buddy blocks and exact ranges.
  */
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -52,6 +53,8 @@ static void run(alloc_fn alloc, size_t size, const char *what) {
     CHECK_STATUS(kva_check(pool), KVA_ERR_CORRUPT);
     CHECK(strncmp(kva_last_error(), "C1:", 3) == 0);
     unsigned char *again = (unsigned char *)0x1;
+    kva_stats counted;
+    kva_get_stats(pool, &counted);
     kva_status st = alloc(pool, size, (void **)&again);
     if (st != KVA_ERR_CORRUPT || again != (unsigned char *)0x1 || !strstr(kva_last_error(), "write after free")) {
         fprintf(stderr, "%s: write after free not reported by the next allocation (%d: %s)\n", what, st,
@@ -62,6 +65,8 @@ static void run(alloc_fn alloc, size_t size, const char *what) {
     kva_stats stats;
     kva_get_stats(pool, &stats);
     CHECK(stats.live_allocations == 0);
+    /* The refused allocation is counted as neither an allocation nor a free (it once was both). */
+    CHECK(stats.alloc_count == counted.alloc_count && stats.free_count == counted.free_count);
 
     /* Writes past the end and before the start. */
     REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
@@ -87,7 +92,45 @@ static void run(alloc_fn alloc, size_t size, const char *what) {
     kva_pool_destroy(pool);
 }
 
+/* A pointer that is no allocation's start is judged by itself, not by the address a red zone
+ * before it, which belongs to something else: the first byte of a live block after a free one
+ * was called a double free ("lies in a free block"), a pointer into a free block after a live
+ * one a bad pointer, and the red zone of a live slab object after a free one a double free. */
+static void test_a_bad_pointer_is_judged_by_itself(void) {
+    kva_pool *pool = make_checked();
+    unsigned char *a, *b, *c, *d;
+    REQUIRE(kva_alloc(pool, (size_t)1 << 20, (void **)&a) == KVA_OK);
+    REQUIRE(kva_alloc(pool, (size_t)1 << 20, (void **)&b) == KVA_OK);
+    REQUIRE(kva_alloc(pool, (size_t)1 << 20, (void **)&c) == KVA_OK);
+    REQUIRE(kva_alloc(pool, (size_t)1 << 20, (void **)&d) == KVA_OK);
+    REQUIRE(b - a == 2 << 20 && d - c == 2 << 20);
+    CHECK_STATUS(kva_free(pool, a), KVA_OK);
+    CHECK_STATUS(kva_free(pool, b - 16), KVA_ERR_BAD_POINTER); /* b's block's first byte */
+    CHECK_STATUS(kva_free(pool, d), KVA_OK);
+    CHECK_STATUS(kva_free(pool, d - 16 + 4), KVA_ERR_DOUBLE_FREE); /* inside d's free block */
+    CHECK_STATUS(kva_free(pool, d - 16), KVA_ERR_DOUBLE_FREE);
+    unsigned char *o[3];
+    for (int i = 0; i < 3; i++) REQUIRE(kva_alloc(pool, 32, (void **)&o[i]) == KVA_OK);
+    REQUIRE(o[2] - o[1] == 64 && o[1] - o[0] == 64); /* 32 B + two red zones: 64 B objects */
+    CHECK_STATUS(kva_free(pool, o[1]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, o[2] - 16), KVA_ERR_BAD_POINTER); /* o[2]'s front red zone */
+    CHECK_STATUS(kva_free(pool, o[2] - 8), KVA_ERR_BAD_POINTER);
+    CHECK_STATUS(kva_free(pool, o[1] + 8), KVA_ERR_DOUBLE_FREE); /* inside the free o[1] */
+    kva_stats st;
+    kva_get_stats(pool, &st);
+    CHECK(st.live_allocations == 4);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    /* Foreign pointers below the pool: no size, and no pointer arithmetic that overflows
+     * (UBSan stopped the test at kva_usable_size((void *)8)). */
+    CHECK(kva_usable_size(pool, (void *)8) == 0);
+    CHECK(kva_usable_size(pool, (void *)(uintptr_t)16) == 0);
+    CHECK(kva_usable_size(pool, (void *)UINTPTR_MAX) == 0);
+    CHECK_STATUS(kva_free(pool, (void *)8), KVA_ERR_BAD_POINTER);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
+    test_a_bad_pointer_is_judged_by_itself();
     run(kva_alloc, 64, "64 B slab object");
     run(kva_alloc, 4000, "4 KiB slab object");
     run(kva_alloc, (size_t)1 << 20, "1 MiB buddy block");
