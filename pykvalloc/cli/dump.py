@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
         snap = segment.snapshot()
     process = process_name(snap.pid)
     if args.json:
-        print(json.dumps({"process": process, **snap.to_dict(trace=args.trace)}, indent=1))
+        print(json.dumps({"process": process, **snap.to_dict(trace=args.trace)}, indent=1,
+                         allow_nan=False))
         return 0
     console = Console(highlight=False)
     console.print(render.header_line(snap, process, render.writer_state(snap)))

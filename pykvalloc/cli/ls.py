@@ -30,6 +30,7 @@ from ..stats import (
     Segment,
     SegmentFile,
     format_age,
+    json_ready,
     list_segments,
     process_name,
     writer_lives,
@@ -102,12 +103,13 @@ def run(args: argparse.Namespace) -> int:
                 removed.append(entry)
         entries = [entry for entry in entries if entry not in removed]
     if args.json:
-        print(json.dumps({"segments": [asdict(entry) for entry in entries],
-                          "removed": [entry.segment for entry in removed]}, indent=1))
+        print(json.dumps(json_ready({"segments": [asdict(entry) for entry in entries],
+                                     "removed": [entry.segment for entry in removed]}),
+                         indent=1, allow_nan=False))
         return 0
     console = Console(highlight=False)
     for entry in removed:
-        console.print(f"removed {entry.segment} (pool {entry.pool!r}, process {entry.pid} is gone)")
+        console.print(Text(f"removed {entry.segment} (pool {entry.pool!r}, process {entry.pid} is gone)"))
     if entries:
         console.print(_table(entries))
     elif not removed:
@@ -136,7 +138,8 @@ def _table(entries: list[Entry]) -> Table:
         elif entry.problem:
             error = entry.problem.split(":", 1)[0]
             state = f"{state} ({error}, {'alive' if entry.alive else 'dead'})"
-        table.add_row(str(entry.pid), entry.process or "-", entry.pool, *figures,
+        # Names as Text: a process or pool name such as "[/]x" is not Rich markup.
+        table.add_row(str(entry.pid), Text(entry.process or "-"), Text(entry.pool), *figures,
                       Text(state, _STATE_STYLES[entry.state]),
                       "-" if entry.uptime_s is None else format_age(entry.uptime_s))
     return table

@@ -144,6 +144,30 @@ class Writer:
 
 
 @contextmanager
+def writer_named(process_name: str, capacity: int = 16 << 20) -> Iterator[tuple[str, Path]]:
+    """A process that calls itself ``process_name`` (its comm, what ps shows) and publishes a
+    named pool: (the pool's name, its segment). Killed and its segment removed afterwards."""
+    name = unique_name("named")
+    code = ("import pykvalloc, sys\n"
+            f"open('/proc/self/comm', 'w').write({process_name!r})\n"
+            f"pool = pykvalloc.Pool({capacity}, name={name!r}, pages='small')\n"
+            "pool.publish()\n"
+            "print(pool.segment_name, flush=True)\n"
+            "sys.stdin.read()\n")
+    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=clean_env())
+    assert process.stdout is not None and process.stdin is not None
+    path = SHM_DIR / process.stdout.readline().strip().lstrip("/")
+    try:
+        yield name, path
+    finally:
+        process.stdin.close()
+        process.wait(timeout=10)
+        process.stdout.close()
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
 def crafted_segment(data: bytes, pid: int | None = None,
                     locked: bool | None = None) -> Iterator[Path]:
     """``data`` as a segment file named for ``pid`` and a unique pool name; removed afterwards.

@@ -6,7 +6,8 @@ import json
 
 import psutil
 import pytest
-from stats_writer import Writer, prune_lock, unique_name
+import numpy as np
+from stats_writer import Writer, crafted_segment, prune_lock, segment_bytes, unique_name
 
 import pykvalloc
 from pykvalloc import stats
@@ -115,3 +116,23 @@ def test_a_segment_removed_while_it_is_read(capsys):
     segment.close()
     assert main(["dump", name]) == 1
     assert "SegmentNotFound" in capsys.readouterr().err
+
+
+def refuse_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def test_json_stays_json_when_a_segment_holds_nan(capsys):
+    # The library never writes NaN or infinity, but a corrupt or foreign segment may hold them:
+    # dump --json printed them as Python's NaN and Infinity, which strict parsers (jq) refuse.
+    data = bytearray(segment_bytes())
+    header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)[0]
+    offset = next(int(s["offset"]) for s in header["sections"] if int(s["kind"]) == stats.SECTION_SUMMARY)
+    summary = np.frombuffer(data, stats.SUMMARY_DTYPE, count=1, offset=offset)
+    summary["fragmentation"] = float("nan")
+    summary["unusable_index"][0][0] = float("inf")
+    with crafted_segment(bytes(data)) as path:
+        assert main(["dump", str(path), "--json"]) == 0
+        dumped = json.loads(capsys.readouterr().out, parse_constant=refuse_constant)
+    assert dumped["summary"]["fragmentation"] is None  # unknown, not a number
+    assert dumped["summary"]["unusable_index"][0] is None

@@ -15,6 +15,7 @@ from stats_writer import (
     prune_lock,
     segment_bytes,
     unique_name,
+    writer_named,
 )
 from support import run_kvalloc
 
@@ -210,3 +211,14 @@ def test_ls_help(capsys):
     with pytest.raises(SystemExit):
         main(["ls", "--help"])
     assert "--prune" in capsys.readouterr().out
+
+
+def test_names_are_shown_as_written_not_read_as_markup(capsys, monkeypatch):
+    # A process may call itself "[/]engine": ls handed it to Rich as markup and died with a
+    # MarkupError (one odd name broke the whole listing); "[engine]" vanished from its row.
+    monkeypatch.setenv("COLUMNS", "200")
+    with writer_named("[/]engine") as (first, _), writer_named("[engine]") as (second, _):
+        assert main(["ls"]) == 0
+        table = capsys.readouterr().out
+        assert "[/]engine" in next(line for line in table.splitlines() if first in line)
+        assert "[engine]" in next(line for line in table.splitlines() if second in line)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 from rich.text import Text
-from stats_writer import Writer, crafted_segment, prune_lock, unique_name
+from stats_writer import Writer, crafted_segment, prune_lock, unique_name, writer_named
 
 import pykvalloc
 from pykvalloc import stats
@@ -445,6 +445,24 @@ def test_the_picker_shows_whole_names_that_share_a_long_prefix():
     with pykvalloc.Pool(16 * MiB, name=prefix + "primary"), \
             pykvalloc.Pool(16 * MiB, name=prefix + "secondary"):
         asyncio.run(scenario())
+
+
+def test_the_picker_shows_process_names_as_written():
+    # A process name such as "[/]engine" was read as Textual markup: the picker crashed the app,
+    # and "[engine]" showed as nothing.
+    async def scenario(names: list[str]) -> None:
+        app = KvallocTop(interval=0.1)
+        async with app.run_test(size=(120, 30)) as pilot:
+            picker = await until(pilot, lambda: isinstance(app.screen, PickerScreen)
+                                 and app.screen)
+            options = picker.query_one("#pools")
+            rows = [str(options.get_option_at_index(i).prompt)
+                    for i in range(options.option_count)]
+            for process, pool in (("[/]engine", names[0]), ("[engine]", names[1])):
+                assert process in next(row for row in rows if row.endswith(pool))
+
+    with writer_named("[/]engine") as (first, _), writer_named("[engine]") as (second, _):
+        asyncio.run(scenario([first, second]))
 
 
 def test_a_pool_first_shown_while_paused_says_it_is_paused():

@@ -86,7 +86,7 @@ class PoolScreen(Screen):
 FIGURES_WIDTH = 21  # "   16 MiB  use   3.1%"
 
 
-def _describe(found: SegmentFile) -> str:
+def _describe(found: SegmentFile) -> Text:
     """One picker row: pid, process, capacity and use, read without trusting the file, and the
     pool's whole name last: pools of one engine often share a long prefix, so a name cut to a
     column would make two of them look the same."""
@@ -97,7 +97,8 @@ def _describe(found: SegmentFile) -> str:
     except SegmentError as exc:
         figures = f"unreadable: {type(exc).__name__}"
     process = process_name(found.pid) or "?"
-    return f"{found.pid:>8}  {process[:16]:<16} {figures:<{FIGURES_WIDTH}}  {found.name}"
+    # Text, not a str, which Textual would parse as markup: a process may name itself "[/]x".
+    return Text(f"{found.pid:>8}  {process[:16]:<16} {figures:<{FIGURES_WIDTH}}  {found.name}")
 
 
 class PickerScreen(Screen[Path]):
