@@ -7,10 +7,21 @@ missing=()
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v strace >/dev/null || missing+=(strace)   # the no-system-call test
 # The replay's jemalloc baseline (tests/python/test_replay_sim.py); small, the runtime only.
-ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so\.2 ' || missing+=(libjemalloc2)
+# ldconfig lives in /sbin, outside a user's PATH on Debian; grep reads the whole list (grep -q
+# would stop at the match, and with pipefail the writer's SIGPIPE would read as "missing").
+ldconfig=$(command -v ldconfig || echo /sbin/ldconfig)
+"$ldconfig" -p 2>/dev/null | grep 'libjemalloc\.so\.2 ' >/dev/null || missing+=(libjemalloc2)
 python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
-# `ensure-system-deps.sh fuzz`: the fuzzer needs clang and its libFuzzer runtime.
-[ "${1:-}" = fuzz ] && ! command -v clang >/dev/null && missing+=(clang)
+# `ensure-system-deps.sh fuzz`: the fuzzer needs clang and its libFuzzer runtime, which Debian
+# packages apart (libclang-rt-<version>-dev, only recommended by clang).
+if [ "${1:-}" = fuzz ]; then
+  if ! command -v clang >/dev/null; then
+    missing+=(clang)
+  elif ! echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { (void)d; return (int)n * 0; }' |
+      clang -fsanitize=fuzzer -x c - -o /dev/null 2>/dev/null; then
+    missing+=("libclang-rt-$(clang -dumpversion | cut -d. -f1)-dev")
+  fi
+fi
 [ ${#missing[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   echo "installing: ${missing[*]}"

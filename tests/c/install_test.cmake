@@ -120,13 +120,11 @@ pkg_config_consumer("lib/<multiarch>" ${deep}/${deep_libdir}/pkgconfig)
 
 # Both installed libraries define only the API as global symbols: every one is a kva_ name.
 find_program(NM nm REQUIRED)
-foreach(lib ${libs})
+function(check_only_api lib)
   if(lib MATCHES "\\.a$")
     execute_process(COMMAND ${NM} -g --defined-only ${lib} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
-  elseif(NOT IS_SYMLINK ${lib})
-    execute_process(COMMAND ${NM} -D --defined-only ${lib} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
   else()
-    continue()
+    execute_process(COMMAND ${NM} -D --defined-only ${lib} OUTPUT_VARIABLE symbols RESULT_VARIABLE rc)
   endif()
   if(rc)
     message(FATAL_ERROR "nm ${lib} failed")
@@ -141,6 +139,11 @@ foreach(lib ${libs})
       message(FATAL_ERROR "${lib} defines a global symbol outside the API: ${entry}")
     endif()
   endforeach()
+endfunction()
+foreach(lib ${libs})
+  if(NOT IS_SYMLINK ${lib})
+    check_only_api(${lib})
+  endif()
 endforeach()
 
 # Before 1.0 the soname carries the minor version: an engine built against 0.1 must not load 0.2.
@@ -160,4 +163,32 @@ else()
 endif()
 if(NOT soversion STREQUAL expected)
   message(FATAL_ERROR "soname version ${soversion}, expected ${expected}")
+endif()
+
+# Distributions build packages with link-time optimization (dpkg-buildflags on Debian and
+# Ubuntu: -flto=auto -ffat-lto-objects). LTO objects carry their symbols in sections objcopy
+# cannot localize, so the archive exported every internal function again (kv_evict...), and the
+# consumer above, which defines one, failed to link against it. The library compiles its own
+# objects without LTO whatever the flags.
+set(lto ${WORK_DIR}/lto)
+execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${lto} -DCMAKE_BUILD_TYPE=Release
+                        "-DCMAKE_C_FLAGS=-O2 -flto=auto -ffat-lto-objects" -DKVA_BUILD_TESTS=OFF
+                        -DKVA_BUILD_TOOLS=OFF
+                OUTPUT_QUIET RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "the LTO build failed to configure")
+endif()
+execute_process(COMMAND ${CMAKE_COMMAND} --build ${lto} --target kvalloc_static OUTPUT_QUIET RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "the LTO build of the static library failed")
+endif()
+check_only_api(${lto}/libkvalloc.a)
+execute_process(COMMAND cc -flto=auto ${consumer}/main.c -I${SOURCE_DIR}/libkvalloc/include ${lto}/libkvalloc.a
+                        -lpthread -lm -ldl -o ${consumer}/lto_consumer RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "a consumer that defines kv_evict failed to link the LTO build's archive")
+endif()
+execute_process(COMMAND ${consumer}/lto_consumer RESULT_VARIABLE rc)
+if(rc)
+  message(FATAL_ERROR "the LTO build's consumer failed")
 endif()
