@@ -4,8 +4,9 @@ blocks, 2 GiB of KV for a Llama-3-8B-sized model, so that it fills up and preemp
 
 On a terminal the replay runs in a second process, held to --speed simulated seconds per second,
 and ``kvalloc top`` watches it live through its statistics segment, as an operator would watch an
-engine; quit with q and the report follows. Otherwise (scripts, CI) the replay runs at full speed
-and prints its report: a couple of seconds.
+engine. The report follows once the replay has finished (about 12 s at the default --speed) and
+you quit with q; quitting before it finishes stops the replay, with no report (exit status 1).
+Otherwise (scripts, CI) the replay runs at full speed and prints its report: a couple of seconds.
 """
 from __future__ import annotations
 

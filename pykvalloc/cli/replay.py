@@ -14,6 +14,7 @@ or a configuration failed.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -166,6 +167,10 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Said before the replay, not after it (with a traceback, as it once was).
+        print("kvalloc replay: --plot needs matplotlib: pip install 'pykvalloc[plot]'", file=sys.stderr)
+        return 2
     trace = read_traffic(args)
     results = run_all(args, trace, configurations(args), args.quiet, console, args.pace)
     print_report(results, console)

@@ -151,3 +151,17 @@ def test_demo_on_a_terminal_watches_the_replay_live_then_reports():
     os.close(fd)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert b"prefix hit rate" in seen and b"allocator share" in seen
+
+
+def test_plot_without_matplotlib_is_refused_before_the_replay(capsys, monkeypatch, tmp_path):
+    # matplotlib is an extra ('pykvalloc[plot]'): without it --plot once ran the whole replay,
+    # printed its report and then died with a traceback.
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "matplotlib" else real(name, *rest))
+    assert main(["replay", "--requests", "5", "--plot", str(tmp_path / "use.png")]) == 2
+    said = capsys.readouterr()
+    assert "--plot needs matplotlib: pip install 'pykvalloc[plot]'" in said.err
+    assert "Traceback" not in said.err and said.out == ""  # nothing replayed
+    assert not (tmp_path / "use.png").exists()
