@@ -361,13 +361,16 @@ static void measure_quality(int which, const trace *t, void **live, uint8_t *fai
     for (size_t i = 0; i < t->len; i++) {
         const op *o = &t->ops[i];
         if (o->free) {
-            if (failed[o->id]) continue;
-            requested -= asked[o->id];
-            allocated -= usable[o->id];
-            if (a.var)
-                kva_var_free(a.var, live[o->id]);
-            else
-                kva_free(a.pool, live[o->id]);
+            /* The free of a failed allocation is skipped, but not the sample at its step: every
+             * allocator is sampled at the same steps of the trace, however often it fails. */
+            if (!failed[o->id]) {
+                requested -= asked[o->id];
+                allocated -= usable[o->id];
+                if (a.var)
+                    kva_var_free(a.var, live[o->id]);
+                else
+                    kva_free(a.pool, live[o->id]);
+            }
         } else {
             kva_status st = a.var ? kva_var_alloc(a.var, o->size, &live[o->id]) : kva_alloc(a.pool, o->size, &live[o->id]);
             failed[o->id] = st != KVA_OK;
