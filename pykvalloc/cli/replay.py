@@ -14,14 +14,17 @@ or a configuration failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -131,8 +134,24 @@ def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str
         return dict(json.loads(out.read_text()))
 
 
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """While a paced replay runs (one a person watches, such as the demo's), SIGTERM and SIGINT
+    ask it to stop at its next step and report what it got through, instead of ending the
+    process with nothing to show."""
+    asked = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: asked.set())
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield asked
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console,
-            pace: Optional[float] = None) -> list[ReplayResult | dict[str, Any]]:
+            pace: Optional[float] = None,
+            stop: Optional[threading.Event] = None) -> list[ReplayResult | dict[str, Any]]:
     results: list[ReplayResult | dict[str, Any]] = []
     if trace.skipped:
         console.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
@@ -154,7 +173,9 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
                 if config.mode == "malloc-jemalloc" and not jemalloc_is_malloc():
                     results.append(replay_preloaded(args, config))
                 else:
-                    results.append(replay(trace, config, progress=update, on_step=pacer(pace) if pace else None))
+                    results.append(replay(trace, config, progress=update,
+                                          on_step=pacer(pace, stop) if pace else None,
+                                          should_stop=stop.is_set if stop is not None else None))
             except KvallocError as exc:
                 if len(configs) == 1:
                     raise
@@ -172,11 +193,14 @@ def run(args: argparse.Namespace) -> int:
         print("kvalloc replay: --plot needs matplotlib: pip install 'pykvalloc[plot]'", file=sys.stderr)
         return 2
     trace = read_traffic(args)
-    results = run_all(args, trace, configurations(args), args.quiet, console, args.pace)
+    with stop_on_signals() if args.pace else contextlib.nullcontext() as stop:
+        results = run_all(args, trace, configurations(args), args.quiet, console, args.pace, stop)
     print_report(results, console)
     if args.json:
         write_json(results, args.json)
     if args.plot:
         write_plot(results, args.plot)
     rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+    if any(r.get("stopped") for r in rows):
+        return 130  # interrupted, as a shell counts it; the report covers the run so far
     return 0 if all("error" not in r and r["finished"] == r["requests"] for r in rows) else 1

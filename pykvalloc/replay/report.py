@@ -74,6 +74,10 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
     for row in rows:
         if "error" in row:
             console.print(f"{label(row)} failed: {row['error']}", style="red")
+        if row.get("stopped"):
+            console.print(f"{label(row)}: stopped early, as asked, after {row['simulated_s']:,.0f} simulated seconds: "
+                          f"{row['finished']:,} of {row['requests']:,} requests had finished; the figures cover "
+                          f"that much", style="yellow")
         if row.get("rejected"):
             console.print(f"{label(row)}: rejected {row['rejected']:,} of {row['requests']:,} requests, which can "
                           f"never complete on this KV cache, even alone (give it more: --kv-size)", style="yellow")

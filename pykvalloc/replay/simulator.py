@@ -24,6 +24,7 @@ prefix hit rate is not measured.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -108,11 +109,13 @@ class ReplayResult:
     simulated_s: float
     steps: int
     samples: list[Sample] = field(default_factory=list)
+    stopped: bool = False             # stopped before the end of the trace, as asked (should_stop)
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "alloc_ns_p50",
-                "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps")
+                "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps",
+                "stopped")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
         out["mode"] = self.config.mode
         out["block_tokens"] = self.config.block_tokens
@@ -195,9 +198,12 @@ def _percentile(sorted_values: list[int], fraction: float) -> float:
 
 def replay(trace: Trace, config: ReplayConfig,
            progress: Optional[Callable[[int, int], None]] = None,
-           on_step: Optional[Callable[[float], None]] = None) -> ReplayResult:
+           on_step: Optional[Callable[[float], None]] = None,
+           should_stop: Optional[Callable[[], bool]] = None) -> ReplayResult:
     """Runs the whole trace; ``progress(finished, total)`` is called now and then, and
-    ``on_step(simulated_seconds)`` after every step."""
+    ``on_step(simulated_seconds)`` after every step. When ``should_stop()`` says so (asked
+    before each step) the replay stops there: the requests under way give their blocks back, and
+    the result covers the simulated time so far (``stopped``)."""
     timings = Timings()
     backend = make_backend(config, timings)
     requests = trace.requests
@@ -207,6 +213,7 @@ def replay(trace: Trace, config: ReplayConfig,
     next_arrival = 0
     now = 0.0
     steps = preemptions = finished = rejected = 0
+    stopped = False
     keyed = False                                        # whether any request had prefix keys
     # Each request's keys, made once: a prompt the full cache turns away is offered again
     # every step, and rebuilding its keys each time dominated the run.
@@ -235,6 +242,12 @@ def replay(trace: Trace, config: ReplayConfig,
 
     try:
         while finished + rejected < total:
+            if should_stop is not None and should_stop():
+                stopped = True
+                for r in running:
+                    backend.release(r.handle)
+                running = []
+                break
             while next_arrival < total and requests[next_arrival].arrival_s / config.time_scale <= now:
                 request = requests[next_arrival]
                 if backend.never_fits(request.input_tokens, request.input_tokens + request.output_tokens):
@@ -366,17 +379,20 @@ def replay(trace: Trace, config: ReplayConfig,
         fragmentation=frag_time / elapsed if elapsed else 0.0,
         prefix_hit_rate=hits / queries if keyed and queries else None,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
-        wall_s=wall, simulated_s=now, steps=steps, samples=samples)
+        wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped)
 
 
-def pacer(speed: float) -> Callable[[float], None]:
+def pacer(speed: float, stop: Optional[threading.Event] = None) -> Callable[[float], None]:
     """An on_step that holds the replay to ``speed`` simulated seconds per wall second, so that a
-    person watching it live (kvalloc top) sees it unfold."""
+    person watching it live (kvalloc top) sees it unfold. A wait ends early once ``stop`` is set."""
     start = time.perf_counter()
 
     def hold(simulated_s: float) -> None:
         ahead = simulated_s / speed - (time.perf_counter() - start)
         if ahead > 0.001:
-            time.sleep(ahead)
+            if stop is not None:
+                stop.wait(ahead)
+            else:
+                time.sleep(ahead)
 
     return hold

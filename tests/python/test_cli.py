@@ -165,3 +165,30 @@ def test_plot_without_matplotlib_is_refused_before_the_replay(capsys, monkeypatc
     assert "--plot needs matplotlib: pip install 'pykvalloc[plot]'" in said.err
     assert "Traceback" not in said.err and said.out == ""  # nothing replayed
     assert not (tmp_path / "use.png").exists()
+
+
+def test_quitting_the_watched_demo_early_reports_the_run_so_far(capsys, monkeypatch):
+    # On a terminal the demo's replay runs in a child while kvalloc top watches it. Quitting
+    # before the replay ended once printed "the replay did not finish" and exit status 1; the
+    # replay now stops at its next step and reports what it got through. The real app, driven
+    # by Textual's pilot in the terminal's place, quits with q after a second.
+    import argparse
+    import asyncio
+
+    import kvalloc_tui.app
+    from pykvalloc.cli import demo
+
+    class Watched(kvalloc_tui.app.KvallocTop):
+        def run(self, *args, **kwargs):
+            async def watch_then_quit() -> None:
+                async with self.run_test(size=(100, 30)) as pilot:
+                    await pilot.pause(1.0)
+                    await pilot.press("q")
+            asyncio.run(watch_then_quit())
+
+    monkeypatch.setattr(kvalloc_tui.app, "KvallocTop", Watched)
+    status = demo.watched(argparse.Namespace(requests=2000, kv_size=2 << 30, speed=5.0))
+    said = capsys.readouterr()
+    assert status == 0, said.err
+    text = " ".join(said.out.split())  # as wrapped to the terminal's width
+    assert "stopped early, as asked" in text and "of 2,000 requests had finished" in text

@@ -381,3 +381,56 @@ def test_a_csv_line_that_cannot_be_read_names_its_line(tmp_path: Path, content: 
     done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", "--skip-bad", timeout=60)
     assert done.returncode == 0, done.stderr
     assert "skipped 1 malformed" in done.stdout
+
+
+@pytest.mark.parametrize("mode", ["paged", "contiguous"])
+def test_a_replay_asked_to_stop_gives_back_its_blocks_and_says_so(mode: str) -> None:
+    # The demo's replay, watched live, is stopped when the person watching quits: it stops at the
+    # next step with requests under way, gives their memory back (the run still verifies that
+    # nothing is left) and reports the run so far.
+    trace = default_workload(400, seed=5)
+    config = ReplayConfig(mode=mode, capacity_tokens=24_000, geometry=SMALL_MODEL, time_scale=20.0)
+    asked: list[int] = []
+    result = replay(trace, config, on_step=lambda s: asked.append(1),
+                    should_stop=lambda: len(asked) >= 300)
+    assert result.stopped and result.steps == 300
+    assert 0 < result.finished < 400 and result.simulated_s > 0
+    assert result.as_dict()["stopped"] is True
+    whole = replay(trace, config)
+    assert not whole.stopped and whole.finished == 400 and whole.steps > 300
+
+
+def test_a_paced_replay_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from pykvalloc import stats
+    from pykvalloc.errors import SegmentNotFound
+    from support import clean_env
+    name = f"stopped-{os.getpid()}"
+    out = tmp_path / "report.json"
+    engine = subprocess.Popen([sys.executable, "-m", "pykvalloc", "replay", "--pace", "5", "--name", name,
+                               "--quiet", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=clean_env())
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # its segment exists once the replay runs, and it handles SIGTERM by then
+            try:
+                with stats.open_segment(name):
+                    break
+            except SegmentNotFound:
+                assert engine.poll() is None and time.monotonic() < deadline, engine.communicate()
+                time.sleep(0.05)
+        time.sleep(0.5)
+        engine.send_signal(signal.SIGTERM)
+        said, errors = engine.communicate(timeout=60)
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+    assert engine.returncode == 130, errors
+    report = json.loads(out.read_text())
+    assert report["stopped"] is True and report["finished"] < report["requests"] == 2000
+    assert "stopped early, as asked" in said
