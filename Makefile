@@ -6,6 +6,7 @@ BUILD  ?= build
 VENV   ?= .venv
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 30
+FUZZ_HARNESSES = pool pool_config kv kv_contig var
 
 .PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz fuzz venv demo bench clean
 
@@ -51,14 +52,15 @@ venv: $(VENV)/.installed
 test-py: venv
 	$(VENV)/bin/python -m pytest -q tests/python
 
-# libFuzzer on the pool, the KV manager and the variable-size pools, FUZZ_SECONDS each, starting from the seed corpora
+# libFuzzer on the pool (one configuration; all of them), the KV manager (paged; contiguous) and the variable-size
+# pools, FUZZ_SECONDS each, starting from the seed corpora
 # in the repository; a crash fails the run and leaves the input in $(BUILD)-fuzz (crash-*).
 test-fuzz: fuzz
 fuzz:
 	scripts/ensure-system-deps.sh fuzz
 	CC=clang cmake -S . -B $(BUILD)-fuzz -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVA_FUZZ=ON -DKVA_BUILD_TESTS=OFF -DKVA_BUILD_TOOLS=OFF
-	cmake --build $(BUILD)-fuzz -j $(JOBS) --target fuzz_pool fuzz_kv fuzz_var
-	for harness in pool kv var; do \
+	cmake --build $(BUILD)-fuzz -j $(JOBS) --target $(addprefix fuzz_,$(FUZZ_HARNESSES))
+	for harness in $(FUZZ_HARNESSES); do \
 		mkdir -p $(BUILD)-fuzz/corpus-$$harness && \
 		(cd $(BUILD)-fuzz && ./tests/fuzz/fuzz_$$harness -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 \
 			corpus-$$harness $(CURDIR)/tests/fuzz/corpus/$$harness) || exit 1; \
