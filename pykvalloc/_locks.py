@@ -8,9 +8,10 @@ Finalizers. ``weakref.finalize`` callbacks run inside a garbage collection, whic
 any thread at any allocation, that thread holding any of these locks. A finalizer that waited
 on a lock there could close a cycle no method can (a thread in a ``Pool`` method collecting a
 forgotten sequence waits on the cache's lock, held by a thread in a ``KVCache`` method waiting
-on that pool's lock). So a finalizer that needs locks (``run_or_defer``) takes them only if
-they are free at once; otherwise its work goes to a reaper thread, which waits for them in
-order, holding nothing else.
+on that pool's lock), or wait on a leaf lock its own thread holds (the forking thread holds
+every lock between the fork handlers). So every finalizer takes its locks, leaf locks
+included, through ``run_or_defer``: only if they are free at once; otherwise its work goes to a
+reaper thread, which waits for them in order, holding nothing else.
 
 Fork. A child of ``os.fork`` has only the forking thread; a lock another thread held at that
 moment would stay held in the child forever. Before the fork the forking thread takes every
@@ -40,6 +41,9 @@ _pending: collections.deque[tuple[Sequence[_Lock], Callable[..., None], tuple[An
     collections.deque()
 _wake = threading.Event()
 _reaper_pid = 0
+# Between the fork handlers: a finalizer's work then waits in _pending (starting a thread there,
+# in the child before threading has reinitialized itself, breaks threading's bookkeeping).
+_in_fork = False
 
 
 def _run_locked(locks: Sequence[_Lock], work: Callable[..., None], args: tuple[Any, ...]) -> None:
@@ -81,8 +85,13 @@ def run_or_defer(locks: Sequence[_Lock], work: Callable[..., None], *args: Any) 
         return
     for lock in reversed(taken):
         lock.release()
-    global _reaper_pid
     _pending.append((tuple(locks), work, args))
+    if not _in_fork:  # no thread is started between the fork handlers: the after ones start it
+        _start_reaper()
+
+
+def _start_reaper() -> None:
+    global _reaper_pid
     if _reaper_pid != os.getpid():  # none yet, or this is a forked child, which has none
         _reaper_pid = os.getpid()
         threading.Thread(target=_reap, name="pykvalloc-reaper", daemon=True).start()
@@ -103,6 +112,9 @@ def drain_deferred(timeout: float = 5.0) -> bool:
 
 # Objects whose locks a fork must hold, by rank: 0 caches and VarPools, 1 pools.
 _ranked: tuple[weakref.WeakSet[Any], ...] = (weakref.WeakSet(), weakref.WeakSet())
+# One fork at a time: two threads forking at once would otherwise each wait on locks the other
+# took, and release each other's.
+_forking = threading.Lock()
 _held: list[_Lock] = []
 
 
@@ -112,27 +124,40 @@ def track(obj: Any, rank: int) -> None:
     _ranked[rank].add(obj)
 
 
-def _before_fork() -> None:
+def _locks_to_hold() -> list[_Lock]:
+    """Every tracked object's outer locks, rank by rank, then every leaf lock. Only the locks
+    come back: holding the objects themselves while waiting on a lock would make this thread
+    the one to run the finalizer of an object another thread drops meanwhile."""
     objects = [list(group) for group in _ranked]
-    # Every object's outer locks first, rank by rank, then every leaf lock (a leaf is never
-    # held while another lock is taken).
     outer = [lock for group in objects for obj in group for lock in obj._fork_locks()[0]]
     leaves = [lock for group in objects for obj in group for lock in obj._fork_locks()[1]]
-    for lock in outer + leaves:
+    return outer + leaves
+
+
+def _before_fork() -> None:
+    global _in_fork
+    _forking.acquire()
+    _in_fork = True
+    for lock in _locks_to_hold():
         lock.acquire()
         _held.append(lock)
 
 
 def _after_fork() -> None:
+    global _in_fork
     while _held:
         _held.pop().release()
+    _in_fork = False
+    _forking.release()
+    if _pending:
+        _start_reaper()
 
 
 def _after_fork_in_child() -> None:
-    _after_fork()
     global _reaper_pid, _wake
     _reaper_pid = 0  # the reaper thread did not come along; the next deferral starts one
     _wake = threading.Event()
+    _after_fork()
 
 
 if hasattr(os, "register_at_fork"):

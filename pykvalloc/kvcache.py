@@ -495,13 +495,12 @@ class KVCache:
 
     # -- used by Sequence -------------------------------------------------------------------
 
-    def _view_released(self) -> None:
-        # A finalizer (a block table view is garbage): only the leaf lock here, and the
-        # destruction, which needs the pool's lock, only if that lock is free (_locks.py).
-        with self._views_lock:
-            self._views -= 1
-            last = self._closed and self._views == 0
-        if last:
+    def _drop_view_locked(self, sequence: Sequence) -> None:
+        """A block table view is gone (a finalizer's work, the views lock held: _locks.py); the
+        last one of a closed cache destroys it."""
+        sequence._views -= 1
+        self._views -= 1
+        if self._closed and self._views == 0:
             detached = self._finalizer.detach()
             if detached is not None:
                 _, _, args, _ = detached
@@ -634,10 +633,9 @@ class Sequence:
         return view
 
     def _view_released(self) -> None:
-        cache = self._cache  # a finalizer: the leaf lock only (_locks.py)
-        with cache._views_lock:
-            self._views -= 1
-        cache._view_released()
+        # A finalizer: the cache's leaf lock only, never waited on (_locks.py).
+        cache = self._cache
+        _locks.run_or_defer([cache._views_lock], cache._drop_view_locked, self)
 
     def _refuse_with_views(self, what: str) -> None:
         if self._views:

@@ -488,15 +488,17 @@ class Pool:
     def close(self) -> None:
         """Closes the pool; idempotent. The memory is unmapped now, or when the last numpy
         view of it is garbage if any is alive."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            _open_pools.discard(self)
-            with self._users_lock:
-                idle = self._users == 0
-            if idle:
-                self._release()
+        with self._lock, self._users_lock:
+            self._close_locked()
+
+    def _close_locked(self) -> None:
+        """close() with both locks held; also run by a VarPool's finalizer (_locks.run_or_defer)."""
+        if self._closed:
+            return
+        self._closed = True
+        _open_pools.discard(self)
+        if self._users == 0:
+            self._release()
 
     def _release(self) -> None:
         """Destroys the C pool, once. Callers have made sure the pool is closed (no call can
@@ -634,11 +636,9 @@ class Pool:
         return np.asarray(anchor).view(dt).reshape(dims)
 
     def _view_released(self, allocation: Allocation) -> None:
-        # Runs when a view's anchor is garbage, inside a garbage collection that may have
-        # started in any thread holding any lock: only the leaf lock is taken (_locks.py).
-        with self._users_lock:
-            allocation._views -= 1
-        self._user_gone()
+        # A finalizer (a view's anchor is garbage), possibly inside a garbage collection in a
+        # thread that holds any lock: the leaf lock only, and never waited on (_locks.py).
+        _locks.run_or_defer([self._users_lock], self._drop_user_locked, allocation)
 
     def _add_user(self) -> int:
         """Registers a user that calls into the C pool (a KV cache): the handle, which stays
@@ -650,12 +650,15 @@ class Pool:
         return handle
 
     def _user_gone(self) -> None:
-        """A view or a KV cache is gone; the last one out destroys a closed pool. Takes only
-        the leaf lock: finalizers call it (_locks.py)."""
-        with self._users_lock:
-            self._users -= 1
-            last = self._closed and self._users == 0
-        if last:
+        """A KV cache or VarPool is gone; the last user out destroys a closed pool. Finalizers
+        call it: the leaf lock only, never waited on (_locks.py)."""
+        _locks.run_or_defer([self._users_lock], self._drop_user_locked, None)
+
+    def _drop_user_locked(self, allocation: Allocation | None) -> None:
+        if allocation is not None:
+            allocation._views -= 1
+        self._users -= 1
+        if self._closed and self._users == 0:
             self._release()
 
     # -- maintenance and introspection ------------------------------------------------------

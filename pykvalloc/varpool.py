@@ -71,7 +71,8 @@ def _destroy(lib: _ffi.KvaLib, handle: int, pool: Pool) -> None:
     # garbage collection cannot release them in the other order.
     lib.kva_var_destroy(handle)
     pool._user_gone()
-    pool.close()
+    # Also a finalizer: the pool's locks only if free at once (_locks.py).
+    _locks.run_or_defer([pool._lock, pool._users_lock], pool._close_locked)
 
 
 class VarPool:

@@ -7,11 +7,12 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import textwrap
 import threading
 import time
 
 import pytest
-from support import MiB
+from support import MiB, run_python
 
 import pykvalloc
 from pykvalloc import _locks
@@ -143,3 +144,72 @@ def test_fork_while_another_thread_holds_a_pool_lock() -> None:
     pool.free(pool.alloc(4096))  # the parent's locks came back free too
     cache.close()
     pool.close()
+
+
+def _run_and_expect(code: str, expected: str) -> None:
+    done = run_python(textwrap.dedent(code), timeout=60)
+    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+@pytest.mark.parametrize("which", ["varpool", "kvcache"])
+def test_an_object_dropped_while_a_fork_waits_is_not_finalized_by_the_fork(which) -> None:
+    # The fork handler held every tracked object while it waited for their locks, so an object
+    # another thread dropped meanwhile was finalized by the forking thread, holding every
+    # leaf lock, whose finalizer then waited on one of them: the parent hung in os.fork().
+    _run_and_expect(f"""
+        import faulthandler, os, threading, time
+        import pykvalloc
+        faulthandler.dump_traceback_later(30, exit=True)
+        busy = pykvalloc.Pool(1 << 22, pages="small")
+        if {which!r} == "varpool":
+            obj = pykvalloc.VarPool(1 << 20, pages="small")
+        else:
+            shared = pykvalloc.Pool(1 << 26, pages="small")
+            obj = pykvalloc.KVCache(num_blocks=16, layers=1, kv_heads=1, head_dim=64, pool=shared)
+        holding = threading.Event()
+        def in_a_method_of_busy():
+            global obj
+            with busy._lock:      # the fork waits for this lock ...
+                holding.set()
+                time.sleep(0.5)
+                del obj           # ... while the object's last reference goes
+        threading.Thread(target=in_a_method_of_busy).start()
+        holding.wait()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        print("forked")
+    """, "forked")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
+def test_two_threads_forking_at_once_leave_every_lock_usable() -> None:
+    # Both forks' handlers shared one list of held locks: the first to finish released the
+    # second's, failed with RuntimeError half way, and left locks held for ever.
+    _run_and_expect("""
+        import faulthandler, os, threading, time
+        import pykvalloc
+        faulthandler.dump_traceback_later(30, exit=True)
+        p1 = pykvalloc.Pool(1 << 22, pages="small")
+        p2 = pykvalloc.Pool(1 << 22, pages="small")
+        def fork():
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+        def hold_p2():
+            with p2._lock:
+                time.sleep(1.0)
+        holder = threading.Thread(target=hold_p2); holder.start(); time.sleep(0.1)
+        first = threading.Thread(target=fork); first.start(); time.sleep(0.2)  # waits on p2
+        cache = pykvalloc.KVCache(num_blocks=16, layers=1, kv_heads=1, head_dim=64, pages="small")
+        second = threading.Thread(target=fork); second.start()
+        for t in (holder, first, second):
+            t.join()
+        for lock in (p1._lock, p2._lock, cache._lock, p1._users_lock, cache._views_lock):
+            assert lock.acquire(timeout=5), "a lock stayed held"
+            lock.release()
+        print("all usable")
+    """, "all usable")
