@@ -10,7 +10,8 @@
  *    arrays beside the pool, so the same code can manage memory the CPU cannot touch.
  *  - Every entry point returns a kva_status. The library never aborts and never prints.
  *    A call that fails leaves the pool exactly as it was and leaves every out-parameter
- *    untouched; kva_last_error() then describes the failure in words.
+ *    untouched; kva_last_error() then describes the failure in words. (One call says so where
+ *    it differs: kva_kv_compact's sizing answer comes with KVA_ERR_NOMEM.)
  *  - Once a host pool exists, allocation and free make no system call (a lock waited for,
  *    on a slow path, is one exception: a futex wait; on a host with several NUMA nodes, an
  *    arena's slab growth binds a chunk to the arena's node the first time, one mbind per chunk
@@ -516,7 +517,9 @@ KVA_API kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t lay
  * src + (2l + p) * src_bucket * slot_bytes to dst + (2l + p) * dst_bucket * slot_bytes. src stays
  * allocated until the sequence's next append or free.
  * Nothing to copy: tokens == 0, blocks KVA_KV_NO_BLOCK and pointers NULL, except that a move of
- * a sequence of 0 tokens gives both pointers with tokens == 0. */
+ * a sequence of 0 tokens gives both pointers with tokens == 0.
+ * In paged mode src_block stays allocated after the call: the sequences that still share it
+ * hold it, so the engine may copy from it until then. */
 typedef struct kva_kv_copy {
     uint32_t src_block, dst_block;
     uint32_t tokens;
@@ -534,6 +537,9 @@ typedef struct kva_kv_copy {
  * under their keys for later requests. No keys and no tokens: nothing is looked up or
  * registered. Blocks are keyed within namespace_id only. priority (0 .. KVA_KV_PRIORITIES-1)
  * sets the eviction class of the blocks (see kva_kv_seq_free).
+ * The engine writes a new sequence's blocks after the hits (the prefill), never the hit blocks:
+ * they hold the registered prefix other sequences share, and a registered block stays full
+ * (an append past it starts a new block; one into a shared, partly filled block copies first).
  * New blocks come from the free blocks, then by evicting cached ones.
  * Errors: KVA_ERR_INVALID (more keys or token ids than the sequence's full blocks or tokens,
  * keys and tokens both, a pointer NULL with its count nonzero, keys in contiguous mode, a
@@ -589,7 +595,8 @@ KVA_API kva_status kva_kv_seq_get_info(kva_kv *kv, kva_kv_seq seq, kva_kv_seq_in
 /* Pins the longest cached prefix of the given blocks (keys or token ids, as for allocation) so
  * that it is never evicted until kva_kv_unpin: a pin is a sequence that holds a reference on
  * each of those blocks and allocates nothing. *pinned_tokens (may be NULL) says how much was
- * cached and is now pinned. Pins are not counted in the hit statistics. */
+ * cached and is now pinned (0, an empty pin, when no key or token is given or nothing of them
+ * is cached). Pins are not counted in the hit statistics. */
 KVA_API kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
                               uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin,
                               uint32_t *pinned_tokens);
@@ -635,7 +642,9 @@ KVA_API kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capac
  * host pages discarded, in each layer's region in the layers layout. After kva_kv_compact every
  * free block is at the top, so compaction then trim frees every unit of memory that holds no
  * data.
- * The memory of a trimmed block is gone, content included: every copy kva_kv_compact returned
+ * The memory of a trimmed block is gone, content included (when it comes back for a new
+ * sequence its content is undefined: zeros on host pages, whatever the driver maps on a GPU;
+ * the engine writes it, as any new block): every copy kva_kv_compact returned
  * (their sources are free blocks at the top) and any kernel still reading a freed block must
  * have finished, the device synchronized, before this call. On host memory, memory the engine
  * registered itself (cudaHostRegister, ibv_reg_mr) must not include trimmed blocks: the device
