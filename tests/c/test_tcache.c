@@ -353,6 +353,39 @@ static void pause_at_point(int point, void *ctx) {
     sem_wait(&resume);
 }
 
+/* An 8 MiB pool of base pages with one arena, so that a chunk a slab leaves is the one the
+ * next slab takes. */
+#define ONE_ARENA_CAPACITY (8 * MiB)
+static void make_one_arena_pool(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = ONE_ARENA_CAPACITY;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.arenas = 1;
+    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+}
+
+/* Starts a thread running fn(arg) and returns once it has paused at `point`. */
+static pthread_t start_paused(void *(*fn)(void *), void *arg, int point) {
+    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
+    hook_point = point;
+    kva_tc_test_hook(pause_at_point, NULL);
+    pthread_t t;
+    REQUIRE(pthread_create(&t, NULL, fn, arg) == 0);
+    sem_wait(&arrived);
+    return t;
+}
+
+/* Lets the paused thread go on, waits for it and removes the hook. */
+static void finish_paused(pthread_t t) {
+    sem_post(&resume);
+    pthread_join(t, NULL);
+    kva_tc_test_hook(NULL, NULL);
+    thread_failures_merge();
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+}
+
 /* A remote free passes its object on with an atomic OR; from then on the owner may merge it,
  * the slab empty, and a slab of another class be made in the chunk, whose words lie where the
  * old slab's did. The free must not then touch them: it once re-read the object's old bit
@@ -364,20 +397,10 @@ static void *free_x(void *arg) {
 }
 
 static void test_remote_free_outlived_by_its_slab(void) {
-    kva_config cfg;
-    kva_config_init(&cfg);
-    cfg.capacity = 8 * MiB;
-    cfg.pages = KVA_PAGES_SMALL;
-    cfg.arenas = 1;
-    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    make_one_arena_pool();
     void *x, *y;
     CHECK_STATUS(kva_alloc(pool, 4096, &x), KVA_OK); /* in a word this thread owns */
-    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
-    hook_point = KVA_TC_POINT_PASSED;
-    kva_tc_test_hook(pause_at_point, NULL);
-    pthread_t t;
-    REQUIRE(pthread_create(&t, NULL, free_x, x) == 0);
-    sem_wait(&arrived);
+    pthread_t t = start_paused(free_x, x, KVA_TC_POINT_PASSED);
     /* The other thread has passed x on. Its word goes back (x merged: the slab is empty), the
      * empty slab to the buddy, and a 64 B slab is made in the same chunk, its objects free. */
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
@@ -386,10 +409,7 @@ static void test_remote_free_outlived_by_its_slab(void) {
     REQUIRE(((uintptr_t)y - (uintptr_t)pool->base) >> pool->slabs.chunk_shift ==
             ((uintptr_t)x - (uintptr_t)pool->base) >> pool->slabs.chunk_shift);
     CHECK_STATUS(kva_free(pool, y), KVA_OK);
-    sem_post(&resume);
-    pthread_join(t, NULL);
-    kva_tc_test_hook(NULL, NULL);
-    thread_failures_merge();
+    finish_paused(t);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_stats st = stats();
     CHECK(st.live_allocations == 0);
@@ -397,11 +417,9 @@ static void test_remote_free_outlived_by_its_slab(void) {
     size_t n = 0;
     void *p;
     while (kva_alloc(pool, 64, &p) == KVA_OK) n++;
-    CHECK(n == cfg.capacity / 64);
+    CHECK(n == ONE_ARENA_CAPACITY / 64);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
-    sem_destroy(&arrived);
-    sem_destroy(&resume);
 }
 
 /* A remote free checks that its object is live, then passes it on with an atomic OR. Between
@@ -418,30 +436,17 @@ static void *free_x_late(void *arg) {
 }
 
 static void test_racing_free_lands_in_a_released_slab(void) {
-    kva_config cfg;
-    kva_config_init(&cfg);
-    cfg.capacity = 8 * MiB;
-    cfg.pages = KVA_PAGES_SMALL;
-    cfg.arenas = 1;
-    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    make_one_arena_pool();
     void *x;
     CHECK_STATUS(kva_alloc(pool, 4096, &x), KVA_OK); /* in a word this thread owns */
-    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
-    hook_point = KVA_TC_POINT_PASSING;
-    kva_tc_test_hook(pause_at_point, NULL);
-    pthread_t t;
-    REQUIRE(pthread_create(&t, NULL, free_x_late, x) == 0);
-    sem_wait(&arrived);
+    pthread_t t = start_paused(free_x_late, x, KVA_TC_POINT_PASSING);
     /* The other thread found x live and is about to pass it on. The owner frees x first, gives
      * its word back and trims: the slab, empty, goes back to the buddy. */
     CHECK_STATUS(kva_free(pool, x), KVA_OK);
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
     CHECK_STATUS(kva_trim(pool), KVA_OK);
     CHECK(pool->slabs.live_slabs == 0);
-    sem_post(&resume);
-    pthread_join(t, NULL);
-    kva_tc_test_hook(NULL, NULL);
-    thread_failures_merge();
+    finish_paused(t);
     /* The late free may be accepted (a racing double free: reliability.md, "Known limits"), but
      * it frees nothing more and counts nothing. */
     CHECK(late_status == KVA_OK || late_status == KVA_ERR_DOUBLE_FREE);
@@ -452,12 +457,10 @@ static void test_racing_free_lands_in_a_released_slab(void) {
     size_t n = 0;
     void *p;
     while (kva_alloc(pool, 4096, &p) == KVA_OK) n++;
-    CHECK(n == cfg.capacity / 4096);
+    CHECK(n == ONE_ARENA_CAPACITY / 4096);
     CHECK(stats().live_allocations == n);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
-    sem_destroy(&arrived);
-    sem_destroy(&resume);
 }
 
 /* The same late free, but the chunk is made a slab again, of 32 KiB objects, whose bitmap words
@@ -466,33 +469,20 @@ static void test_racing_free_lands_in_a_released_slab(void) {
  * does so counted the free under the late free's class, 64 KiB, not under the class it freed,
  * so both classes' counts were wrong (S5). */
 static void test_late_free_drained_in_another_class(void) {
-    kva_config cfg;
-    kva_config_init(&cfg);
-    cfg.capacity = 8 * MiB;
-    cfg.pages = KVA_PAGES_SMALL;
-    cfg.arenas = 1;
-    REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
+    make_one_arena_pool();
     unsigned big = (unsigned)kva_size_class_of(65536), half = (unsigned)kva_size_class_of(32768);
     REQUIRE(pool->slabs.geom[big].l0_words == pool->slabs.geom[half].l0_words &&
             pool->slabs.geom[big].l1_words == pool->slabs.geom[half].l1_words);
     void *x, *y;
     CHECK_STATUS(kva_alloc(pool, 65536, &x), KVA_OK);
-    REQUIRE(sem_init(&arrived, 0, 0) == 0 && sem_init(&resume, 0, 0) == 0);
-    hook_point = KVA_TC_POINT_PASSING;
-    kva_tc_test_hook(pause_at_point, NULL);
-    pthread_t t;
-    REQUIRE(pthread_create(&t, NULL, free_x_late, x) == 0);
-    sem_wait(&arrived);
+    pthread_t t = start_paused(free_x_late, x, KVA_TC_POINT_PASSING);
     CHECK_STATUS(kva_free(pool, x), KVA_OK);
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
     CHECK_STATUS(kva_trim(pool), KVA_OK);
     CHECK_STATUS(kva_alloc(pool, 32768, &y), KVA_OK);
     REQUIRE(y == x); /* the first object of the same chunk: the late free's bit is y's */
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK); /* y live in a word nobody owns */
-    sem_post(&resume);
-    pthread_join(t, NULL);
-    kva_tc_test_hook(NULL, NULL);
-    thread_failures_merge();
+    finish_paused(t);
     CHECK(late_status == KVA_OK || late_status == KVA_ERR_DOUBLE_FREE);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_class_stats cs;
@@ -504,8 +494,6 @@ static void test_late_free_drained_in_another_class(void) {
     CHECK(cs.live_objects == y_live);
     CHECK(stats().live_allocations == y_live);
     kva_pool_destroy(pool);
-    sem_destroy(&arrived);
-    sem_destroy(&resume);
 }
 
 /* A free into a word nobody owns checks under the arena lock that its object is live, then

@@ -426,17 +426,20 @@ def test_the_picker_survives_any_terminal_size():
             asyncio.run(scenario(width, height))
 
 
+async def picker_rows(app: KvallocTop, pilot: Any) -> list[str]:
+    """The rows of the pool picker, once it shows (the app starts with several live pools)."""
+    picker = await until(pilot, lambda: isinstance(app.screen, PickerScreen) and app.screen)
+    options = picker.query_one("#pools")
+    return [str(options.get_option_at_index(i).prompt) for i in range(options.option_count)]
+
+
 def test_the_picker_shows_whole_names_that_share_a_long_prefix():
     prefix = f"kv-cache-llama-70b-shard-{unique_name('p')}-"
 
     async def scenario() -> None:
         app = KvallocTop(interval=0.1)
         async with app.run_test(size=(120, 30)) as pilot:
-            picker = await until(pilot, lambda: isinstance(app.screen, PickerScreen)
-                                 and app.screen)
-            options = picker.query_one("#pools")
-            rows = [str(options.get_option_at_index(i).prompt)
-                    for i in range(options.option_count)]
+            rows = await picker_rows(app, pilot)
             for name in (prefix + "primary", prefix + "secondary"):
                 row = next(row for row in rows if name in row)
                 assert row.endswith(name) and "16 MiB" in row
@@ -453,11 +456,7 @@ def test_the_picker_shows_process_names_as_written():
     async def scenario(names: list[str]) -> None:
         app = KvallocTop(interval=0.1)
         async with app.run_test(size=(120, 30)) as pilot:
-            picker = await until(pilot, lambda: isinstance(app.screen, PickerScreen)
-                                 and app.screen)
-            options = picker.query_one("#pools")
-            rows = [str(options.get_option_at_index(i).prompt)
-                    for i in range(options.option_count)]
+            rows = await picker_rows(app, pilot)
             for process, pool in (("[/]engine", names[0]), ("[engine]", names[1])):
                 assert process in next(row for row in rows if row.endswith(pool))
 
