@@ -64,6 +64,12 @@
 #define kva_bump_release(p) __atomic_store_n((p), kva_load(p) + 1, __ATOMIC_RELEASE)
 #endif
 
+/* Adds n to a counter only the calling thread writes, with release order as kva_bump_release;
+ * nothing is stored when n is 0 (the remote frees a merge found, mostly none). */
+KVA_INLINE void kva_add_release(uint64_t *counter, uint64_t n) {
+    if (n) __atomic_store_n(counter, kva_load(counter) + n, __ATOMIC_RELEASE);
+}
+
 /* The "no index" value of every u32 index list. */
 #define KVA_NIL UINT32_MAX
 

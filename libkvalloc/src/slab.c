@@ -245,8 +245,7 @@ int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int ma
     unsigned i = kva_ctz64(slab->l2);
     uint32_t w = i * 64 + kva_ctz64(slot[i]);
     if (ac->empty_slab == s) ac->empty_slab = KVA_NIL; /* no longer empty once claimed */
-    unsigned freed = kva_slab_claim_word(sl, s, w, owner, 0);
-    if (freed) __atomic_store_n(merged, kva_load(merged) + freed, __ATOMIC_RELEASE);
+    kva_add_release(merged, kva_slab_claim_word(sl, s, w, owner, 0));
     *slab_out = s;
     *word_out = w;
     return 1;

@@ -266,7 +266,7 @@ KVA_INLINE uint64_t kva_slab_merge_remote(uint64_t *l0, uint64_t *remote, uint64
     unsigned freed = kva_slab_newly_freed(passed, bits);
     bits |= passed;
     kva_store(l0, bits);
-    if (freed) __atomic_store_n(merged, kva_load(merged) + freed, __ATOMIC_RELEASE);
+    kva_add_release(merged, freed);
     return bits;
 }
 

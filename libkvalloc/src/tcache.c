@@ -88,18 +88,13 @@ static void remove_owned(kva_tcache *tc, unsigned c, uint32_t i) {
     kva_store(&k->nowned, n - 1);
 }
 
-/* Adds n objects freed by remote frees, merged by this thread, to class c's count. */
-static void count_merged(kva_tcache *tc, unsigned c, unsigned n) {
-    if (n) __atomic_store_n(&tc->merged[c], kva_load(&tc->merged[c]) + n, __ATOMIC_RELEASE);
-}
-
 /* Gives owned word w of slab s (class c) back to its arena. */
 static void give_back(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s, uint32_t w) {
     kva_arena *arena = &sl->arenas[sl->slabs[s].arena];
     pthread_mutex_lock(&arena->lock);
     unsigned merged = kva_slab_release_word(sl, s, w);
     pthread_mutex_unlock(&arena->lock);
-    count_merged(tc, c, merged);
+    kva_add_release(&tc->merged[c], merged);
 }
 
 /* Gives back an owned word with no free object without the arena lock: nothing about the slab
@@ -117,7 +112,7 @@ static void give_back_dry(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s,
     pthread_mutex_lock(&sl->arenas[a].lock);
     unsigned dc = c, merged = kva_slab_drain_remote(sl, a, s, w, &dc);
     pthread_mutex_unlock(&sl->arenas[a].lock);
-    count_merged(tc, dc, merged);
+    kva_add_release(&tc->merged[dc], merged);
 }
 
 /* ---- the free window ----------------------------------------------------------------------- */
@@ -258,7 +253,7 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
         pthread_mutex_lock(&sl->arenas[a].lock);
         unsigned dc = ref->cls, merged = kva_slab_drain_remote(sl, a, ref->slab, ref->word, &dc);
         pthread_mutex_unlock(&sl->arenas[a].lock);
-        count_merged(tc, dc, merged);
+        kva_add_release(&tc->merged[dc], merged);
     }
     return KVA_OK;
 }
@@ -299,11 +294,11 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
     unsigned merged = kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
     add_owned(k, ref->slab, ref->word);
     kva_bump_release(&tc->frees[ref->cls]);
-    count_merged(tc, ref->cls, merged);
+    kva_add_release(&tc->merged[ref->cls], merged);
     uint32_t fresh = k->nowned - 1;
     for (uint32_t victim; k->nowned > words_kept(k) && (victim = oldest_spare(k, fresh)) != KVA_NIL;) {
         if (sl->slabs[k->slab[victim]].arena != a) break;
-        count_merged(tc, ref->cls, kva_slab_release_word(sl, k->slab[victim], k->word[victim]));
+        kva_add_release(&tc->merged[ref->cls], kva_slab_release_word(sl, k->slab[victim], k->word[victim]));
         remove_owned(tc, ref->cls, victim);
         fresh--;
     }
