@@ -1,11 +1,17 @@
 # Installs the built library into a scratch prefix, then configures and builds a consumer that
 # uses find_package(kvalloc) and one that uses pkg-config, and runs both.
+
+# Runs the command after `what` and stops the test, naming `what`, if it fails.
+function(must what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)
+  if(rc)
+    message(FATAL_ERROR "${what} failed")
+  endif()
+endfunction()
+
 file(REMOVE_RECURSE ${WORK_DIR})
 set(prefix ${WORK_DIR}/prefix)
-execute_process(COMMAND ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${prefix} RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "cmake --install failed")
-endif()
+must("cmake --install" ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${prefix})
 
 set(consumer ${WORK_DIR}/consumer)
 file(MAKE_DIRECTORY ${consumer})
@@ -61,20 +67,11 @@ target_link_libraries(consumer PRIVATE kvalloc::kvalloc)
 add_executable(consumer_static main.c)
 target_link_libraries(consumer_static PRIVATE kvalloc::kvalloc_static)
 ]=])
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${consumer} -B ${consumer}/build -DCMAKE_PREFIX_PATH=${prefix}
-                RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "find_package(kvalloc) consumer failed to configure")
-endif()
-execute_process(COMMAND ${CMAKE_COMMAND} --build ${consumer}/build RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "consumer failed to build")
-endif()
+must("configuring the find_package(kvalloc) consumer"
+     ${CMAKE_COMMAND} -S ${consumer} -B ${consumer}/build -DCMAKE_PREFIX_PATH=${prefix})
+must("building the consumer" ${CMAKE_COMMAND} --build ${consumer}/build)
 foreach(exe consumer consumer_static)
-  execute_process(COMMAND ${consumer}/build/${exe} RESULT_VARIABLE rc)
-  if(rc)
-    message(FATAL_ERROR "${exe} failed")
-  endif()
+  must(${exe} ${consumer}/build/${exe})
 endforeach()
 
 # pkg-config is part of the contract, so its absence fails the test (make test installs it).
@@ -83,29 +80,42 @@ if(NOT PKG_CONFIG)
   message(FATAL_ERROR "pkg-config is not installed; cannot test kvalloc.pc")
 endif()
 
-# Builds the consumer with the flags pkg-config gives for the kvalloc.pc in pcdir, and runs it.
+# Builds the consumer with the flags pkg-config gives for the kvalloc.pc in pcdir (and the
+# pkg-config options after pcdir, such as --static), and runs it.
 function(pkg_config_consumer what pcdir)
   set(ENV{PKG_CONFIG_PATH} ${pcdir})
-  execute_process(COMMAND ${PKG_CONFIG} --cflags --libs kvalloc OUTPUT_VARIABLE flags
+  execute_process(COMMAND ${PKG_CONFIG} ${ARGN} --cflags --libs kvalloc OUTPUT_VARIABLE flags
                   OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE rc)
   if(rc)
     message(FATAL_ERROR "pkg-config does not know kvalloc (${what})")
   endif()
   separate_arguments(flags UNIX_COMMAND "${flags}")
   get_filename_component(libdir ${pcdir} DIRECTORY)
-  execute_process(COMMAND cc ${consumer}/main.c ${flags} -Wl,-rpath,${libdir} -o ${consumer}/pc_consumer
-                  RESULT_VARIABLE rc)
-  if(rc)
-    message(FATAL_ERROR "pkg-config consumer (${what}) failed to build (flags: ${flags})")
-  endif()
-  execute_process(COMMAND ${consumer}/pc_consumer RESULT_VARIABLE rc)
-  if(rc)
-    message(FATAL_ERROR "pkg-config consumer (${what}) failed")
-  endif()
+  must("building the pkg-config consumer (${what}, flags: ${flags})"
+       cc ${consumer}/main.c ${flags} -Wl,-rpath,${libdir} -o ${consumer}/pc_consumer)
+  must("the pkg-config consumer (${what})" ${consumer}/pc_consumer)
 endfunction()
 
 file(GLOB pcdir ${prefix}/lib*/pkgconfig)
 pkg_config_consumer("as installed" ${pcdir})
+
+# A static link takes what the archive needs from the .pc file's Libs.private alone (librt
+# before glibc 2.34, see CMakeLists.txt): the installed .pc file beside the archive and no
+# shared library, so that -lkvalloc can only mean the archive.
+set(static_only ${WORK_DIR}/static_only)
+file(GLOB archive ${prefix}/lib*/libkvalloc.a)
+file(COPY ${prefix}/include/ DESTINATION ${static_only}/include)
+file(COPY ${archive} ${pcdir}/kvalloc.pc DESTINATION ${static_only}/lib/pkgconfig)
+file(RENAME ${static_only}/lib/pkgconfig/libkvalloc.a ${static_only}/lib/libkvalloc.a)
+pkg_config_consumer("static, Libs.private" ${static_only}/lib/pkgconfig --static)
+
+# Every symbol the shared library needs resolves in the libraries it names (the build links it
+# with --no-undefined; this checks the installed file as the loader sees it).
+file(GLOB shared_library ${prefix}/lib*/libkvalloc.so)
+execute_process(COMMAND ldd -r ${shared_library} OUTPUT_VARIABLE ldd_out ERROR_VARIABLE ldd_err RESULT_VARIABLE rc)
+if(rc OR "${ldd_out}${ldd_err}" MATCHES "undefined symbol")
+  message(FATAL_ERROR "libkvalloc.so leaves symbols unresolved:\n${ldd_out}${ldd_err}")
+endif()
 
 # Where GNUInstallDirs puts libraries on Debian with prefix /usr: lib/<multiarch>, one level
 # deeper than the build's. The .pc file must find its prefix from there.
@@ -171,24 +181,12 @@ endif()
 # consumer above, which defines one, failed to link against it. The library compiles its own
 # objects without LTO whatever the flags.
 set(lto ${WORK_DIR}/lto)
-execute_process(COMMAND ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${lto} -DCMAKE_BUILD_TYPE=Release
-                        "-DCMAKE_C_FLAGS=-O2 -flto=auto -ffat-lto-objects" -DKVA_BUILD_TESTS=OFF
-                        -DKVA_BUILD_TOOLS=OFF
-                OUTPUT_QUIET RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "the LTO build failed to configure")
-endif()
-execute_process(COMMAND ${CMAKE_COMMAND} --build ${lto} --target kvalloc_static OUTPUT_QUIET RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "the LTO build of the static library failed")
-endif()
+must("configuring the LTO build"
+     ${CMAKE_COMMAND} -S ${SOURCE_DIR} -B ${lto} -DCMAKE_BUILD_TYPE=Release
+     "-DCMAKE_C_FLAGS=-O2 -flto=auto -ffat-lto-objects" -DKVA_BUILD_TESTS=OFF -DKVA_BUILD_TOOLS=OFF OUTPUT_QUIET)
+must("the LTO build of the static library" ${CMAKE_COMMAND} --build ${lto} --target kvalloc_static OUTPUT_QUIET)
 check_only_api(${lto}/libkvalloc.a)
-execute_process(COMMAND cc -flto=auto ${consumer}/main.c -I${SOURCE_DIR}/libkvalloc/include ${lto}/libkvalloc.a
-                        -lpthread -lm -ldl -o ${consumer}/lto_consumer RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "a consumer that defines kv_evict failed to link the LTO build's archive")
-endif()
-execute_process(COMMAND ${consumer}/lto_consumer RESULT_VARIABLE rc)
-if(rc)
-  message(FATAL_ERROR "the LTO build's consumer failed")
-endif()
+must("linking the LTO build's archive into a consumer that defines kv_evict"
+     cc -flto=auto ${consumer}/main.c -I${SOURCE_DIR}/libkvalloc/include ${lto}/libkvalloc.a -lpthread -lm -ldl
+     -o ${consumer}/lto_consumer)
+must("the LTO build's consumer" ${consumer}/lto_consumer)
