@@ -18,6 +18,7 @@
 #include <pthread.h>
 
 #include "fork.h"
+#include "lock.h"
 #include "pool.h"
 #include "segment.h"
 #include "tcache.h"
@@ -55,10 +56,12 @@ static void prepare(void) {
         for (unsigned a = 0; a < p->slabs.narenas; a++) pthread_mutex_lock(&p->slabs.arenas[a].lock);
         pthread_mutex_lock(&p->lock);
     }
-    kva_segments_lock(); /* a leaf: nothing is taken under it */
+    kva_segments_lock(); /* leaves: nothing is taken under either */
+    kva_lock_flags_lock();
 }
 
 static void release_all(void) {
+    kva_lock_flags_unlock();
     kva_segments_unlock();
     for (kva_pool *p = pools; p; p = p->fork_next) {
         pthread_mutex_unlock(&p->lock);

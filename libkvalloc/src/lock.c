@@ -7,6 +7,7 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "lock.h"
@@ -14,6 +15,10 @@
 /* Spins of a waiter before it yields: about a microsecond, longer than any section the lock
  * guards takes when its holder runs. */
 #define KVA_LOCK_SPINS 256
+
+/* How long a revocation waits for the biased thread's stores to drain when the kernel refuses
+ * membarrier (fence_biased_thread): a thousand times longer than a store buffer takes. */
+#define KVA_LOCK_DRAIN_NS 1000000
 
 kva_lock_owner kva_lock_nobody = {.in = (const kva_lock *)&kva_lock_nobody}; /* never NULL: never enters */
 __thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec"))) = &kva_lock_nobody;
@@ -25,7 +30,8 @@ static kva_lock_owner *free_owners;
 static pthread_key_t owner_key;
 static int owner_key_made;
 
-/* 1 once the process is registered for private expedited membarrier, -1 if it cannot be. */
+/* 1 once the process is registered for private expedited membarrier, -1 if it cannot be or the
+ * kernel has since refused the fence (fence_biased_thread): then no lock biases. */
 static int membarrier_state;
 
 static void owner_exit(void *flag) {
@@ -88,6 +94,34 @@ static int membarrier_usable(void) {
     return state > 0;
 }
 
+static uint64_t monotonic_ns(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
+}
+
+/* The fence a revocation puts into the biased thread, after clearing the bias: membarrier
+ * (lock.h). The kernel can still refuse it after the registration succeeded: for want of
+ * memory, in a child forked after the registration on kernels that do not carry it over (it is
+ * made again then), or for good, under a seccomp filter installed after the process started.
+ * Retrying forever hung the revoker in that last case. So a second refusal ends biasing in this
+ * process (no lock biases again, so no later revocation needs the call), and this revocation
+ * does without it: after a full fence of its own it waits KVA_LOCK_DRAIN_NS before reading the
+ * biased thread's flag. The only way that flag's store could be missed is by still sitting in
+ * its thread's store buffer, and stores leave it in nanoseconds (an interrupt, a context switch
+ * or a VM exit on that CPU drains it at once); the thread's read of the bias, after its store,
+ * then sees the cleared bias whenever the store was not seen. Checked by a test under a seccomp
+ * filter (test_lock). */
+static void fence_biased_thread(void) {
+    if (syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0) return;
+    if (syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0 &&
+        syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0)
+        return;
+    __atomic_store_n(&membarrier_state, -1, __ATOMIC_RELEASE);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);
+    for (uint64_t start = monotonic_ns(); monotonic_ns() - start < KVA_LOCK_DRAIN_NS;) cpu_relax();
+}
+
 int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me) {
     take_held(lock);
     kva_lock_owner *bias = __atomic_load_n(&lock->bias, __ATOMIC_RELAXED);
@@ -95,13 +129,7 @@ int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me) {
         /* Revoke: clear the bias, fence every running thread, then wait for the biased thread
          * to leave if it got in before the fence (lock.h). */
         __atomic_store_n(&lock->bias, NULL, __ATOMIC_RELAXED);
-        /* Without the fence mutual exclusion fails silently, so it is retried until the kernel
-         * gives it: it can refuse for want of memory, or because this process is a child forked
-         * after the registration (which then is made again). */
-        for (unsigned tries = 0; syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0; tries++) {
-            syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0);
-            backoff(tries);
-        }
+        fence_biased_thread();
         for (unsigned spins = 0; __atomic_load_n(&bias->in, __ATOMIC_ACQUIRE) == lock; spins++) backoff(spins);
         lock->revocations++;
         bias = NULL;
@@ -119,3 +147,6 @@ int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me) {
 }
 
 void kva_lock_release_plain(kva_lock *lock) { __atomic_store_n(&lock->held, 0, __ATOMIC_RELEASE); }
+
+void kva_lock_flags_lock(void) { pthread_mutex_lock(&free_owners_lock); }
+void kva_lock_flags_unlock(void) { pthread_mutex_unlock(&free_owners_lock); }

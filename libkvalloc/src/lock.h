@@ -18,7 +18,9 @@
  * visible to the waiter, or its read of the bias, which follows the store to its flag, sees it
  * cleared and it backs off to the plain lock. So the common path has no fence and no locked
  * instruction, and the system call is paid once per change of hands between threads. Where
- * membarrier is unavailable the lock never biases.
+ * membarrier is unavailable the lock never biases; where the kernel refuses it after biasing
+ * began, the revocation waits out the biased thread's store buffer instead, and biasing ends
+ * (lock.c, fence_biased_thread).
  *
  * The flag is the thread's own, not the lock's: a thread that read a stale bias and backs off
  * clears only its own flag, never that of the thread the lock has been biased to since (a
@@ -63,6 +65,12 @@ struct kva_lock {
 extern kva_lock_owner kva_lock_nobody;
 extern __thread kva_lock_owner *kva_lock_me __attribute__((tls_model("initial-exec")));
 kva_lock_owner *kva_lock_me_slow(void);
+
+/* The list of exited threads' flags, for the fork handlers (fork.c): a thread making or
+ * recycling a flag holds its lock for a moment, and a child forked then would inherit it held
+ * and hang in its first lock. A leaf: nothing is taken under it. */
+void kva_lock_flags_lock(void);
+void kva_lock_flags_unlock(void);
 
 /* The slow ways: the plain lock, revoking another thread's bias if need be. */
 int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me);

@@ -4,10 +4,21 @@
  * check a canary nobody else may see change) under the lock, in long runs that let the lock bias
  * to one of them and in short alternating ones that make the others revoke it.
  */
+#include <errno.h>
+#include <linux/filter.h>
+#include <linux/membarrier.h>
+#include <linux/seccomp.h>
 #include <pthread.h>
 #include <sched.h>
+#include <stddef.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "check.h"
+#include "child.h"
+#include "fork.h"
 #include "lock.h"
 
 #define THREADS 4
@@ -54,7 +65,115 @@ static void run(unsigned runs, unsigned run_length) {
     CHECK(overlaps == 0);
 }
 
+static void pause_ms(long ms) {
+    struct timespec pause = {ms / 1000, (ms % 1000) * 1000000};
+    nanosleep(&pause, NULL);
+}
+
+/* ---- fork while another thread holds the flags' list ------------------------------------- */
+
+static int flags_held;
+
+static void *hold_flags(void *arg) {
+    (void)arg;
+    kva_lock_flags_lock();
+    __atomic_store_n(&flags_held, 1, __ATOMIC_RELEASE);
+    /* Long enough for the main thread to reach fork: a fork that does not wait for the list
+     * (the handlers did not take it) happens while it is held. */
+    pause_ms(100);
+    kva_lock_flags_unlock();
+    return NULL;
+}
+
+static int first_lock_in_child(void) {
+    alarm(5); /* a child that inherited the list's lock held hangs here: SIGALRM fails it */
+    kva_lock fresh = KVA_LOCK_INIT;
+    int token = kva_lock_acquire(&fresh); /* this thread's first lock: it makes its flag */
+    kva_lock_release(&fresh, token);
+    return kva_lock_me != &kva_lock_nobody && kva_fork_depth() == 1 ? 0 : 1;
+}
+
+/* A thread making or recycling its flag holds the flags' list lock for a moment; a fork then
+ * must wait for it (fork.c), or the child's first lock waits forever. Run before this thread
+ * has a flag of its own, so that the child's first lock makes one. (kva_fork_depth, which the
+ * child checks, also links fork.c's handlers into this test.) */
+static void fork_while_flags_held(void) {
+    REQUIRE(kva_lock_me == &kva_lock_nobody);
+    pthread_t holder;
+    REQUIRE(pthread_create(&holder, NULL, hold_flags, NULL) == 0);
+    while (!__atomic_load_n(&flags_held, __ATOMIC_ACQUIRE)) sched_yield();
+    in_child(first_lock_in_child, "fork while the flags' list is held");
+    pthread_join(holder, NULL);
+}
+
+/* ---- revocation once the kernel refuses membarrier --------------------------------------- */
+
+static kva_lock revoked = KVA_LOCK_INIT;
+static int bias_made, bias_may_go;
+
+static void *take_bias(void *arg) {
+    (void)arg;
+    for (unsigned i = 0; i < 2 * KVA_LOCK_BIAS_STREAK; i++) kva_lock_release(&revoked, kva_lock_acquire(&revoked));
+    __atomic_store_n(&bias_made, 1, __ATOMIC_RELEASE);
+    /* Alive, its flag its own, until the main thread has revoked the bias. */
+    while (!__atomic_load_n(&bias_may_go, __ATOMIC_ACQUIRE)) sched_yield();
+    return NULL;
+}
+
+/* Makes membarrier fail with EPERM from now on, as a sandbox set up after start-up does. */
+static int refuse_membarrier(void) {
+    struct sock_filter filter[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_membarrier, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog program = {sizeof filter / sizeof filter[0], filter};
+    return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 && prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &program) == 0;
+}
+
+/* The revoker retried membarrier forever when the kernel refused it after the registration:
+ * the first call on the pool from another thread hung. Now the revocation completes without
+ * it and the lock never biases again. */
+static int revoke_without_membarrier(void) {
+    int failures_before = check_failures;
+    alarm(20); /* a hang fails the child */
+    pthread_t holder;
+    REQUIRE(pthread_create(&holder, NULL, take_bias, NULL) == 0);
+    while (!__atomic_load_n(&bias_made, __ATOMIC_ACQUIRE)) sched_yield();
+    if (revoked.bias == NULL) {
+        printf("test_lock: skipped the refused-membarrier case: the lock never biased (no membarrier here)\n");
+        _exit(77);
+    }
+    if (!refuse_membarrier()) {
+        printf("test_lock: skipped the refused-membarrier case: no seccomp filter can be installed here\n");
+        _exit(77);
+    }
+    CHECK(syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0);
+    int token = kva_lock_acquire(&revoked);
+    CHECK(token == KVA_LOCK_PLAIN);
+    CHECK(revoked.bias == NULL);
+    CHECK(revoked.revocations == 1);
+    kva_lock_release(&revoked, token);
+    __atomic_store_n(&bias_may_go, 1, __ATOMIC_RELEASE);
+    pthread_join(holder, NULL);
+    /* Biasing has ended: a thread alone keeps taking the plain way, and threads taking turns
+     * still exclude each other. */
+    for (unsigned i = 0; i < 2 * KVA_LOCK_BIAS_STREAK; i++) {
+        token = kva_lock_acquire(&revoked);
+        CHECK(token == KVA_LOCK_PLAIN);
+        kva_lock_release(&revoked, token);
+    }
+    CHECK(revoked.bias == NULL);
+    run(20, 2 * KVA_LOCK_BIAS_STREAK);
+    CHECK(!biased_seen);
+    return check_failures > failures_before;
+}
+
 int main(void) {
+    fork_while_flags_held();
+    in_child(revoke_without_membarrier, "revocation with membarrier refused");
+
     /* One thread alone: the lock biases to it after KVA_LOCK_BIAS_STREAK acquisitions. */
     for (unsigned i = 0; i < 2 * KVA_LOCK_BIAS_STREAK; i++) {
         int token = kva_lock_acquire(&lock);
