@@ -14,6 +14,16 @@
  * as a tag that is not where the model expects it. On top of that: kva_kv_check after every
  * operation, the statuses, the block counts, failed calls leaving out-parameters untouched.
  *
+ * The prefix cache has a model of its own (model_block): which block ids hold which prefix of
+ * keys, which of them no table names (cached, evictable), their priorities and the order in
+ * which they were released. Evictions are followed exactly although the library names no
+ * victim: kva_kv_evict and the stats count them, and the header fixes the order (lowest
+ * priority first, then least recently released; a call evicts only what it needs beyond the
+ * free and trimmed blocks). So every allocation's and pin's cached_tokens, hit block ids and
+ * status (NOMEM exactly when free, trimmed and evictable blocks fall short) are predicted, as
+ * are the stats' cached, registered, evictions and hit_tokens; a victim the model did not
+ * expect shows up as a block still registered in the model being handed out as new.
+ *
  * The input format is the one of the first version of this harness (the seed corpus decodes to
  * the same operations); the memory model adds no bytes.
  */
@@ -29,6 +39,7 @@
 #define MAX_BLOCKS 64                       /* num_blocks is 32 .. 63 */
 #define MAX_TOKENS (MAX_BLOCKS * BLOCK_TOKENS) /* no sequence can hold more blocks than the cache */
 #define POISON 0xa5
+#define MAX_KEYS 16                         /* a prompt keys at most 40 / BLOCK_TOKENS blocks */
 
 /* What the model knows of one live sequence or pin. */
 typedef struct model_seq {
@@ -40,6 +51,17 @@ typedef struct model_seq {
     uint64_t tag[MAX_TOKENS]; /* what token t holds (before the per-layer, per-part salt) */
 } model_seq;
 
+/* What the model knows of one block id in the prefix cache. A registered block holds the
+ * prefix keys path[0 .. depth) of namespace ns; while no live table names it, it is cached
+ * (evictable), else used. An unregistered block is free, or used without a key. */
+typedef struct model_block {
+    uint8_t registered;
+    uint8_t ns, depth;
+    uint8_t priority;         /* the highest of the sequences that referenced it since taken */
+    uint8_t path[MAX_KEYS];   /* the caller keys of its prefix, first block first */
+    uint64_t released_at;     /* while cached: when its last reference went (its LRU place) */
+} model_block;
+
 typedef struct harness {
     kva_kv *kv;
     kva_kv_info info;
@@ -49,6 +71,10 @@ typedef struct harness {
     size_t nlive;
     kva_kv_seq dead[MAX_SEQS];
     size_t ndead;
+    model_block block[MAX_BLOCKS];
+    uint64_t clock;           /* counts releases of registered blocks: the LRU order */
+    uint64_t evictions;       /* what kva_kv_stats.evictions must say */
+    uint64_t hit_tokens;      /* what kva_kv_stats.hit_tokens must say */
 } harness;
 
 /* Static: the model is 130 KiB, and only its used part is written per input. */
@@ -212,9 +238,7 @@ UNGUIDED static void check_sharing(const harness *h, const uint32_t *const *tabl
     for (uint32_t b = st.num_blocks - st.trimmed_blocks; b < st.num_blocks; b++) ORACLE(owner[b] == 0xff);
 }
 
-UNGUIDED static void check_all(const harness *h) {
-    const uint32_t *tables[MAX_SEQS];
-    read_tables(h, tables);
+UNGUIDED static void check_all(const harness *h, const uint32_t *const *tables) {
     for (size_t i = 0; i < h->nlive; i++) check_contents(h, &h->live[i], tables[i]);
     check_sharing(h, tables);
 }
@@ -251,38 +275,158 @@ static void model_remove(harness *h, size_t i) {
     h->live[i] = h->live[--h->nlive];
 }
 
+/* ---- the prefix cache's model ---------------------------------------------------------------- */
+
+/* The block the model holds under the prefix keys[0 .. depth) of namespace ns, or none. */
+UNGUIDED static uint32_t model_lookup(const harness *h, uint32_t ns, const uint64_t *keys, uint32_t depth) {
+    for (uint32_t b = 0; b < h->info.num_blocks; b++) {
+        const model_block *mb = &h->block[b];
+        if (!mb->registered || mb->ns != ns || mb->depth != depth) continue;
+        uint32_t j = 0;
+        while (j < depth && mb->path[j] == keys[j]) j++;
+        if (j == depth) return b;
+    }
+    return KVA_KV_NO_BLOCK;
+}
+
+/* The header's hit: the longest prefix of the given blocks held under their keys, used or
+ * cached, stopping at the first miss; hit[0 .. n) are its blocks. Nothing caps it: a prompt
+ * whose every block is given and held is a hit of all its tokens. */
+UNGUIDED static uint32_t model_hits(const harness *h, uint32_t ns, const uint64_t *keys, uint32_t nkeys, uint32_t *hit) {
+    uint32_t n = 0;
+    while (n < nkeys && (hit[n] = model_lookup(h, ns, keys, n + 1)) != KVA_KV_NO_BLOCK) n++;
+    return n;
+}
+
+UNGUIDED static int model_cached(const harness *h, uint32_t b, const uint8_t *refs) {
+    return h->block[b].registered && refs[b] == 0;
+}
+
+UNGUIDED static uint32_t model_count(const harness *h, const uint8_t *refs, int cached_only) {
+    uint32_t n = 0;
+    for (uint32_t b = 0; b < h->info.num_blocks; b++)
+        n += cached_only ? model_cached(h, b, refs) : h->block[b].registered;
+    return n;
+}
+
+/* Evicts `count` cached blocks (the caller knows there are that many) in the header's order:
+ * lowest priority first, within it least recently released first. refs says which blocks
+ * are referenced, hence not evictable. */
+UNGUIDED static void model_evict(harness *h, const uint8_t *refs, uint32_t count) {
+    for (uint32_t k = 0; k < count; k++) {
+        uint32_t victim = KVA_KV_NO_BLOCK;
+        for (uint32_t b = 0; b < h->info.num_blocks; b++) {
+            if (!model_cached(h, b, refs)) continue;
+            const model_block *mb = &h->block[b], *v = &h->block[victim == KVA_KV_NO_BLOCK ? b : victim];
+            if (victim == KVA_KV_NO_BLOCK || mb->priority < v->priority ||
+                (mb->priority == v->priority && mb->released_at < v->released_at))
+                victim = b;
+        }
+        ORACLE(victim != KVA_KV_NO_BLOCK);
+        h->block[victim].registered = 0;
+        h->evictions++;
+    }
+}
+
+/* A call that takes new blocks evicts only what it needs beyond the free blocks and the
+ * trimmed ones (whose memory comes back first): `spare` is their sum before the call. */
+UNGUIDED static void model_make_room(harness *h, const uint8_t *refs, uint32_t need, uint32_t spare) {
+    model_evict(h, refs, need > spare ? need - spare : 0);
+}
+
+/* A block the cache hands out as new was free or has just been evicted: the model must not
+ * hold it as registered. A victim other than the model's is caught here, when it is taken. */
+UNGUIDED static void model_take(const harness *h, uint32_t b) { ORACLE(!h->block[b].registered); }
+
+/* Registers block b for the prefix keys[0 .. depth), given at allocation after the hits.
+ * That key cannot be held already: the lookup missed at a prefix of it, and the held prefixes
+ * are closed under taking prefixes (every table naming a block names its prefix's block too,
+ * and a block's prefix is released after it and has no lower priority, so it is evicted
+ * after it). So the rule of kv_cache.h for a taken key (the new block stays unregistered),
+ * which the header leaves unsaid, never applies here. */
+UNGUIDED static void model_register(harness *h, uint32_t b, uint32_t ns, const uint64_t *keys, uint32_t depth,
+                                    uint32_t priority) {
+    ORACLE(depth <= MAX_KEYS && model_lookup(h, ns, keys, depth) == KVA_KV_NO_BLOCK);
+    model_block *mb = &h->block[b];
+    *mb = (model_block){.registered = 1, .ns = (uint8_t)ns, .depth = (uint8_t)depth, .priority = (uint8_t)priority};
+    for (uint32_t j = 0; j < depth; j++) mb->path[j] = (uint8_t)keys[j];
+}
+
+/* A release as kva_kv_seq_free documents it: last block first, and a registered block left
+ * without references joins the newest end of its priority's LRU list. refs (the counts before
+ * the release) is updated. */
+UNGUIDED static void model_release(harness *h, const uint32_t *table, uint32_t len, uint8_t *refs) {
+    for (uint32_t pos = len; pos-- > 0;) {
+        uint32_t b = table[pos];
+        if (--refs[b] == 0 && h->block[b].registered) h->block[b].released_at = ++h->clock;
+    }
+}
+
+/* The model against the cache's figures: blocks registered and cached, evictions, hits. */
+UNGUIDED static void check_prefix_model(const harness *h, const uint32_t *const *tables) {
+    uint8_t refs[MAX_BLOCKS];
+    count_refs(h, tables, refs);
+    kva_kv_stats st;
+    ORACLE(kva_kv_get_stats(h->kv, &st) == KVA_OK);
+    ORACLE(st.registered_blocks == model_count(h, refs, 0) && st.cached_blocks == model_count(h, refs, 1));
+    ORACLE(st.evictions == h->evictions && st.hit_tokens == h->hit_tokens);
+}
+
 /* ---- operations ------------------------------------------------------------------------------ */
 
 /* A prompt whose full blocks are keyed from a 4-letter alphabet (prefixes repeat): a sequence
- * (allocate) or a pin of the cached prefix. The hits must already hold their prefix's tags;
+ * (allocate) or a pin of the cached prefix. The model predicts the status, the hit (its
+ * length and its blocks) and the evictions; the hits must already hold their prefix's tags;
  * the rest is stamped as the engine's prefill would. */
 static void op_prompt(harness *h, input *in, int pin) {
     uint32_t tokens = next_byte(in) % 40 + 1, full = tokens / BLOCK_TOKENS, nkeys = next_byte(in) % (full + 1);
-    uint64_t keys[16];
-    for (uint32_t i = 0; i < nkeys && i < 16; i++) keys[i] = next_byte(in) % 4;
-    if (nkeys > 16) nkeys = 16;
+    uint64_t keys[MAX_KEYS];
+    for (uint32_t i = 0; i < nkeys && i < MAX_KEYS; i++) keys[i] = next_byte(in) % 4;
+    if (nkeys > MAX_KEYS) nkeys = MAX_KEYS;
+    /* Read in this order explicitly (argument order is unspecified; clang reads left to right).
+     * A pin has namespace 0 and no priority: it leaves its blocks' priorities as they are. */
+    uint32_t ns = pin ? 0 : next_byte(in) % 2, priority = pin ? 0 : next_byte(in) % KVA_KV_PRIORITIES;
+
+    const uint32_t *tables[MAX_SEQS];
+    uint8_t refs[MAX_BLOCKS];
+    read_tables(h, tables);
+    count_refs(h, tables, refs);
+    uint32_t hit[MAX_KEYS], hits = model_hits(h, ns, keys, nkeys, hit), cached_hits = 0;
+    for (uint32_t i = 0; i < hits; i++) cached_hits += refs[hit[i]] == 0;
+    kva_kv_stats before;
+    kva_kv_get_stats(h->kv, &before);
+    /* A pin takes no block; a sequence's new blocks come from the free, trimmed and cached
+     * blocks, its own hits excepted (it references them before anything is evicted). The
+     * header's other NOMEM, host memory for the table, does not happen at this size. */
+    uint32_t need = pin ? 0 : blocks_for(tokens) - hits, spare = before.free_blocks + before.trimmed_blocks;
+    int room = need <= spare + model_count(h, refs, 1) - cached_hits;
+
     const kva_kv_seq untouched = 0x5151515151515151ull;
     kva_kv_seq seq = untouched;
-    uint32_t cached = UINT32_MAX, ns = 0;
-    kva_status st;
-    if (!pin) {
-        /* Read in this order explicitly (argument order is unspecified; clang reads left to right). */
-        ns = next_byte(in) % 2;
-        uint32_t priority = next_byte(in) % KVA_KV_PRIORITIES;
-        st = kva_kv_seq_allocate(h->kv, tokens, nkeys ? keys : NULL, nkeys, NULL, 0, ns, priority, &seq, &cached);
-        ORACLE(st == KVA_OK || st == KVA_ERR_NOMEM);
-    } else {
-        st = kva_kv_pin(h->kv, nkeys ? keys : NULL, nkeys, NULL, 0, 0, &seq, &cached);
-        ORACLE(st == KVA_OK || st == KVA_ERR_NOMEM || st == KVA_ERR_INVALID);
-    }
+    uint32_t cached = UINT32_MAX;
+    kva_status st = pin ? kva_kv_pin(h->kv, nkeys ? keys : NULL, nkeys, NULL, 0, ns, &seq, &cached)
+                        : kva_kv_seq_allocate(h->kv, tokens, nkeys ? keys : NULL, nkeys, NULL, 0, ns, priority, &seq,
+                                              &cached);
+    ORACLE(st == (room ? KVA_OK : KVA_ERR_NOMEM));
     if (st != KVA_OK) {
         ORACLE(seq == untouched && cached == UINT32_MAX); /* a failed call leaves its out-parameters */
         return;
     }
-    ORACLE(cached % BLOCK_TOKENS == 0 && cached / BLOCK_TOKENS <= nkeys && cached <= tokens);
-    model_seq *m = model_add(h, seq, pin, pin ? cached : tokens, pin ? cached / BLOCK_TOKENS : nkeys);
+    ORACLE(cached == hits * BLOCK_TOKENS);
+    model_seq *m = model_add(h, seq, pin, pin ? cached : tokens, pin ? hits : nkeys);
     model_tag_prompt(m, ns, keys, nkeys);
     const uint32_t *table = read_table(h, m);
+    for (uint32_t i = 0; i < hits; i++) {
+        ORACLE(table[i] == hit[i]);
+        refs[hit[i]]++;
+        if (priority > h->block[hit[i]].priority) h->block[hit[i]].priority = (uint8_t)priority;
+    }
+    if (!pin) {
+        model_make_room(h, refs, need, spare);
+        for (uint32_t pos = hits; pos < blocks_for(tokens); pos++) model_take(h, table[pos]);
+        for (uint32_t i = hits; i < nkeys; i++) model_register(h, table[i], ns, keys, i + 1, priority);
+        h->hit_tokens += cached; /* pins are not counted */
+    }
     for (uint32_t t = 0; t < m->tokens; t++) {
         uint32_t b = table[t / BLOCK_TOKENS], slot = t % BLOCK_TOKENS;
         if (t < cached) ORACLE(token_holds(h, b, slot, m->tag[t])); /* a hit holds its prefix */
@@ -304,12 +448,17 @@ static void op_append(harness *h, input *in) {
     uint32_t before[MAX_BLOCKS];
     memcpy(before, tables[i], old_len * sizeof *before);
     int expect_cow = !m->is_pin && fill != 0 && refs[before[old_len - 1]] > 1;
+    kva_kv_stats stats;
+    kva_kv_get_stats(h->kv, &stats);
+    uint32_t need = blocks_for(old_tokens + add) - old_len + (uint32_t)expect_cow;
+    uint32_t spare = stats.free_blocks + stats.trimmed_blocks;
+    int room = need <= spare + model_count(h, refs, 1);
 
     kva_kv_copy copy;
     memset(&copy, 0x5a, sizeof copy);
     const kva_kv_copy untouched = copy;
     kva_status st = kva_kv_seq_append(h->kv, m->handle, add, &copy);
-    ORACLE(m->is_pin ? st == KVA_ERR_INVALID : (st == KVA_OK || st == KVA_ERR_NOMEM));
+    ORACLE(st == (m->is_pin ? KVA_ERR_INVALID : room ? KVA_OK : KVA_ERR_NOMEM));
     if (st != KVA_OK) { /* nothing changed */
         ORACLE(memcmp(&copy, &untouched, sizeof copy) == 0);
         ORACLE(table_equal(read_table(h, m), before, old_len));
@@ -318,6 +467,8 @@ static void op_append(harness *h, input *in) {
     ORACLE(old_tokens + add <= MAX_TOKENS);
     m->tokens = old_tokens + add;
     const uint32_t *table = read_table(h, m);
+    model_make_room(h, refs, need, spare);
+    for (uint32_t pos = old_len - (uint32_t)expect_cow; pos < blocks_for(m->tokens); pos++) model_take(h, table[pos]);
     ORACLE(old_len == 0 || table_equal(table, before, old_len - 1));
     if (expect_cow) {
         ORACLE(copy.src_block == before[old_len - 1] && copy.dst_block == table[old_len - 1]);
@@ -359,6 +510,7 @@ static void op_release(harness *h, input *in) {
     memcpy(table, tables[i], blocks_for(m->tokens) * sizeof *table);
     ORACLE((m->is_pin ? kva_kv_unpin(h->kv, m->handle) : kva_kv_seq_free(h->kv, m->handle)) == KVA_OK);
     poison_released(h, m, table, refs);
+    model_release(h, table, blocks_for(m->tokens), refs);
     model_remove(h, i);
 }
 
@@ -432,6 +584,11 @@ static void op_compact(harness *h) {
     ORACLE(kva_kv_compact(h->kv, moves, MAX_BLOCKS, &count) == KVA_OK && count == needed);
     check_moves(h, moves, count, n, named_before);
     for (uint32_t k = 0; k < count; k++) copy_block(h, moves[k].src_block, moves[k].dst_block);
+    for (uint32_t k = 0; k < count; k++) { /* a moved block keeps its key, priority and LRU place */
+        ORACLE(!h->block[moves[k].dst_block].registered);
+        h->block[moves[k].dst_block] = h->block[moves[k].src_block];
+        h->block[moves[k].src_block].registered = 0;
+    }
     for (uint32_t k = 0; k < count; k++) poison_block(h, moves[k].src_block);
     check_renamed(h, (const uint32_t(*)[MAX_BLOCKS])before, array, moves, count, n);
 
@@ -442,19 +599,30 @@ static void op_compact(harness *h) {
     ORACLE(trimmed == after.free_blocks + after.trimmed_blocks);
 }
 
+/* Eviction on request: as many as asked and cached, the model's victims. */
 static void op_evict(harness *h, input *in) {
-    uint32_t evicted;
-    ORACLE(kva_kv_evict(h->kv, next_byte(in) % 8, &evicted) == KVA_OK);
+    const uint32_t *tables[MAX_SEQS];
+    uint8_t refs[MAX_BLOCKS];
+    read_tables(h, tables);
+    count_refs(h, tables, refs);
+    uint32_t asked = next_byte(in) % 8, cached = model_count(h, refs, 1), evicted = UINT32_MAX;
+    ORACLE(kva_kv_evict(h->kv, asked, &evicted) == KVA_OK);
+    ORACLE(evicted == (asked < cached ? asked : cached));
+    model_evict(h, refs, evicted);
 }
 
-/* The checks after every operation: the cache's own walk, the counts, and the memory. */
+/* The checks after every operation: the cache's own walk, the counts, the memory and the
+ * prefix cache's model. */
 UNGUIDED static void check_step(const harness *h) {
     ORACLE(kva_kv_check(h->kv) == KVA_OK);
     kva_kv_stats st;
     kva_kv_get_stats(h->kv, &st);
     ORACLE(st.free_blocks + st.used_blocks + st.cached_blocks + st.trimmed_blocks == st.num_blocks);
     ORACLE(st.sequences + st.pins == h->nlive);
-    check_all(h);
+    const uint32_t *tables[MAX_SEQS];
+    read_tables(h, tables);
+    check_all(h, tables);
+    check_prefix_model(h, tables);
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
@@ -462,6 +630,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     harness *h = &H;
     h->nlive = h->ndead = 0;
     h->next_id = 0;
+    memset(h->block, 0, sizeof h->block);
+    h->clock = h->evictions = h->hit_tokens = 0;
     kva_kv_config cfg;
     kva_kv_config_init(&cfg);
     cfg.layers = LAYERS, cfg.kv_heads = 1, cfg.head_dim = 4, cfg.block_tokens = BLOCK_TOKENS;
@@ -486,7 +656,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     for (size_t i = 0; i < h->nlive; i++)
         ORACLE((h->live[i].is_pin ? kva_kv_unpin(h->kv, h->live[i].handle) : kva_kv_seq_free(h->kv, h->live[i].handle)) ==
                KVA_OK);
-    ORACLE(kva_kv_evict(h->kv, UINT32_MAX, NULL) == KVA_OK);
+    /* With every sequence gone, each block the model holds registered is cached: all go. */
+    uint32_t evicted = UINT32_MAX;
+    ORACLE(kva_kv_evict(h->kv, UINT32_MAX, &evicted) == KVA_OK);
+    uint8_t no_refs[MAX_BLOCKS] = {0};
+    ORACLE(evicted == model_count(h, no_refs, 0));
     kva_kv_stats end;
     kva_kv_get_stats(h->kv, &end);
     ORACLE(end.free_blocks + end.trimmed_blocks == end.num_blocks);
