@@ -68,16 +68,19 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     pthread_mutex_init(&pool->publish_lock, NULL);
     st = kva_buddy_init(&pool->buddy, geo.nblocks, geo.min_shift);
     if (st != KVA_OK) goto fail_pool;
-    unsigned arenas = cfg->arenas ? cfg->arenas : kva_arena_default_count();
-    st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift, arenas);
-    if (st != KVA_OK) goto fail_buddy;
-    pool->slabs.region = &pool->region;
-    pool->slabs.pool_lock = &pool->lock;
     pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
     size_t chunk = (size_t)1 << geo.chunk_shift;
     size_t alignment = pool->max_alloc_size > chunk ? pool->max_alloc_size : chunk;
+    /* The region before the slab descriptors: kva_slabs_init writes every one of them (64 bytes
+     * per chunk, a gigabyte for a 1 TiB pool of 64 KiB chunks), so a region the kernel will
+     * not reserve is refused before any of that is written. */
     st = kva_region_create(cfg, geo.capacity, alignment, &pool->region);
-    if (st != KVA_OK) goto fail_slabs;
+    if (st != KVA_OK) goto fail_buddy;
+    unsigned arenas = cfg->arenas ? cfg->arenas : kva_arena_default_count();
+    st = kva_slabs_init(&pool->slabs, &pool->buddy, geo.capacity, geo.chunk_shift, arenas);
+    if (st != KVA_OK) goto fail_region;
+    pool->slabs.region = &pool->region;
+    pool->slabs.pool_lock = &pool->lock;
     if (cfg->prefault) {
         /* The metadata is committed lazily too: without this, the first calls to reach each
          * page of block records or bitmaps would take the faults prefault promises away. After
@@ -86,7 +89,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
         if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes);
         if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
-        if (st != KVA_OK) goto fail_region;
+        if (st != KVA_OK) goto fail_slabs;
     }
     pool->base = pool->region.base;
     place_arenas(pool, cfg);
@@ -101,7 +104,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (cfg->name) {
         kva_segment_geometry sg = {.nblocks = geo.nblocks, .nchunks = pool->slabs.nchunks, .narenas = arenas};
         st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pool->segment);
-        if (st != KVA_OK) goto fail_region;
+        if (st != KVA_OK) goto fail_slabs;
         if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
         kva_publish(pool, 1);
     }
@@ -109,10 +112,10 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     *out = pool;
     return KVA_OK;
 
-fail_region:
-    kva_region_destroy(&pool->region);
 fail_slabs:
     kva_slabs_fini(&pool->slabs);
+fail_region:
+    kva_region_destroy(&pool->region);
 fail_buddy:
     kva_buddy_fini(&pool->buddy);
 fail_pool:

@@ -383,7 +383,38 @@ static int thp_disabled_child(void) {
     return check_failures ? 1 : 0;
 }
 
+/* A pool whose region the kernel will not reserve (128 TiB, more than user space) is refused
+ * before its metadata is written. With 8 MiB blocks it has 2^24 slab chunks, whose descriptors
+ * (64 bytes each, every one written at creation) are a gigabyte: creation used to write them
+ * all before reserving the region, and only then refuse (a review). In a child, whose peak
+ * resident size starts at what the fork gave it. */
+static int refused_region_writes_no_metadata(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = (size_t)1 << 47;
+    cfg.min_block = (size_t)8 << 20;
+    cfg.pages = KVA_PAGES_SMALL;
+    cfg.arenas = 1;
+    struct rusage before, after;
+    getrusage(RUSAGE_SELF, &before);
+    kva_pool *pool = NULL;
+    kva_status st = kva_pool_create(&cfg, &pool);
+    getrusage(RUSAGE_SELF, &after);
+    if (st == KVA_OK) {
+        printf("test_region: skipped the refused region: this kernel reserved 128 TiB\n");
+        kva_pool_destroy(pool);
+        return 77;
+    }
+    CHECK(st == KVA_ERR_BACKEND || st == KVA_ERR_NOMEM);
+    CHECK(pool == NULL);
+    long grown_mib = (after.ru_maxrss - before.ru_maxrss) / 1024;
+    if (grown_mib > 64) fprintf(stderr, "test_region: the refused pool's creation touched %ld MiB\n", grown_mib);
+    CHECK(grown_mib <= 64);
+    return check_failures ? 1 : 0;
+}
+
 int main(void) {
+    in_child(refused_region_writes_no_metadata, "test_refused_region_writes_no_metadata");
     test_hugetlb();
     test_auto_chain();
     test_thp_and_small();
