@@ -743,6 +743,6 @@ def _pages_value(pages: Any) -> int:
         if pages.lower() not in names:
             raise InvalidArgument(f"pages must be one of {sorted(names)}, not {pages!r}")
         return names[pages.lower()]
-    if isinstance(pages, int) and pages in names.values():
-        return int(pages)
+    if isinstance(pages, int) and not isinstance(pages, bool) and pages in names.values():
+        return int(pages)  # a bool is an int, but True meant "hugetlb" here and "auto" in Pool
     raise InvalidArgument(f"pages {pages!r} is not a page mode")

@@ -40,7 +40,7 @@ import math
 import operator
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from ctypes import byref, c_size_t, c_void_p, sizeof
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -283,8 +283,8 @@ def _name_arg(name: str | None) -> bytes | None:
 
 
 def _shape_arg(shape: int | Sequence[int]) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
     try:
+        dims = (operator.index(shape),) if not isinstance(shape, Iterable) else tuple(shape)
         dims = tuple(operator.index(dim) for dim in dims)
     except TypeError:
         raise TypeError(f"shape must be an int or a sequence of ints, not {shape!r}") from None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import operator
 import re
 
 from . import _ffi
@@ -9,7 +11,8 @@ from . import _ffi
 __all__ = ["size_classes", "size_class_of", "parse_size", "format_size"]
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+# A number, then a unit letter with an optional "b" or "ib", or a lone "b": "4ib" is no size.
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
 
 
 def size_classes() -> tuple[int, ...]:
@@ -20,6 +23,7 @@ def size_classes() -> tuple[int, ...]:
 
 def size_class_of(size: int) -> int | None:
     """Index of the size class a request of ``size`` bytes falls in; None above the slab range."""
+    size = operator.index(size)  # TypeError for a float, as for any size argument
     if size <= 0 or size > _ffi.KVA_SLAB_MAX_SIZE:
         return None
     index = _ffi.load().kva_size_class_of(size)
@@ -32,13 +36,20 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"not a size: {text!r} (examples: 4096, 64K, 256MiB, 1.5G)")
     number, unit = match.groups()
-    scale = _UNITS[unit.lower()]
+    scale = _UNITS[(unit or "").lower()]
     # Whole numbers stay in integer arithmetic so that large sizes are exact.
-    return int(float(number) * scale) if "." in number else int(number) * scale
+    if "." not in number:
+        return int(number) * scale
+    value = float(number) * scale
+    if value != int(value):
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
 
 
 def format_size(size: float) -> str:
     """``4 KiB``, ``1.5 MiB``, ``64 B``: whole numbers stay whole, others get one decimal."""
+    if not math.isfinite(size):
+        return f"{size} B"
     for suffix, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(size) >= scale:
             value = size / scale

@@ -63,8 +63,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader of our output went away (`kvalloc demo | head`). Point stdout at
-        # /dev/null so that the interpreter's final flush does not raise a second time.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        # The reader of our output went away (`kvalloc demo | head`).
+        _silence_stdout()
         return 1
+    except OSError as exc:
+        # Output that cannot be written (a full disk, `> /dev/full`, a --json file the system
+        # refuses): one line, not a traceback.
+        _silence_stdout()
+        print(f"kvalloc {args.command}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _silence_stdout() -> None:
+    """Points stdout at /dev/null so that the interpreter's final flush of what could not be
+    written does not fail a second time on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())

@@ -25,15 +25,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+# The range of a speed or a time scale: a replay paced or scaled by 1e-320 computed "inf s"
+# of simulated time (invalid JSON), or waited past what a timestamp holds (a traceback); one a
+# million times slower than real time never ends either.
+NUMBER_RANGE = (1e-6, 1e6)
+
+
 def positive_number(text: str) -> float:
-    """A finite number above 0 (a speed, a time scale). NaN and infinity are refused: a replay
-    paced or scaled by either never ends."""
+    """A finite number above 0 (a speed, a time scale), within NUMBER_RANGE. NaN and infinity
+    are refused: a replay paced or scaled by either never ends."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text!r}")
+    low, high = NUMBER_RANGE
+    if not low <= value <= high:
+        raise argparse.ArgumentTypeError(f"must lie between {low:g} and {high:g}, not {text!r}")
     return value
 
 
@@ -68,4 +77,18 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a directory")
     if not os.access(directory, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return path
+
+
+def output_directory(text: str) -> Path:
+    """A directory the command will write files into, made if missing: what exists of the path
+    must be directories, and the deepest of them writable."""
+    path = Path(text)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write into {text}: permission denied")
     return path

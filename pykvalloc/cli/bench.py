@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .arguments import output_directory
+
 # name on the command line -> (executable, takes --only and --json)
 BENCHMARKS = {
     "alloc": ("bench_alloc", True),
@@ -74,6 +76,21 @@ def command_line(name: str, path: Path, args: argparse.Namespace) -> list[str]:
     return argv
 
 
+ALLOCATORS = ("glibc", "jemalloc", "mimalloc", "tcmalloc", "kvalloc")
+
+
+def allocator_names(text: str) -> str:
+    """--only's comma-separated allocators: each one bench_alloc knows, and at least one (an
+    empty list ran nothing, or everything, and said so with exit status 0)."""
+    names = [name.strip() for name in text.split(",")]
+    if not any(names) or not all(names):
+        raise argparse.ArgumentTypeError(f"expected NAME[,NAME...] from {', '.join(ALLOCATORS)}, not {text!r}")
+    unknown = [name for name in names if name not in ALLOCATORS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown allocator {unknown[0]!r} (choose from {', '.join(ALLOCATORS)})")
+    return ",".join(names)
+
+
 def benchmark_name(text: str) -> str:
     """A benchmark's name (argparse's choices would refuse the empty default of nargs="*")."""
     if text not in BENCHMARKS and text != "all":
@@ -92,10 +109,10 @@ def register(subparsers: Any) -> None:
                         help="alloc, threads, kv, varpool or all (default: alloc)")
     parser.add_argument("--quick", action="store_true",
                         help="a few seconds each: a smoke run, not figures to keep")
-    parser.add_argument("--only", metavar="NAME[,NAME...]",
+    parser.add_argument("--only", metavar="NAME[,NAME...]", type=allocator_names,
                         help="alloc and threads: these allocators only "
                              "(glibc, jemalloc, mimalloc, tcmalloc, kvalloc)")
-    parser.add_argument("--json", metavar="DIR",
+    parser.add_argument("--json", metavar="DIR", type=output_directory,
                         help="alloc and threads: write every figure to DIR/bench_alloc.json "
                              "and DIR/bench_threads.json")
     parser.add_argument("--list", action="store_true",

@@ -45,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
         print("kvalloc top: no live pools (a pool publishes statistics when it has a name)",
               file=sys.stderr)
         return 1
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        # Without a terminal nothing could ever press q: the app would run on forever,
+        # writing escape codes into whatever stdout is.
+        print("kvalloc top: needs a terminal (kvalloc dump prints one snapshot)", file=sys.stderr)
+        return 1
     from kvalloc_tui.app import KvallocTop  # Textual loads only for this command
 
     KvallocTop(target, interval=args.interval).run()

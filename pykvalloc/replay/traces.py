@@ -224,11 +224,19 @@ def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", s
     return collector.finish(arrivals)
 
 
+# The longest line a trace may have (the Mooncake conversation trace's longest is 2,053 bytes).
+# A file with no line end (a disk image, /dev/zero) was read whole into memory as one line.
+MAX_LINE = 1 << 20
+
+
 def _open_lines(path: Path) -> Iterator[str]:
     # newline="" lets the csv module handle the trace's CRLF line ends; surrogateescape keeps a
     # byte that is not UTF-8 for the parser to report with its line (_check_text).
     with open(path, encoding="utf-8", errors="surrogateescape", newline="") as handle:
-        yield from handle
+        for number, line in enumerate(iter(lambda: handle.readline(MAX_LINE), ""), start=1):
+            if len(line) == MAX_LINE and line[-1] not in "\r\n":
+                raise TraceError(str(path), number, f"a line longer than {MAX_LINE:,} characters: not a trace")
+            yield line
 
 
 def load_trace(path: str | Path, skip_bad: bool = False) -> Trace:
@@ -240,6 +248,8 @@ def load_trace(path: str | Path, skip_bad: bool = False) -> Trace:
             head = handle.read(4096)
     except OSError as exc:
         raise TraceError(str(path), 0, f"cannot read: {exc.strerror}") from exc
+    if b"\0" in head:  # no text trace holds a NUL byte
+        raise TraceError(str(path), 0, "a binary file (a NUL byte in its first 4 KiB), not a trace")
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json", ".ndjson") or (suffix != ".csv" and head.lstrip().startswith(b"{")):
         return parse_mooncake_jsonl(_open_lines(path), str(path), skip_bad)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -192,3 +193,35 @@ def test_quitting_the_watched_demo_early_reports_the_run_so_far(capsys, monkeypa
     assert status == 0, said.err
     text = " ".join(said.out.split())  # as wrapped to the terminal's width
     assert "stopped early, as asked" in text and "of 2,000 requests had finished" in text
+
+
+@pytest.mark.parametrize("argv", [["demo", "--requests", "20", "--no-tui"],
+                                  ["replay", "--requests", "3", "--quiet", "--json", "/dev/full"]])
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback(argv):
+    # Writing to a full disk (here /dev/full: stdout for the demo, the --json file for the
+    # replay) raised OSError through the command.
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "pykvalloc", *argv], stdout=full, stderr=subprocess.PIPE,
+                              text=True, env=clean_env(), timeout=120)
+    assert done.returncode == 1
+    assert "No space left on device" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+@pytest.mark.parametrize("option", ["--time-scale", "--pace"])
+def test_speeds_and_scales_outside_their_range_are_refused(capsys, option):
+    # 1e-320 passed as "finite and above 0": "inf s" of simulated time in the report (and
+    # Infinity in its JSON), or a timestamp overflow in the pacer.
+    for value in ("1e-320", "1e-7", "1e7"):
+        with pytest.raises(SystemExit) as info:
+            main(["replay", "--requests", "3", option, value])
+        assert info.value.code == 2
+        assert f"argument {option}: must lie between 1e-06 and 1e+06" in capsys.readouterr().err
+
+
+def test_the_json_report_is_strict_json(tmp_path):
+    from pykvalloc.replay.report import write_json
+
+    out = tmp_path / "r.json"
+    write_json([{"rate": float("nan"), "rows": [1.5, float("inf")], "nested": {"x": float("-inf")}}], out)
+    assert json.loads(out.read_text()) == {"rate": None, "rows": [1.5, None], "nested": {"x": None}}

@@ -50,3 +50,22 @@ def test_missing_programs_are_named(tmp_path, monkeypatch):
 def test_unknown_benchmark_is_a_usage_error():
     done = run_kvalloc("bench", "alloc", "nonsense")
     assert done.returncode == 2 and "invalid choice: 'nonsense'" in done.stderr
+
+
+def test_only_names_allocators_it_knows():
+    # ",,," ran an empty table with exit status 0, and "" every allocator.
+    for only, said in ((",,,", "expected NAME[,NAME...]"), ("", "expected NAME[,NAME...]"),
+                       ("kvalloc,ptmalloc", "unknown allocator 'ptmalloc'")):
+        done = run_kvalloc("bench", "alloc", "--quick", "--only", only)
+        assert done.returncode == 2 and said in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_json_must_name_a_directory(tmp_path):
+    # An existing file (or a path through one) ended in a FileExistsError traceback.
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    for target in (afile, afile / "below"):
+        done = run_kvalloc("bench", "alloc", "--quick", "--json", str(target))
+        assert done.returncode == 2 and "is not a directory" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr

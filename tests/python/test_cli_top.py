@@ -46,3 +46,15 @@ def test_a_segment_directory_that_cannot_be_listed_is_a_clear_error(capsys, monk
     err = capsys.readouterr().err
     assert err.startswith("kvalloc top: SegmentUnreadable: cannot list the segments in ")
     assert "Traceback" not in err
+
+
+def test_without_a_terminal_it_refuses_instead_of_running_blind(capsys, monkeypatch):
+    # Without a terminal nothing could press q: the app ran on forever, writing escape codes.
+    monkeypatch.setattr(top, "list_segments", lambda: [_Live()])
+    assert main(["top"]) == 1  # pytest's stdin is no terminal
+    assert "kvalloc top: needs a terminal" in capsys.readouterr().err
+
+
+class _Live:
+    def process_alive(self) -> bool:
+        return True

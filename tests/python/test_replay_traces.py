@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from pykvalloc.replay import traces
 from pykvalloc.replay.simulator import block_keys
 from pykvalloc.replay.traces import (MOONCAKE_BLOCK_TOKENS, Request, TraceError, load_trace, parse_azure_csv,
                                      parse_mooncake_jsonl)
@@ -186,3 +187,23 @@ def test_mooncake_numbers_must_be_finite_and_lines_plain(line: str) -> None:
         parse_mooncake_jsonl(lines, "m.jsonl")
     trace = parse_mooncake_jsonl(lines, "m.jsonl", skip_bad=True)
     assert trace.skipped == 1 and len(trace.requests) == 2
+
+
+def test_a_binary_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    # A sparse file or /dev/zero was read whole into memory as one line (MemoryError).
+    image = tmp_path / "disk.img"
+    with open(image, "wb") as handle:
+        handle.truncate(1 << 30)  # a gigabyte of NUL bytes, not written
+    with pytest.raises(TraceError, match=r"disk.img: a binary file"):
+        load_trace(image)
+
+
+def test_a_line_with_no_end_is_refused_at_the_limit(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(traces, "MAX_LINE", 64)
+    endless = tmp_path / "endless.csv"
+    endless.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "7" * 200)
+    with pytest.raises(TraceError, match=r"endless.csv:2: a line longer than 64 characters"):
+        load_trace(endless)
+    fits = tmp_path / "fits.csv"  # a line of exactly the limit, its end included, is a line
+    fits.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "2023-11-16 18:15:46.6805900,374,44".ljust(63) + "\n")
+    assert len(load_trace(fits).requests) == 1
