@@ -132,7 +132,11 @@ typedef struct kva_config {
     size_t slab_chunk;   /* bytes of one slab, taken from the buddy: a power of two in
                             [64 KiB, 64 MiB] and at least min_block. Default 0: automatic,
                             2 MiB, or less in a pool under 64 MiB (capacity / 32, at least
-                            64 KiB) so that a small pool still holds slabs of many classes. */
+                            64 KiB) so that a small pool still holds slabs of many classes.
+                            A slab holds at most 2^18 objects, so above 4 MiB the classes
+                            below slab_chunk / 2^18 bytes fill only part of their slabs (16 B
+                            objects use 4 MiB of a 64 MiB slab; the rest stays in slab_bytes,
+                            neither in use nor free). */
     const char *name;    /* optional pool name (copied); NULL for an anonymous pool. A named
                             pool publishes live statistics in shared memory (kvalloc_stats.h),
                             so two live pools of one process cannot share a name: the second
@@ -304,7 +308,8 @@ typedef struct kva_stats {
     size_t bytes_in_use;       /* usable bytes of live allocations (class or block sizes) */
     size_t bytes_free;         /* bytes in free buddy blocks */
     size_t slab_bytes;         /* bytes of buddy chunks currently held by slabs */
-    size_t slab_free_bytes;    /* free object space inside those slabs */
+    size_t slab_free_bytes;    /* free object space inside those slabs (the slack past a
+                                  slab's last object is in neither figure) */
     size_t largest_free;       /* the largest free buddy block */
     double fragmentation;      /* 1 - largest_free / bytes_free (0 when nothing is free) */
     uint32_t num_orders;       /* orders in use: 0 .. num_orders-1 */
