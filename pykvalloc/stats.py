@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 import psutil
 
+from ._strict_json import json_ready
 from .errors import (
     AmbiguousSegment,
     BadMagic,
@@ -941,19 +942,6 @@ class Snapshot:
             result["trace_written"] = self.trace_written
             result["trace"] = list(self.trace_records())
         return json_ready(result)
-
-
-def json_ready(value: Any) -> Any:
-    """``value`` with every float that is not finite made None: JSON has no NaN or infinity
-    (strict parsers such as jq refuse Python's), and the library writes none, so one read from
-    a segment is corrupt or foreign, and unknown is what it says."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: json_ready(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_ready(item) for item in value]
-    return value
 
 
 def _records(array: np.ndarray, absent: tuple[str, ...] = ()) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from .._strict_json import json_ready
 from ..errors import SegmentError, SegmentNotFound
 from ..sizes import format_size
 from ..stats import (
@@ -30,7 +31,6 @@ from ..stats import (
     Segment,
     SegmentFile,
     format_age,
-    json_ready,
     list_segments,
     process_name,
     writer_lives,

@@ -3,13 +3,13 @@ installed (the optional ``plot`` extra)."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
+from .._strict_json import json_ready
 from .simulator import ReplayResult
 
 #: What each row shows, and how.
@@ -92,17 +92,7 @@ def write_json(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> 
     NaN and Infinity are not JSON and other readers refuse them."""
     rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
     payload: Any = rows[0] if len(rows) == 1 else rows
-    path.write_text(json.dumps(_finite_or_null(payload), indent=2, allow_nan=False) + "\n")
-
-
-def _finite_or_null(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: _finite_or_null(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite_or_null(item) for item in value]
-    return value
+    path.write_text(json.dumps(json_ready(payload), indent=2, allow_nan=False) + "\n")
 
 
 def _binned(times: list[float], values: list[float], bins: int) -> tuple[list[float], list[float]]:
