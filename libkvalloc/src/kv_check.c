@@ -57,9 +57,16 @@ static kva_status check_prefix_table(const kva_kv *kv) {
             if (!blk->registered) return BROKEN("K5: block %u is chained but not registered", b);
             if ((blk->key.lo & kv->bucket_mask) != bucket) return BROKEN("K5: block %u is chained in the wrong bucket", b);
             if (++chained > kv->registered_count) return BROKEN("K5: the chains hold more blocks than are registered");
-            for (uint32_t o = blk->hash_next; o != KVA_NIL; o = kv->blocks[o].hash_next)
+            /* The rest of the chain, for a second block of the same key: bounded as the outer
+             * walk is not yet past it (a link past the end, or a loop that never comes back to
+             * b, is for the outer walk to report when it gets there). */
+            uint32_t steps = 0;
+            for (uint32_t o = blk->hash_next; o != KVA_NIL && o < kv->num_blocks && steps++ < kv->registered_count;
+                 o = kv->blocks[o].hash_next) {
+                if (o == b) return BROKEN("K5: the chain of bucket %u loops back to block %u", bucket, b);
                 if (kv_key_equal(kv->blocks[o].key, blk->key) && kv->blocks[o].ns == blk->ns)
                     return BROKEN("K5: blocks %u and %u share a key", b, o);
+            }
         }
     }
     if (chained != kv->registered_count)
@@ -123,8 +130,33 @@ static kva_status check_paged(kva_kv *kv) {
     return st;
 }
 
+static int compare_addresses(const void *a, const void *b) {
+    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
+    return (x > y) - (x < y);
+}
+
+/* K8's "each buffer belongs to one sequence": two sequences naming one buffer would free it
+ * twice and leak another, and their sizes can still add up to the counter. */
+static kva_status check_buffers_distinct(const kva_kv *kv) {
+    void **buffers = malloc(2 * (size_t)kv->seq_slots * sizeof *buffers + 1);
+    if (!buffers) return kva_fail(KVA_ERR_NOMEM, "no host memory to check %u sequences", kv->seq_slots);
+    size_t n = 0;
+    for (uint32_t s = 0; s < kv->seq_slots; s++) {
+        if (!kv->seqs[s].live) continue;
+        buffers[n++] = kv->seqs[s].buffer;
+        if (kv->seqs[s].retired) buffers[n++] = kv->seqs[s].retired;
+    }
+    qsort(buffers, n, sizeof *buffers, compare_addresses);
+    kva_status st = KVA_OK;
+    for (size_t i = 1; st == KVA_OK && i < n; i++)
+        if (buffers[i] == buffers[i - 1]) st = BROKEN("K8: buffer %p belongs to two sequences", buffers[i]);
+    free(buffers);
+    return st;
+}
+
 static kva_status check_contiguous(kva_kv *kv) {
     kva_status st = check_sequences(kv, NULL); /* no tables in contiguous mode */
+    if (st == KVA_OK) st = check_buffers_distinct(kv);
     if (st != KVA_OK) return st;
     size_t bytes = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++) {

@@ -45,6 +45,8 @@
  * exemption a block hit and released again beside a full tail cost 63 moves every time.)
  * Nothing here reads a block record except to follow a moved entry.
  */
+#include <stdlib.h>
+
 #include "kv_cache.h"
 
 #define SEG KV_LRU_SEG
@@ -232,7 +234,10 @@ static kva_status check_segment(const kva_kv *kv, uint32_t s, unsigned p, uint8_
     return KVA_OK;
 }
 
-kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
+/* The walk over the lists; listed[s] marks each segment met, so that the free list cannot
+ * name one of them too (an empty tail has fill 0 like a free segment, and the counts still add
+ * up). */
+static kva_status check_lists(const kva_kv *kv, uint8_t *seen, uint8_t *listed) {
     uint32_t total = 0, linked = 0;
     for (unsigned p = 0; p < KVA_KV_PRIORITIES; p++) {
         uint32_t count = 0, prev = KVA_NIL;
@@ -240,6 +245,7 @@ kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
             if (s >= kv->lru_used) return BROKEN("K4: LRU list %u links to segment %u, past the used ones", p, s);
             if (kv->lru_segs[s].prev != prev) return BROKEN("K4: segment %u on LRU list %u has a wrong prev link", s, p);
             if (++linked > kv->lru_used) return BROKEN("K4: the LRU lists loop");
+            listed[s] = 1;
             kva_status st = check_segment(kv, s, p, seen, &count);
             if (st != KVA_OK) return st;
             if (prev != KVA_NIL && kv->lru_segs[s].next != KVA_NIL &&
@@ -258,6 +264,7 @@ kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
     uint32_t free_segments = 0;
     for (uint32_t s = kv->lru_free; s != KVA_NIL; s = kv->lru_segs[s].next) {
         if (s >= kv->lru_used) return BROKEN("K4: the free-segment list links to %u, past the used ones", s);
+        if (listed[s]) return BROKEN("K4: segment %u is on an LRU list and on the free-segment list", s);
         if (kv->lru_segs[s].fill != 0) return BROKEN("K4: free segment %u has fill %u", s, kv->lru_segs[s].fill);
         if (++free_segments > kv->lru_used) return BROKEN("K4: the free-segment list loops");
     }
@@ -265,4 +272,14 @@ kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
         return BROKEN("K4: %u segments listed and %u free; %u used of %u", linked, free_segments, kv->lru_used,
                       kv->lru_segments);
     return KVA_OK;
+}
+
+kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
+    if (kv->lru_used > kv->lru_segments)
+        return BROKEN("K4: %u segments used of %u", kv->lru_used, kv->lru_segments);
+    uint8_t *listed = calloc((size_t)kv->lru_used + 1, 1);
+    if (!listed) return kva_fail(KVA_ERR_NOMEM, "no host memory to check %u LRU segments", kv->lru_used);
+    kva_status st = check_lists(kv, seen, listed);
+    free(listed);
+    return st;
 }

@@ -81,6 +81,10 @@ static kva_status check_list(const kva_var *v, uint32_t head, int order, uint64_
 }
 
 static kva_status check_tlsf(const kva_var *v, uint64_t limit, uint64_t *count) {
+    /* A bit past the last class would send the allocation's search past the class tables. */
+    if ((uint64_t)v->fl_map >> KVA_TLSF_FL)
+        return BROKEN("V4: first-level bits %#llx name classes past the last (%u)",
+                      (unsigned long long)((uint64_t)v->fl_map >> KVA_TLSF_FL << KVA_TLSF_FL), KVA_TLSF_FL - 1);
     for (unsigned fl = 0; fl < KVA_TLSF_FL; fl++) {
         if (((v->fl_map >> fl) & 1) != (v->sl_map[fl] != 0))
             return BROKEN("V4: first-level bit %u disagrees with its second-level map %#x", fl, v->sl_map[fl]);

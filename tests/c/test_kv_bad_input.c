@@ -5,6 +5,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "check.h"
 #include "kv_cache.h"
@@ -307,7 +308,67 @@ static void test_check_finds_corruption(void) {
     kva_kv_destroy(kv);
 }
 
+/* A prefix chain that loops away from its first block, or links past the table, is named
+ * (the duplicate-key scan under each block followed such links unbounded: it hung, or read
+ * past the block records). */
+static void test_check_survives_broken_chains(void) {
+    kva_kv_config cfg = small_config(64, 4);
+    kva_kv *kv = make_cache(&cfg);
+    uint64_t keys[] = {1, 2, 3};
+    uint32_t cached;
+    kva_kv_seq s = alloc_keys(kv, 12, keys, 3, 0, 0, &cached);
+    const uint32_t *table;
+    uint32_t len;
+    REQUIRE(kva_kv_seq_block_table(kv, s, &table, &len) == KVA_OK && len == 3);
+    uint32_t x = table[0], y = table[1], saved_x = kv->blocks[x].hash_next, saved_y = kv->blocks[y].hash_next;
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    kv->blocks[x].hash_next = y; /* x's chain runs on into y, whose next is itself */
+    kv->blocks[y].hash_next = y;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "K5") != NULL);
+    kv->blocks[x].hash_next = 0x40000000u;
+    kv->blocks[y].hash_next = saved_y;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "past the end") != NULL);
+    kv->blocks[x].hash_next = x;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "loops back") != NULL);
+    kv->blocks[x].hash_next = saved_x;
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    REQUIRE(kva_kv_seq_free(kv, s) == KVA_OK);
+    kva_kv_destroy(kv);
+}
+
+/* Contiguous mode: two sequences naming one buffer are named, though their sizes still add up
+ * to the counter. */
+static void test_check_finds_a_shared_buffer(void) {
+    kva_kv_config cfg = small_config(0, 16);
+    cfg.mode = KVA_KV_CONTIGUOUS;
+    cfg.max_context = 1024;
+    cfg.capacity_bytes = (size_t)8 << 20;
+    kva_kv *kv = make_cache(&cfg);
+    kva_kv_seq a, b;
+    REQUIRE(kva_kv_seq_allocate(kv, 100, NULL, 0, NULL, 0, 0, 0, &a, NULL) == KVA_OK);
+    REQUIRE(kva_kv_seq_allocate(kv, 100, NULL, 0, NULL, 0, 0, 0, &b, NULL) == KVA_OK);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    kva_kv_seqrec *first = NULL, *second = NULL;
+    for (uint32_t slot = 0; slot < kv->seq_slots; slot++)
+        if (kv->seqs[slot].live) *(first ? &second : &first) = &kv->seqs[slot];
+    REQUIRE(first && second);
+    unsigned char *saved = second->buffer;
+    second->buffer = first->buffer;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "belongs to two sequences") != NULL);
+    second->buffer = saved;
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    REQUIRE(kva_kv_seq_free(kv, a) == KVA_OK && kva_kv_seq_free(kv, b) == KVA_OK);
+    kva_kv_destroy(kv);
+}
+
 int main(void) {
+    alarm(60); /* a checker that loops fails the test instead of holding it */
+    test_check_survives_broken_chains();
+    test_check_finds_a_shared_buffer();
     test_bad_configs();
     test_null_cache();
     test_bad_sequence_calls();

@@ -179,7 +179,37 @@ static void test_check_names_broken_segments(void) {
     kva_kv_destroy(kv);
 }
 
+/* The free-segment list pointed at an LRU list's empty tail: that segment is on two lists, the
+ * real free one on none, and the counts still add up (an empty tail has fill 0, as a free
+ * segment has). */
+static void test_check_finds_a_segment_on_two_lists(void) {
+    kva_kv_config cfg = small_config(512, 4);
+    kva_kv *kv = make_cache(&cfg);
+    uint32_t hit;
+    uint64_t lone = 5000, keys[200];
+    /* List 1: one block released, then hit again, which leaves its tail segment empty. */
+    kva_kv_seq s = alloc_keys(kv, 4, &lone, 1, 0, 1, &hit);
+    REQUIRE(kva_kv_seq_free(kv, s) == KVA_OK);
+    kva_kv_seq again = alloc_keys(kv, 4, &lone, 1, 0, 1, &hit);
+    /* List 0: 200 blocks cached, then 128 of them hit, which frees whole segments. */
+    for (int i = 0; i < 200; i++) keys[i] = 1 + (uint64_t)i;
+    s = alloc_keys(kv, 800, keys, 200, 0, 0, &hit);
+    REQUIRE(kva_kv_seq_free(kv, s) == KVA_OK);
+    kva_kv_seq hits = alloc_keys(kv, 512, keys, 128, 0, 0, &hit);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    uint32_t tail = kv->lru_tail[1], free_head = kv->lru_free;
+    REQUIRE(free_head != KVA_NIL && tail != KVA_NIL && kv->lru_segs[tail].fill == 0);
+    kv->lru_free = tail;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "on an LRU list and on the free-segment list") != NULL);
+    kv->lru_free = free_head;
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    REQUIRE(kva_kv_seq_free(kv, again) == KVA_OK && kva_kv_seq_free(kv, hits) == KVA_OK);
+    kva_kv_destroy(kv);
+}
+
 int main(void) {
+    test_check_finds_a_segment_on_two_lists();
     test_check_names_broken_segments();
     run(0x9e3779b97f4a7c15ull, 20000);
     run(12345, 20000);

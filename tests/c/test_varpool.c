@@ -390,6 +390,10 @@ static void test_check_finds_corruption(void) {
     v->sl_map[0] ^= 1u;
     CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
     v->sl_map[0] ^= 1u;
+    v->fl_map |= 1u << 30; /* past the last class: the allocation's search would index past the tables */
+    CHECK_STATUS(kva_var_check(v), KVA_ERR_CORRUPT);
+    CHECK(strstr(kva_last_error(), "past the last") != NULL);
+    v->fl_map &= ~(1u << 30);
     /* The sentinel after the last unit: its prev names the last range (b's tail here), and
      * nothing else of it is set. */
     kva_var_range *sentinel = &v->ranges[v->units];
