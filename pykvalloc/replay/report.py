@@ -24,6 +24,7 @@ _ROWS = (
     ("internal_waste", "internal waste", "{:.2%}"),
     ("fragmentation", "fragmentation", "{:.2%}"),
     ("prefix_hit_rate", "prefix hit rate", "{:.1%}"),
+    ("readmission_hit_rate", "hit rate of re-admissions", "{:.1%}"),
     ("alloc_ns_p50", "allocator call p50", "{:,.0f} ns"),
     ("alloc_ns_p99", "allocator call p99", "{:,.0f} ns"),
     ("alloc_ns_p999", "allocator call p99.9", "{:,.0f} ns"),
@@ -42,8 +43,8 @@ def label(result: dict[str, Any]) -> str:
     return f"paged/{result['block_tokens']}" if result["mode"] == "paged" else str(result["mode"])
 
 
-def table(results: Sequence[dict[str, Any]], title: str) -> Table:
-    out = Table(title=title)
+def table(results: Sequence[dict[str, Any]]) -> Table:
+    out = Table()
     out.add_column("figure")
     for result in results:
         out.add_column(label(result), justify="right")
@@ -64,14 +65,20 @@ def failed(config: Any, trace: Any, error: Exception) -> dict[str, Any]:
 
 def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Optional[Console] = None) -> None:
     """The table of one or more replays, given as results or as their JSON form (as_dict)."""
-    console = console or Console()
     rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+    console = console or Console()
+    wide_enough = 30 + 16 * len(rows)
+    if not console.is_terminal and console.width < wide_enough:
+        # Piped or redirected, Rich assumes 80 columns, which cut a --compare table's headers
+        # and wrapped its figures; a file takes a long line.
+        console = Console(width=wide_enough, file=console.file)
     first = rows[0]
     capacity = first["capacity_tokens"]
     title = f"Replay of {first['source']}: {capacity:,} tokens of KV"
     if "capacity_bytes" in first:
         title += f" ({first['capacity_bytes'] / 2**30:.1f} GiB)"
-    console.print(table(rows, title))
+    console.print(title, style="bold")  # above the table, not as its title: that wraps to the table's width
+    console.print(table(rows))
     for row in rows:
         if "error" in row:
             console.print(f"{label(row)} failed: {row['error']}", style="red")
@@ -82,9 +89,17 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         if row.get("rejected"):
             console.print(f"{label(row)}: rejected {row['rejected']:,} of {row['requests']:,} requests, which can "
                           f"never complete on this KV cache, even alone (give it more: --kv-size)", style="yellow")
-    timed = {label(r): r["timing"] for r in rows if "error" not in r}
-    console.print("allocator calls timed " + "; ".join(f"{name}: {where}" for name, where in timed.items())
-                  + ". Inside the library, call percentiles are log2-bucket upper bounds.", style="dim")
+    by_timing: dict[str, list[str]] = {}
+    for r in rows:
+        if "error" not in r:
+            by_timing.setdefault(r["timing"], []).append(label(r))
+    if by_timing:
+        bounds = {"inside the library": " (percentiles as log2-bucket upper bounds)"}
+        where = "; ".join(f"{timing}{bounds.get(timing, '')} for {', '.join(names)}"
+                          for timing, names in by_timing.items())
+        console.print(f"Allocator calls were timed {where}. A prefix hit counts prompt tokens found cached at a "
+                      f"request's first admission; re-admissions after a preemption find their own blocks and are "
+                      f"counted apart.", style="dim")
 
 
 def write_json(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> None:

@@ -99,7 +99,13 @@ class ReplayResult:
     mean_kv_use: float
     internal_waste: float
     fragmentation: float
-    prefix_hit_rate: Optional[float]  # None where no request had prefix keys
+    # Prompt tokens found in the prefix cache over those looked up, at each request's first
+    # admission: the trace's reuse that the cache kept. None where no request had prefix keys.
+    prefix_hit_rate: Optional[float]
+    # The same at re-admissions after a preemption, which find their own blocks of a moment
+    # ago: counted apart, or a cache too small for the load (more preemptions) would seem to
+    # hit more. None where nothing keyed was re-admitted.
+    readmission_hit_rate: Optional[float]
     alloc_ns_p50: float
     alloc_ns_p99: float
     alloc_ns_p999: float
@@ -113,7 +119,8 @@ class ReplayResult:
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
-                "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "alloc_ns_p50",
+                "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "readmission_hit_rate",
+                "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps",
                 "stopped")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
@@ -215,6 +222,9 @@ def replay(trace: Trace, config: ReplayConfig,
     steps = preemptions = finished = rejected = 0
     stopped = False
     keyed = False                                        # whether any request had prefix keys
+    admitted_before: set[int] = set()                    # requests admitted at least once
+    # [hit tokens, looked-up tokens] of first admissions and of re-admissions (ReplayResult).
+    first_lookups, again_lookups = [0, 0], [0, 0]
     # Each request's keys, made once: a prompt the full cache turns away is offered again
     # every step, and rebuilding its keys each time dominated the run.
     key_cache: dict[int, Optional[np.ndarray]] = {}
@@ -316,7 +326,13 @@ def replay(trace: Trace, config: ReplayConfig,
                 prompt = request.input_tokens + generated
                 keys = keys_of(request, index)
                 keyed = keyed or keys is not None
+                hits_before, queries_before = backend.prefix() if keys is not None else (0, 0)
                 admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
+                if admitted is not None and keys is not None:
+                    hits_after, queries_after = backend.prefix()
+                    lookups = again_lookups if index in admitted_before else first_lookups
+                    lookups[0] += hits_after - hits_before
+                    lookups[1] += queries_after - queries_before
                 if admitted is None:
                     if running:
                         break
@@ -326,6 +342,7 @@ def replay(trace: Trace, config: ReplayConfig,
                     continue
                 handle, capacity = admitted
                 waiting.popleft()
+                admitted_before.add(index)
                 todo = prompt - backend.cached_tokens(handle)
                 chunk = min(todo, config.max_batch_tokens - step_tokens)
                 step_tokens += chunk
@@ -352,7 +369,6 @@ def replay(trace: Trace, config: ReplayConfig,
                 on_step(now)
             if progress is not None and steps % 256 == 0:
                 progress(finished, total)
-        hits, queries = backend.prefix()
         library = backend.library_time()
         backend.verify_empty()
     finally:
@@ -377,7 +393,8 @@ def replay(trace: Trace, config: ReplayConfig,
         mean_kv_use=use_time / elapsed if elapsed else 0.0,
         internal_waste=waste_time / elapsed if elapsed else 0.0,
         fragmentation=frag_time / elapsed if elapsed else 0.0,
-        prefix_hit_rate=hits / queries if keyed and queries else None,
+        prefix_hit_rate=first_lookups[0] / first_lookups[1] if keyed and first_lookups[1] else None,
+        readmission_hit_rate=again_lookups[0] / again_lookups[1] if again_lookups[1] else None,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped)
 

@@ -64,4 +64,4 @@ def default_workload(requests: int = 2000, seed: int = 2023) -> Trace:
         out.append(Request(clock, tokens, output, tuple(ids)))
         conversations.append((tokens + output, tuple(ids)))
         del conversations[:-OPEN_CONVERSATIONS]
-    return Trace(requests=out, source=f"default workload ({requests} requests, seed {seed})")
+    return Trace(requests=out, source=f"default workload ({requests:,} requests, seed {seed})")
