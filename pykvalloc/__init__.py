@@ -30,7 +30,7 @@ from .errors import (
     SegmentError,
 )
 from .kvcache import CopyOnWrite, KVCache, KVLayout, KVMode, Move, Pin, Sequence, TableInUseError
-from .pool import Allocation, ClassStats, HeapRegion, PageKind, PageMode, Pool, Stats, WalkKind
+from .pool import Allocation, Backend, ClassStats, HeapRegion, NumaPolicy, PageKind, PageMode, Pool, Stats, WalkKind
 from .sizes import format_size, parse_size, size_class_of, size_classes
 from .varpool import VarPool, VarStats
 
@@ -57,6 +57,8 @@ __all__ = [
     "HeapRegion",
     "PageMode",
     "PageKind",
+    "Backend",
+    "NumaPolicy",
     "WalkKind",
     "KvallocError",
     "OutOfMemory",

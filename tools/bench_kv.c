@@ -233,6 +233,17 @@ static double metadata_per_block(uint32_t n) {
     return (double)st.block_metadata_bytes / n;
 }
 
+/* The target cell of a row: the bound and whether it was met; a miss is counted for the exit
+ * status and the closing line. */
+static int targets, missed;
+static const char *judged(const char *bound, int met) {
+    static char cell[64];
+    targets++;
+    missed += !met;
+    snprintf(cell, sizeof cell, "%s: %s", bound, met ? "pass" : "FAIL");
+    return cell;
+}
+
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--evict") == 0) {
         /* One cache of argv[2] blocks, LRU in argv[3] order ("block" or "random"), then
@@ -253,15 +264,13 @@ int main(int argc, char **argv) {
         return help ? 0 : 2;
     }
     long scale = quick ? 1 : 10;
-    int missed = 0;
     printf("| measurement | result | target |\n|---|---|---|\n");
 
     double a1 = bench_alloc_free(1, 20000 * scale), a16 = bench_alloc_free(16, 4000 * scale),
            a256 = bench_alloc_free(256, 400 * scale);
     printf("| allocate + free, 1-block sequences | %.1f ns/block | |\n", a1);
     printf("| allocate + free, 16-block sequences | %.1f ns/block | |\n", a16);
-    printf("| allocate + free, 256-block sequences | %.2f ns/block | <= 5 |\n", a256);
-    missed += a256 > 5.0;
+    printf("| allocate + free, 256-block sequences | %.2f ns/block | %s |\n", a256, judged("<= 5", a256 <= 5.0));
     printf("| decode append, 1 token | %.1f ns/call | |\n", bench_decode(200000 * scale));
     printf("| single-block hit + release, uniform over 65536 cached | %.1f ns/call | |\n",
            bench_single_hits(1 << 16, 1 << 16, 20000 * scale));
@@ -277,9 +286,8 @@ int main(int argc, char **argv) {
         steady[i] = bench_evicting_requests(sizes[i], 2000 * scale);
     }
     for (int i = 0; i < 3; i++) {
-        printf("| prefix hit (allocate + free, 64-block prefixes), %u cached | %.1f ns/block | <= 50 |\n", sizes[i],
-               hits[i]);
-        missed += hits[i] > 50.0;
+        printf("| prefix hit (allocate + free, 64-block prefixes), %u cached | %.1f ns/block | %s |\n", sizes[i],
+               hits[i], judged("<= 50", hits[i] <= 50.0));
     }
     static const char *temperature[2] = {"warm", "cold"}, *order[2] = {"block order", "random order"};
     for (int cold = 0; cold < 2; cold++)
@@ -289,8 +297,7 @@ int main(int argc, char **argv) {
                        order[shuffled], sizes[i], evict[cold][shuffled][i]);
             double spread = evict[cold][shuffled][2] / evict[cold][shuffled][0];
             printf("| eviction, %s, LRU in %s: 10^6 / 10^4 | %.2fx | %s |\n", temperature[cold], order[shuffled], spread,
-                   cold ? "<= 1.2x" : "");
-            if (cold) missed += spread > 1.2;
+                   cold ? judged("<= 1.2x", spread <= 1.2) : "");
         }
     for (int i = 0; i < 3; i++)
         printf("| full cache: keyed request evicting its blocks, %u cached | %.1f ns/block | |\n", sizes[i], steady[i]);
@@ -298,8 +305,10 @@ int main(int argc, char **argv) {
     uint32_t meta_sizes[4] = {10000, 1000000, 1u << 20, (1u << 20) + 1};
     for (int i = 0; i < 4; i++) {
         double m = metadata_per_block(meta_sizes[i]);
-        printf("| metadata, %u blocks | %.1f bytes/block | <= 64 |\n", meta_sizes[i], m);
-        missed += m > 64.0;
+        printf("| metadata, %u blocks | %.1f bytes/block | %s |\n", meta_sizes[i], m, judged("<= 64", m <= 64.0));
     }
+    /* The cold eviction spread is the memory's: the same two cache lines per eviction are
+     * further away in 50 MB of metadata than in 480 KB (docs/benchmarks.md, "KV manager"). */
+    printf("\n%d of %d targets missed\n", missed, targets);
     return missed ? 1 : 0;
 }

@@ -92,3 +92,9 @@ def output_directory(text: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write into {text}: permission denied")
     return path
+
+
+def help_text(doc: str) -> str:
+    """A module docstring as a command's --help description: its ``literal`` markup read as
+    plain text, as a terminal shows it."""
+    return doc.replace("``", "")

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .arguments import output_directory
+from .arguments import help_text, output_directory
 
 # name on the command line -> (executable, takes --only and --json)
 BENCHMARKS = {
@@ -102,7 +102,7 @@ def benchmark_name(text: str) -> str:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "bench", help="run the allocator benchmarks against glibc, jemalloc, mimalloc, tcmalloc",
-        description=__doc__.split("\n\n", 1)[1].strip(),
+        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("benchmarks", nargs="*", metavar="BENCHMARK", type=benchmark_name,
                         default=[],
@@ -129,6 +129,10 @@ def run(args: argparse.Namespace) -> int:
             path = find(executable)
             print(f"{name:8} {executable:14} {path if path else 'not installed'}")
         return 0
+    ignoring = [name for name in names if not BENCHMARKS[name][1]]
+    if ignoring and (args.only or args.json):
+        print(f"kvalloc bench: {', '.join(ignoring)} measure libkvalloc alone and print their table only: "
+              f"--only and --json apply to alloc and threads", file=sys.stderr)
     paths = {name: find(BENCHMARKS[name][0]) for name in names}
     missing = [BENCHMARKS[name][0] for name, path in paths.items() if path is None]
     if missing:

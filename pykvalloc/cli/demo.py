@@ -28,14 +28,14 @@ from ..replay.report import print_report
 from ..replay.simulator import ReplayConfig, replay
 from ..replay.workload import default_workload
 from ..sizes import format_size
-from .arguments import positive_int, positive_number, positive_size
+from .arguments import help_text, positive_int, positive_number, positive_size
 
 POOL_NAME = "kvalloc-demo"
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("demo", help="replay the embedded workload, watching it live",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=positive_int, default=2000, help="requests to replay (default 2000)")
     parser.add_argument("--kv-size", type=positive_size, default=2 << 30, help="KV capacity (default 2G)")
     parser.add_argument("--speed", type=positive_number, default=30.0,

@@ -25,6 +25,7 @@ from kvalloc_tui import render
 from ..pool import PageKind
 from ..sizes import format_size
 from ..stats import Snapshot, format_age, open_segment, process_name
+from .arguments import help_text
 
 HEAP_MAP_ROWS = 8  # at most; a small pool fills fewer
 BAR_WIDTH = 20
@@ -34,7 +35,7 @@ STRIP_WIDTH = 24
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "dump", help="print one snapshot of a live pool's statistics",
-        description=__doc__.split("\n\n", 1)[1].strip(),
+        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", metavar="PID|NAME",
                         help="the writer's pid, the pool name, or the segment file")

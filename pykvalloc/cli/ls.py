@@ -35,6 +35,7 @@ from ..stats import (
     process_name,
     writer_lives,
 )
+from .arguments import help_text
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,11 @@ class Entry:
     uptime_s: float | None = None
     heartbeat_age_s: float | None = None
     problem: str | None = None  # what is wrong with an unreadable segment
+    # A KV cache's blocks: the pool counts its whole KV region as one allocation (always 100 %
+    # in use), so its use is told by the blocks sequences hold, and those the prefix cache keeps.
+    kv_used_blocks: int | None = None
+    kv_cached_blocks: int | None = None
+    kv_total_blocks: int | None = None
 
 
 def describe(found: SegmentFile) -> Entry | None:
@@ -70,15 +76,19 @@ def describe(found: SegmentFile) -> Entry | None:
     alive = writer_lives(found.path, snap.capabilities, snap.pid, snap.start_time_ns)
     age = snap.heartbeat_age()
     state = "dead" if not alive else "idle" if age >= IDLE_AFTER_S else "live"
+    kv = snap.kv
     return Entry(str(found.path), found.pid, process_name(found.pid) if alive else None,
                  snap.pool_name, alive, state, snap.capacity, snap.bytes_in_use,
-                 snap.uptime() if alive else None, age)
+                 snap.uptime() if alive else None, age,
+                 kv_used_blocks=None if kv is None else int(kv["used_blocks"]),
+                 kv_cached_blocks=None if kv is None else int(kv["cached_blocks"]),
+                 kv_total_blocks=None if kv is None else int(kv["total_blocks"]))
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "ls", help="list the pools publishing statistics, and prune dead ones",
-        description=__doc__.split("\n\n", 1)[1].strip(),
+        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prune", action="store_true",
                         help="remove the segments whose process is gone")
@@ -130,8 +140,11 @@ def _table(entries: list[Entry]) -> Table:
         if entry.capacity is None or entry.bytes_in_use is None:
             figures = ["-", "-", "-"]
         else:
-            figures = [format_size(entry.capacity), format_size(entry.bytes_in_use),
-                       f"{entry.bytes_in_use / entry.capacity:.1%}" if entry.capacity else "-"]
+            use = f"{entry.bytes_in_use / entry.capacity:.1%}" if entry.capacity else "-"
+            if entry.kv_total_blocks:
+                use = (f"KV {entry.kv_used_blocks / entry.kv_total_blocks:.1%} "
+                       f"+{entry.kv_cached_blocks / entry.kv_total_blocks:.1%} cached")
+            figures = [format_size(entry.capacity), format_size(entry.bytes_in_use), use]
         state = entry.state
         if entry.state == "idle" and entry.heartbeat_age_s is not None:
             state = f"idle {format_age(entry.heartbeat_age_s)}"

@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from ..stats import SegmentFile, find_segment, list_segments
+from .arguments import help_text
 
 
 def _interval(text: str) -> float:
@@ -27,7 +28,7 @@ def _interval(text: str) -> float:
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "top", help="watch live pools in the terminal",
-        description=__doc__.split("\n\n", 1)[1].strip(),
+        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", nargs="?", metavar="PID|NAME",
                         help="the pool to watch first: its writer's pid, its name or its "

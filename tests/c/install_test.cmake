@@ -74,6 +74,23 @@ foreach(exe consumer consumer_static)
   must(${exe} ${consumer}/build/${exe})
 endforeach()
 
+# The README's C example, as written there, builds against the installed prefix without a
+# warning and does what its comments say.
+file(READ ${SOURCE_DIR}/README.md readme)
+string(REGEX MATCH "```c\n(#include <kvalloc.h>[^`]*)```" unused "${readme}")
+if(NOT CMAKE_MATCH_1)
+  message(FATAL_ERROR "no C example found in README.md")
+endif()
+file(WRITE ${consumer}/readme_example.c "${CMAKE_MATCH_1}")
+file(GLOB installed_libdir ${prefix}/lib*)
+must("building the README's C example with -Wall -Wextra -Werror"
+     cc -Wall -Wextra -Werror ${consumer}/readme_example.c -I${prefix}/include -L${installed_libdir} -lkvalloc
+     -Wl,-rpath,${installed_libdir} -o ${consumer}/readme_example)
+execute_process(COMMAND ${consumer}/readme_example OUTPUT_VARIABLE said RESULT_VARIABLE rc)
+if(rc OR NOT said STREQUAL "double free\n")
+  message(FATAL_ERROR "the README's C example said '${said}' (status ${rc}), not 'double free'")
+endif()
+
 # pkg-config is part of the contract, so its absence fails the test (make test installs it).
 find_program(PKG_CONFIG pkg-config)
 if(NOT PKG_CONFIG)

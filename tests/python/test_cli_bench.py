@@ -69,3 +69,9 @@ def test_json_must_name_a_directory(tmp_path):
         done = run_kvalloc("bench", "alloc", "--quick", "--json", str(target))
         assert done.returncode == 2 and "is not a directory" in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_options_a_benchmark_does_not_take_are_said_to_be_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv(bench.ENV_VAR, str(tmp_path))  # nothing runs: the programs are "missing"
+    done = run_kvalloc("bench", "kv", "--only", "kvalloc")
+    assert "kv measure libkvalloc alone" in done.stderr and "--only and --json apply to alloc and threads" in done.stderr

@@ -222,3 +222,20 @@ def test_names_are_shown_as_written_not_read_as_markup(capsys, monkeypatch):
         table = capsys.readouterr().out
         assert "[/]engine" in next(line for line in table.splitlines() if first in line)
         assert "[engine]" in next(line for line in table.splitlines() if second in line)
+
+
+def test_a_kv_cache_is_listed_by_its_blocks_not_its_region(capsys, monkeypatch):
+    # The pool counts a KV cache's whole region as one allocation, so "use" said 100.0 % for
+    # every KV cache, full or empty; its blocks say how full it is.
+    monkeypatch.setenv("COLUMNS", "200")
+    name = unique_name("kvls")
+    with pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64, name=name) as cache:
+        held = cache.allocate(16 * 16)                       # 16 of 64 blocks used
+        cache.allocate(8 * 16, block_keys=list(range(1, 9))).free()  # 8 more kept by the prefix cache
+        cache.publish()
+        assert main(["ls"]) == 0
+        row = next(line for line in capsys.readouterr().out.splitlines() if name in line)
+        assert "KV 25.0% +12.5% cached" in row, row
+        entry = next(e for e in listing(capsys)["segments"] if e["pool"] == name)
+        assert (entry["kv_used_blocks"], entry["kv_cached_blocks"], entry["kv_total_blocks"]) == (16, 8, 64)
+        held.free()
