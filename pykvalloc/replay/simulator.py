@@ -326,13 +326,12 @@ def replay(trace: Trace, config: ReplayConfig,
                 prompt = request.input_tokens + generated
                 keys = keys_of(request, index)
                 keyed = keyed or keys is not None
-                hits_before, queries_before = backend.prefix() if keys is not None else (0, 0)
                 admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
                 if admitted is not None and keys is not None:
-                    hits_after, queries_after = backend.prefix()
+                    # What the KV manager adds to its hit and query counts for this allocation.
                     lookups = again_lookups if index in admitted_before else first_lookups
-                    lookups[0] += hits_after - hits_before
-                    lookups[1] += queries_after - queries_before
+                    lookups[0] += backend.cached_tokens(admitted[0])
+                    lookups[1] += prompt
                 if admitted is None:
                     if running:
                         break
