@@ -174,7 +174,9 @@ typedef struct kva_config {
     int checked;         /* host, for debugging: every free byte of the pool holds a poison
                             pattern (the whole region is written at creation); an allocation
                             checks its memory is still poisoned and reports a write after free
-                            (KVA_ERR_CORRUPT, and hands out nothing); every allocation is given
+                            (KVA_ERR_CORRUPT, and hands out nothing: the block is withheld as
+                            it is, never handed out again, a free of it is a double free, and
+                            kva_check reports it from then on); every allocation is given
                             a 16-byte red zone before it and one from its last requested byte to
                             the end of its block, checked at free (KVA_ERR_CORRUPT naming the
                             overrun; the memory is freed all the same). kva_check also
@@ -234,7 +236,8 @@ KVA_API void kva_pool_destroy(kva_pool *pool);
  * Errors: KVA_ERR_INVALID (NULL pool or out, size 0, size larger than the largest block this
  * pool can ever hold), KVA_ERR_NOMEM (fits in principle, not now), KVA_ERR_BACKEND (a CUDA
  * pool whose driver refused to map the memory), KVA_ERR_CORRUPT (a checked pool found a write
- * after free in the memory it would hand out, and hands out nothing). */
+ * after free in the memory it would hand out, and hands out nothing; kva_config.checked says
+ * what becomes of that block). */
 KVA_API kva_status kva_alloc(kva_pool *pool, size_t size, void **out);
 
 /* As kva_alloc, with the address a multiple of alignment (a power of two no larger than the

@@ -350,6 +350,9 @@ static kva_status check_locked(kva_pool *pool) {
         if (pc.bad_at != UINT64_MAX)
             return BROKEN("C1: byte %llu of the pool is free but was written after it was freed",
                           (unsigned long long)pc.bad_at);
+        if (pool->quarantined)
+            return BROKEN("C2: %u blocks are withheld, each written after it was freed (the first at byte %llu)",
+                          pool->quarantined, (unsigned long long)pool->quarantine[0]);
     }
     if (pool->block_allocs - pool->block_frees != used_blocks)
         return BROKEN("P3: %llu block allocations less %llu frees, but %llu blocks are live",

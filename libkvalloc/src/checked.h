@@ -5,6 +5,9 @@
  *
  * Invariant C1 (kva_check verifies it): every byte of a checked pool that belongs to no live
  * allocation holds KVA_POISON_FREE.
+ * C2: no block is withheld. An allocation that finds a write after free in the block it would
+ * hand out withholds that block (pool.h, quarantine) and reports KVA_ERR_CORRUPT; from then on
+ * kva_check reports C2, since the program wrote through a freed pointer.
  */
 #ifndef KVA_CHECKED_H
 #define KVA_CHECKED_H

@@ -23,6 +23,7 @@ void kva_pool_destroy(kva_pool *pool) {
     kva_fork_untrack(pool);
     kva_tc_pool_destroyed(pool);
     free(pool->free_ids);
+    free(pool->quarantine);
     kva_segment_close(pool->segment);
     kva_slabs_fini(&pool->slabs);
     kva_buddy_fini(&pool->buddy);
@@ -312,6 +313,36 @@ static uint64_t stored_size(const unsigned char *start) {
     return ~stored;
 }
 
+/* Lists the block at start in the quarantine: 0 when there is no host memory for the entry. */
+static int quarantine_add(kva_pool *pool, const unsigned char *start) {
+    pthread_mutex_lock(&pool->lock);
+    int listed = 1;
+    if (pool->quarantined == pool->quarantine_room) {
+        uint32_t room = pool->quarantine_room ? 2 * pool->quarantine_room : 8;
+        uint64_t *grown = room > pool->quarantine_room ? realloc(pool->quarantine, room * sizeof *grown) : NULL;
+        if (grown) {
+            pool->quarantine = grown;
+            pool->quarantine_room = room;
+        } else {
+            listed = 0;
+        }
+    }
+    if (listed) pool->quarantine[pool->quarantined++] = (uint64_t)(start - pool->base);
+    pthread_mutex_unlock(&pool->lock);
+    return listed;
+}
+
+/* Whether the block at start is withheld. A scan: the quarantine holds one entry per write
+ * after free found, a bug each, not a number that grows with the pool's use. */
+static int quarantined(kva_pool *pool, const unsigned char *start) {
+    uint64_t offset = (uint64_t)(start - pool->base);
+    pthread_mutex_lock(&pool->lock);
+    int found = 0;
+    for (uint32_t i = 0; i < pool->quarantined && !found; i++) found = pool->quarantine[i] == offset;
+    pthread_mutex_unlock(&pool->lock);
+    return found;
+}
+
 static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
                                 kva_status (*alloc)(kva_pool *, size_t, void **)) {
     if (!out || size == 0) return alloc(pool, size, out);
@@ -324,12 +355,19 @@ static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
     unsigned char *start = got;
     size_t usable = usable_size(pool, start), bad;
     if (!kva_holds(start, usable, KVA_POISON_FREE, &bad)) {
+        /* Nothing is handed out. The block is withheld as it is, so that what was written
+         * stays for a debugger, kva_check keeps reporting it, and the stale pointer that
+         * wrote it can never reach a live object; with no memory to list it, it is cleaned
+         * and freed instead, as it once always was. */
         uint64_t at = (uint64_t)(start + bad - pool->base);
-        kva_poison(start, usable);
-        free_any(pool, start); /* nothing is handed out; the block is clean again */
-        __atomic_fetch_add(&pool->retracted_allocs, 1, __ATOMIC_RELAXED);
-        return kva_fail(KVA_ERR_CORRUPT, "write after free: byte %llu of the pool, in freed memory, was changed",
-                        (unsigned long long)at);
+        if (!quarantine_add(pool, start)) {
+            kva_poison(start, usable);
+            free_any(pool, start);
+            __atomic_fetch_add(&pool->retracted_allocs, 1, __ATOMIC_RELAXED);
+        }
+        return kva_fail(KVA_ERR_CORRUPT,
+                        "write after free: byte %llu of the pool, in freed memory, was changed (the block at %llu is "
+                        "withheld)", (unsigned long long)at, (unsigned long long)(start - pool->base));
     }
     /* The front red zone keeps the requested size (inverted, so an overwrite shows), which puts
      * the back red zone right after the last requested byte: the block's slack is red zone too. */
@@ -361,6 +399,9 @@ static kva_status checked_free(kva_pool *pool, void *ptr) {
         return reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is not an allocation: in a checked pool they start %d "
                                                           "bytes into their block", ptr, KVA_REDZONE));
     unsigned char *start = guarded_start(ptr);
+    if (quarantined(pool, start))
+        return reject(pool, kva_fail(KVA_ERR_DOUBLE_FREE, "%p was freed already, then written after that free (the "
+                                                          "block is withheld)", ptr));
     size_t usable = usable_size(pool, start), bad;
     if (usable == 0) return reject(pool, classify_not_an_allocation(pool, ptr, offset));
     const char *overrun = NULL;
@@ -554,7 +595,7 @@ size_t kva_usable_size(kva_pool *pool, const void *ptr) {
         if (offset < KVA_REDZONE || offset >= pool->capacity) return 0;
         const unsigned char *start = pool->base + (offset - KVA_REDZONE);
         size_t usable = usable_size(pool, start);
-        if (!usable) return 0;
+        if (!usable || quarantined(pool, start)) return 0;
         /* What may be written: the requested size, kept in the front red zone; past it begins
          * the back red zone (a corrupted front one cannot say more than the block holds). */
         uint64_t size = stored_size(start);

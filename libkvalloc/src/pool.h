@@ -41,9 +41,16 @@ struct kva_pool {
     uint64_t block_frees;
     uint64_t alloc_failures; /* atomic */
     uint64_t rejected_calls; /* atomic */
-    /* atomic: checked allocations taken back for a write after free (checked_alloc): each was
-     * counted as an allocation and a free that the caller never saw, so the totals take both
-     * out again */
+    /* Checked mode's quarantine (checked_alloc), under the pool lock: the blocks in which an
+     * allocation found a write after free. Each stays allocated with what was written into it,
+     * is never handed out again, a free of it is a double free (its caller freed it once
+     * already), and kva_check reports it (C2). The totals count it as an allocation nobody
+     * received. */
+    uint64_t *quarantine;            /* the blocks' start offsets, in the order found */
+    uint32_t quarantined, quarantine_room;
+    /* atomic: the same blocks taken back instead, when there was no host memory to list them
+     * (poisoned again and freed: each was counted as an allocation and a free that the caller
+     * never saw, so the totals take both out again) */
     uint64_t retracted_allocs;
     size_t max_alloc_size;
     kva_region region;

@@ -68,8 +68,10 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.slab_free_bytes = slab_capacity_bytes - slab_object_bytes;
     size_t block_bytes = (size_t)buddy->used_units << buddy->min_shift;
     st.bytes_in_use = slab_object_bytes + (block_bytes - st.slab_bytes);
-    st.live_allocations = live;
-    st.alloc_count = allocs - retracted;
+    /* A checked pool's withheld blocks (pool.h, quarantine) are allocated, their bytes in use,
+     * but no caller received them: no live allocation, no allocation counted. */
+    st.live_allocations = live - pool->quarantined;
+    st.alloc_count = allocs - retracted - pool->quarantined;
     st.free_count = frees - retracted;
     st.alloc_failures = __atomic_load_n(&pool->alloc_failures, __ATOMIC_RELAXED);
     st.rejected_calls = __atomic_load_n(&pool->rejected_calls, __ATOMIC_RELAXED);

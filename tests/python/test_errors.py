@@ -331,3 +331,21 @@ def test_a_checked_pool_reports_writes_after_free_and_past_the_end():
         assert not c.freed
         pool.free(c)
         pool.check()
+
+
+def test_a_block_written_after_its_free_is_withheld():
+    # The allocation that finds the write raises CorruptionError and keeps the block out of
+    # use; check() goes on reporting it, and the stale address frees nothing.
+    with pykvalloc.Pool(16 * 1024 * 1024, checked=True) as pool:
+        stale = pool.alloc(256)
+        address = stale.address
+        stale.view()[10] = 7
+        pool.free(stale)
+        ctypes.memset(address + 10, 1, 1)   # through the freed pointer
+        with pytest.raises(pykvalloc.CorruptionError, match="withheld"):
+            pool.alloc(256)
+        with pytest.raises(pykvalloc.CorruptionError, match="C2"):
+            pool.check()
+        fresh = pool.alloc(256)
+        assert fresh.address != address
+        pool.free(fresh)
