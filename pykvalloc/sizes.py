@@ -40,10 +40,9 @@ def parse_size(text: str) -> int:
     # Whole numbers stay in integer arithmetic so that large sizes are exact.
     if "." not in number:
         return int(number) * scale
-    value = float(number) * scale
-    if value != int(value):
+    if scale == 1:  # "1.9" bytes is a typo, not a size
         raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(value)
+    return int(float(number) * scale)  # "2.4G": rounded down to a whole byte
 
 
 def format_size(size: float) -> str:

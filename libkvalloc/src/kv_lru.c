@@ -268,7 +268,7 @@ static kva_status check_lists(const kva_kv *kv, uint8_t *seen, uint8_t *listed) 
         if (kv->lru_segs[s].fill != 0) return BROKEN("K4: free segment %u has fill %u", s, kv->lru_segs[s].fill);
         if (++free_segments > kv->lru_used) return BROKEN("K4: the free-segment list loops");
     }
-    if (kv->lru_used > kv->lru_segments || linked + free_segments != kv->lru_used)
+    if (linked + free_segments != kv->lru_used) /* lru_used <= lru_segments: kv_lru_check */
         return BROKEN("K4: %u segments listed and %u free; %u used of %u", linked, free_segments, kv->lru_used,
                       kv->lru_segments);
     return KVA_OK;

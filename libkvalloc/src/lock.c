@@ -7,10 +7,10 @@
 #include <sched.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "lock.h"
+#include "os.h"
 
 /* Spins of a waiter before it yields: about a microsecond, longer than any section the lock
  * guards takes when its holder runs. */
@@ -94,12 +94,6 @@ static int membarrier_usable(void) {
     return state > 0;
 }
 
-static uint64_t monotonic_ns(void) {
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    return (uint64_t)now.tv_sec * 1000000000u + (uint64_t)now.tv_nsec;
-}
-
 /* The fence a revocation puts into the biased thread, after clearing the bias: membarrier
  * (lock.h). The kernel can still refuse it after the registration succeeded: for want of
  * memory, in a child forked after the registration on kernels that do not carry it over (it is
@@ -119,7 +113,7 @@ static void fence_biased_thread(void) {
         return;
     __atomic_store_n(&membarrier_state, -1, __ATOMIC_RELEASE);
     __atomic_thread_fence(__ATOMIC_SEQ_CST);
-    for (uint64_t start = monotonic_ns(); monotonic_ns() - start < KVA_LOCK_DRAIN_NS;) cpu_relax();
+    for (uint64_t start = kva_os_monotonic_ns(); kva_os_monotonic_ns() - start < KVA_LOCK_DRAIN_NS;) cpu_relax();
 }
 
 int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me) {

@@ -67,7 +67,8 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
     """The table of one or more replays, given as results or as their JSON form (as_dict)."""
     rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
     console = console or Console()
-    wide_enough = 30 + 16 * len(rows)
+    report = table(rows)
+    wide_enough = console.measure(report, options=console.options.update(max_width=10_000)).maximum
     if not console.is_terminal and console.width < wide_enough:
         # Piped or redirected, Rich assumes 80 columns, which cut a --compare table's headers
         # and wrapped its figures; a file takes a long line.
@@ -78,7 +79,7 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
     if "capacity_bytes" in first:
         title += f" ({first['capacity_bytes'] / 2**30:.1f} GiB)"
     console.print(title, style="bold")  # above the table, not as its title: that wraps to the table's width
-    console.print(table(rows))
+    console.print(report)
     for row in rows:
         if "error" in row:
             console.print(f"{label(row)} failed: {row['error']}", style="red")
@@ -97,9 +98,10 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         bounds = {"inside the library": " (percentiles as log2-bucket upper bounds)"}
         where = "; ".join(f"{timing}{bounds.get(timing, '')} for {', '.join(names)}"
                           for timing, names in by_timing.items())
-        console.print(f"Allocator calls were timed {where}. A prefix hit counts prompt tokens found cached at a "
-                      f"request's first admission; re-admissions after a preemption find their own blocks and are "
-                      f"counted apart.", style="dim")
+        about_hits = (" A prefix hit counts prompt tokens found cached at a request's first admission; "
+                      "re-admissions after a preemption find their own blocks and are counted apart."
+                      if any(r.get("prefix_hit_rate") is not None for r in rows) else "")
+        console.print(f"Allocator calls were timed {where}.{about_hits}", style="dim")
 
 
 def write_json(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> None:
@@ -149,7 +151,7 @@ def write_plot(results: Sequence[ReplayResult | dict[str, Any]], path: Path, bin
     use_axis.legend(loc="lower right", fontsize="small", ncol=2)
     use_axis.set_title(f"{Path(runs[0].source).name if runs else ''}: KV use over simulated time")
     if with_hits:
-        axes[1][0].set_ylabel("prefix hit rate (%, cumulative)")
+        axes[1][0].set_ylabel("prefix hit rate (%, cumulative,\nfirst admissions)")
     axes[-1][0].set_xlabel("simulated time (s)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)

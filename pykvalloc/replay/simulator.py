@@ -327,8 +327,9 @@ def replay(trace: Trace, config: ReplayConfig,
                 keys = keys_of(request, index)
                 keyed = keyed or keys is not None
                 admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
-                if admitted is not None and keys is not None:
-                    # What the KV manager adds to its hit and query counts for this allocation.
+                if admitted is not None and backend.prefix_caching:
+                    # What the KV manager adds to its hit and query counts for this allocation
+                    # (a prompt shorter than a block has no keys, and counts as looked up too).
                     lookups = again_lookups if index in admitted_before else first_lookups
                     lookups[0] += backend.cached_tokens(admitted[0])
                     lookups[1] += prompt
@@ -362,7 +363,7 @@ def replay(trace: Trace, config: ReplayConfig,
             now += step_s
             steps += 1
             if steps % config.sample_every == 0:
-                hits, queries = backend.prefix()
+                hits, queries = first_lookups
                 samples.append(Sample(now, use, hits / queries if queries else 0.0, len(running), len(waiting)))
             if on_step is not None:
                 on_step(now)

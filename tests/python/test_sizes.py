@@ -10,12 +10,13 @@ from pykvalloc.sizes import format_size, parse_size, size_class_of, size_classes
 
 
 @pytest.mark.parametrize("text, size", [("4096", 4096), ("64K", 64 << 10), ("64KiB", 64 << 10), ("64kb", 64 << 10),
-                                        ("1.5m", 3 << 19), ("2G", 2 << 30), ("512b", 512), (" 3 T ", 3 << 40)])
+                                        ("1.5m", 3 << 19), ("2G", 2 << 30), ("512b", 512), (" 3 T ", 3 << 40),
+                                        ("2.4G", int(2.4 * (1 << 30))), ("1.1k", 1126)])
 def test_sizes_people_write(text, size):
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["4ib", "ib", "1.9", "1.1k", "-1", "K", "", "4 KiBs", "0x10"])
+@pytest.mark.parametrize("text", ["4ib", "ib", "1.9", "1.9b", "-1", "K", "", "4 KiBs", "0x10"])
 def test_what_is_no_size(text):
     # "4ib" read as 4 bytes and "1.9" as 1: a typo or a fraction of a byte passed silently.
     with pytest.raises(ValueError):
