@@ -51,10 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", type=Path, help="Azure CSV or Mooncake JSONL (default: embedded workload)")
     parser.add_argument("--mode", choices=MODES, default="paged",
                         help="how the KV memory is managed (default: paged)")
-    parser.add_argument("--block-tokens", type=positive_int, default=16,
-                        help="tokens per KV block (paged). Prefix caching keys blocks from the trace's "
-                             "512-token hash ids, so it needs a size that divides 512 or is a multiple of "
-                             "it; with any other, prefix caching is off and the hit rate shows as -")
+    parser.add_argument("--block-tokens", type=positive_int, default=None,
+                        help="tokens per KV block (paged, not --compare; default 16). Prefix caching keys "
+                             "blocks from the trace's 512-token hash ids, so it needs a size that divides 512 "
+                             "or is a multiple of it; with any other, prefix caching is off and the hit rate "
+                             "shows as -")
     parser.add_argument("--kv-size", type=positive_size, default=None,
                         help="KV capacity in bytes, e.g. 8G (default: 8 GiB)")
     parser.add_argument("--kv-tokens", type=positive_int, default=None,
@@ -99,7 +100,7 @@ def base_config(args: argparse.Namespace) -> ReplayConfig:
         tokens = args.kv_tokens
     else:
         tokens = (args.kv_size if args.kv_size is not None else 8 << 30) // geometry.bytes_per_token
-    return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens, capacity_tokens=tokens, geometry=geometry,
+    return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens or 16, capacity_tokens=tokens, geometry=geometry,
                         max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
                         prefix_caching=not args.no_prefix_caching, pool_name=args.name,
                         sample_every=16 if args.plot else 1 << 30)
@@ -199,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # Said before the replay, not after it (with a traceback, as it once was).
         print("kvalloc replay: --plot needs matplotlib: pip install 'pykvalloc[plot]'", file=sys.stderr)
+        return 2
+    if args.block_tokens is not None and (args.mode != "paged" or args.compare):
+        # It was taken and ignored: contiguous and malloc have no blocks, --compare runs 16 .. 128.
+        print("kvalloc replay: --block-tokens applies to --mode paged without --compare", file=sys.stderr)
         return 2
     trace = read_traffic(args)
     with stop_on_signals() if args.pace else contextlib.nullcontext() as stop:

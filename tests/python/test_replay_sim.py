@@ -461,3 +461,10 @@ def test_a_paced_replay_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Pat
     report = json.loads(out.read_text())
     assert report["stopped"] is True and report["finished"] < report["requests"] == 2000
     assert "stopped early, as asked" in said
+
+
+@pytest.mark.parametrize("argv", [["--mode", "contiguous"], ["--mode", "malloc-glibc"], ["--compare"]])
+def test_block_tokens_where_there_are_none_to_size_is_refused(argv: list[str], capsys) -> None:
+    # Taken and ignored before: contiguous and malloc have no blocks, and --compare runs 16 .. 128.
+    assert main(["replay", "--requests", "3", "--block-tokens", "32", *argv]) == 2
+    assert "--block-tokens applies to --mode paged without --compare" in capsys.readouterr().err
