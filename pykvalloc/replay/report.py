@@ -87,6 +87,11 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
             console.print(f"{label(row)}: stopped early, as asked, after {row['simulated_s']:,.0f} simulated seconds: "
                           f"{row['finished']:,} of {row['requests']:,} requests had finished; the figures cover "
                           f"that much", style="yellow")
+        if row.get("mode") == "contiguous" and row.get("preemptions"):
+            console.print(f"{label(row)}: each request holds one buffer of a power of two of tokens and moves to the "
+                          f"next when it outgrows it, so the pool fragments ({row['fragmentation']:.1%}) and wastes "
+                          f"({row['internal_waste']:.1%}): {row['preemptions']:,} preemptions where a paged cache "
+                          f"of the same size needs far fewer", style="dim")
         if row.get("rejected"):
             console.print(f"{label(row)}: rejected {row['rejected']:,} of {row['requests']:,} requests, which can "
                           f"never complete on this KV cache, even alone (give it more: --kv-size)", style="yellow")

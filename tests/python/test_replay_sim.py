@@ -468,3 +468,10 @@ def test_block_tokens_where_there_are_none_to_size_is_refused(argv: list[str], c
     # Taken and ignored before: contiguous and malloc have no blocks, and --compare runs 16 .. 128.
     assert main(["replay", "--requests", "3", "--block-tokens", "32", *argv]) == 2
     assert "--block-tokens applies to --mode paged without --compare" in capsys.readouterr().err
+
+
+def test_a_contiguous_report_says_why_it_preempts(capsys) -> None:
+    assert main(["replay", "--requests", "300", "--kv-size", "1G", "--mode", "contiguous"]) == 1  # 2 rejected
+    said = " ".join(capsys.readouterr().out.split())
+    assert "contiguous: each request holds one buffer of a power of two of tokens" in said
+    assert "preemptions where a paged cache of the same size needs far fewer" in said
