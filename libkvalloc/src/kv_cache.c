@@ -75,8 +75,11 @@ kva_status kva_kv_block_bytes(const kva_kv_config *cfg, size_t *out) {
 /* Paged mode: the number of blocks and the strides. */
 static kva_status paged_layout(const kva_kv_config *cfg, kva_kv_info *info) {
     uint64_t blocks = cfg->num_blocks ? cfg->num_blocks : cfg->capacity_bytes / info->block_bytes;
+    if (blocks == 0 && cfg->capacity_bytes == 0)
+        return kva_fail(KVA_ERR_INVALID, "no size given: set num_blocks, or capacity_bytes (at least one block of %zu "
+                                         "bytes)", info->block_bytes);
     if (blocks == 0)
-        return kva_fail(KVA_ERR_INVALID, "capacity holds no block: num_blocks 0 and %zu bytes for blocks of %zu",
+        return kva_fail(KVA_ERR_INVALID, "capacity_bytes %zu holds no block of %zu bytes (num_blocks 0)",
                         cfg->capacity_bytes, info->block_bytes);
     if (blocks > KV_MAX_BLOCKS)
         return kva_fail(KVA_ERR_INVALID, "%llu blocks; at most %u", (unsigned long long)blocks, KV_MAX_BLOCKS);

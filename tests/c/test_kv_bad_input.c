@@ -97,6 +97,8 @@ static void test_bad_configs(void) {
         CHECK(kv == SENTINEL_KV);
         CHECK(kva_last_error()[0] != '\0');
         CHECK(strstr(kva_last_error(), "min_block") == NULL); /* not a field the caller set */
+        if (field == 9) CHECK(strstr(kva_last_error(), "no size given: set num_blocks, or capacity_bytes") != NULL);
+        if (field == 10) CHECK(strstr(kva_last_error(), "capacity_bytes 100 holds no block") != NULL);
         if (field <= 6 || field == 12) {
             bytes = 7;
             CHECK_STATUS(kva_kv_block_bytes(&cfg, &bytes), KVA_ERR_INVALID);
