@@ -159,7 +159,6 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
     slab->magic = g->magic;
     slab->l0_words = g->l0_words;
     kva_store(&slab->arena, (uint16_t)a);
-    kva_store(&slab->generation, slab->generation + 1);
     __atomic_store_n(&slab->cls, (uint8_t)c, __ATOMIC_RELEASE);
     kva_arena_class *ac = &sl->arenas[a].classes[c];
     list_push_head(sl, ac, s);

@@ -84,11 +84,7 @@ typedef struct kva_slab {
     uint32_t size, nobj;
     uint64_t magic;         /* kva_div_magic(size) */
     uint32_t l0_words;
-    /* (atomic) Counts the slabs made in this chunk: which one a reader met, for a remote free
-     * that must write to its slab's words after passing its object on, by which time the slab
-     * may have been emptied and made anew (tcache.c, remote_free). */
-    uint32_t generation;
-    /* A cache line each (56 bytes used): every free reads its slab's descriptor, and a claim or
+    /* A cache line each (most of it unused): every free reads its slab's descriptor, and a claim or
      * return of a word writes it; neighbouring slabs usually belong to different arenas, hence
      * threads on other cores, and sharing a line made two threads on two cores no faster than
      * one. */

@@ -9,6 +9,7 @@
  * of it.
  */
 #include <semaphore.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "pool.h"
@@ -422,6 +423,48 @@ static void test_remote_free_outlived_by_its_slab(void) {
     kva_pool_destroy(pool);
 }
 
+/* A remote free's object may be merged by its owner, handed out again and freed by a third
+ * thread, all before the first free returns. That free once re-read the object's bit, found it
+ * free, and took "its" remote bit back to refuse itself as a racing double free: the bit was
+ * the third thread's, so a valid free was refused and another one lost (live count one high
+ * for good; stress_threads ring, 1 run in 10 of a soak). The steps, placed: R frees x and
+ * pauses just after passing it on; this thread (x's owner) frees y in x's word, which merges
+ * x, holds the arena lock (where the take-back waited), lets R go on, allocates x again and
+ * has G free it. */
+static kva_status r_status;
+static void *free_r(void *arg) {
+    r_status = kva_free(pool, arg);
+    return NULL;
+}
+
+static void test_a_remote_free_outlived_by_its_object_stands(void) {
+    make_one_arena_pool();
+    void *x, *y, *again;
+    CHECK_STATUS(kva_alloc(pool, 64, &x), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, 64, &y), KVA_OK); /* the same word: this thread's */
+    pthread_t r = start_paused(free_r, x, KVA_TC_POINT_PASSED);
+    CHECK_STATUS(kva_free(pool, y), KVA_OK); /* merges x's remote bit: x is free in the word */
+    pthread_mutex_lock(&pool->slabs.arenas[0].lock);
+    sem_post(&resume);
+    usleep(100000); /* R returns, or waits for the lock where the take-back did */
+    CHECK_STATUS(kva_alloc(pool, 64, &again), KVA_OK);
+    CHECK(again == x); /* x's next life */
+    pthread_t g;
+    REQUIRE(pthread_create(&g, NULL, free_x, again) == 0);
+    pthread_join(g, NULL);
+    pthread_mutex_unlock(&pool->slabs.arenas[0].lock);
+    pthread_join(r, NULL);
+    kva_tc_test_hook(NULL, NULL);
+    thread_failures_merge();
+    sem_destroy(&arrived);
+    sem_destroy(&resume);
+    CHECK(r_status == KVA_OK); /* the only free of x's first life */
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
+    CHECK(stats().live_allocations == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 /* A remote free checks that its object is live, then passes it on with an atomic OR. Between
  * the two, a racing free of the same object by its owner may empty the slab and the slab go
  * back to the buddy: the OR then lands in a dead slab's words, where no merge will ever find
@@ -717,6 +760,7 @@ int main(void) {
     test_remote_frees_make_no_keeper();
     test_raced_double_free_is_not_handed_out_twice();
     test_remote_free_outlived_by_its_slab();
+    test_a_remote_free_outlived_by_its_object_stands();
     test_racing_free_lands_in_a_released_slab();
     test_late_free_drained_in_another_class();
     test_claim_racing_a_remote_free_counts_once();
