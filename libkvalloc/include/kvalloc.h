@@ -32,8 +32,8 @@
  * destroying it frees only what is the child's; a new CUDA or pinned pool is refused
  * (KVA_ERR_BACKEND) once an ancestor has loaded the driver.
  * Freeing one object from two threads at the same moment is the caller's race, and the one bad
- * input not always refused: rarely, both calls return KVA_OK; the object is free once and
- * counted once (docs/reliability.md, "Known limits", says what is left).
+ * input not always refused: both calls may return KVA_OK; the object is free once, counted
+ * once, and never handed out twice (docs/reliability.md, "Known limits", says what is left).
  */
 #ifndef KVALLOC_H
 #define KVALLOC_H
