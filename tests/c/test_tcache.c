@@ -431,9 +431,9 @@ static void test_remote_free_outlived_by_its_slab(void) {
  * pauses just after passing it on; this thread (x's owner) frees y in x's word, which merges
  * x, holds the arena lock (where the take-back waited), lets R go on, allocates x again and
  * has G free it. */
-static kva_status r_status;
-static void *free_r(void *arg) {
-    r_status = kva_free(pool, arg);
+static kva_status late_status; /* what the paused thread's free returned */
+static void *free_x_late(void *arg) {
+    late_status = kva_free(pool, arg);
     return NULL;
 }
 
@@ -442,7 +442,7 @@ static void test_a_remote_free_outlived_by_its_object_stands(void) {
     void *x, *y, *again;
     CHECK_STATUS(kva_alloc(pool, 64, &x), KVA_OK);
     CHECK_STATUS(kva_alloc(pool, 64, &y), KVA_OK); /* the same word: this thread's */
-    pthread_t r = start_paused(free_r, x, KVA_TC_POINT_PASSED);
+    pthread_t r = start_paused(free_x_late, x, KVA_TC_POINT_PASSED);
     CHECK_STATUS(kva_free(pool, y), KVA_OK); /* merges x's remote bit: x is free in the word */
     pthread_mutex_lock(&pool->slabs.arenas[0].lock);
     sem_post(&resume);
@@ -458,7 +458,7 @@ static void test_a_remote_free_outlived_by_its_object_stands(void) {
     thread_failures_merge();
     sem_destroy(&arrived);
     sem_destroy(&resume);
-    CHECK(r_status == KVA_OK); /* the only free of x's first life */
+    CHECK(late_status == KVA_OK); /* the only free of x's first life */
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
     CHECK(stats().live_allocations == 0);
     CHECK_STATUS(kva_check(pool), KVA_OK);
@@ -468,16 +468,10 @@ static void test_a_remote_free_outlived_by_its_object_stands(void) {
 /* A remote free checks that its object is live, then passes it on with an atomic OR. Between
  * the two, a racing free of the same object by its owner may empty the slab and the slab go
  * back to the buddy: the OR then lands in a dead slab's words, where no merge will ever find
- * it, and the free (whose take-back cannot tell either, the slab being gone) is accepted. It
+ * it, and the free is accepted. It
  * was counted as a free all the same, so the class showed one more free than allocations, and
  * kva_check failed S5 (stress_threads' df phase, several times a run). A remote free is now
  * counted where its bit is merged, and this one is merged nowhere. */
-static kva_status late_status;
-static void *free_x_late(void *arg) {
-    late_status = kva_free(pool, arg);
-    return NULL;
-}
-
 static void test_racing_free_lands_in_a_released_slab(void) {
     make_one_arena_pool();
     void *x;
