@@ -16,10 +16,10 @@
  * can neither elide nor merge malloc/free pairs it can see through. They are the allocator's own
  * entry points, called with nothing in between, as an engine calls them: malloc_fn and free_fn
  * for a malloc-shaped allocator, kva_alloc_fn and kva_free_fn (on bench_pool) for kvalloc; the
- * other pair is NULL. Each call is one indirect call into the real entry point. (Until
- * 2026-11-29 every allocator went through a wrapper of one shape, void *(size_t): kva_alloc's
- * out-pointer made kvalloc's a call frame with a stack round trip where malloc's was a jump,
- * and free's wrapper was a call frame for everyone; docs/benchmarks.md, "Calling convention".) */
+ * other pair is NULL. Each call is one indirect call into the real entry point. A wrapper of one
+ * shape for all, void *(size_t), would cost them unequally: kva_alloc's out-pointer would make
+ * kvalloc's a call frame with a stack round trip where malloc's is a jump, and a free wrapper
+ * is a call frame that a short free feels more than a long one. */
 struct backend {
     void *(*malloc_fn)(size_t size);
     void (*free_fn)(void *ptr);

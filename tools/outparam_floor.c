@@ -1,6 +1,6 @@
 /*
  * outparam_floor.c — what the shape of an allocation call costs in bench_alloc's 64 B batch,
- * apart from the allocator (docs/benchmarks.md, "What the numbers mean").
+ * apart from the allocator (docs/benchmarks.md, "Why the two failing targets cannot be met").
  *
  * It is not the library. Four stand-ins for a thread-cache allocation, in a shared library of
  * their own (outparam_floor_lib.c, reached as kva_alloc is: a function in another shared object,
