@@ -70,15 +70,30 @@ size_t kva_os_page_size(void);
  * stays mapped and reads zero when touched again. addr and length page aligned. */
 kva_status kva_os_discard(void *addr, size_t length);
 
-/* Creates the shared-memory object `name` ("/..."), mode 0600, of length bytes, maps it
- * read-write and returns the mapping. An object of that name that already exists is replaced
- * when its writer is gone (a leftover of a dead process with our pid); while a live writer
- * holds it (another pool of this process with the same name), KVA_ERR_INVALID and nothing
- * changes. The descriptor stays open (close
- * on exec) holding a shared flock for as long as the writer lives: the kernel drops the lock when
- * the process dies, however it dies, so a reader that can take the lock exclusively knows the
- * writer is gone, in whatever pid namespace either runs. On failure nothing is left. */
-kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *fd_out);
+/* At most this many first bytes of a file found at a shared-memory name are read for the
+ * caller's kva_os_shm_own_fn. */
+#define KVA_OS_SHM_HEAD 1024
+
+/* The caller's test of a regular file of this user, mode 0600, found at the name it creates:
+ * 1 if it is an object the caller's process made (a writer with this pid, since dead), else 0
+ * with a noun phrase in why saying what it is instead ("a file without the segment magic").
+ * head holds the file's first len = min(size, KVA_OS_SHM_HEAD) bytes; size is the file's. */
+typedef int (*kva_os_shm_own_fn)(const void *head, size_t len, uint64_t size, char *why, size_t why_size);
+
+/* Creates the shared-memory object `name` ("/...", the file /dev/shm/...), mode 0600, of length
+ * bytes, maps it read-write and returns the mapping. The descriptor stays open (close on exec)
+ * holding a shared flock for as long as the writer lives: the kernel drops the lock when the
+ * process dies, however it dies, so a reader that can take the lock exclusively knows the
+ * writer is gone, in whatever pid namespace either runs. On failure nothing is left.
+ *
+ * Something already at the name is replaced only when it is provably this process's abandoned
+ * object: a regular file of this user, mode 0600, that `own` accepts, whose writer is gone
+ * (nobody holds its lock). While a live writer holds it (another pool of this process with the
+ * same name): KVA_ERR_INVALID. Anything else (a FIFO, socket, device, directory or symbolic
+ * link; a file of another owner, mode or content) gets KVA_ERR_BACKEND naming what it is, in
+ * bounded time, and is left as it is: never followed, waited on, truncated or removed, and
+ * opened for reading only if it is a regular file. */
+kva_status kva_os_shm_create(const char *name, size_t length, kva_os_shm_own_fn own, void **out, int *fd_out);
 void kva_os_shm_unlink(const char *name);
 void kva_os_close(int fd);
 

@@ -175,14 +175,65 @@ void kva_os_unmap(void *addr, size_t length) {
     if (addr && length) munmap(addr, length);
 }
 
-/* Removes the object `name` if its writer is gone (nobody holds its liveness lock): 1 if it
- * did, 0 if a live writer holds it. Names carry this process's pid, so only this process makes
- * objects of them: between the test and the unlink, only another of its threads creating a pool
- * of the same name at that moment could put a new object there (a race the caller made, which
- * would cost that pool its published statistics, nothing more). */
-static int unlink_if_abandoned(const char *name) {
-    int fd = shm_open(name, O_RDONLY | O_CLOEXEC, 0);
-    if (fd < 0) return errno == ENOENT; /* gone meanwhile: the name is free */
+#define SHM_DIR "/dev/shm" /* where shm_open puts the object "/<leaf>" */
+
+/* What a file of this mode is, for a message. */
+static const char *file_kind(mode_t mode) {
+    switch (mode & S_IFMT) {
+    case S_IFREG: return "a regular file";
+    case S_IFDIR: return "a directory";
+    case S_IFIFO: return "a FIFO";
+    case S_IFSOCK: return "a socket";
+    case S_IFLNK: return "a symbolic link";
+    case S_IFCHR: return "a character device";
+    case S_IFBLK: return "a block device";
+    }
+    return "a file of unknown type";
+}
+
+static int same_file(const struct stat *a, const struct stat *b) {
+    return a->st_dev == b->st_dev && a->st_ino == b->st_ino;
+}
+
+static kva_status left_alone(const char *path, const char *what) {
+    return kva_fail(KVA_ERR_BACKEND, "%s is %s: not an abandoned segment of this process, left as it is", path,
+                    what);
+}
+
+/* What is at `leaf` of SHM_DIR (dir): KVA_OK with *fd_out -1 if nothing is there, or with
+ * *fd_out open on this process's abandoned object and its liveness lock held exclusively;
+ * otherwise the refusal naming what is there.
+ *
+ * The name is predictable and SHM_DIR world-writable, so anyone may have put there a FIFO
+ * (which an open for reading waits on), a link (to a file its maker could not touch), a device.
+ * The first look is through an O_PATH descriptor, which opens nothing; only a regular file is
+ * then opened, without following a link or blocking, and only if it is the file looked at. */
+static kva_status inspect_leftover(int dir, const char *leaf, const char *path, kva_os_shm_own_fn own,
+                                   int *fd_out) {
+    *fd_out = -1;
+    struct stat seen, opened;
+    int probe = openat(dir, leaf, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+    if (probe < 0)
+        return errno == ENOENT ? KVA_OK : kva_fail(KVA_ERR_BACKEND, "looking at %s: %s", path, strerror(errno));
+    int err = fstat(probe, &seen) == 0 ? 0 : errno;
+    close(probe);
+    if (err) return kva_fail(KVA_ERR_BACKEND, "fstat of %s: %s", path, strerror(err));
+    char what[128];
+    if (!S_ISREG(seen.st_mode)) return left_alone(path, file_kind(seen.st_mode));
+    if (seen.st_uid != geteuid()) {
+        snprintf(what, sizeof what, "a file owned by uid %u", (unsigned)seen.st_uid);
+        return left_alone(path, what);
+    }
+    if ((seen.st_mode & 07777) != 0600) {
+        snprintf(what, sizeof what, "a file of mode %04o", (unsigned)(seen.st_mode & 07777));
+        return left_alone(path, what);
+    }
+    int fd = openat(dir, leaf, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC);
+    if (fd < 0) return errno == ENOENT ? KVA_OK : kva_fail(KVA_ERR_BACKEND, "opening %s: %s", path, strerror(errno));
+    if (fstat(fd, &opened) != 0 || !same_file(&seen, &opened)) {
+        close(fd);
+        return kva_fail(KVA_ERR_BACKEND, "%s changed while it was looked at: left as it is", path);
+    }
     /* A reader testing liveness holds the exclusive lock of an abandoned object for a moment
      * too (kvalloc ls, top): a few tries, a millisecond apart, tell it from a live writer. */
     int abandoned = 0;
@@ -190,18 +241,60 @@ static int unlink_if_abandoned(const char *name) {
         if (tries) nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
         abandoned = flock(fd, LOCK_EX | LOCK_NB) == 0;
     }
-    if (abandoned) shm_unlink(name);
-    close(fd);
-    return abandoned;
+    if (!abandoned) {
+        close(fd);
+        return kva_fail(KVA_ERR_INVALID, "%s is published by a live pool: names must differ among a process's pools",
+                        path);
+    }
+    unsigned char head[KVA_OS_SHM_HEAD];
+    size_t want = (uint64_t)opened.st_size < sizeof head ? (size_t)opened.st_size : sizeof head;
+    ssize_t got = pread(fd, head, want, 0);
+    if (got < 0) {
+        err = errno;
+        close(fd);
+        return kva_fail(KVA_ERR_BACKEND, "reading %s: %s", path, strerror(err));
+    }
+    if (!own(head, (size_t)got, (uint64_t)opened.st_size, what, sizeof what)) {
+        close(fd);
+        return left_alone(path, what);
+    }
+    *fd_out = fd;
+    return KVA_OK;
 }
 
-kva_status kva_os_shm_create(const char *name, size_t length, void **out, int *fd_out) {
-    int fd = fails_now(KVA_OS_SHM) ? -1 : shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0 && errno == EEXIST) {
-        if (!unlink_if_abandoned(name))
-            return kva_fail(KVA_ERR_INVALID, "%s is published by a live pool: names must differ among a process's pools",
-                            name);
-        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+/* Removes the object `name` if it is provably this process's abandoned one (kva_os_shm_create
+ * says what that takes); KVA_OK also when nothing is there, otherwise the refusal. The unlink
+ * happens with the liveness lock held and only while the name still names the file inspected.
+ * SHM_DIR is sticky, so once that file is found to be this user's no other user can rename or
+ * remove it in between: only another thread of this process creating a pool of the same name
+ * at that moment could (a race the caller made, which would cost that pool its published
+ * statistics, nothing more). */
+static kva_status remove_if_abandoned(const char *name, kva_os_shm_own_fn own) {
+    char path[sizeof SHM_DIR + KVA_NAME_MAX + 32];
+    snprintf(path, sizeof path, "%s%s", SHM_DIR, name);
+    const char *leaf = name + 1;
+    int dir = open(SHM_DIR, O_PATH | O_DIRECTORY | O_CLOEXEC), fd;
+    if (dir < 0) return kva_fail(KVA_ERR_BACKEND, "open(%s): %s", SHM_DIR, strerror(errno));
+    kva_status st = inspect_leftover(dir, leaf, path, own, &fd);
+    struct stat held, now;
+    if (fd >= 0 && fstat(fd, &held) == 0 && fstatat(dir, leaf, &now, AT_SYMLINK_NOFOLLOW) == 0 &&
+        same_file(&held, &now))
+        unlinkat(dir, leaf, 0);
+    if (fd >= 0) close(fd);
+    close(dir);
+    return st;
+}
+
+kva_status kva_os_shm_create(const char *name, size_t length, kva_os_shm_own_fn own, void **out, int *fd_out) {
+    /* Bounded: one leftover removed, then another, then the name is given up on (something
+     * else keeps taking it between the removal and the creation). */
+    int fd = -1;
+    for (int attempt = 0;; attempt++) {
+        fd = fails_now(KVA_OS_SHM) ? -1 : shm_open(name, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0 || errno != EEXIST) break;
+        if (attempt == 2) return kva_fail(KVA_ERR_BACKEND, "%s%s is taken again each time it is freed", SHM_DIR, name);
+        kva_status st = remove_if_abandoned(name, own);
+        if (st != KVA_OK) return st;
     }
     if (fd < 0) return kva_fail(KVA_ERR_BACKEND, "shm_open(%s): %s", name, strerror(errno));
     /* The pages are allocated now (posix_fallocate), not at the first write to them: a tmpfs

@@ -72,6 +72,26 @@ static uint32_t heap_cells(uint32_t nblocks, uint32_t *cell_blocks) {
 
 static uint64_t next_uid;
 
+/* Whether a file of this user, mode 0600, at this process's segment name is a segment a
+ * writer with this pid made (kva_os_shm_own_fn): the header's magic, ABI, writer and size. */
+static int is_own_segment(const void *head, size_t len, uint64_t size, char *why, size_t why_size) {
+    _Static_assert(sizeof(kva_shm_header) <= KVA_OS_SHM_HEAD, "the header is within what is read");
+    kva_shm_header h;
+    if (len < sizeof h) {
+        snprintf(why, why_size, "a file of %llu bytes, too short for a segment header", (unsigned long long)size);
+        return 0;
+    }
+    memcpy(&h, head, sizeof h);
+    if (h.magic != KVA_SHM_MAGIC) snprintf(why, why_size, "a file without the segment magic");
+    else if (h.abi_major != KVA_SHM_ABI_MAJOR) snprintf(why, why_size, "a segment of ABI %u", (unsigned)h.abi_major);
+    else if (h.writer_pid != kva_os_pid()) snprintf(why, why_size, "a segment written by pid %u", (unsigned)h.writer_pid);
+    else if (h.segment_size != size)
+        snprintf(why, why_size, "a segment of %llu bytes in a file of %llu bytes", (unsigned long long)h.segment_size,
+                 (unsigned long long)size);
+    else return 1;
+    return 0;
+}
+
 kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all,
                             unsigned interval_ms, kva_segment **out) {
     kva_segment *seg = calloc(1, sizeof *seg);
@@ -96,7 +116,7 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += align8(sizes[i]);
 
     void *base;
-    kva_status st = kva_os_shm_create(seg->name, total, &base, &seg->fd);
+    kva_status st = kva_os_shm_create(seg->name, total, is_own_segment, &base, &seg->fd);
     if (st != KVA_OK) {
         free(seg);
         return st;

@@ -321,11 +321,16 @@ static void test_names_are_unique(void) {
     kva_pool_destroy(first);
     CHECK(shm_open(name, O_RDONLY, 0) < 0);
 
-    /* An abandoned object of the name (nobody holds its lock) is replaced. */
+    /* An abandoned segment of the name (this process's header, nobody holds its lock) is
+     * replaced; test_segment_path.c has what else may be found there. */
     char stale[128];
     snprintf(stale, sizeof stale, "/kvalloc.%d.leftover", (int)getpid());
     fd = shm_open(stale, O_RDWR | O_CREAT | O_EXCL, 0600);
-    REQUIRE(fd >= 0 && ftruncate(fd, 4096) == 0);
+    kva_shm_header header = {.magic = KVA_SHM_MAGIC,
+                             .abi_major = KVA_SHM_ABI_MAJOR,
+                             .segment_size = 4096,
+                             .writer_pid = (uint32_t)getpid()};
+    REQUIRE(fd >= 0 && ftruncate(fd, 4096) == 0 && pwrite(fd, &header, sizeof header, 0) == (ssize_t)sizeof header);
     close(fd);
     kva_pool *fresh = make_named("leftover", 0);
     CHECK(strcmp(kva_stats_segment_name(fresh), stale) == 0 && writer_holds_lock(stale));
