@@ -1,7 +1,7 @@
 """Reading a named pool's live statistics segment, from any process (layout: kvalloc_stats.h).
 
 A pool created with a name publishes its state in ``/dev/shm/kvalloc.<pid>.<name>``. This module
-finds those files, maps one read-only and copies consistent snapshots out of it:
+finds those files, opens one read-only and copies consistent snapshots out of it:
 
     >>> from pykvalloc import stats
     >>> with stats.open_segment("engine") as segment:       # a pid, a pool name or a path
@@ -11,19 +11,21 @@ finds those files, maps one read-only and copies consistent snapshots out of it:
 Rules it keeps, because the writer is another program that may be buggy, older, newer, killed
 half way, or not a kvalloc at all:
 
-* The file is opened with ``os.open`` and ``mmap`` read-only. ``multiprocessing.shared_memory``
-  is not used: its resource tracker unlinks segments it believes it created, which would delete
-  the engine's segment under it.
+* The file is opened read-only with ``os.open`` and copied with ``os.pread``, never mapped:
+  whoever can write the file can shrink it, and reading a mapped page past the new end kills
+  the reader with SIGBUS, where ``pread`` returns short (``TruncatedSegment``).
+  ``multiprocessing.shared_memory`` is not used: its resource tracker unlinks segments it
+  believes it created, which would delete the engine's segment under it.
 * No offset or count read from the segment is used before it is checked against the segment's
   real size; each way the segment can be wrong raises its own ``SegmentError`` subclass.
 * A snapshot is a private copy taken under the writer's sequence lock (equal, even sequence
   before and after the copy), retried a bounded number of times; after that
   ``InconsistentSnapshot`` is raised. Torn data is never returned.
 * The file is opened without following a symbolic link and without blocking (a FIFO named like
-  a segment must not hang the reader), must be a regular file, and is mapped only up to
-  ``MAX_SEGMENT_BYTES``; a snapshot copies the bytes the header states, not the whole file.
+  a segment must not hang the reader), and must be a regular file; a snapshot copies the
+  bytes the header states, at most ``MAX_SEGMENT_BYTES``, not the whole file.
   Each way the file itself can be wrong raises ``SegmentNotFound`` (it is gone) or
-  ``SegmentUnreadable`` (it cannot be opened or mapped, or is not a regular file).
+  ``SegmentUnreadable`` (it cannot be opened or read, or is not a regular file).
 * The writer's liveness is judged by one rule, ``writer_lives``: by its liveness lock when the
   segment says the writer keeps one (that holds across pid namespaces), else from its pid (and
   that pid's start time, against reuse); never from the heartbeat: a live pool that makes no
@@ -39,13 +41,13 @@ import errno
 import fcntl
 import functools
 import math
-import mmap
 import os
 import re
 import stat
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -181,7 +183,7 @@ _OLDEST_SIZE = {SUMMARY_DTYPE: SUMMARY_DTYPE.fields["publish_interval_ms"][1],
                 ARENA_DTYPE: ARENA_DTYPE.fields["numa_node"][1]}
 ARENAS_SINCE_MINOR = 2
 
-# The most bytes of a segment this reader maps and copies. A segment's size is all but its slab
+# The most bytes of a segment this reader copies. A segment's size is all but its slab
 # table (80 bytes per slab chunk): 1 GiB holds 13 million chunks, a 26 TiB pool at the default
 # 2 MiB chunk (800 GiB at the smallest, 64 KiB). A larger file, or a header that states more, is
 # not a segment a snapshot should copy several times a second.
@@ -407,40 +409,34 @@ def process_name(pid: int) -> str | None:
         return None
 
 
-# ---- the mapping -------------------------------------------------------------------------------
+# ---- the open segment ---------------------------------------------------------------------------
 
 
 class Segment:
-    """One segment mapped read-only. ``snapshot()`` copies a consistent state out of it.
+    """One segment, open read-only. ``snapshot()`` copies a consistent state out of it.
 
-    The mapping stays readable after the writer removes the file, so the segment remembers the
-    file's identity (device, inode) to tell that the pool is gone. Thread safe: snapshots and
-    ``close()`` are serialized.
+    The segment is read with ``os.pread`` on its descriptor, never through a mapping: anyone
+    who may write the file can shrink it at any moment, and a process that reads a mapped page
+    past the file's new end is killed by SIGBUS, however recently it checked the size. A read
+    past the end returns fewer bytes instead, which the copy checks. The descriptor stays
+    readable after the writer removes the file, so the segment remembers the file's identity
+    (device, inode) to tell that the pool is gone. Thread safe: snapshots and ``close()`` are
+    serialized.
     """
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._lock = threading.Lock()
-        self._map: mmap.mmap | None = None
+        self._fd: int | None = None
         self._trace_written_at: int | None = None  # -1: no ring
         fd, info = _open_segment_file(self.path)
-        try:
-            self._identity = (info.st_dev, info.st_ino)
-            self.file_size = info.st_size
-            if self.file_size < _IDENTITY.size:
-                raise self._truncated(f"the file has {self.file_size} bytes, fewer than the "
-                                      f"{_IDENTITY.size} of the magic and version")
-            # Only what a segment can be is mapped: the header says how much of it is the
-            # segment (checked at each snapshot).
-            self.size = min(self.file_size, MAX_SEGMENT_BYTES)
-            try:
-                # The mmap object keeps its own descriptor (mmap.size() reads the file's size).
-                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ)
-            except OSError as exc:
-                raise SegmentUnreadable(f"cannot map {self.path} ({self.size} bytes): "
-                                        f"{exc.strerror}", path=str(self.path)) from exc
-        finally:
+        if info.st_size < _IDENTITY.size:
             os.close(fd)
+            raise self._truncated(f"the file has {info.st_size} bytes, fewer than the "
+                                  f"{_IDENTITY.size} of the magic and version")
+        self._identity = (info.st_dev, info.st_ino)
+        self._fd = fd
+        self._closer = weakref.finalize(self, os.close, fd)
 
     @classmethod
     def for_pool(cls, pool: Any) -> Segment:
@@ -451,11 +447,11 @@ class Segment:
         return cls(SHM_DIR / name.lstrip("/"))
 
     def close(self) -> None:
-        """Unmaps the segment; idempotent. The writer's file is never touched."""
+        """Closes the segment's descriptor; idempotent. The writer's file is never touched."""
         with self._lock:
-            if self._map is not None:
-                self._map.close()
-                self._map = None
+            if self._fd is not None:
+                self._closer()
+                self._fd = None
 
     def __enter__(self) -> Segment:
         return self
@@ -464,10 +460,10 @@ class Segment:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<pykvalloc.stats.Segment {self.path}{'' if self._map else ' closed'}>"
+        return f"<pykvalloc.stats.Segment {self.path}{'' if self._fd is not None else ' closed'}>"
 
     def removed(self) -> bool:
-        """Whether the file this segment mapped is no longer at its path (pool destroyed)."""
+        """Whether the file this segment opened is no longer at its path (pool destroyed)."""
         try:
             info = os.stat(self.path)
         except FileNotFoundError:
@@ -483,34 +479,46 @@ class Segment:
         (for ``kvalloc ls`` and post-mortems).
         """
         with self._lock:
-            if self._map is None:
+            if self._fd is None:
                 raise ValueError(f"{self!r} is closed")
-            data, trace_bounds = self._consistent_copy(self._map, attempts)
+            try:
+                data, trace_bounds = self._consistent_copy(self._fd, attempts)
+            except SegmentError:
+                raise
+            except OSError as exc:
+                raise SegmentUnreadable(f"cannot read {self.path}: {exc.strerror}",
+                                        path=str(self.path)) from exc
         snap = Snapshot(data, self.path, trace_bounds=trace_bounds)
         if check_writer:
             self._check_writer(snap)
         return snap
 
-    def _trace_written(self, mapping: mmap.mmap) -> int | None:
+    def _u64(self, fd: int, at: int) -> int:
+        """The u64 at byte ``at`` of the file, read now."""
+        raw = os.pread(fd, 8, at)
+        if len(raw) < 8:
+            raise self._truncated(f"the file ended before byte {at + 8} as it was read")
+        return _U64.unpack(raw)[0]
+
+    def _trace_written(self, fd: int, head: bytes, stated: int) -> int | None:
         """The live trace ring's ``written`` (kvalloc_stats.h, "The trace ring"), None when the
         segment has no ring. Where it lies is read once from the section table: the writer lays
         the segment out at creation and never moves a section."""
         if self._trace_written_at is None:
-            header = np.frombuffer(mapping[:HEADER_DTYPE.itemsize], HEADER_DTYPE, count=1)[0]
+            header = np.frombuffer(head, HEADER_DTYPE, count=1)[0]
             at = -1
             for entry in header["sections"][:min(int(header["section_count"]), MAX_SECTIONS)]:
                 if int(entry["kind"]) == SECTION_TRACE:
                     offset = int(entry["offset"]) + TRACE_DTYPE.fields["written"][1]
-                    if offset % 8 == 0 and offset + 8 <= min(self.size, mapping.size()):
+                    if offset % 8 == 0 and offset + 8 <= stated:
                         at = offset
                     break
             self._trace_written_at = at
         if self._trace_written_at < 0:
             return None
-        return _U64.unpack_from(mapping, self._trace_written_at)[0]
+        return self._u64(fd, self._trace_written_at)
 
-    def _consistent_copy(self, mapping: mmap.mmap, attempts: int
-                         ) -> tuple[bytes, tuple[int, int] | None]:
+    def _consistent_copy(self, fd: int, attempts: int) -> tuple[bytes, tuple[int, int] | None]:
         """A copy under the sequence lock, with the trace ring's ``written`` read before and
         after it (None without a ring): the ring is outside the lock since layout 1.3."""
         failure: type[SegmentError] = InconsistentSnapshot
@@ -518,7 +526,11 @@ class Segment:
         for attempt in range(max(1, attempts)):
             if attempt:
                 time.sleep(min(_MAX_BACKOFF_S, 1e-5 * (1 << min(attempt, 16))))
-            magic, major, minor = _IDENTITY.unpack_from(mapping, 0)
+            head = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+            if len(head) < _IDENTITY.size:
+                raise self._truncated(f"the file has {len(head)} bytes, fewer than the "
+                                      f"{_IDENTITY.size} of the magic and version")
+            magic, major, minor = _IDENTITY.unpack_from(head, 0)
             if magic == 0:
                 # The writer stores the magic last when it creates the segment: wait for it.
                 failure = BadMagic
@@ -532,36 +544,41 @@ class Segment:
                     f"{self.path} has layout version {major}.{minor}; this reader understands "
                     f"{ABI_MAJOR}.x (use the pykvalloc that matches the engine's libkvalloc)",
                     path=str(self.path))
-            if self.size < HEADER_DTYPE.itemsize:
-                raise self._truncated(f"the file has {self.size} bytes, fewer than the "
+            if len(head) < HEADER_DTYPE.itemsize:
+                raise self._truncated(f"the file has {len(head)} bytes, fewer than the "
                                       f"{HEADER_DTYPE.itemsize} of the header")
             failure, reason = InconsistentSnapshot, "the writer was publishing at every attempt"
-            before = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
+            before = _U64.unpack_from(head, _SEQUENCE_AT)[0]
             if before % 2:
                 continue
             # The writer sets segment_size before the magic and never changes it; the copy
             # takes that many bytes (Snapshot checks the copy's own header against them).
-            stated = _U64.unpack_from(mapping, _SEGMENT_SIZE_AT)[0]
-            if stated > self.file_size:
+            stated = _U64.unpack_from(head, _SEGMENT_SIZE_AT)[0]
+            file_size = os.fstat(fd).st_size
+            if stated > file_size:
                 raise self._truncated(f"the header states {stated} bytes, the file has "
-                                      f"{self.file_size}")
+                                      f"{file_size}")
             if stated > MAX_SEGMENT_BYTES:
                 raise CorruptSegment(f"{self.path} is corrupt: the header states {stated} bytes, "
                                      f"more than the {MAX_SEGMENT_BYTES} a segment may have",
                                      path=str(self.path))
-            # Reading a mapping past the end of a file that shrank since it was mapped kills
-            # the process with SIGBUS. The writer never resizes its segment; this catches
-            # anyone else (short of a shrink between this line and the next).
-            if mapping.size() < self.size:
-                raise self._truncated("the file shrank after it was mapped")
-            # The read side of the sequence lock: sequence, copy, sequence again. Python has no
-            # fences; x86-64 never reorders loads with loads, and elsewhere the interpreter's
-            # own atomic operations between these steps order them in practice.
-            written_before = self._trace_written(mapping)
-            data = mapping[:max(stated, HEADER_DTYPE.itemsize)]
-            after = _U64.unpack_from(mapping, _SEQUENCE_AT)[0]
-            written_after = self._trace_written(mapping)
-            if after == before == _U64.unpack_from(data, _SEQUENCE_AT)[0]:
+            # The read side of the sequence lock: sequence (in the header read above), copy,
+            # sequence again, each read a system call of its own. Python has no fences; x86-64
+            # never reorders loads with loads, and elsewhere the system calls and the
+            # interpreter's own atomic operations between these steps order them in practice.
+            # The file may shrink at any moment: a read that comes back short is a truncation.
+            written_before = self._trace_written(fd, head, stated)
+            length = max(stated, HEADER_DTYPE.itemsize)
+            data = os.pread(fd, length, 0)
+            if len(data) < length:
+                raise self._truncated(f"the header states {stated} bytes, the file ended after "
+                                      f"{len(data)} as it was copied")
+            after = self._u64(fd, _SEQUENCE_AT)
+            written_after = self._trace_written(fd, head, stated)
+            # A file emptied and written again meanwhile holds zeros where the copy should
+            # hold the magic, or another sequence: the copy must begin as the header did.
+            if after == before == _U64.unpack_from(data, _SEQUENCE_AT)[0] \
+                    and data[:_IDENTITY.size] == head[:_IDENTITY.size]:
                 bounds = None if written_before is None else (written_before, written_after)
                 return data, bounds
         raise failure(f"no consistent snapshot of {self.path} in {attempts} attempts: {reason}",
@@ -592,7 +609,7 @@ class Segment:
 class Snapshot:
     """One consistent copy of a segment, with numpy views over its sections.
 
-    Every array is read-only and views the private copy, never the live mapping. Sections the
+    Every array is read-only and views the private copy, never the live file. Sections the
     writer does not publish are None (``kv`` is None also when no KV cache is attached).
     ``absent`` names, per section, the fields a writer of an older minor version did not write:
     they read as zero in the arrays and as None in ``to_dict()``.

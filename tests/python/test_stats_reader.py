@@ -284,7 +284,7 @@ def test_a_destroyed_pool_and_an_exited_process_say_so():
     pool.close()
     with pytest.raises(SegmentRemoved, match="was destroyed"):
         segment.snapshot()
-    assert segment.snapshot(check_writer=False).pool_name == pool.name  # the mapping survives
+    assert segment.snapshot(check_writer=False).pool_name == pool.name  # the file, open, survives
     segment.close()
     segment.close()  # idempotent
     with pytest.raises(ValueError, match="closed"):

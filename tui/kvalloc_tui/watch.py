@@ -77,15 +77,15 @@ class PoolWatch:
             self.fragmentation.append(snap.fragmentation)
         elif isinstance(error, (WriterGone, SegmentNotFound)):
             self.ended = str(error)
-            # A destroyed pool's memory is freed only when its last mapping goes; the snapshot
-            # kept in ``last`` is all the screen needs.
-            self._unmap(forget=False)
+            # A destroyed pool's memory is freed only when the last descriptor or mapping of
+            # its file goes; the snapshot kept in ``last`` is all the screen needs.
+            self._release(forget=False)
         elif error is not None:
             self.problem = f"{type(error).__name__}: {error}"
             self.lasting = isinstance(error, LASTING_ERRORS)
             if self.lasting:
                 self._retry_at = time.monotonic() + LASTING_RETRY_S
-                self._unmap(forget=True)  # the next try opens the file at the path then
+                self._release(forget=True)  # the next try opens the file at the path then
 
     def replaced(self) -> bool:
         """Whether, after the pool ended, a new pool publishes at its path: a pool destroyed and
@@ -97,8 +97,8 @@ class PoolWatch:
             return False  # the same file: a killed writer's leftover
         return self.file.process_alive()
 
-    def _unmap(self, forget: bool) -> None:
-        # Unless forgotten, the Segment stays, closed, for the identity of the file it mapped
+    def _release(self, forget: bool) -> None:
+        # Unless forgotten, the Segment stays, closed, for the identity of the file it opened
         # (``replaced``).
         with self._lock:
             if self.segment is not None:
@@ -109,7 +109,7 @@ class PoolWatch:
     def close(self) -> None:
         with self._lock:
             self._closed = True  # no snapshot starts after this; one under way finishes first
-        self._unmap(forget=False)
+        self._release(forget=False)
 
 
 def live_segments() -> list[SegmentFile]:
