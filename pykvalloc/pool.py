@@ -25,11 +25,14 @@ same bytes to two owners:
   callers get that; kvalloc.h, "Thread safety"). Finalizers never wait on these locks, and
   ``os.fork()`` while another thread holds one leaves the child a usable pool (``_locks.py``).
 * ``Pool`` and ``Allocation`` cannot be copied or pickled: a copy would share the C handle or
-  the address without sharing the bookkeeping above. Only a ``Pool`` creates an ``Allocation``:
+  the address without sharing the bookkeeping above. Only a pool creates an ``Allocation``:
   one made up by hand could view any address.
 * Freeing a freed allocation, or one of another pool, is caught here and never reaches C (its
   address may belong to a newer allocation by now), so ``Stats.rejected_calls`` counts only
   what C itself rejected.
+
+A ``VarPool`` (varpool.py) hands out the same ``Allocation`` handles and takes them back through
+the same code (``_Allocator``), so the rules on allocations and views above hold for it too.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from ctypes import byref, c_size_t, c_void_p, sizeof
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 
@@ -77,7 +80,7 @@ __all__ = [
 ]
 
 _SIZE_MAX = (1 << (8 * sizeof(c_size_t))) - 1
-_ALLOCATION_KEY = object()  # proves to Allocation.__init__ that a Pool is calling
+_ALLOCATION_KEY = object()  # proves to Allocation.__init__ that a Pool or VarPool is calling
 
 
 class PageMode(enum.IntEnum):
@@ -307,28 +310,35 @@ def _refuse_copy(obj: object) -> None:
 
 
 class Allocation:
-    """A block handed out by ``Pool.alloc``.
+    """A block handed out by ``Pool.alloc`` (and its variants) or by ``VarPool.alloc``.
 
     ``address`` and ``size`` (the bytes requested) stay readable after the free, for logs and
-    debugging; every use of the memory (``view``, ``Pool.usable_size``, ``Pool.free``) raises
-    once it is freed.
+    debugging, and ``int(allocation)`` is the address; every use of the memory (``view``,
+    ``usable_size``, ``free`` of the pool that made it) raises once it is freed.
     """
 
     __slots__ = ("_pool", "_address", "_size", "_live", "_views")
 
-    def __init__(self, pool: Pool, address: int, size: int, *, _key: object = None) -> None:
+    # _key is positional: a keyword argument through a class call costs CPython about 100 ns,
+    # a third of what a handle adds to an alloc.
+    def __init__(self, pool: _Allocator, address: int, size: int,
+                 _key: object = None) -> None:
         if _key is not _ALLOCATION_KEY:
             # An Allocation made up by hand could view any address, and reading it could
-            # crash the interpreter; only a Pool creates them.
-            raise TypeError("Allocation objects come from Pool.alloc, not from a constructor")
+            # crash the interpreter; only a Pool or a VarPool creates them.
+            raise TypeError("Allocation objects come from Pool.alloc or VarPool.alloc, not "
+                            "from a constructor")
         self._pool = pool
         self._address = address
         self._size = size
         self._live = True
-        self._views = 0  # numpy views alive; maintained by Pool under its lock
+        self._views = 0  # numpy views alive; maintained under the _users_lock of pool._mapping
 
     @property
     def address(self) -> int:
+        return self._address
+
+    def __int__(self) -> int:
         return self._address
 
     @property
@@ -336,12 +346,13 @@ class Allocation:
         return self._size
 
     @property
-    def pool(self) -> Pool:
+    def pool(self) -> _Allocator:
+        """The Pool or VarPool that made it, the only one that takes it back."""
         return self._pool
 
     @property
     def offset(self) -> int:
-        """Bytes from the pool base, the coordinates of ``Pool.walk()``."""
+        """Bytes from the pool base (a Pool's: the coordinates of ``Pool.walk()``)."""
         return self._address - self._pool.base
 
     @property
@@ -353,9 +364,9 @@ class Allocation:
         """A writable numpy array over this allocation's memory.
 
         Without ``shape`` the array is one-dimensional and as long as ``size`` allows. The array
-        keeps the pool mapped; while it (or anything derived from it) is alive, the allocation
-        cannot be freed. dtypes holding Python objects are refused: raw memory would be read as
-        object pointers.
+        keeps the pool alive and mapped; while it (or anything derived from it) is alive, the
+        allocation cannot be freed. dtypes holding Python objects are refused: raw memory would
+        be read as object pointers.
         """
         return self._pool._view(self, dtype, shape)
 
@@ -373,7 +384,7 @@ class _ViewAnchor:
 
     __slots__ = ("pool", "_interface", "__weakref__")
 
-    def __init__(self, pool: Pool, address: int, nbytes: int) -> None:
+    def __init__(self, pool: _Allocator, address: int, nbytes: int) -> None:
         self.pool = pool
         self._interface = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
                            "data": (address, False)}
@@ -386,7 +397,118 @@ class _ViewAnchor:
         _refuse_copy(self)
 
 
-class Pool:
+class _Allocator:
+    """What Pool and VarPool share: handing out ``Allocation`` handles and taking them back.
+
+    Every handle is checked here (its owner, freed or not, numpy views alive) before its address
+    reaches C, where a stale address may name a newer allocation's memory. A subclass provides
+    ``_lock``, ``_open_handle()``, ``base``, its C free and usable-size functions (``_c_free``,
+    ``_c_usable_size``) and ``_mapping``: the Pool whose memory its allocations are in, which
+    every view keeps mapped.
+    """
+
+    __slots__ = ()
+
+    _lock: Any
+    _c_free: Any
+    _c_usable_size: Any
+
+    if TYPE_CHECKING:
+        def _open_handle(self) -> int: ...
+
+        @property
+        def _mapping(self) -> Pool: ...
+
+        @property
+        def base(self) -> int: ...
+
+    def _owned_live(self, allocation: Allocation,
+                    freed_error: type[KvallocError] = AllocationFreedError) -> None:
+        if not isinstance(allocation, Allocation):
+            raise TypeError(f"expected an Allocation, not {type(allocation).__name__}")
+        if allocation._pool is not self:
+            raise InvalidPointer(f"{allocation!r} belongs to {allocation._pool!r}, not {self!r}")
+        if not allocation._live:
+            raise freed_error(f"{allocation!r} was already freed")
+
+    def _allocate(self, function: Any, nbytes: int, *arguments: int) -> Allocation:
+        out = c_void_p()
+        with self._lock:
+            function(self._open_handle(), nbytes, *arguments, byref(out))
+        return Allocation(self, _returned_address(out, function.__name__), nbytes,
+                          _ALLOCATION_KEY)
+
+    def free(self, allocation: Allocation) -> None:
+        """Returns the allocation's memory to the pool.
+
+        DoubleFree if it was already freed, InvalidPointer if it belongs to another pool,
+        AllocationInUseError while numpy views of it are alive: in each case nothing reaches C
+        and nothing changes. In a checked Pool, CorruptionError if a red zone around it was
+        overwritten: the memory is freed all the same, and so is the allocation.
+        """
+        with self._lock:
+            handle = self._open_handle()
+            if not (isinstance(allocation, Allocation) and allocation._pool is self
+                    and allocation._live and not allocation._views):
+                self._refuse_free(allocation)
+            try:
+                self._c_free(handle, allocation._address)
+            except CorruptionError:
+                allocation._live = False  # freed in C: the address may be the next one's
+                raise
+            allocation._live = False
+
+    def _refuse_free(self, allocation: Allocation) -> NoReturn:
+        """Raises what ``free`` found wrong with the allocation (the fast path tells only that
+        something is)."""
+        self._owned_live(allocation, freed_error=DoubleFree)
+        raise AllocationInUseError(f"{allocation!r} still has {allocation._views} numpy view(s) "
+                                   "alive; delete them before freeing it")
+
+    def usable_size(self, allocation: Allocation) -> int:
+        """Bytes the allocation may really use: in a Pool its size class or buddy block size,
+        in a VarPool its size rounded up to the alignment."""
+        with self._lock:
+            handle = self._open_handle()
+            self._owned_live(allocation)
+            return int(self._c_usable_size(handle, allocation._address))
+
+    def _view(self, allocation: Allocation, dtype: npt.DTypeLike,
+              shape: int | Sequence[int] | None) -> np.ndarray:
+        mapping = self._mapping
+        if mapping._backend is Backend.CUDA:
+            raise InvalidArgument(
+                f"{allocation!r} is GPU memory (a backend='cuda' pool), which the CPU cannot "
+                "access: copy it with the CUDA API, or wrap the address in a GPU array")
+        dt = np.dtype(dtype)
+        if dt.hasobject:
+            raise InvalidArgument(f"dtype {dt} holds Python objects; a view over raw memory "
+                                  "cannot")
+        if dt.itemsize == 0:
+            raise InvalidArgument(f"dtype {dt} has no size")
+        dims = (allocation._size // dt.itemsize,) if shape is None else _shape_arg(shape)
+        nbytes = math.prod(dims) * dt.itemsize
+        if dt.subdtype is not None:
+            # numpy turns a subarray dtype into trailing dimensions; say so up front.
+            dt, dims = dt.base, dims + dt.shape
+        with self._lock:
+            self._open_handle()
+            self._owned_live(allocation)
+            if nbytes > allocation._size:
+                raise InvalidArgument(f"shape {dims} of {dt} needs {nbytes} bytes; "
+                                      f"{allocation!r} has {allocation._size}")
+            # The anchor holds this pool (a VarPool holds its mapping); the mapping counts the
+            # view as a user, so a close defers the unmap until the view is garbage.
+            anchor = _ViewAnchor(self, allocation._address, nbytes)
+            released = weakref.finalize(anchor, mapping._view_released, allocation)
+            released.atexit = False  # at exit the views die with the process, not before it
+            with mapping._users_lock:
+                allocation._views += 1
+                mapping._users += 1
+        return np.asarray(anchor).view(dt).reshape(dims)
+
+
+class Pool(_Allocator):
     """One region of memory managed by libkvalloc.
 
     ``capacity`` is the number of bytes to manage. ``min_block`` (smallest buddy block, a power
@@ -417,7 +539,8 @@ class Pool:
     """
 
     __slots__ = ("_lib", "_handle", "_lock", "_users_lock", "_closed", "_users", "_finalizer", "_base",
-                 "_capacity", "_min_block", "_slab_chunk", "_name", "_backend", "__weakref__")
+                 "_capacity", "_min_block", "_slab_chunk", "_name", "_backend", "_c_free",
+                 "_c_usable_size", "__weakref__")
 
     def __init__(self, capacity: int, *, min_block: int | None = None,
                  slab_chunk: int | None = None, name: str | None = None,
@@ -458,6 +581,8 @@ class Pool:
         handle = c_void_p()
         lib.kva_pool_create(byref(config), byref(handle))
         self._lib = lib
+        self._c_free = lib.kva_free
+        self._c_usable_size = lib.kva_usable_size
         self._handle = _returned_address(handle, "kva_pool_create")
         # Destroys a forgotten pool when it becomes garbage. Registered before anything else
         # can fail, so that a half-built Pool is released too. atexit=False: interpreter exit
@@ -532,14 +657,9 @@ class Pool:
             raise PoolClosedError(f"{self!r} is closed")
         return self._handle
 
-    def _owned_live(self, allocation: Allocation,
-                    freed_error: type[KvallocError] = AllocationFreedError) -> None:
-        if not isinstance(allocation, Allocation):
-            raise TypeError(f"expected an Allocation, not {type(allocation).__name__}")
-        if allocation._pool is not self:
-            raise InvalidPointer(f"{allocation!r} belongs to {allocation._pool!r}, not {self!r}")
-        if not allocation._live:
-            raise freed_error(f"{allocation!r} was already freed")
+    @property
+    def _mapping(self) -> Pool:
+        return self
 
     # -- allocation -------------------------------------------------------------------------
 
@@ -566,74 +686,8 @@ class Pool:
         out = c_void_p()
         with self._lock:
             self._lib.kva_alloc_array(self._open_handle(), count, size, byref(out))
-        return Allocation(self, _returned_address(out, "kva_alloc_array"), count * size, _key=_ALLOCATION_KEY)
-
-    def _allocate(self, function: Any, nbytes: int, *arguments: int) -> Allocation:
-        out = c_void_p()
-        with self._lock:
-            function(self._open_handle(), nbytes, *arguments, byref(out))
-        return Allocation(self, _returned_address(out, function.__name__), nbytes,
-                          _key=_ALLOCATION_KEY)
-
-    def free(self, allocation: Allocation) -> None:
-        """Returns the allocation's memory to the pool.
-
-        DoubleFree if it was already freed, InvalidPointer if it belongs to another pool,
-        AllocationInUseError while numpy views of it are alive. In a checked pool,
-        CorruptionError if a red zone around it was overwritten: the memory is freed all the
-        same, and so is the allocation.
-        """
-        with self._lock:
-            handle = self._open_handle()
-            self._owned_live(allocation, freed_error=DoubleFree)
-            if allocation._views:
-                raise AllocationInUseError(
-                    f"{allocation!r} still has {allocation._views} numpy view(s) alive; "
-                    "delete them before freeing it")
-            try:
-                self._lib.kva_free(handle, allocation._address)
-            except CorruptionError:
-                allocation._live = False  # freed in C: the address may be the next one's
-                raise
-            allocation._live = False
-
-    def usable_size(self, allocation: Allocation) -> int:
-        """Bytes the allocation may really use: its size class or buddy block size."""
-        with self._lock:
-            handle = self._open_handle()
-            self._owned_live(allocation)
-            return int(self._lib.kva_usable_size(handle, allocation._address))
-
-    def _view(self, allocation: Allocation, dtype: npt.DTypeLike,
-              shape: int | Sequence[int] | None) -> np.ndarray:
-        if self._backend is Backend.CUDA:
-            raise InvalidArgument(
-                f"{allocation!r} is GPU memory (a backend='cuda' pool), which the CPU cannot "
-                "access: copy it with the CUDA API, or wrap the address in a GPU array")
-        dt = np.dtype(dtype)
-        if dt.hasobject:
-            raise InvalidArgument(f"dtype {dt} holds Python objects; a view over raw memory "
-                                  "cannot")
-        if dt.itemsize == 0:
-            raise InvalidArgument(f"dtype {dt} has no size")
-        dims = (allocation._size // dt.itemsize,) if shape is None else _shape_arg(shape)
-        nbytes = math.prod(dims) * dt.itemsize
-        if dt.subdtype is not None:
-            # numpy turns a subarray dtype into trailing dimensions; say so up front.
-            dt, dims = dt.base, dims + dt.shape
-        with self._lock:
-            self._open_handle()
-            self._owned_live(allocation)
-            if nbytes > allocation._size:
-                raise InvalidArgument(f"shape {dims} of {dt} needs {nbytes} bytes; "
-                                      f"{allocation!r} has {allocation._size}")
-            anchor = _ViewAnchor(self, allocation._address, nbytes)
-            released = weakref.finalize(anchor, self._view_released, allocation)
-            released.atexit = False  # at exit the views die with the process, not before it
-            with self._users_lock:
-                allocation._views += 1
-                self._users += 1
-        return np.asarray(anchor).view(dt).reshape(dims)
+        return Allocation(self, _returned_address(out, "kva_alloc_array"), count * size,
+                          _ALLOCATION_KEY)
 
     def _view_released(self, allocation: Allocation) -> None:
         # A finalizer (a view's anchor is garbage), possibly inside a garbage collection in a

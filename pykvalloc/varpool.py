@@ -7,12 +7,19 @@ everywhere in libkvalloc, the bookkeeping lives beside the memory, never in it.
 
 The memory comes from a ``Pool`` the VarPool creates for itself and owns: any keyword a
 ``Pool`` takes (``pages``, ``backend="cuda"``, ``device``, ``numa_node``, ...) picks its
-backing. ``alloc`` returns the address as an int (a device address in a CUDA pool).
+backing.
+
+``alloc`` returns an ``Allocation``, the handle a ``Pool`` hands out, under the same rules
+(pool.py): ``address`` (a device address in a CUDA pool; ``int(allocation)`` too), ``size``,
+``view()`` for numpy, and ``free``/``usable_size`` take the handle, never a bare address. A
+second free of a handle raises ``DoubleFree`` before its address reaches C, where it may name a
+newer allocation's range by now; a handle of another pool raises ``InvalidPointer``; a free
+while numpy views of the range live raises ``AllocationInUseError``.
 
 Lifetime: ``close()`` is idempotent and releases the range, then the backing pool; a
-forgotten VarPool is released when it becomes garbage. Calls are serialized by a lock, so a
-VarPool may be shared between threads. Wrong frees (twice, or an address inside a range) are
-detected by the library out of band and raised as ``DoubleFree`` or ``InvalidPointer``.
+forgotten VarPool is released when it becomes garbage. A live numpy view keeps its VarPool
+alive and the memory mapped, after ``close()`` too. Calls are serialized by a lock, so a
+VarPool may be shared between threads.
 """
 
 from __future__ import annotations
@@ -25,7 +32,15 @@ from typing import Any
 
 from . import _ffi, _locks
 from .errors import BackendError, InvalidArgument, PoolClosedError
-from .pool import _SIZE_MAX, Pool, _returned_address, _size_arg
+from .pool import (
+    _SIZE_MAX,
+    Allocation,
+    Pool,
+    _Allocator,
+    _refuse_copy,
+    _returned_address,
+    _size_arg,
+)
 
 __all__ = ["VarPool", "VarStats", "POLICIES"]
 
@@ -75,11 +90,12 @@ def _destroy(lib: _ffi.KvaLib, handle: int, pool: Pool) -> None:
     _locks.run_or_defer([pool._lock, pool._users_lock], pool._close_locked)
 
 
-class VarPool:
+class VarPool(_Allocator):
     """A variable-size pool of ``capacity`` bytes; see the module docstring."""
 
-    __slots__ = ("_lib", "_handle", "_lock", "_pool", "_finalizer", "_base", "_policy",
-                 "_capacity", "_alignment", "__weakref__")
+    __slots__ = ("_lib", "_handle", "_lock", "_pool", "_finalizer", "_closed", "_base",
+                 "_policy", "_capacity", "_alignment", "_c_free", "_c_usable_size",
+                 "__weakref__")
 
     def __init__(self, capacity: int, policy: str = "tlsf", *, alignment: int = 256,
                  **pool_options: Any) -> None:
@@ -133,10 +149,15 @@ class VarPool:
             pool.close()
             raise
         self._lib = lib
+        self._c_free = lib.kva_var_free
+        self._c_usable_size = lib.kva_var_usable_size
         self._pool = pool
         self._handle = _returned_address(handle, "kva_var_create")
         self._finalizer = weakref.finalize(self, _destroy, lib, self._handle, pool)
         self._finalizer.atexit = False
+        # True once close() ran the finalizer, the only way it runs while this object is
+        # reachable; every call tests it (a plain attribute, where finalize.alive is a lookup).
+        self._closed = False
         self._lock = threading.Lock()
         _locks.track(self, 0)
         base = c_void_p()
@@ -148,13 +169,15 @@ class VarPool:
         self._alignment = stats.alignment
 
     def close(self) -> None:
-        """Releases the range and the backing pool; idempotent. Addresses become invalid."""
+        """Releases the range and the backing pool; idempotent. Its allocations become
+        invalid; the memory stays mapped until the last numpy view of it is garbage."""
         with self._lock:
+            self._closed = True
             self._finalizer()
 
     @property
     def closed(self) -> bool:
-        return not self._finalizer.alive
+        return self._closed
 
     def __enter__(self) -> VarPool:
         self._open_handle()
@@ -168,17 +191,20 @@ class VarPool:
         return (f"<pykvalloc.VarPool {self._policy} {self._capacity} B at {self._base:#x} "
                 f"{state}>")
 
-    def __reduce__(self) -> Any:
-        raise TypeError("VarPool objects cannot be copied or pickled: a copy would share the C "
-                        "resource without sharing its bookkeeping")
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        _refuse_copy(self)
 
     def _fork_locks(self) -> tuple[list[Any], list[Any]]:
         return [self._lock], []
 
     def _open_handle(self) -> int:
-        if not self._finalizer.alive:
+        if self._closed:
             raise PoolClosedError("the VarPool is closed")
         return self._handle
+
+    @property
+    def _mapping(self) -> Pool:
+        return self._pool
 
     @property
     def base(self) -> int:
@@ -197,27 +223,11 @@ class VarPool:
     def policy(self) -> str:
         return self._policy
 
-    def alloc(self, size: int) -> int:
-        """The address of ``size`` new bytes (rounded up to the alignment). ``OutOfMemory``
-        when no free range holds them now, ``InvalidArgument`` for 0 or more than the
-        capacity."""
-        out = c_void_p()
-        nbytes = _size_arg("size", size)
-        with self._lock:
-            self._lib.kva_var_alloc(self._open_handle(), nbytes, byref(out))
-        return _returned_address(out, "kva_var_alloc")
-
-    def free(self, address: int) -> None:
-        """Frees the range that starts at ``address``."""
-        pointer = _size_arg("address", address)
-        with self._lock:
-            self._lib.kva_var_free(self._open_handle(), pointer)
-
-    def usable_size(self, address: int) -> int:
-        """The rounded size of the live range at ``address``; 0 if none starts there."""
-        pointer = _size_arg("address", address)
-        with self._lock:
-            return int(self._lib.kva_var_usable_size(self._open_handle(), pointer))
+    def alloc(self, size: int) -> Allocation:
+        """``size`` new bytes (rounded up to the alignment), to give back with ``free``.
+        ``OutOfMemory`` when no free range holds them now, ``InvalidArgument`` for 0 or more
+        than the capacity."""
+        return self._allocate(self._lib.kva_var_alloc, _size_arg("size", size))
 
     def stats(self) -> VarStats:
         raw = _ffi.KvaVarStats()

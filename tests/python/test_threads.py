@@ -293,6 +293,14 @@ def test_varpool_shared_by_threads(policy: str) -> None:
         rng = random.Random(tid)
         raw = tid % 2 == 1
         live: dict[int, int] = {}
+        allocations: dict[int, pykvalloc.Allocation] = {}  # the handles of the VarPool threads
+
+        def free(address: int) -> None:
+            if raw:
+                lib.kva_var_free(handle, address)
+            else:
+                vp.free(allocations.pop(address))
+
         t = {"allocs": 0, "frees": 0, "nomem": 0, "rejected": 0}
         for _ in range(1500):
             if rng.random() < 0.55 and len(live) < 40:
@@ -303,7 +311,9 @@ def test_varpool_shared_by_threads(policy: str) -> None:
                         lib.kva_var_alloc(handle, size, byref(out))
                         address = out.value
                     else:
-                        address = vp.alloc(size)
+                        allocation = vp.alloc(size)
+                        address = allocation.address
+                        allocations[address] = allocation
                 except pykvalloc.OutOfMemory:
                     t["nomem"] += 1
                     continue
@@ -315,20 +325,18 @@ def test_varpool_shared_by_threads(policy: str) -> None:
                 address = rng.choice(list(live))
                 size = live.pop(address)
                 assert _stamped(address, size, (tid << 48) ^ address)
-                usable = lib.kva_var_usable_size(handle, address) if raw else vp.usable_size(address)
+                usable = (lib.kva_var_usable_size(handle, address) if raw
+                          else vp.usable_size(allocations[address]))
                 assert size <= usable < size + vp.alignment
                 if usable > vp.alignment:
                     with pytest.raises(pykvalloc.InvalidPointer):
                         lib.kva_var_free(handle, address + vp.alignment)
                     t["rejected"] += 1
-                if raw:
-                    lib.kva_var_free(handle, address)
-                else:
-                    vp.free(address)
+                free(address)
                 t["frees"] += 1
         for address, size in live.items():
             assert _stamped(address, size, (tid << 48) ^ address)
-            vp.free(address)
+            free(address)
             t["frees"] += 1
         return t
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
+import pickle
 import random
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from support import MiB
 
@@ -28,8 +31,11 @@ def test_alloc_free_stats_check(policy):
         a = var.alloc(1000)
         b = var.alloc(3000)
         c = var.alloc(256)
-        for address in (a, b, c):
+        for allocation in (a, b, c):
+            address = allocation.address
             assert address % 256 == 0 and var.base <= address < var.base + var.capacity
+            assert allocation.pool is var and allocation.offset == address - var.base
+        assert (a.size, b.size, c.size) == (1000, 3000, 256)
         assert var.usable_size(a) == 1024 and var.usable_size(b) == 3072
         s = var.stats()
         assert s.used == 1024 + 3072 + 256 and s.requested == 4256 and s.internal_waste == 96
@@ -61,12 +67,15 @@ def test_errors(policy):
         a = var.alloc(4096)
         b = var.alloc(4096)
         var.free(a)
-        with pytest.raises(pykvalloc.DoubleFree):
+        with pytest.raises(pykvalloc.DoubleFree, match="already freed"):
             var.free(a)
-        with pytest.raises(pykvalloc.InvalidPointer):
-            var.free(b + 256)
-        with pytest.raises(pykvalloc.InvalidPointer):
-            var.free(var.base + var.capacity)
+        with pytest.raises(pykvalloc.AllocationFreedError):
+            var.usable_size(a)
+        # Only a handle names a range: a bare address, even the right one, is refused.
+        with pytest.raises(TypeError, match="expected an Allocation"):
+            var.free(b.address)
+        with pytest.raises(TypeError):
+            var.usable_size(b.address)
         with pytest.raises(pykvalloc.InvalidArgument):
             var.alloc(0)
         with pytest.raises(ValueError):
@@ -77,8 +86,9 @@ def test_errors(policy):
             var.alloc(1.5)
         with pytest.raises(MemoryError):
             var.alloc(var.capacity)
+        # C saw only alloc(0) and alloc(capacity + 1): the frees above were refused before it.
         s = var.stats()
-        assert s.failures == 1 and s.rejected_calls == 5 and s.live_allocations == 1
+        assert s.failures == 1 and s.rejected_calls == 2 and s.live_allocations == 1
         var.check()
     with pytest.raises(pykvalloc.PoolClosedError):
         var.alloc(16)
@@ -140,18 +150,18 @@ def test_over_a_checked_pool():
     with pytest.raises(pykvalloc.InvalidArgument, match="checked"):
         VarPool(1 * MiB, checked=True, pages="small")
     with VarPool(1 * MiB, alignment=16, checked=True, pages="small") as var:
-        addresses = [var.alloc(1000 + 7 * i) for i in range(8)]
-        assert all(address % 16 == 0 for address in addresses)
-        for address in addresses:
-            var.free(address)
+        allocations = [var.alloc(1000 + 7 * i) for i in range(8)]
+        assert all(allocation.address % 16 == 0 for allocation in allocations)
+        for allocation in allocations:
+            var.free(allocation)
         var.check()
 
 
 def test_alignment_and_backing_options():
     with VarPool(3 * MiB + 100, alignment=4096, pages="small") as var:
         assert var.capacity == 3 * MiB and var.alignment == 4096
-        address = var.alloc(1)
-        assert address % 4096 == 0 and var.stats().internal_waste == 4095
+        allocation = var.alloc(1)
+        assert allocation.address % 4096 == 0 and var.stats().internal_waste == 4095
         assert repr(var).startswith("<pykvalloc.VarPool tlsf ") and repr(var).endswith(" open>")
 
 
@@ -170,8 +180,8 @@ def test_random_round_trip(policy):
                     pass
             if step % 500 == 0:
                 var.check()
-        for address in live:
-            var.free(address)
+        for allocation in live:
+            var.free(allocation)
         s = var.stats()
         assert s.free_ranges == 1 and s.used == 0
         var.check()
@@ -195,9 +205,9 @@ def test_usable_from_an_exit_hook_that_runs_after_the_package_s():
         kept = []
         def late():
             vp = kept[0]
-            address = vp.alloc(4096)
-            ctypes.memset(address, 7, 4096)
-            vp.free(address)
+            allocation = vp.alloc(4096)
+            ctypes.memset(allocation.address, 7, 4096)
+            vp.free(allocation)
             vp.check()
             vp.close()
             print("late hook done", flush=True)
@@ -216,3 +226,124 @@ def test_a_closed_var_pool_refuses_with():
     with pytest.raises(pykvalloc.PoolClosedError):
         with vp:
             pass
+
+
+
+# -- handles: VarPool.alloc returns an Allocation, under Pool's rules -----------------------
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_stale_free_is_double_free_and_spares_the_next_owner(policy):
+    # The range a free gives back is the next alloc's: a second free of the old handle must
+    # be refused before its address reaches C, where it names the new owner's range.
+    with VarPool(1 * MiB, policy=policy) as var:
+        old = var.alloc(4096)
+        var.free(old)
+        new = var.alloc(4096)
+        assert int(new) == int(old)
+        rejected = var.stats().rejected_calls
+        with pytest.raises(pykvalloc.DoubleFree, match="already freed"):
+            var.free(old)
+        assert var.usable_size(new) == 4096
+        s = var.stats()
+        assert s.live_allocations == 1 and s.used == 4096 and s.rejected_calls == rejected
+        var.check()
+        assert old.freed and not new.freed and new.address == int(new)
+        var.free(new)
+
+
+def test_a_handle_of_another_pool_is_refused():
+    with VarPool(1 * MiB) as var, VarPool(1 * MiB) as other, \
+            pykvalloc.Pool(4 * MiB, pages="small") as pool:
+        mine, foreign, block = var.alloc(4096), other.alloc(4096), pool.alloc(4096)
+        before = var.stats(), other.stats()
+        with pytest.raises(pykvalloc.InvalidPointer, match="belongs to"):
+            var.free(foreign)
+        with pytest.raises(pykvalloc.InvalidPointer):
+            var.usable_size(foreign)
+        with pytest.raises(pykvalloc.InvalidPointer):
+            var.free(block)
+        with pytest.raises(pykvalloc.InvalidPointer):
+            pool.free(mine)
+        assert (var.stats(), other.stats()) == before
+        assert not (mine.freed or foreign.freed or block.freed)
+        var.free(mine)
+        other.free(foreign)
+        pool.free(block)
+        var.check()
+        other.check()
+
+
+def test_use_after_close_is_refused():
+    var = VarPool(1 * MiB)
+    allocation = var.alloc(4096)
+    var.close()
+    for call in (lambda: var.free(allocation), lambda: var.usable_size(allocation),
+                 allocation.view):
+        with pytest.raises(pykvalloc.PoolClosedError):
+            call()
+    assert not allocation.freed  # refused, not freed: the VarPool took the range with it
+
+
+def test_views_round_trip_and_pin_their_allocation():
+    with VarPool(1 * MiB, pages="small") as var:
+        first, second = var.alloc(4096), var.alloc(1000)
+        keys = first.view(np.float32)
+        assert keys.shape == (1024,) and keys.ctypes.data == first.address
+        keys[:] = np.arange(1024, dtype=np.float32)
+        second.view(np.uint8)[:] = 9
+        assert (first.view(np.float32, (32, 32)).ravel() == np.arange(1024)).all()
+        assert "1 views" in repr(first)
+        stats = var.stats()
+        column = keys[::4]  # derived arrays pin the allocation too
+        del keys
+        with pytest.raises(pykvalloc.AllocationInUseError, match="1 numpy view"):
+            var.free(first)
+        assert var.stats() == stats and not first.freed
+        del column
+        var.free(first)
+        assert "freed" in repr(first)
+        with pytest.raises(pykvalloc.AllocationFreedError):
+            first.view()
+        assert (second.view(np.uint8) == 9).all()
+        var.free(second)
+        var.check()
+
+
+def test_a_view_keeps_its_var_pool_alive_and_mapped():
+    def make_view():
+        var = VarPool(1 * MiB, pages="small")
+        view = var.alloc(MiB).view(np.uint8)
+        view[:] = 42
+        return view, var._finalizer, var._pool._finalizer  # the VarPool itself is dropped
+
+    view, var_alive, mapping_alive = make_view()
+    gc.collect()
+    assert var_alive.alive and view.sum() == 42 * MiB
+    del view
+    gc.collect()
+    assert not var_alive.alive and not mapping_alive.alive
+
+
+def test_a_view_keeps_the_memory_mapped_after_close():
+    with VarPool(1 * MiB, pages="small") as var:
+        values = var.alloc(4096).view(np.int64)
+        values[:] = 7
+    assert var.closed
+    mapping = var._pool._finalizer
+    assert mapping.alive
+    values += 1
+    assert (values == 8).all()
+    del values
+    gc.collect()
+    assert not mapping.alive
+
+
+def test_var_pools_and_their_handles_cannot_be_copied_or_pickled():
+    # A handle is Pool's Allocation and a view's anchor Pool's too (test_errors covers both).
+    with VarPool(1 * MiB) as var:
+        allocation = var.alloc(64)
+        for obj in (var, allocation):
+            for copier in (copy.copy, copy.deepcopy, pickle.dumps):
+                with pytest.raises(TypeError, match="cannot be copied"):
+                    copier(obj)
+        var.free(allocation)
