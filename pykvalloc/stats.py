@@ -81,6 +81,7 @@ __all__ = [
     "open_segment",
     "writer_alive",
     "writer_holds_lock",
+    "lock_abandoned",
     "writer_lives",
     "MAX_SEGMENT_BYTES",
     "process_name",
@@ -368,6 +369,41 @@ def writer_holds_lock(path: str | os.PathLike[str]) -> bool:
     finally:
         os.close(fd)  # closing drops the lock if we took it
     return False
+
+
+def lock_abandoned(path: str | os.PathLike[str], pid: int) -> int | None:
+    """A descriptor of the segment file at ``path`` that holds the writer's liveness lock
+    exclusively, when its writer is dead; None, and nothing held, when it lives. ``pid`` is
+    the one of the file name. Closing the descriptor drops the lock.
+
+    The writer is judged from that descriptor under that lock, by ``writer_lives``' rule: no
+    writer holds its shared lock while this one is held, so a writer that keeps the lock (the
+    header says so) is dead, and stays dead until the descriptor is closed; the writer of any
+    other file is judged by the pid and start time its header states, or by ``pid`` when it has
+    no header of this layout. A lock held by someone else (a writer, or another reader judging
+    the file) counts as alive. ``SegmentNotFound`` when there is no file, ``SegmentUnreadable``
+    when it cannot be opened or is not a regular file (``_open_segment_file``)."""
+    fd, _ = _open_segment_file(Path(path))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        head = os.pread(fd, HEADER_DTYPE.itemsize, 0)
+        capabilities, start_time_ns = 0, None
+        if len(head) >= _CAPABILITIES_END and _U64.unpack_from(head, 0)[0] == MAGIC:
+            capabilities = _U64.unpack_from(head, _CAPABILITIES_AT)[0]
+            major = _IDENTITY.unpack_from(head, 0)[1]
+            if len(head) == HEADER_DTYPE.itemsize and major == ABI_MAJOR:
+                header = np.frombuffer(head, HEADER_DTYPE, count=1)[0]
+                pid, start_time_ns = int(header["writer_pid"]), int(header["start_time_ns"])
+        dead = bool(capabilities & CAP_LIVENESS_LOCK) or not writer_alive(pid, start_time_ns)
+    except BlockingIOError:
+        dead = False  # the lock is held
+    except BaseException:
+        os.close(fd)
+        raise
+    if dead:
+        return fd
+    os.close(fd)
+    return None
 
 
 def _open_segment_file(path: Path) -> tuple[int, os.stat_result]:

@@ -6,7 +6,8 @@ publish lately; an idle pool publishes nothing), dead (the process was killed be
 remove the segment) or unreadable (the file cannot be read as a segment; the row says why).
 Whether the writer lives is judged as ``kvalloc dump`` and ``top`` judge it: by the liveness lock
 the writer holds on its segment, whatever pid namespace it runs in, else by its pid.
-``--prune`` removes the segments of dead writers; live ones are never touched.
+``--prune`` removes the segments of dead writers; live ones are never touched: each file is
+judged again, under the writer's lock, at the moment it is removed.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -32,6 +35,7 @@ from ..stats import (
     SegmentFile,
     format_age,
     list_segments,
+    lock_abandoned,
     process_name,
     writer_lives,
 )
@@ -96,22 +100,64 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
+def prune(path: Path, pid: int, *, before_unlink: Callable[[], None] | None = None) -> bool:
+    """Removes the segment file at ``path`` (``pid``: the one of its name) if its writer is
+    dead at the moment of removal; whether it did. The file is opened and its writer judged
+    again under the writer's liveness lock (``lock_abandoned``), which no writer can take while
+    it is held; it is unlinked only while the path still names that very file, which a pool
+    created meanwhile at the same path does not. ``before_unlink`` runs between the judgement
+    and the unlink (tests step in there). Raises ``SegmentUnreadable`` for what is no segment
+    file (a directory, a FIFO, a socket, a symbolic link) and the ``OSError`` of an unlink the
+    system refuses."""
+    try:
+        fd = lock_abandoned(path, pid)
+    except SegmentNotFound:
+        return False  # removed meanwhile
+    if fd is None:
+        return False
+    try:
+        judged = os.fstat(fd)
+        if before_unlink is not None:
+            before_unlink()
+        try:
+            now = os.stat(path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if (now.st_dev, now.st_ino) != (judged.st_dev, judged.st_ino):
+            return False  # another file took the path: it was not judged
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)  # drops the lock
+
+
+def _prune_or_say_why(found: SegmentFile) -> bool:
+    """``prune``, with what stops it printed."""
+    try:
+        return prune(found.path, found.pid)
+    except SegmentError as exc:  # no segment file (a FIFO, a link, a directory), or unopenable
+        print(f"kvalloc ls: not removed: {exc}", file=sys.stderr)
+    except OSError as exc:
+        print(f"kvalloc ls: cannot remove {found.path}: {exc.strerror}", file=sys.stderr)
+    return False
+
+
 def run(args: argparse.Namespace) -> int:
-    entries = [entry for entry in map(describe, list_segments()) if entry is not None]
+    judged = [(found, describe(found)) for found in list_segments()]
+    entries = [entry for _, entry in judged if entry is not None]
     removed = []
     if args.prune:
-        for entry in entries:
-            if not entry.alive:
-                try:
-                    os.unlink(entry.segment)
-                except FileNotFoundError:
-                    pass  # removed meanwhile
-                except OSError as exc:
-                    print(f"kvalloc ls: cannot remove {entry.segment}: {exc.strerror}",
-                          file=sys.stderr)
+        entries = []
+        for found, entry in judged:
+            if entry is not None and not entry.alive:
+                if _prune_or_say_why(found):
+                    removed.append(entry)
                     continue
-                removed.append(entry)
-        entries = [entry for entry in entries if entry not in removed]
+                # Alive when judged again, another file at the path, or no file to remove:
+                # listed as it is now.
+                entry = describe(found)
+            if entry is not None:
+                entries.append(entry)
     if args.json:
         print(json.dumps(json_ready({"segments": [asdict(entry) for entry in entries],
                                      "removed": [entry.segment for entry in removed]}),
