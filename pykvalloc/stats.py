@@ -300,14 +300,25 @@ def find_segment(target: str, directory: Path = SHM_DIR) -> SegmentFile:
         alive = [s for s in matches if s.process_alive()]
         matches = alive or matches
     if not matches:
-        listed = ", ".join(s.path.name for s in segments) or "none"
         raise SegmentNotFound(f"no pool segment matches {target!r} in {directory} "
-                              f"(segments there: {listed})")
+                              f"(segments there: {_a_few(segments)})")
     if len(matches) > 1:
-        listed = ", ".join(s.path.name for s in matches)
-        raise AmbiguousSegment(f"{target!r} matches {len(matches)} segments: {listed}; "
-                               "name one of them")
+        raise AmbiguousSegment(f"{target!r} matches {len(matches):,} segments: "
+                               f"{_a_few(matches)}; name one of them")
     return matches[0]
+
+
+# An error names at most this many segments: a /dev/shm may hold thousands.
+_NAMED_IN_ERRORS = 5
+
+
+def _a_few(segments: list[SegmentFile]) -> str:
+    """The first ``_NAMED_IN_ERRORS`` segments' file names and how many more there are."""
+    if not segments:
+        return "none"
+    named = ", ".join(s.path.name for s in segments[:_NAMED_IN_ERRORS])
+    more = len(segments) - _NAMED_IN_ERRORS
+    return f"{named} and {more:,} more" if more > 0 else named
 
 
 def open_segment(target: str, directory: Path = SHM_DIR) -> Segment:
