@@ -37,7 +37,6 @@ half way, or not a kvalloc at all:
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import functools
 import math
@@ -283,7 +282,7 @@ def find_segment(target: str, directory: Path = SHM_DIR) -> SegmentFile:
     live and a dead writer's segment of the same name, the live one is taken."""
     if os.sep in target:
         path = Path(target)
-        if not path.exists():
+        if not os.path.lexists(path):  # a link is not followed, but found: opening it says why
             raise SegmentNotFound(f"no segment {target}", path=target)
         found = SegmentFile.from_path(path)
         if found is None:
@@ -426,7 +425,12 @@ def _open_segment_file(path: Path) -> tuple[int, os.stat_result]:
     except FileNotFoundError:
         raise SegmentNotFound(f"no segment {path}", path=str(path)) from None
     except OSError as exc:
-        why = "it is a symbolic link" if exc.errno == errno.ELOOP else exc.strerror
+        # A symbolic link (ELOOP), a socket (ENXIO): say what is there, not the errno's words.
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            mode = stat.S_IFREG
+        why = exc.strerror if stat.S_ISREG(mode) else f"it is {_file_kind(mode)}"
         raise SegmentUnreadable(f"cannot open {path}: {why}", path=str(path)) from exc
     try:
         info = os.fstat(fd)
@@ -440,9 +444,9 @@ def _open_segment_file(path: Path) -> tuple[int, os.stat_result]:
 
 
 def _file_kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device")):
+    for test, kind in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device")):
         if test(mode):
             return kind
     return "not a regular file"
@@ -512,7 +516,7 @@ class Segment:
     def removed(self) -> bool:
         """Whether the file this segment opened is no longer at its path (pool destroyed)."""
         try:
-            info = os.stat(self.path)
+            info = os.stat(self.path, follow_symlinks=False)
         except FileNotFoundError:
             return True
         return (info.st_dev, info.st_ino) != self._identity
