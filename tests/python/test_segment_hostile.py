@@ -124,8 +124,9 @@ def test_a_huge_file_is_read_only_as_far_as_its_header_states_and_pruned_when_de
         assert not path.exists()
 
 
-# A reader that is not the owner of the files it meets: it runs as the unprivileged user 65534,
-# having imported all it needs while it still could (the interpreter lives under /root).
+# A reader that may not read the file it meets. Run by root, it becomes the unprivileged user
+# 65534 (argv[2] "drop"), having imported all it needs while it still could (the interpreter
+# may live where that user cannot read).
 AS_ANOTHER_USER = r"""
 import contextlib, io, json, os, sys
 from pykvalloc import stats
@@ -133,9 +134,10 @@ from pykvalloc.cli import main
 from pykvalloc.errors import SegmentError
 
 path = sys.argv[1]
-os.setgroups([])
-os.setgid(65534)
-os.setuid(65534)
+if sys.argv[2] == "drop":
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
 
 def command(*argv):
     out, err = io.StringIO(), io.StringIO()
@@ -161,12 +163,16 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a file of another owner needs root")
 def test_a_file_of_another_owner_is_unreadable_listed_and_left():
+    # Run as root, the reader is another user and the file is the planter's alone (0600); run
+    # as another user, the reader is the owner of a file no one may read (0000), which it meets
+    # the same way.
+    root = os.geteuid() == 0
     with prune_lock(exclusive=True), planted("huge") as path:
         os.truncate(path, len(segment_bytes()))
-        os.chmod(path, 0o600)  # the planter's (root's) alone
-        done = subprocess.run([sys.executable, "-c", AS_ANOTHER_USER, str(path)],
+        os.chmod(path, 0o600 if root else 0)
+        done = subprocess.run([sys.executable, "-c", AS_ANOTHER_USER, str(path),
+                               "drop" if root else "stay"],
                               capture_output=True, text=True, env=clean_env(), timeout=120)
         assert done.returncode == 0, done.stderr
         results = json.loads(done.stdout)
@@ -178,7 +184,7 @@ def test_a_file_of_another_owner_is_unreadable_listed_and_left():
         status, removed, err = results["prune"]
         assert status == 0 and str(path) not in removed
         assert f"not removed: cannot open {path}: Permission denied" in err
-        assert path.exists() and os.stat(path).st_uid == 0
+        assert path.exists() and os.stat(path).st_uid == os.geteuid()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "socket", "symlink"])
