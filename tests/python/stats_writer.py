@@ -184,6 +184,20 @@ def crafted_segment(data: bytes, pid: int | None = None,
         path.unlink(missing_ok=True)
 
 
+def listing(capsys: Any, *options: str) -> dict:
+    """``kvalloc ls --json OPTIONS`` run in this process (pytest's ``capsys`` takes its output),
+    decoded."""
+    from pykvalloc.cli import main
+
+    assert main(["ls", "--json", *options]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def entry_for(listed: dict, path: Path) -> dict | None:
+    """The entry of ``path`` in a decoded ``kvalloc ls --json``, None if it is not listed."""
+    return next((e for e in listed["segments"] if e["segment"] == str(path)), None)
+
+
 def absent_pid() -> int:
     """A pid no process has: above the kernel's pid_max. It stands for a writer in another pid
     namespace, whose pid means nothing here."""

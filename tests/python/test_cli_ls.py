@@ -12,6 +12,8 @@ from stats_writer import (
     Writer,
     absent_pid,
     crafted_segment,
+    entry_for,
+    listing,
     prune_lock,
     segment_bytes,
     unique_name,
@@ -22,15 +24,6 @@ from support import run_kvalloc
 import pykvalloc
 from pykvalloc.cli import ls, main
 from pykvalloc.stats import SHM_DIR, list_segments
-
-
-def listing(capsys, *options: str) -> dict:
-    assert main(["ls", "--json", *options]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def entry_for(listing: dict, path) -> dict | None:
-    return next((e for e in listing["segments"] if e["segment"] == str(path)), None)
 
 
 def test_ls_shows_a_live_pool(capsys, monkeypatch):

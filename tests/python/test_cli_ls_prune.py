@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from stats_writer import prune_lock, segment_bytes, unique_name
+from stats_writer import entry_for, listing, prune_lock, segment_bytes, unique_name
 from support import clean_env
 
 from pykvalloc import stats
@@ -81,15 +81,6 @@ def dead_segment(pid: int, name: str) -> Iterator[Path]:
         yield path
     finally:
         path.unlink(missing_ok=True)
-
-
-def listing(capsys, *options: str) -> dict:
-    assert main(["ls", "--json", *options]) == 0
-    return json.loads(capsys.readouterr().out)
-
-
-def entry_for(listed: dict, path: Path) -> dict | None:
-    return next((e for e in listed["segments"] if e["segment"] == str(path)), None)
 
 
 def test_a_live_pool_created_at_a_dead_segments_path_after_it_was_judged_is_kept(capsys,

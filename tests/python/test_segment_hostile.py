@@ -20,7 +20,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
-from stats_writer import absent_pid, prune_lock, segment_bytes, unique_name
+from stats_writer import absent_pid, entry_for, prune_lock, segment_bytes, unique_name
 from support import clean_env
 
 from pykvalloc import stats
@@ -80,10 +80,6 @@ def command(*argv: str) -> tuple[int, str, str]:
     return status, out.getvalue(), err.getvalue()
 
 
-def entry_for(listed: str, path: Path) -> dict | None:
-    return next((e for e in json.loads(listed)["segments"] if e["segment"] == str(path)), None)
-
-
 @pytest.mark.parametrize("kind", list(KIND_NAMES))
 def test_what_is_no_segment_file_is_unreadable_listed_and_left_by_prune(kind):
     with prune_lock(exclusive=True), planted(kind) as path:
@@ -99,7 +95,7 @@ def test_what_is_no_segment_file_is_unreadable_listed_and_left_by_prune(kind):
 
         status, out, err = command("ls", "--json")
         assert status == 0, err
-        entry = entry_for(out, path)
+        entry = entry_for(json.loads(out), path)
         assert entry["state"] == "unreadable" and not entry["alive"]
         assert entry["problem"].startswith("SegmentUnreadable: ") and said in entry["problem"]
 
@@ -107,7 +103,7 @@ def test_what_is_no_segment_file_is_unreadable_listed_and_left_by_prune(kind):
         assert status == 0
         assert os.path.lexists(path) and str(path) not in json.loads(out)["removed"]
         assert "kvalloc ls: not removed: " in err and str(path) in err and said in err
-        assert entry_for(out, path)["state"] == "unreadable"
+        assert entry_for(json.loads(out), path)["state"] == "unreadable"
 
 
 def test_a_huge_file_is_read_only_as_far_as_its_header_states_and_pruned_when_dead():
@@ -118,7 +114,7 @@ def test_a_huge_file_is_read_only_as_far_as_its_header_states_and_pruned_when_de
             with pytest.raises(DeadWriter):
                 segment.snapshot()
         status, out, err = command("ls", "--json")
-        assert status == 0 and entry_for(out, path)["state"] == "dead"
+        assert status == 0 and entry_for(json.loads(out), path)["state"] == "dead"
         status, out, err = command("ls", "--json", "--prune")
         assert status == 0 and str(path) in json.loads(out)["removed"]
         assert not path.exists()

@@ -27,14 +27,12 @@ from pykvalloc import stats
 # that names what it met. Anything else (a crash, another exception) fails.
 ALLOWED = {"ok", "TruncatedSegment", "CorruptSegment", "BadMagic", "InconsistentSnapshot"}
 
-# Writes a segment of its own in SHM_DIR, as a live writer: it holds the liveness lock (a shared
-# flock, as the library does) and publishes under the sequence lock (odd, the bytes, even). Then,
-# until a line arrives on its stdin, it cycles: two publishes (every fifth of them a corrupt
-# one, a section outside the segment), the file cut short with its header intact or not,
-# truncated to nothing, grown back full of zeros, written again. It prints its segment's path,
-# then, at the end, how many cycles it ran.
-HOSTILE = r"""
-import fcntl, os, select, sys, time
+# The start of each script below (argv: the template, a pool name): a segment of its own in
+# SHM_DIR, the template's bytes with this process as the writer, which holds the liveness lock
+# (a shared flock, as the library's writer does). It leaves ``data`` (the bytes), ``header`` (a
+# view of their header), ``path`` and ``fd`` (open for writing).
+LIVE_SEGMENT = r"""
+import fcntl, json, os, sys
 import numpy as np
 from pykvalloc import stats
 
@@ -42,12 +40,23 @@ template, name = sys.argv[1], sys.argv[2]
 data = bytearray(open(template, "rb").read())
 header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
 header["writer_pid"] = os.getpid()
-summary = header["sections"][0][0]
-assert int(summary["kind"]) == stats.SECTION_SUMMARY
-sequence_at = stats.HEADER_DTYPE.fields["sequence"][1]
 path = stats.SHM_DIR / f"kvalloc.{os.getpid()}.{name}"
 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 fcntl.flock(fd, fcntl.LOCK_SH)
+os.pwrite(fd, data, 0)
+"""
+
+# A live writer that publishes under the sequence lock (odd, the bytes, even). Until a line
+# arrives on its stdin, it cycles: two publishes (every fifth of them a corrupt one, a section
+# outside the segment), the file cut short with its header intact or not, truncated to
+# nothing, grown back full of zeros, written again. It prints its segment's path, then, at the
+# end, how many cycles it ran.
+HOSTILE = LIVE_SEGMENT + r"""
+import select, time
+
+summary = header["sections"][0][0]
+assert int(summary["kind"]) == stats.SECTION_SUMMARY
+sequence_at = stats.HEADER_DTYPE.fields["sequence"][1]
 sequence = int(header["sequence"][0]) & ~1
 
 def publish(corrupt):
@@ -230,20 +239,10 @@ def test_readers_survive_a_segment_truncated_restored_and_rewritten_under_them(t
 # The same file read before and after its writer's process cuts it short in each way, with no
 # race: every cut is TruncatedSegment, and once the file is whole again the same Segment reads
 # it again.
-CUT_UNDER_A_SEGMENT = r"""
-import fcntl, json, os, sys
-import numpy as np
-from pykvalloc import stats
+CUT_UNDER_A_SEGMENT = LIVE_SEGMENT + r"""
 from pykvalloc.errors import SegmentError
 
-template, name = sys.argv[1], sys.argv[2]
-data = bytearray(open(template, "rb").read())
-np.frombuffer(data, stats.HEADER_DTYPE, count=1)["writer_pid"] = os.getpid()
-path = stats.SHM_DIR / f"kvalloc.{os.getpid()}.{name}"
-fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 try:
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    os.pwrite(fd, data, 0)
     segment = stats.Segment(path)
     results = {"before": segment.snapshot().segment_size}
     for cut in (0, 8, 100, stats.HEADER_DTYPE.itemsize, len(data) // 2, len(data) - 1):
@@ -274,19 +273,10 @@ def test_a_segment_cut_short_after_it_was_opened_is_truncated_not_a_crash(templa
 # kvalloc top watching a segment that its writer's process truncates between two refreshes:
 # the banner says TruncatedSegment and the app goes on; once the file is whole again it shows
 # the pool's figures again and the banner is clear.
-TOP_OVER_A_CUT = r"""
-import asyncio, fcntl, json, os, sys
-from pathlib import Path
-import numpy as np
-from pykvalloc import stats
+TOP_OVER_A_CUT = LIVE_SEGMENT + r"""
+import asyncio
 from kvalloc_tui.app import KvallocTop
 from kvalloc_tui.widgets import Banner
-
-template, name = sys.argv[1], sys.argv[2]
-data = bytearray(open(template, "rb").read())
-np.frombuffer(data, stats.HEADER_DTYPE, count=1)["writer_pid"] = os.getpid()
-path = stats.SHM_DIR / f"kvalloc.{os.getpid()}.{name}"
-fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 async def until(pilot, predicate):
     for _ in range(1000):
@@ -311,8 +301,6 @@ async def scenario():
                           "size": app.current.last.segment_size}))
 
 try:
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    os.pwrite(fd, data, 0)
     asyncio.run(scenario())
 finally:
     os.unlink(path)
