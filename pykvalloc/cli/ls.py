@@ -144,20 +144,17 @@ def _prune_or_say_why(found: SegmentFile) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     judged = [(found, describe(found)) for found in list_segments()]
-    entries = [entry for _, entry in judged if entry is not None]
-    removed = []
-    if args.prune:
-        entries = []
-        for found, entry in judged:
-            if entry is not None and not entry.alive:
-                if _prune_or_say_why(found):
-                    removed.append(entry)
-                    continue
-                # Alive when judged again, another file at the path, or no file to remove:
-                # listed as it is now.
-                entry = describe(found)
-            if entry is not None:
-                entries.append(entry)
+    entries, removed = [], []
+    for found, entry in judged:
+        if args.prune and entry is not None and not entry.alive:
+            if _prune_or_say_why(found):
+                removed.append(entry)
+                continue
+            # Alive when judged again, another file at the path, or no file to remove: listed
+            # as it is now.
+            entry = describe(found)
+        if entry is not None:
+            entries.append(entry)
     if args.json:
         print(json.dumps(json_ready({"segments": [asdict(entry) for entry in entries],
                                      "removed": [entry.segment for entry in removed]}),
