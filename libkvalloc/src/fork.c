@@ -5,12 +5,12 @@
  * order (arena.h), so the child starts with every lock free and the locked metadata consistent.
  *
  * The other threads' caches stay as they were, owned by threads the child does not have: their
- * words (per class and thread at most a class's word limit, tcache.h) are lost to the child. Giving them back
- * was tried and is wrong: a thread may have been halfway through a lock-free step (a fast path
- * between its bitmap store and its counter, a dry word given back but still listed), and the
- * child cannot tell; releasing those words corrupted slab counts (test_fork under TSan, which
- * slows the fast paths enough for a fork to land inside them). Left alone, they keep every
- * locked invariant, and kva_check skips the per-thread ones while those caches exist.
+ * words (per class and thread at most a class's word limit, tcache.h) are lost to the child.
+ * Giving them back would be wrong: a thread may have been halfway through a lock-free step (a
+ * fast path between its bitmap store and its counter, a dry word given back but still listed),
+ * and the child cannot tell; releasing those words corrupts slab counts (test_fork under TSan,
+ * which slows the fast paths enough for a fork to land inside them, shows it). Left alone, they
+ * keep every locked invariant, and kva_check skips the per-thread ones while those caches exist.
  *
  * Not covered: a KV cache's or a VarPool's own lock held by another thread's call at the moment
  * of the fork (the child must not use that cache or VarPool).

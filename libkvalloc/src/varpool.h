@@ -51,7 +51,7 @@
  *    or TLSF down to first fit there, not even the oracle's (docs/benchmarks.md).
  *  - A request below KVA_VAR_CARVE_MIN units (8 KiB at 256 B) takes the low end: where it goes
  *    barely moves the figures (any minimum from 1 to 256 units gives the same within 0.6
- *    points), and leaving it out keeps TLSF's path for small requests the instructions it was.
+ *    points), and leaving it out spares TLSF's path for small requests the placement test.
  *
  * Invariants (kva_var_check verifies each):
  *  V1  The heads tile [0, units): walking head -> head + length from 0 visits every range once

@@ -9,11 +9,11 @@
  *     build/tests/c/stress_threads PHASE SECONDS THREADS [ARENAS]
  *         PHASE: ring df df-counts window var all (df-counts: df without its exactness check)
  *
- * ctest runs `df-counts` (label threads, so also under ThreadSanitizer). `df` still fails its exactness check (docs/reliability.md, "Known
- * limits": rarely, two racing frees of one object are both accepted, though counted once) and is
- * the reproducer for that; its other checks and the other phases pass, also under
- * ThreadSanitizer (build the library with -DKVA_SANITIZE=thread).
- * Written by a review on 2026-11-29.
+ * ctest runs `df-counts` (label threads, so also under ThreadSanitizer). `df` checks an
+ * exactness the library does not give (docs/reliability.md, "Known limits": two racing frees of
+ * one object may both be accepted, though counted once) and is the reproducer for that limit;
+ * its other checks and the other phases pass, also under ThreadSanitizer (build the library
+ * with -DKVA_SANITIZE=thread).
  */
 #include <inttypes.h>
 #include <pthread.h>

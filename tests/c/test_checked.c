@@ -70,9 +70,8 @@ static void run(alloc_fn alloc, size_t size, const char *what) {
     CHECK_STATUS(kva_check(pool), KVA_OK);
 
     /* A write after free: kva_check finds it, and so does the allocation that gets the memory,
-     * which withholds that block. It was poisoned again and freed, so that kva_check passed
-     * after it and the next allocation handed out the very block the stale pointer writes to
-     * (a user's review). */
+     * which withholds that block. Poisoned again and freed, it would let kva_check pass after it
+     * and the next allocation hand out the very block the stale pointer writes to. */
     REQUIRE(alloc(pool, size, (void **)&p) == KVA_OK);
     CHECK_STATUS(kva_free(pool, p), KVA_OK);
     p[size / 2] = 1;

@@ -202,8 +202,8 @@ static void children_exit_while_pools_are_made(const char *self) {
     char options[512], thread_options[512];
     snprintf(options, sizeof options, "%s%sdetect_leaks=0", asan ? asan : "", asan && *asan ? ":" : "");
     /* The fork handlers there hold three locks per pool, hundreds of them: ThreadSanitizer's
-     * deadlock detector tracks at most 64 held locks and aborts on its own limit (2 of 10 runs
-     * in a soak). Its race detection stays on. */
+     * deadlock detector tracks at most 64 held locks and aborts on its own limit when they
+     * exceed it. Its race detection stays on. */
     snprintf(thread_options, sizeof thread_options, "%s%sdetect_deadlocks=0", tsan ? tsan : "",
              tsan && *tsan ? ":" : "");
     pid_t pid = fork();

@@ -385,8 +385,8 @@ static int thp_disabled_child(void) {
 
 /* A pool whose region the kernel will not reserve (128 TiB, more than user space) is refused
  * before its metadata is written. With 8 MiB blocks it has 2^24 slab chunks, whose descriptors
- * (64 bytes each, every one written at creation) are a gigabyte: creation used to write them
- * all before reserving the region, and only then refuse (a review). In a child, whose peak
+ * (64 bytes each, every one written at creation) are a gigabyte, which a creation that wrote
+ * them before reserving the region would write only to refuse. In a child, whose peak
  * resident size starts at what the fork gave it. */
 static int refused_region_writes_no_metadata(void) {
     kva_config cfg;

@@ -173,7 +173,7 @@ static void test_populate_fallback(void) {
 }
 
 /* A variable-size pool's range records are metadata too: no host memory for them is
- * KVA_ERR_NOMEM, as the header says (it was KVA_ERR_BACKEND), with nothing left behind. */
+ * KVA_ERR_NOMEM, as the header says (not KVA_ERR_BACKEND), with nothing left behind. */
 static void test_varpool_metadata_nomem(void) {
     kva_config pc;
     kva_config_init(&pc);

@@ -438,12 +438,12 @@ static void test_reader_races_writer(void) {
     kva_pool_destroy(pool);
 }
 
-/* A traced pool records every call. Each record once made the sequence odd, so a reader of a
- * pool in steady use found no window for a consistent copy (0 of 20 snapshots in the review's
- * run). The ring is outside the sequence lock now: a reader in another process copies the
- * segment while the writer records flat out, and keeps, by the ring's protocol
- * (kvalloc_stats.h, "The trace ring"), only records that are whole: the writer's calls in order,
- * an allocation of 64 B then its free, with times that never go back. */
+/* A traced pool records every call. A record that made the sequence odd would leave a reader
+ * of a pool in steady use no window for a consistent copy, so the ring is outside the sequence
+ * lock: a reader in another process copies the segment while the writer records flat out, and
+ * keeps, by the ring's protocol (kvalloc_stats.h, "The trace ring"), only records that are
+ * whole: the writer's calls in order, an allocation of 64 B then its free, with times that never
+ * go back. */
 static int read_trace_rings(const mapped *m, unsigned char *buf) {
     uint64_t len;
     const kva_shm_trace *live = section(m->base, m->size, KVA_SHM_SECTION_TRACE, &len);
@@ -528,8 +528,7 @@ static void test_kv_cache_section(void) {
 
     /* A full publish while the cache's lock is busy (another thread in a cache call, here held
      * by hand) repaints the map from the buddy, where the KV memory is one allocation: the
-     * cells keep what the last paint showed, not plain blocks as they did in 1,843 of 1,919
-     * snapshots of the review's run. */
+     * cells keep what the last paint showed, not plain blocks. */
     pthread_mutex_lock(&kv->lock);
     CHECK_STATUS(kva_stats_publish(info.pool), KVA_OK);
     pthread_mutex_unlock(&kv->lock);
@@ -642,9 +641,9 @@ static void test_remote_frees_published_before_their_merge(void) {
 }
 
 /* The segment's size does not grow without bound with the pool: the heap map has at most 16,384
- * cells, also for a pool of 2^32 - 2 blocks (the cell count was computed in 32 bits and wrapped
- * to 0), and the slab table lists at most KVA_SHM_SLABS_MAX slabs (a 1 TiB pool of 64 KiB
- * chunks made a segment of 1.3 GB, which readers refused as corrupt). Address space only. */
+ * cells, also for a pool of 2^32 - 2 blocks (a cell count computed in 32 bits would wrap to 0),
+ * and the slab table lists at most KVA_SHM_SLABS_MAX slabs (else a 1 TiB pool of 64 KiB chunks
+ * would make a segment of 1.3 GB, which readers refuse as corrupt). Address space only. */
 static void check_geometry(size_t capacity, size_t min_block, size_t slab_chunk, uint32_t slabs_listed) {
     kva_config cfg;
     kva_config_init(&cfg);

@@ -389,9 +389,9 @@ static void finish_paused(pthread_t t) {
 
 /* A remote free passes its object on with an atomic OR; from then on the owner may merge it,
  * the slab empty, and a slab of another class be made in the chunk, whose words lie where the
- * old slab's did. The free must not then touch them: it once re-read the object's old bit
- * there, found one of the new slab's free bits and cleared a bit of the new slab's (its
- * take-back of a racing double free), losing an object and refusing a valid free. */
+ * old slab's did. The free must not then touch them: a re-read of the object's old bit there
+ * would find one of the new slab's free bits, and clearing it to take back a racing double free
+ * would lose an object of the new slab and refuse a valid free. */
 static void *free_x(void *arg) {
     TCHECK_STATUS(kva_free(pool, arg), KVA_OK);
     return NULL;
@@ -424,13 +424,12 @@ static void test_remote_free_outlived_by_its_slab(void) {
 }
 
 /* A remote free's object may be merged by its owner, handed out again and freed by a third
- * thread, all before the first free returns. That free once re-read the object's bit, found it
- * free, and took "its" remote bit back to refuse itself as a racing double free: the bit was
- * the third thread's, so a valid free was refused and another one lost (live count one high
- * for good; stress_threads ring, 1 run in 10 of a soak). The steps, placed: R frees x and
- * pauses just after passing it on; this thread (x's owner) frees y in x's word, which merges
- * x, holds the arena lock (where the take-back waited), lets R go on, allocates x again and
- * has G free it. */
+ * thread, all before the first free returns. The first free stands: a re-read would find the
+ * object's bit free, and taking "its" remote bit back to refuse itself as a racing double free
+ * would take the third thread's, refusing a valid free and losing another (the live count one
+ * high for good). The steps, placed: R frees x and pauses just after passing it on; this thread
+ * (x's owner) frees y in x's word, which merges x, holds the arena lock, lets R go on,
+ * allocates x again and has G free it. */
 static kva_status late_status; /* what the paused thread's free returned */
 static void *free_x_late(void *arg) {
     late_status = kva_free(pool, arg);
@@ -468,10 +467,9 @@ static void test_a_remote_free_outlived_by_its_object_stands(void) {
 /* A remote free checks that its object is live, then passes it on with an atomic OR. Between
  * the two, a racing free of the same object by its owner may empty the slab and the slab go
  * back to the buddy: the OR then lands in a dead slab's words, where no merge will ever find
- * it, and the free is accepted. It
- * was counted as a free all the same, so the class showed one more free than allocations, and
- * kva_check failed S5 (stress_threads' df phase, several times a run). A remote free is now
- * counted where its bit is merged, and this one is merged nowhere. */
+ * it, and the free is accepted. Counted as a free, it would leave the class one more free than
+ * allocations (kva_check S5); a remote free is counted where its bit is merged, and this one is
+ * merged nowhere. */
 static void test_racing_free_lands_in_a_released_slab(void) {
     make_one_arena_pool();
     void *x;
@@ -503,8 +501,8 @@ static void test_racing_free_lands_in_a_released_slab(void) {
 /* The same late free, but the chunk is made a slab again, of 32 KiB objects, whose bitmap words
  * lie where the 64 KiB slab's did, and its object is live in a word nobody owns: the late free's
  * bit frees it there (a racing double free: reliability.md, "Known limits"), and the drain that
- * does so counted the free under the late free's class, 64 KiB, not under the class it freed,
- * so both classes' counts were wrong (S5). */
+ * does so must count the free under the class it frees, 32 KiB, not the late free's, 64 KiB, or
+ * both classes' counts would be wrong (S5). */
 static void test_late_free_drained_in_another_class(void) {
     make_one_arena_pool();
     unsigned big = (unsigned)kva_size_class_of(65536), half = (unsigned)kva_size_class_of(32768);
@@ -536,8 +534,8 @@ static void test_late_free_drained_in_another_class(void) {
 /* A free into a word nobody owns checks under the arena lock that its object is live, then
  * claims the word, merging the remote bits waiting there. A remote free of the same object that
  * found the word still owned may pass its bit on in between (a racing double free): the claim
- * then merged that bit and counted it as a free of its own, beside the free it was making, so
- * the one object was counted free twice. The remote free's thread is placed by the test points:
+ * then merges that bit, and must not count it beside the free it is making, or the one object
+ * would be counted free twice. The remote free's thread is placed by the test points:
  * it pauses before its OR; the owner gives the word back and frees the object, and pauses in the
  * claim, lock held, until the other thread's OR has landed. */
 static __thread int is_late_thread;
@@ -588,9 +586,10 @@ static void test_claim_racing_a_remote_free_counts_once(void) {
 }
 
 /* A pool's destruction marks each of its caches dead, and a marked cache's thread may free it
- * at any moment, on its next lookup. The destruction once read the cache's successor after
- * marking it: from freed memory, which the program may have been given back meanwhile (here
- * zeroed by calloc), and then stopped early, leaving later caches of the dead pool unmarked. */
+ * at any moment, on its next lookup. The destruction reads each cache's successor before
+ * marking it: read after, it would come from freed memory, which the program may have been
+ * given back meanwhile (here zeroed by calloc), and the walk would stop early, leaving later
+ * caches of the dead pool unmarked. */
 static kva_pool *other;
 static kva_tcache *idle_cache; /* the idle thread's cache of `pool` */
 static sem_t idle_done;
@@ -666,8 +665,9 @@ static void test_destroy_outlived_by_a_cache(void) {
 /* Another thread allocates objects and hands them to this one, which frees them: remote frees,
  * counted in this thread's cache. Totalled cache by cache, a free could be counted while its
  * allocation, in a cache read before, was not: here, between the reading of the producer's cache
- * and this thread's, the producer allocates 10 more and this thread frees all 20, and the live
- * counts wrapped below zero (and bytes in use went past the capacity). */
+ * and this thread's, the producer allocates 10 more and this thread frees all 20: counted that
+ * way, live counts would wrap below zero (and bytes in use pass the capacity). Free counts are
+ * read first, then allocation counts. */
 enum { HANDED = 20 };
 static void *handed[HANDED];
 

@@ -318,8 +318,8 @@ static void test_tlsf_classes(void) {
  * and what is pushed. Freeing b0, b2 and b4 of one class (b0 < b2 < b4) lists them b0, b4, b2;
  * an exact fit then takes b0, leaving head b4 whose successor b2 lies below it. The fast
  * allocation path, which carves a small request from the head and relinks the successor to the
- * remainder, once wrote that link at r[next - at] (r the head's record): an unsigned offset that
- * wrapped and landed about 64 GiB past the records (found in review). */
+ * remainder, must write that link at the successor's own record: at r[next - at] (r the head's
+ * record) the unsigned offset would wrap and land about 64 GiB past the records. */
 static int address_order(const void *a, const void *b) {
     const char *x = *(char *const *)a, *y = *(char *const *)b;
     return (x > y) - (x < y);

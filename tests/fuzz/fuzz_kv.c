@@ -24,8 +24,8 @@
  * are the stats' cached, registered, evictions and hit_tokens; a victim the model did not
  * expect shows up as a block still registered in the model being handed out as new.
  *
- * The input format is the one of the first version of this harness (the seed corpus decodes to
- * the same operations); the memory model adds no bytes.
+ * The memory model reads no input bytes of its own, so the seed corpus decodes to the same
+ * operations with it as without.
  */
 #include <stdint.h>
 #include <string.h>

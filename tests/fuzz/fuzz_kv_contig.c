@@ -8,7 +8,6 @@
  * holds it; live buffers never overlap; a move's copy descriptor names the old and the new buffer
  * and bucket and the tokens to copy; what the engine wrote survives the copy it makes; a freed
  * handle is refused; kva_kv_check passes and the sequence count is the model's.
- * (Written from a review's coverage report: kv_contig.c was at 0 %.)
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -27,7 +27,7 @@ def _forget_in_a_cycle(cache: pykvalloc.KVCache, tokens: int) -> None:
 def test_a_collection_holding_the_pool_lock_does_not_wait_on_the_cache() -> None:
     # Thread A is in a KVCache method: it holds the cache's lock and waits for the pool's.
     # This thread holds the pool's lock (as a Pool method does) when a collection frees a
-    # forgotten sequence. The finalizer used to wait for the cache's lock: both threads hung.
+    # forgotten sequence. A finalizer that waited for the cache's lock would hang both threads.
     pool = pykvalloc.Pool(64 * MiB, pages="small")
     cache = pykvalloc.KVCache(num_blocks=64, block_tokens=16, layers=1, kv_heads=1, head_dim=64,
                               pool=pool)
@@ -111,9 +111,8 @@ def test_a_view_finalizer_takes_no_pool_lock() -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_fork_while_another_thread_holds_a_pool_lock() -> None:
     # The child has only the forking thread: a Python lock another thread held at the fork
-    # stayed held in the child forever, and its first call on the pool hung (20 of 20 forks
-    # beside a thread in a loop of pool calls). The fork now waits for the lock and the child
-    # starts with it free.
+    # would stay held in the child for ever, and its first call on the pool would hang. The
+    # fork waits for the lock, so the child starts with it free.
     pool = pykvalloc.Pool(16 * MiB, pages="small")
     cache = pykvalloc.KVCache(num_blocks=16, block_tokens=4, layers=1, kv_heads=1, head_dim=8,
                               pool=pool)
@@ -154,9 +153,9 @@ def _run_and_expect(code: str, expected: str) -> None:
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 @pytest.mark.parametrize("which", ["varpool", "kvcache"])
 def test_an_object_dropped_while_a_fork_waits_is_not_finalized_by_the_fork(which) -> None:
-    # The fork handler held every tracked object while it waited for their locks, so an object
-    # another thread dropped meanwhile was finalized by the forking thread, holding every
-    # leaf lock, whose finalizer then waited on one of them: the parent hung in os.fork().
+    # A fork handler that held every tracked object while it waited for their locks would let
+    # the forking thread finalize an object another thread dropped meanwhile, holding every
+    # leaf lock, and that finalizer would wait on one of them: the parent would hang in os.fork().
     _run_and_expect(f"""
         import faulthandler, os, threading, time
         import pykvalloc
@@ -186,8 +185,9 @@ def test_an_object_dropped_while_a_fork_waits_is_not_finalized_by_the_fork(which
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
 def test_two_threads_forking_at_once_leave_every_lock_usable() -> None:
-    # Both forks' handlers shared one list of held locks: the first to finish released the
-    # second's, failed with RuntimeError half way, and left locks held for ever.
+    # Forks are one at a time: handlers sharing one list of held locks would let the first
+    # fork to finish release the second's, fail with RuntimeError half way, and leave locks
+    # held for ever.
     _run_and_expect("""
         import faulthandler, os, threading, time
         import pykvalloc

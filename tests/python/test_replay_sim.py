@@ -107,8 +107,8 @@ def test_compare_shows_a_failed_configuration_as_a_failed_column(tmp_path: Path,
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_beside_the_decodes() -> None:
-    # A 9,000-token prompt over the 8,192-token budget used to wait for an empty batch, here
-    # 1,000 steps of the first request's answer; chunked, it runs beside it.
+    # A 9,000-token prompt over the 8,192-token budget, chunked, runs beside the first request's
+    # answer; waiting for an empty batch would take that answer's 1,000 steps.
     tiny = Geometry(layers=1, kv_heads=1, head_dim=1)
     trace = Trace([Request(0.0, 100, 1000), Request(0.001, 9000, 1000)], source="long prompt")
     config = ReplayConfig(capacity_tokens=1 << 20, geometry=tiny)
@@ -320,8 +320,8 @@ def test_the_jemalloc_column_stands_when_a_request_is_rejected(tmp_path: Path) -
 
 def test_preemptions_do_not_raise_the_prefix_hit_rate() -> None:
     # A re-admitted request finds its own blocks of a moment ago. Counted as prefix hits, they
-    # made a cache too small for the load (1 GiB of 16 GiB: about a hundred preemptions) hit
-    # more, not less (58 % against 44 % on 2,000 requests). They are counted apart now.
+    # would make a cache too small for the load (1 GiB of 16 GiB: about a hundred preemptions)
+    # hit more, not less (58 % against 44 % on 2,000 requests), so they are counted apart.
     trace = default_workload(300)
     geometry = Geometry()
     def run(size: int):
@@ -351,8 +351,9 @@ def test_preemptions_do_not_raise_the_prefix_hit_rate() -> None:
     (["--plot", "/"], "argument --plot: cannot write /: it is a directory"),
 ])
 def test_replay_refuses_bad_arguments_before_it_runs(argv: list[str], message: str) -> None:
-    # A real kvalloc process: every one of these used to raise a traceback, hang, or (--requests
-    # -1) silently drop a request; --json's failure came only after the whole replay.
+    # A real kvalloc process: each of these is refused before the replay starts, with exit
+    # status 2 and no traceback (not a hang, not a silently dropped request for --requests -1,
+    # not a --json failure after the whole replay).
     done = run_kvalloc("replay", "--mode", "malloc-glibc", "--requests", "50", "--quiet", *argv,
                        timeout=60)
     assert done.returncode == 2, done.stderr

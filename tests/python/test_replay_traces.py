@@ -35,7 +35,7 @@ def test_azure_reader_reads_times_and_lengths() -> None:
     ("2023-11-16 18:15:52.0,12\r\n", "expected 3 columns"),
     ("not a time,12,3\r\n", "Invalid isoformat"),
     ("2023-11-16 18:15:52.0,-5,3\r\n", "ContextTokens must be a positive"),
-    ("2023-11-16 18:15:52.0,5,zero\r\n", "invalid literal"),
+    ("2023-11-16 18:15:52.0,5,zero\r\n", "GeneratedTokens must be a positive integer, got .zero."),
 ])
 def test_azure_malformed_row_names_its_line(row: str, reason: str) -> None:
     text = AZURE_SAMPLE + "\r\n" + row
@@ -114,7 +114,7 @@ def test_block_keys_follow_the_hash_id_and_position() -> None:
     other = Request(0.0, 600, 5, (10, 99))
     shared = [a == b for a, b in zip(block_keys(request, 16), block_keys(other, 16))]
     assert shared == [True] * 32 + [False] * (len(shared) - 32)
-    # Ids that differ only above bit 56 (which the old id << 8 pushed out of 64 bits) stay apart.
+    # Ids that differ only above bit 56 (which an id << 8 would push out of 64 bits) stay apart.
     assert block_keys(Request(0.0, 512, 5, (1 << 56,)), 16) != block_keys(Request(0.0, 512, 5, (0,)), 16)
 
 

@@ -32,7 +32,7 @@ def test_size_class_of_takes_whole_numbers_only():
     assert size_classes()[size_class_of(64)] == 64
     assert size_class_of(0) is None and size_class_of(1 << 20) is None
     with pytest.raises(TypeError):
-        size_class_of(1.5)  # was ctypes.ArgumentError
+        size_class_of(1.5)  # a TypeError, not a ctypes.ArgumentError
 
 
 def test_a_bool_is_no_page_mode_for_a_cache():

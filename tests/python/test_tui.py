@@ -452,8 +452,8 @@ def test_the_picker_shows_whole_names_that_share_a_long_prefix():
 
 
 def test_the_picker_shows_process_names_as_written():
-    # A process name such as "[/]engine" was read as Textual markup: the picker crashed the app,
-    # and "[engine]" showed as nothing.
+    # A process name is text, not Textual markup: read as markup, "[/]engine" would crash the
+    # picker and "[engine]" show as nothing.
     async def scenario(names: list[str]) -> None:
         app = KvallocTop(interval=0.1)
         async with app.run_test(size=(120, 30)) as pilot:
