@@ -4,7 +4,6 @@
 #include <string.h>
 
 #include "config.h"
-#include "os.h"
 
 #define MIN_BLOCK_LOW ((size_t)256)
 #define CHUNK_LOW ((size_t)64 << 10)
@@ -109,10 +108,4 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     out->capacity = nblocks << min_shift;
     out->chunk_shift = kva_log2(chunk);
     return KVA_OK;
-}
-
-kva_status kva_pool_create_own(kva_config *cfg, kva_pool **out) {
-    if (cfg->pages == KVA_PAGES_THP && cfg->backend == KVA_BACKEND_HOST && kva_os_thp_unavailable())
-        cfg->pages = KVA_PAGES_SMALL;
-    return kva_pool_create(cfg, out);
 }

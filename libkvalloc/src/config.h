@@ -21,11 +21,4 @@ typedef struct kva_geometry {
 /* Checks every field of cfg; KVA_ERR_INVALID naming the first bad one, else fills *out. */
 kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out);
 
-/* kva_pool_create for a pool the library makes for itself (a KV cache's or a variable-size
- * pool's own, whose configs default to transparent huge pages): where this process gets none
- * (a container runtime or a parent may deny them, kva_os_thp_unavailable), base pages instead,
- * since the caller asked for a pool and THP was only its page preference. cfg->pages says which
- * was used. */
-kva_status kva_pool_create_own(kva_config *cfg, kva_pool **out);
-
 #endif

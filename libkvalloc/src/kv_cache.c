@@ -12,6 +12,7 @@
 #include "config.h"
 #include "kv_cache.h"
 #include "os.h"
+#include "pool_own.h"
 
 /* At most 2^30 blocks, so the prefix table (a power of two, at least 1.5 buckets per block)
  * keeps a u32 mask. */

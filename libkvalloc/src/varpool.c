@@ -8,6 +8,7 @@
 
 #include "config.h"
 #include "os.h"
+#include "pool_own.h"
 #include "varpool.h"
 
 /* ---- the free structures ------------------------------------------------------------------ */
