@@ -26,7 +26,7 @@
 #include <unistd.h>
 
 #include "kvalloc.h"
-#include "varpool.h"
+#include "var_pool.h"
 
 static kva_pool *pool;
 static double secs;

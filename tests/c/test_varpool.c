@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "check.h"
-#include "varpool.h"
+#include "var_pool.h"
 
 #define ALIGN 256u
 
@@ -457,7 +457,7 @@ static uint32_t tlsf_class_index(uint32_t len) {
     return (k - 4) * 32 + ((len >> (k - 5)) - 32);
 }
 
-/* Where in the free run [start, start + len) the policy carves `units` (varpool.h, "Placement"):
+/* Where in the free run [start, start + len) the policy carves `units` (var_pool.h, "Placement"):
  * first and worst fit at the low end; best fit and TLSF, for a request of at least CARVE_MIN
  * units that does not take the whole run, at the end beside the shorter neighbour (a pool edge
  * shorter than any range), the low end on a tie. */

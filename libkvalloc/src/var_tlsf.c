@@ -1,6 +1,6 @@
 /*
- * varpool.c — the variable-size pool: create and destroy, alloc and free under each policy,
- * statistics. See varpool.h for the layout, the invariants, the placement inside the chosen
+ * var_tlsf.c — the variable-size pool: create and destroy, alloc and free under each policy,
+ * statistics. See var_pool.h for the layout, the invariants, the placement inside the chosen
  * free range (best fit and TLSF carve a request beside the shorter neighbour of the range,
  * carve_high) and the locking.
  */
@@ -9,7 +9,7 @@
 #include "config.h"
 #include "os.h"
 #include "pool_own.h"
-#include "varpool.h"
+#include "var_pool.h"
 
 /* ---- the free structures ------------------------------------------------------------------ */
 
@@ -40,7 +40,7 @@ KVA_INLINE uint32_t split_front(kva_var_range *ranges, uint32_t at, uint32_t len
 }
 
 /* Which end of the free range at `at` of `length` units best fit and TLSF carve `units` from
- * (the rule, its reason and its measurements: varpool.h, "Placement"): the end beside the
+ * (the rule, its reason and its measurements: var_pool.h, "Placement"): the end beside the
  * shorter of the range's two neighbours, a pool edge counting as shorter than any range, so that
  * the remainder stays beside the longer neighbour; the low end on a tie, when the range is
  * taken whole, and for a request below KVA_VAR_CARVE_MIN units. Both neighbours are used (V2),
@@ -425,7 +425,7 @@ static KVA_NOINLINE kva_status list_alloc(kva_var *v, size_t size, void **out, k
     } else if (length > units) {
         /* Split: the tail stays free. In address order it takes the place of the whole. First
          * and worst fit always carve the low end: first fit's address order is what it is
-         * measured by, and the rule would undo it (varpool.h, "Placement"). */
+         * measured by, and the rule would undo it (var_pool.h, "Placement"). */
         uint32_t rest = split_tail(ranges, at, length, units);
         if (v->policy == KVA_VAR_FIRST_FIT) {
             list_replace(v, at, rest);
@@ -474,7 +474,7 @@ static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **o
     return leave(me, KVA_OK);
 }
 
-/* kva_tlsf_floors (varpool.h), built at compile time: the shortest length class (fl, sl) holds is
+/* kva_tlsf_floors (var_pool.h), built at compile time: the shortest length class (fl, sl) holds is
  * sl below KVA_TLSF_SL, else (KVA_TLSF_SL + sl) << (fl - 1). */
 #define FLOOR_SHIFT(i) ((i) < KVA_TLSF_SL ? 0 : (i) / KVA_TLSF_SL - 1) /* never negative, even unused */
 #define FLOOR_OF(i) ((uint32_t)((i) < KVA_TLSF_SL ? (i) : (KVA_TLSF_SL + (i) % KVA_TLSF_SL) << FLOOR_SHIFT(i)))
@@ -613,7 +613,7 @@ static KVA_NOINLINE kva_status alloc_any(kva_var *v, size_t size, void **out, kv
  * holds the request) finds a class head that stays in its class once the request is cut from
  * its low end (its floor is one load from kva_tlsf_floors). Then only the head moves, to the
  * remainder's first unit, in the same list place, and no class or bitmap changes; nor does the
- * placement rule apply (small requests take the low end, varpool.h). A head that would fall
+ * placement rule apply (small requests take the low end, var_pool.h). A head that would fall
  * below its class, an exact fit, an empty pool, another policy: alloc_any decides, searching
  * again. */
 KVA_INLINE kva_status tlsf_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me) {

@@ -1,6 +1,6 @@
 /*
- * check.c — kva_check: walks every invariant stated in buddy.h, slab.h and pool.h and names the
- * first one broken. O(capacity / min_block + slab bitmap words); never on a hot path.
+ * pool_check.c — kva_check: walks every invariant stated in buddy.h, slab.h and pool.h and names
+ * the first one broken. O(capacity / min_block + slab bitmap words); never on a hot path.
  */
 #include <stdlib.h>
 

@@ -1,9 +1,9 @@
 /*
- * varpool_check.c — kva_var_check: walks every invariant stated in varpool.h and names the first
+ * var_check.c — kva_var_check: walks every invariant stated in var_pool.h and names the first
  * one broken. O(capacity / alignment); never on a hot path.
  */
 
-#include "varpool.h"
+#include "var_pool.h"
 
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
 

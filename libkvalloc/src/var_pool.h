@@ -1,5 +1,5 @@
 /*
- * varpool.h — the variable-size pool (kva_var_*): ranges of any multiple of the alignment, with
+ * var_pool.h — the variable-size pool (kva_var_*): ranges of any multiple of the alignment, with
  * the boundary tags out of band.
  *
  * Everything is counted in units of the alignment, as u32 unit indices. ranges[] has one record
@@ -30,7 +30,7 @@
  *             addressed of itself and each range added after it (tlsf_push).
  *
  * Placement. The structure picks the free range; which end of it a shorter request is carved
- * from is a choice of its own (carve_high in varpool.c):
+ * from is a choice of its own (carve_high in var_tlsf.c):
  *  - First and worst fit: the low end. First fit's address order is its strength (packing
  *    toward the low end lets the top of the pool stay one free range; Shore, CACM 18(8), 1975),
  *    and the rule below would undo it: with it, first fit fragments bench_varpool's forward
@@ -76,14 +76,14 @@
  * and kva_var_destroy (which must not overlap any other call) holds it for the whole call: a
  * public wrapper checks what the fields fixed at creation decide, then locks and runs a static
  * *_locked implementation. Alloc and free enter by the bias when they can, and then their
- * locked code releases the lock on every return path (leave() in varpool.c, so that the slow
+ * locked code releases the lock on every return path (leave() in var_tlsf.c, so that the slow
  * parts are tail calls); when they cannot, alloc_plain and free_plain take the plain lock, run
  * the same code (which then leaves the lock alone) and release it. Every other entry point
  * locks and unlocks around its *_locked call. The pool calls the backing kva_pool only at
  * create and destroy, never under its lock.
  */
-#ifndef KVA_VARPOOL_H
-#define KVA_VARPOOL_H
+#ifndef KVA_VAR_POOL_H
+#define KVA_VAR_POOL_H
 
 #include "internal.h"
 #include "lock.h"
@@ -103,7 +103,7 @@
 #define KVA_VAR_CARVE_MIN KVA_TLSF_SL
 
 /* Records a bad free looks back over for the head of the range that holds it, before it asks
- * the free ranges instead (classify_bad_free in varpool.c): the look back finds it beside short
+ * the free ranges instead (classify_bad_free in var_tlsf.c): the look back finds it beside short
  * ranges, and a long range must not hold the lock for a scan of its records (a free inside a
  * free pool of 2^28 units took 0.57 s). */
 #define KVA_VAR_BACK_SCAN 4096u

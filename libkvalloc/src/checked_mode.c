@@ -1,5 +1,5 @@
 /*
- * checked.c — poison and red-zone bytes for checked pools.
+ * checked_mode.c — poison and red-zone bytes for checked pools (checked.h).
  */
 #include <string.h>
 
