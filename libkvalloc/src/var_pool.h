@@ -30,7 +30,7 @@
  *             addressed of itself and each range added after it (tlsf_push).
  *
  * Placement. The structure picks the free range; which end of it a shorter request is carved
- * from is a choice of its own (carve_high in var_tlsf.c):
+ * from is a choice of its own (kva_var_carve_high below):
  *  - First and worst fit: the low end. First fit's address order is its strength (packing
  *    toward the low end lets the top of the pool stay one free range; Shore, CACM 18(8), 1975),
  *    and the rule below would undo it: with it, first fit fragments bench_varpool's forward
@@ -76,11 +76,17 @@
  * and kva_var_destroy (which must not overlap any other call) holds it for the whole call: a
  * public wrapper checks what the fields fixed at creation decide, then locks and runs a static
  * *_locked implementation. Alloc and free enter by the bias when they can, and then their
- * locked code releases the lock on every return path (leave() in var_tlsf.c, so that the slow
+ * locked code releases the lock on every return path (kva_var_leave below, so that the slow
  * parts are tail calls); when they cannot, alloc_plain and free_plain take the plain lock, run
  * the same code (which then leaves the lock alone) and release it. Every other entry point
  * locks and unlocks around its *_locked call. The pool calls the backing kva_pool only at
  * create and destroy, never under its lock.
+ *
+ * Files. var_pool.c: kva_var_create, kva_var_destroy and the small queries (kva_var_base,
+ * kva_var_usable_size). var_tlsf.c: TLSF's classes, and kva_var_alloc and kva_var_free, into
+ * which TLSF's common paths are inlined. var_fit.c: first, best and worst fit, to which those two
+ * hand the other policies' calls. var_reject.c: the calls that fail, counted and told why.
+ * var_stats.c: kva_var_get_stats. var_check.c: kva_var_check.
  */
 #ifndef KVA_VAR_POOL_H
 #define KVA_VAR_POOL_H
@@ -103,9 +109,9 @@
 #define KVA_VAR_CARVE_MIN KVA_TLSF_SL
 
 /* Records a bad free looks back over for the head of the range that holds it, before it asks
- * the free ranges instead (classify_bad_free in var_tlsf.c): the look back finds it beside short
- * ranges, and a long range must not hold the lock for a scan of its records (a free inside a
- * free pool of 2^28 units took 0.57 s). */
+ * the free ranges instead (classify_bad_free in var_reject.c): the look back finds it beside
+ * short ranges, and a long range must not hold the lock for a scan of its records (a free inside
+ * a free pool of 2^28 units took 0.57 s). */
 #define KVA_VAR_BACK_SCAN 4096u
 
 typedef struct kva_var_range {
@@ -171,5 +177,88 @@ KVA_INLINE void kva_tlsf_class(uint32_t length, unsigned *fl, unsigned *sl) {
     *fl = index >> KVA_TLSF_SL_LOG2;
     *sl = index & (KVA_TLSF_SL - 1);
 }
+
+/* ---- the range records, as every policy changes them --------------------------------------- */
+
+/* The range after the one at `start` of `length` units (the sentinel after the last) names it as
+ * prev. */
+KVA_INLINE void kva_var_link_follower(kva_var *v, uint32_t start, uint32_t length) {
+    v->ranges[start + length].prev = start;
+}
+
+/* Splits the free range at `at` of `length` units after its first `units`: the tail becomes a
+ * free range of its own, linked both ways in address order, in no free structure yet. Returns
+ * the tail. `ranges` is v->ranges, which a caller on the hot path already holds. */
+KVA_INLINE uint32_t kva_var_split_tail(kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    uint32_t rest = at + units;
+    ranges[rest].prev = at;
+    ranges[rest].length = (length - units) | KVA_VAR_FREE_BIT;
+    ranges[at + length].prev = rest; /* kva_var_link_follower(v, rest, length - units) */
+    return rest;
+}
+
+/* The other split: the free range at `at` of `length` units gives its last `units` and keeps the
+ * rest, shorter, under the same head (its free structure is the caller's to fix). Returns the
+ * head of the part given, linked both ways, not yet marked used. */
+KVA_INLINE uint32_t kva_var_split_front(kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    uint32_t given = at + length - units;
+    ranges[given].prev = at;
+    ranges[at].length = (length - units) | KVA_VAR_FREE_BIT;
+    ranges[at + length].prev = given;
+    return given;
+}
+
+/* Which end of the free range at `at` of `length` units best fit and TLSF carve `units` from
+ * (the rule, its reason and its measurements: "Placement" above): the end beside the shorter
+ * of the range's two neighbours, a pool edge counting as shorter than any range, so that
+ * the remainder stays beside the longer neighbour; the low end on a tie, when the range is
+ * taken whole, and for a request below KVA_VAR_CARVE_MIN units. Both neighbours are used (V2),
+ * so their length fields hold no free bit, and a pool edge is the sentinel, whose length is 0:
+ * the edge below the first range ties or loses, so that range is carved low, and the edge above
+ * the last one wins. Returns nonzero for the high end. */
+KVA_INLINE int kva_var_carve_high(const kva_var_range *ranges, uint32_t at, uint32_t length, uint32_t units) {
+    if (units < KVA_VAR_CARVE_MIN || length == units) return 0;
+    return ranges[at + length].length < ranges[ranges[at].prev].length;
+}
+
+/* Marks the range whose head record is r (no longer in any free structure) used for `size`
+ * bytes. */
+KVA_INLINE void kva_var_mark_used(kva_var *v, kva_var_range *r, uint32_t units, size_t size) {
+    r->length = units;
+    r->link_prev = (uint32_t)size;
+    r->link_next = (uint32_t)((uint64_t)size >> 32);
+    v->free_units -= units;
+    v->requested_bytes += size;
+    v->alloc_count++;
+}
+
+/* How every locked path of alloc and free ends. A caller that entered by the lock's bias passes
+ * its flag (me) and the path leaves the lock; one that took the plain lock passes NULL and
+ * releases it itself. The slow parts of a path are tail calls that take `me` and end here in
+ * their turn, so the fast paths call nothing, and need no callee-saved registers. */
+KVA_INLINE kva_status kva_var_leave(kva_lock_owner *me, kva_status st) {
+    if (me) kva_lock_leave_biased(me);
+    return st;
+}
+
+/* ---- between the files ---------------------------------------------------------------------- */
+
+/* var_tlsf.c: the free range r (its length set) joins its TLSF class. */
+void kva_var_tlsf_insert(kva_var *v, uint32_t r);
+
+/* var_fit.c, first, best and worst fit: the free range r (its length set) joins the free list;
+ * an allocation and the free of the used range at `at`, the lock held, each ending the locked
+ * path (kva_var_leave). */
+void kva_var_fit_insert(kva_var *v, uint32_t r);
+kva_status kva_var_fit_alloc(kva_var *v, size_t size, void **out, kva_lock_owner *me);
+kva_status kva_var_fit_release(kva_var *v, uint32_t at, kva_lock_owner *me);
+
+/* var_reject.c. kva_var_alloc's arguments refused (the lock not held); no free range for a
+ * request and why ptr cannot be freed, the lock held, each ending the locked path. The first two
+ * always fail (kva_fail) and are declared cold, so that their callers keep the paths to them out
+ * of line; a bad free's classification has a common part of its own. */
+kva_status kva_var_alloc_rejected(kva_var *v, size_t size, void **out) __attribute__((cold));
+kva_status kva_var_alloc_failed(kva_var *v, size_t size, uint32_t units, kva_lock_owner *me) __attribute__((cold));
+kva_status kva_var_free_rejected(kva_var *v, void *ptr, kva_lock_owner *me);
 
 #endif
