@@ -6,6 +6,7 @@
 
 #include "checked.h"
 #include "pool.h"
+#include "region_check.h"
 #include "tcache.h"
 
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)

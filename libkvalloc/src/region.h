@@ -73,9 +73,4 @@ kva_status kva_region_trim(kva_region *region);
 /* Bytes backed by memory now: the whole range for host memory, the mapped granules for CUDA. */
 size_t kva_region_mapped_bytes(const kva_region *region);
 
-/* kva_check's part: the region's own invariants (region_cuda.c) and that each granule's
- * reference count matches the live blocks of the buddy over it. KVA_OK or KVA_ERR_CORRUPT. */
-struct kva_buddy;
-kva_status kva_region_check(const kva_region *region, const struct kva_buddy *buddy);
-
 #endif

@@ -7,50 +7,14 @@
  * time (the device's allocation granularity, typically 2 MiB): cuMemCreate, cuMemMap,
  * cuMemSetAccess. A granule no live block touches stays mapped ("idle") until kva_trim, or until
  * the idle bytes pass the pool's trim_watermark, unmaps it (cuMemUnmap, cuMemRelease), oldest
- * idle first. The state is host arrays only; the device memory is never read or written here.
- *
- * Invariants (kva_region_check verifies them):
- *  R1  refs of a granule == the USED and SLAB buddy blocks that overlap it.
- *  R2  UNMAPPED: no memory, refs 0. MAPPED: refs > 0. IDLE: mapped, refs 0.
- *  R3  The idle list holds exactly the IDLE granules, doubly linked, oldest at the head; idle
- *      counts them, mapped counts the MAPPED and IDLE ones.
- * A resident region (prefault) maps every granule at creation and keeps them all mapped for its
- * life; it keeps no references, and commit, decommit and trim do nothing.
+ * idle first. The state is host arrays only (region_cuda.h, with its invariants); the device
+ * memory is never read or written here.
  */
 #include <stdio.h>
 #include <stdlib.h>
 
-#include "buddy.h"
-#include "cuda_driver.h"
 #include "os.h"
-#include "region.h"
-
-enum { GRANULE_UNMAPPED = 0, GRANULE_MAPPED = 1, GRANULE_IDLE = 2 };
-
-typedef struct kva_granule {
-    CUmemGenericAllocationHandle handle; /* the physical memory, unless UNMAPPED */
-    uint32_t refs;                       /* live blocks overlapping the granule */
-    uint32_t prev, next;                 /* idle list links (IDLE only) */
-    uint8_t state;
-    uint8_t released;                    /* given back while its live block lives on (R1) */
-    uint8_t reserved[2];
-} kva_granule;
-
-struct kva_cuda_region {
-    kva_cuda_device dev;
-    CUmemAllocationProp prop;   /* of every granule: pinned device memory of dev */
-    CUmemAccessDesc access;     /* read-write for dev */
-    CUdeviceptr base;
-    size_t reserved;            /* bytes reserved at base: ngranules granules */
-    unsigned shift;             /* log2 of the granularity */
-    uint32_t ngranules;
-    kva_granule *granules;
-    size_t granules_bytes;
-    uint32_t idle_head, idle_tail;
-    uint32_t mapped, idle;
-    size_t watermark;           /* unmap idle granules above this many idle bytes; 0: never */
-    int resident;
-};
+#include "region_cuda.h"
 
 static CUdeviceptr granule_address(const kva_cuda_region *r, uint32_t g) {
     return r->base + ((CUdeviceptr)g << r->shift);
@@ -60,7 +24,7 @@ static size_t granule_size(const kva_cuda_region *r) { return (size_t)1 << r->sh
 
 static void idle_push(kva_cuda_region *r, uint32_t g) {
     kva_granule *gr = &r->granules[g];
-    gr->state = GRANULE_IDLE;
+    gr->state = KVA_GRANULE_IDLE;
     gr->next = KVA_NIL;
     gr->prev = r->idle_tail;
     if (r->idle_tail != KVA_NIL) r->granules[r->idle_tail].next = g;
@@ -93,7 +57,7 @@ static kva_status map_granule(kva_cuda_region *r, uint32_t g) {
         res = d->cuMemSetAccess(va, size, &r->access, 1);
         if (res == CUDA_SUCCESS) {
             r->granules[g].handle = handle;
-            r->granules[g].state = GRANULE_MAPPED;
+            r->granules[g].state = KVA_GRANULE_MAPPED;
             r->mapped++;
             return KVA_OK;
         }
@@ -114,8 +78,8 @@ static kva_status unmap_granule(kva_cuda_region *r, uint32_t g) {
     CUresult res = d->cuMemUnmap(granule_address(r, g), granule_size(r));
     if (res != CUDA_SUCCESS)
         return kva_cuda_fail(d, res, "cuMemUnmap of %zu bytes at %#llx", granule_size(r), granule_address(r, g));
-    if (gr->state == GRANULE_IDLE) idle_unlink(r, g);
-    gr->state = GRANULE_UNMAPPED;
+    if (gr->state == KVA_GRANULE_IDLE) idle_unlink(r, g);
+    gr->state = KVA_GRANULE_UNMAPPED;
     r->mapped--;
     /* Unmapped, the memory is already unreachable; a refusal here leaks it but changes nothing
      * the pool can see, so it is reported and the granule counts as unmapped. */
@@ -142,7 +106,7 @@ kva_status kva_cuda_region_commit(kva_cuda_region *r, uint64_t offset, uint64_t 
     int entered = 0;
     uint32_t g;
     for (g = first; g <= last && st == KVA_OK; g++) {
-        if (r->granules[g].state != GRANULE_UNMAPPED) continue;
+        if (r->granules[g].state != KVA_GRANULE_UNMAPPED) continue;
         if (!entered) {
             st = kva_cuda_enter(&r->dev);
             if (st != KVA_OK) break;
@@ -161,9 +125,9 @@ kva_status kva_cuda_region_commit(kva_cuda_region *r, uint64_t offset, uint64_t 
         int quiet = 1;
         for (uint32_t h = first; h <= last; h++) {
             kva_granule *gr = &r->granules[h];
-            if (gr->state != GRANULE_MAPPED || gr->refs != 0 || unmap_granule(r, h) == KVA_OK) continue;
+            if (gr->state != KVA_GRANULE_MAPPED || gr->refs != 0 || unmap_granule(r, h) == KVA_OK) continue;
             quiet = 0;
-            if (gr->state == GRANULE_MAPPED) idle_push(r, h);
+            if (gr->state == KVA_GRANULE_MAPPED) idle_push(r, h);
         }
         if (entered) kva_cuda_leave(&r->dev);
         return quiet ? st : kva_fail(st, "%s", why);
@@ -171,9 +135,9 @@ kva_status kva_cuda_region_commit(kva_cuda_region *r, uint64_t offset, uint64_t 
     if (entered) kva_cuda_leave(&r->dev);
     for (g = first; g <= last; g++) {
         kva_granule *gr = &r->granules[g];
-        if (gr->state == GRANULE_IDLE) {
+        if (gr->state == KVA_GRANULE_IDLE) {
             idle_unlink(r, g);
-            gr->state = GRANULE_MAPPED;
+            gr->state = KVA_GRANULE_MAPPED;
         }
         gr->refs++;
     }
@@ -219,7 +183,7 @@ kva_status kva_cuda_region_release(kva_cuda_region *r, uint64_t offset, uint64_t
     kva_status st = kva_cuda_enter(&r->dev);
     if (st != KVA_OK) return st;
     for (uint32_t g = first; g <= last && st == KVA_OK; g++)
-        if (r->granules[g].state == GRANULE_IDLE) st = unmap_granule(r, g);
+        if (r->granules[g].state == KVA_GRANULE_IDLE) st = unmap_granule(r, g);
     kva_cuda_leave(&r->dev);
     return st;
 }
@@ -253,7 +217,7 @@ static void release_all(kva_cuda_region *r) {
     const kva_cuda_driver *d = r->dev.driver;
     for (uint32_t g = 0; g < r->ngranules && r->mapped; g++) {
         kva_granule *gr = &r->granules[g];
-        if (gr->state == GRANULE_UNMAPPED || unmap_granule(r, g) == KVA_OK || gr->state == GRANULE_UNMAPPED)
+        if (gr->state == KVA_GRANULE_UNMAPPED || unmap_granule(r, g) == KVA_OK || gr->state == KVA_GRANULE_UNMAPPED)
             continue;
         d->cuMemRelease(gr->handle); /* unmap refused: the handle goes all the same */
     }
@@ -356,77 +320,4 @@ void kva_region_cuda_destroy(kva_region *region) {
     region->device = NULL;
     region->base = NULL;
     region->length = 0;
-}
-
-/* ---- kva_check ---------------------------------------------------------------------------- */
-
-#define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
-
-static kva_status check_granule(const kva_cuda_region *r, uint32_t g, uint32_t expected) {
-    const kva_granule *gr = &r->granules[g];
-    if (gr->released) {
-        if (expected != 1) return BROKEN("R1: granule %u was given back within a block but %u live blocks overlap it", g, expected);
-        expected = 0;
-    }
-    if (gr->refs != expected)
-        return BROKEN("R1: granule %u has %u references but %u live blocks overlap it", g, gr->refs, expected);
-    int state_ok = gr->state == GRANULE_UNMAPPED ? gr->refs == 0
-                   : gr->state == GRANULE_MAPPED ? gr->refs > 0
-                   : gr->state == GRANULE_IDLE   ? gr->refs == 0
-                                                 : 0;
-    if (!state_ok) return BROKEN("R2: granule %u is in state %u with %u references", g, gr->state, gr->refs);
-    return KVA_OK;
-}
-
-static kva_status check_refs(const kva_cuda_region *r, const kva_buddy *buddy) {
-    /* Blocks come in address order, so each granule's count is complete once a block starts
-     * past it. */
-    uint32_t cur = 0, count = 0;
-    kva_status st = KVA_OK;
-    for (uint32_t index = 0; index < buddy->nblocks && st == KVA_OK;) {
-        const kva_page *page = &buddy->pages[index];
-        uint32_t length = kva_buddy_length(page);
-        if (page->state == KVA_BLOCK_USED || page->state == KVA_BLOCK_SLAB) {
-            uint64_t start = (uint64_t)index << buddy->min_shift, end = (uint64_t)(index + length) << buddy->min_shift;
-            uint32_t a = (uint32_t)(start >> r->shift), b = (uint32_t)((end - 1) >> r->shift);
-            for (; cur < a && st == KVA_OK; cur++, count = 0) st = check_granule(r, cur, count);
-            count++;
-            for (; cur < b && st == KVA_OK; cur++, count = 1) st = check_granule(r, cur, count);
-        }
-        index += length ? length : 1;
-    }
-    for (; cur < r->ngranules && st == KVA_OK; cur++, count = 0) st = check_granule(r, cur, count);
-    return st;
-}
-
-static kva_status check_lists(const kva_cuda_region *r) {
-    uint32_t listed = 0, prev = KVA_NIL, idle = 0, mapped = 0;
-    for (uint32_t g = r->idle_head; g != KVA_NIL; g = r->granules[g].next) {
-        if (g >= r->ngranules) return BROKEN("R3: the idle list links to granule %u, past the end", g);
-        if (r->granules[g].state != GRANULE_IDLE) return BROKEN("R3: granule %u is on the idle list but not idle", g);
-        if (r->granules[g].prev != prev) return BROKEN("R3: granule %u on the idle list has a wrong prev link", g);
-        if (++listed > r->ngranules) return BROKEN("R3: the idle list loops");
-        prev = g;
-    }
-    if (r->idle_tail != prev) return BROKEN("R3: the idle list's tail is %u, the list ends at %u", r->idle_tail, prev);
-    for (uint32_t g = 0; g < r->ngranules; g++) {
-        idle += r->granules[g].state == GRANULE_IDLE;
-        mapped += r->granules[g].state != GRANULE_UNMAPPED;
-    }
-    if (listed != idle || idle != r->idle || mapped != r->mapped)
-        return BROKEN("R3: %u granules idle and %u mapped, %u on the idle list, the counters say %u and %u", idle,
-                      mapped, listed, r->idle, r->mapped);
-    return KVA_OK;
-}
-
-kva_status kva_region_check(const kva_region *region, const kva_buddy *buddy) {
-    const kva_cuda_region *r = region->device;
-    if (!r) return KVA_OK;
-    if (r->resident) {
-        if (r->mapped != r->ngranules)
-            return BROKEN("R2: a resident region maps %u of its %u granules", r->mapped, r->ngranules);
-        return KVA_OK;
-    }
-    kva_status st = check_lists(r);
-    return st == KVA_OK ? check_refs(r, buddy) : st;
 }
