@@ -1,6 +1,7 @@
 /*
- * arena.h — per-CPU arenas: the slabs of a pool are spread over arenas, and a thread's slow
- * paths take words of free objects from the arena of the CPU it runs on.
+ * arena.h — per-CPU arenas, part of the slab layer: the slabs of a pool are spread over arenas,
+ * and a thread's slow paths take words of free objects from the arena of the CPU it runs on
+ * (cpu.h says which).
  *
  * An arena holds, per size class, the partial list of its slabs and one spare empty slab, under
  * its own lock. A slab belongs to the arena that grew it for its whole life (kva_slab.arena), so
@@ -16,6 +17,7 @@
 
 #include <pthread.h>
 
+#include "cpu.h"
 #include "internal.h"
 
 /* One size class in one arena. */
@@ -40,24 +42,13 @@ typedef struct kva_arena {
     uint32_t bind_failures; /* mbind refusals: the slab was made all the same */
 } __attribute__((aligned(64))) kva_arena;
 
-/* The CPU the calling thread runs on: the kernel's rseq area when libc registered one (a load),
- * sched_getcpu otherwise. Read only on slow paths; through the test hook when one is set. */
-unsigned kva_arena_cpu(void);
-
 /* The default arena count: the CPUs this process may run on, at most KVA_MAX_ARENAS. */
-unsigned kva_arena_default_count(void);
+static inline unsigned kva_arena_default_count(void) {
+    unsigned n = kva_cpu_count();
+    return n > KVA_MAX_ARENAS ? KVA_MAX_ARENAS : n;
+}
 
-/* The CPUs this process may run on (its affinity mask), in increasing order: up to max of them
- * into cpus; returns how many were written. */
-unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max);
-
-/* Test hook (process-wide; NULL functions restore the real CPU). fake_cpu(ctx), when set,
- * replaces the CPU id a slow path reads; after_read(ctx), when set, runs between reading the
- * CPU and locking that CPU's arena, the window in which a real migration would strike, so a
- * test can change the fake CPU there. */
-void kva_arena_test_hook(unsigned (*fake_cpu)(void *ctx), void (*after_read)(void *ctx), void *ctx);
-
-/* Runs the after_read hook if one is set (called by the slow paths right after kva_arena_cpu). */
-void kva_arena_after_read(void);
+/* kva_cpu_allowed, under the name pool.c's arena placement calls it by. */
+static inline unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max) { return kva_cpu_allowed(cpus, max); }
 
 #endif

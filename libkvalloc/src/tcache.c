@@ -188,8 +188,8 @@ static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
         give_back_dry(sl, tc, c, k->slab[0], k->word[0]);
         remove_owned(tc, c, 0);
     }
-    unsigned a = kva_arena_cpu() % sl->narenas;
-    kva_arena_after_read();
+    unsigned a = kva_cpu_current() % sl->narenas;
+    kva_cpu_after_read();
     if (claim_from(pool, tc, c, a, 1)) return 1;
     for (unsigned i = 1; i < sl->narenas; i++)
         if (claim_from(pool, tc, c, (a + i) % sl->narenas, 0)) return 1;

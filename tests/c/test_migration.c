@@ -1,7 +1,7 @@
 /*
  * test_migration.c — threads that migrate between CPUs at the worst moment.
  *
- * The arena test hook (arena.h) replaces the CPU a slow path reads with a fake one, and runs a
+ * The CPU test hook (cpu.h) replaces the CPU a slow path reads with a fake one, and runs a
  * callback between reading it and locking that CPU's arena, the window in which a real
  * migration strikes. Here each thread has its own fake CPU, and the callback moves it, most of
  * the time, to another one, including ids beyond the arena count: so a thread's next slow path
@@ -23,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "arena.h"
 #include "check.h"
+#include "cpu.h"
 #include "kvalloc.h"
 #include "pool.h"
 #include "thread_util.h"
@@ -172,12 +172,12 @@ static void many_threads(void) {
     CHECK(base.arenas == 4);
     CHECK(pool->slabs.narenas == 4);
 
-    kva_arena_test_hook(fake_cpu, migrate, &hook);
+    kva_cpu_test_hook(fake_cpu, migrate, &hook);
     pthread_t threads[MAX_THREADS];
     for (unsigned t = 0; t < nthreads; t++)
         REQUIRE(pthread_create(&threads[t], NULL, migrating_worker, (void *)(uintptr_t)t) == 0);
     for (unsigned t = 0; t < nthreads; t++) REQUIRE(pthread_join(threads[t], NULL) == 0);
-    kva_arena_test_hook(NULL, NULL, NULL);
+    kva_cpu_test_hook(NULL, NULL, NULL);
     thread_failures_merge();
 
     unsigned long reads = atomic_load(&hook.reads), flips = atomic_load(&hook.flips);
@@ -273,9 +273,9 @@ static void wrapping_cpu_ids(void) {
     REQUIRE(kva_pool_create(&cfg, &pool) == KVA_OK);
     CHECK(pool->slabs.narenas == 3);
     big_index = 0;
-    kva_arena_test_hook(big_cpu, next_big, NULL);
+    kva_cpu_test_hook(big_cpu, next_big, NULL);
     run_thread(wrapping_worker, NULL); /* one thread at a time: big_index needs no atomics */
-    kva_arena_test_hook(NULL, NULL, NULL);
+    kva_cpu_test_hook(NULL, NULL, NULL);
     thread_failures_merge();
     printf("test_migration: %u slow paths through the wrapping hook\n", big_index);
     print_arenas("wrapping CPU ids");

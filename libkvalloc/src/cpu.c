@@ -1,10 +1,10 @@
 /*
- * arena.c — which CPU a thread runs on, and how many arenas a pool gets by default.
+ * cpu.c — which CPU a thread runs on, and which CPUs this process may run on.
  */
 #include <sched.h>
 #include <unistd.h>
 
-#include "arena.h"
+#include "cpu.h"
 
 #if defined(__has_include)
 #if __has_include(<sys/rseq.h>)
@@ -17,18 +17,18 @@ static unsigned (*test_fake_cpu)(void *);
 static void (*test_after_read)(void *);
 static void *test_ctx;
 
-void kva_arena_test_hook(unsigned (*fake_cpu)(void *ctx), void (*after_read)(void *ctx), void *ctx) {
+void kva_cpu_test_hook(unsigned (*fake_cpu)(void *ctx), void (*after_read)(void *ctx), void *ctx) {
     __atomic_store_n(&test_ctx, ctx, __ATOMIC_SEQ_CST);
     __atomic_store_n(&test_after_read, after_read, __ATOMIC_SEQ_CST);
     __atomic_store_n(&test_fake_cpu, fake_cpu, __ATOMIC_SEQ_CST);
 }
 
-void kva_arena_after_read(void) {
+void kva_cpu_after_read(void) {
     void (*after)(void *) = __atomic_load_n(&test_after_read, __ATOMIC_ACQUIRE);
     if (kva_unlikely(after != NULL)) after(__atomic_load_n(&test_ctx, __ATOMIC_ACQUIRE));
 }
 
-unsigned kva_arena_cpu(void) {
+unsigned kva_cpu_current(void) {
     unsigned (*fake)(void *) = __atomic_load_n(&test_fake_cpu, __ATOMIC_ACQUIRE);
     if (kva_unlikely(fake != NULL)) return fake(__atomic_load_n(&test_ctx, __ATOMIC_ACQUIRE));
 #ifdef KVA_HAVE_RSEQ
@@ -44,7 +44,7 @@ unsigned kva_arena_cpu(void) {
     return cpu >= 0 ? (unsigned)cpu : 0;
 }
 
-unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max) {
+unsigned kva_cpu_allowed(unsigned *cpus, unsigned max) {
     cpu_set_t set;
     if (sched_getaffinity(0, sizeof set, &set) != 0) return 0;
     unsigned n = 0;
@@ -53,11 +53,11 @@ unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max) {
     return n;
 }
 
-unsigned kva_arena_default_count(void) {
+unsigned kva_cpu_count(void) {
     cpu_set_t set;
     long n = 0;
     if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
     if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
     if (n <= 0) n = 1;
-    return n > KVA_MAX_ARENAS ? KVA_MAX_ARENAS : (unsigned)n;
+    return (unsigned)n;
 }
