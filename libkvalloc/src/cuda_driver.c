@@ -7,7 +7,6 @@
 #include <string.h>
 
 #include "cuda_driver.h"
-#include "fork.h"
 #include "os.h"
 
 #define DRIVER_ENV "KVA_CUDA_DRIVER"
@@ -44,7 +43,7 @@ static const struct {
 
 /* The process's driver: valid once `library` is set, read-only from then on. */
 static kva_cuda_driver loaded;
-static unsigned loaded_fork_depth; /* kva_fork_depth() when the driver was loaded and initialized */
+static unsigned loaded_fork_depth; /* kva_os_fork_depth() when the driver was loaded and initialized */
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static const char *error_name(const kva_cuda_driver *driver, CUresult result, char *buf, size_t len) {
@@ -109,9 +108,9 @@ static kva_status driver_get(const kva_cuda_driver **out) {
         st = load(path && *path ? path : DRIVER_DEFAULT, &fresh);
         if (st == KVA_OK) {
             loaded = fresh;
-            loaded_fork_depth = kva_fork_depth();
+            loaded_fork_depth = kva_os_fork_depth();
         }
-    } else if (loaded_fork_depth != kva_fork_depth()) {
+    } else if (loaded_fork_depth != kva_os_fork_depth()) {
         /* Initialized by an ancestor: CUDA does not survive fork, so this process may not use
          * the driver at all, for new pools either (kva_cuda_inherited). */
         st = kva_fail(KVA_ERR_BACKEND, "the CUDA driver was initialized before this process was forked; CUDA does "
@@ -150,11 +149,11 @@ kva_status kva_cuda_device_open(int ordinal, int need_vmm, kva_cuda_device *out)
         return st == KVA_ERR_NOMEM ? KVA_ERR_BACKEND : st;
     }
     *out = (kva_cuda_device){
-        .driver = d, .ordinal = ordinal, .device = device, .context = context, .fork_depth = kva_fork_depth()};
+        .driver = d, .ordinal = ordinal, .device = device, .context = context, .fork_depth = kva_os_fork_depth()};
     return KVA_OK;
 }
 
-int kva_cuda_inherited(const kva_cuda_device *dev) { return dev->fork_depth != kva_fork_depth(); }
+int kva_cuda_inherited(const kva_cuda_device *dev) { return dev->fork_depth != kva_os_fork_depth(); }
 
 void kva_cuda_device_close(kva_cuda_device *dev) {
     if (!dev->driver) return;

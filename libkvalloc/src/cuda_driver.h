@@ -114,7 +114,7 @@ typedef struct kva_cuda_device {
     int ordinal;
     CUdevice device;
     CUcontext context; /* its primary context, retained */
-    unsigned fork_depth; /* kva_fork_depth() when it was opened */
+    unsigned fork_depth; /* kva_os_fork_depth() when it was opened */
 } kva_cuda_device;
 
 /* Whether the device was opened by an ancestor of this process: CUDA does not survive fork

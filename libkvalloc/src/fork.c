@@ -19,13 +19,10 @@
 
 #include "fork.h"
 #include "lock.h"
+#include "os.h"
 #include "pool.h"
 #include "segment.h"
 #include "tcache.h"
-
-static unsigned fork_depth; /* only the child handler writes it, in a process of one thread */
-
-unsigned kva_fork_depth(void) { return fork_depth; }
 
 /* Every live pool, for the handlers; first in the lock order. */
 static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -80,7 +77,7 @@ static void parent(void) {
  * describe the parent's pools, are named after its pid and read by its inspectors. All of them,
  * those of pools another thread was creating or destroying at the fork included. */
 static void child(void) {
-    fork_depth++;
+    kva_os_fork_child();
     kva_segments_disown_all(); /* the list's lock is still held from prepare */
     parent();
 }

@@ -11,9 +11,4 @@
 void kva_fork_track(kva_pool *pool);
 void kva_fork_untrack(kva_pool *pool);
 
-/* How many forks lie between the process that loaded the library and this one: 0 in the
- * process itself, one more in each child. What a CUDA device opened in an ancestor is told by
- * (cuda_driver.h): CUDA does not survive fork. */
-unsigned kva_fork_depth(void);
-
 #endif

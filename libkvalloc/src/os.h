@@ -126,6 +126,13 @@ uint64_t kva_os_monotonic_ns(void);
 unsigned kva_os_thread_id(void);
 unsigned kva_os_pid(void);
 
+/* How many forks lie between the process that loaded the library and this one: 0 in the process
+ * itself, one more in each child (os_fork.c). What a CUDA device opened in an ancestor is told by
+ * (cuda_driver.h): CUDA does not survive fork. kva_os_fork_child counts a fork; the library's
+ * atfork child handler (fork.c) calls it, while the child is a process of one thread. */
+unsigned kva_os_fork_depth(void);
+void kva_os_fork_child(void);
+
 /* ---- fault injection, for the tests --------------------------------------------------------
  * kva_os_fail_nth(call, n, error) makes the n-th next wrapper call of that kind (KVA_OS_ANY:
  * of any kind above) fail with errno `error`, as if the kernel had refused it; n = 0 disarms.
