@@ -50,9 +50,9 @@ kva_status kva_os_advise_thp(void *addr, size_t length);
  * message), or NULL if it may. */
 const char *kva_os_thp_unavailable(void);
 
-/* Takes every first-touch page fault of the range now. Where MADV_POPULATE_WRITE is missing
- * (before Linux 5.14) the range is touched once per base page, whatever backs it, since a huge
- * page fault may get a base page. */
+/* Takes every first-touch page fault of the range now, keeping what it holds. Where
+ * MADV_POPULATE_WRITE is missing (before Linux 5.14) the range is touched once per base page,
+ * whatever backs it, since a huge page fault may get a base page. */
 kva_status kva_os_populate(void *addr, size_t length);
 
 /* Zeroed, lazily committed host memory for metadata (MAP_NORESERVE: the overcommit heuristic
@@ -65,6 +65,9 @@ void kva_os_unmap(void *addr, size_t length);
 
 /* The system's base page size. */
 size_t kva_os_page_size(void);
+
+/* Bytes of physical memory the machine has (sysconf _SC_PHYS_PAGES); 0 if it cannot tell. */
+size_t kva_os_physical_memory(void);
 
 /* Gives the pages of [addr, addr+length) back to the kernel (madvise MADV_DONTNEED): the range
  * stays mapped and reads zero when touched again. addr and length page aligned. */

@@ -63,6 +63,11 @@ size_t kva_os_page_size(void) {
     return size > 0 ? (size_t)size : 4096;
 }
 
+size_t kva_os_physical_memory(void) {
+    long pages = sysconf(_SC_PHYS_PAGES);
+    return pages > 0 ? (size_t)pages * kva_os_page_size() : 0;
+}
+
 kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {
     /* Over-reserve by the alignment, then trim both ends: the kernel only promises page
      * alignment, and buddy blocks must be aligned to their size in absolute addresses. */
@@ -146,11 +151,13 @@ kva_status kva_os_populate(void *addr, size_t length) {
         return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_POPULATE_WRITE): %s", strerror(errno));
     /* Kernels before 5.14 lack MADV_POPULATE_WRITE: touch one byte per base page instead. Not
      * per huge page: a transparent huge page fault that finds no free huge page falls back to
-     * one base page, and the rest of the 2 MiB would stay untouched. The memory is fresh and
-     * zero, so writing zero changes nothing but the page tables. */
+     * one base page, and the rest of the 2 MiB would stay untouched. The touch adds zero
+     * atomically, a write fault that keeps the byte: metadata is populated after its first
+     * records are written, and a block taken back (kva_pool_range_take) is its caller's, whose
+     * threads may be writing to it. */
     size_t step = kva_os_page_size();
-    volatile unsigned char *bytes = addr;
-    for (size_t off = 0; off < length; off += step) bytes[off] = 0;
+    unsigned char *bytes = addr;
+    for (size_t off = 0; off < length; off += step) __atomic_fetch_add(&bytes[off], 0, __ATOMIC_RELAXED);
     return KVA_OK;
 }
 

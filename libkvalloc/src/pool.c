@@ -22,6 +22,7 @@ void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
     kva_fork_untrack(pool);
     kva_tc_pool_destroyed(pool);
+    free(pool->spare_cache);
     free(pool->free_ids);
     free(pool->quarantine);
     kva_segment_close(pool->segment);
@@ -47,6 +48,32 @@ static void place_arenas(kva_pool *pool, const kva_config *cfg) {
         kva_arena *arena = &pool->slabs.arenas[cpus[i] % n];
         if (arena->node < 0) arena->node = kva_numa_node_of_cpu(cpus[i]);
     }
+}
+
+/* A pool's metadata may fault in at creation up to this share of the machine's memory. */
+#define METADATA_POPULATE_SHARE 16
+
+/* The kernel commits the metadata mappings as they are first touched, and a first touch on an
+ * allocation or free path is a page fault there (a microsecond or more; several in a virtual
+ * machine): a fresh pool's block records and bitmaps would take one in every few dozen of its
+ * first tens of thousands of calls. So they are faulted in here, whatever the config says of
+ * the managed memory, and no call on the pool takes a fault in them. Up to a share of physical
+ * memory, so that a pool whose metadata is of the order of memory (lazy commitment is what lets
+ * one be made at all) does not meet the OOM killer here: first the records every block
+ * allocation reaches (12 bytes per minimum block: 0.3% of the capacity at 4 KiB blocks), then
+ * the slab bitmaps (2% at 2 MiB chunks), each only if it fits; beyond that they stay lazy. With
+ * prefault, which promises no faults at all, all of it whatever its size. The slab descriptors
+ * need nothing: kva_slabs_init has written every one. After the region, whose refusal when it
+ * is more than memory can back comes before any of this is touched. */
+static kva_status populate_metadata(kva_pool *pool, int prefault) {
+    size_t budget = prefault ? SIZE_MAX : kva_os_physical_memory() / METADATA_POPULATE_SHARE;
+    size_t records = pool->buddy.pages_bytes + pool->slabs.slabs_bytes;
+    if (records > budget) return KVA_OK;
+    kva_status st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
+    if (st != KVA_OK || pool->slabs.bitmaps_bytes > budget - records) return st;
+    st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
+    pool->slabs.bitmaps_resident = st == KVA_OK;
+    return st;
 }
 
 kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
@@ -82,16 +109,8 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
     if (st != KVA_OK) goto fail_region;
     pool->slabs.region = &pool->region;
     pool->slabs.pool_lock = &pool->lock;
-    if (cfg->prefault) {
-        /* The metadata is committed lazily too: without this, the first calls to reach each
-         * page of block records or bitmaps would take the faults prefault promises away. After
-         * the region, whose refusal when it is more than memory can back should come before
-         * the metadata (about 2% of it) is touched. */
-        st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
-        if (st == KVA_OK) st = kva_os_populate(pool->slabs.slabs, pool->slabs.slabs_bytes);
-        if (st == KVA_OK) st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
-        if (st != KVA_OK) goto fail_slabs;
-    }
+    st = populate_metadata(pool, cfg->prefault);
+    if (st != KVA_OK) goto fail_slabs;
     pool->base = pool->region.base;
     place_arenas(pool, cfg);
     pool->fast_limit = KVA_SLAB_MAX_SIZE;
@@ -109,6 +128,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
         kva_publish(pool, 1);
     }
+    pool->spare_cache = kva_tc_make_spare();
     kva_fork_track(pool);
     *out = pool;
     return KVA_OK;

@@ -62,6 +62,9 @@ struct kva_pool {
     /* Thread caches (tcache.h), under the registry lock: the live ones, and the counters of
      * those whose threads have exited. */
     struct kva_tcache *tcaches;
+    /* (atomic) A cache made and faulted in at creation for the first thread that needs one, or
+     * NULL once taken (kva_tc_make_spare). */
+    struct kva_tcache *spare_cache;
     uint32_t next_tc_id;
     uint32_t ncaches;
     uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];

@@ -254,6 +254,10 @@ static kva_status reserve(kva_cuda_region *r, size_t length, size_t alignment, i
     r->granules_bytes = (size_t)r->ngranules * sizeof(kva_granule);
     void *records = NULL;
     if (st == KVA_OK) st = kva_os_map_metadata(r->granules_bytes, &records);
+    /* Faulted in now (24 bytes per granule, 0.001% of the capacity), as the pool's own records
+     * are (pool.c, populate_metadata): every block allocation reaches those of its granules. */
+    if (st == KVA_OK && (st = kva_os_populate(records, r->granules_bytes)) != KVA_OK)
+        kva_os_unmap(records, r->granules_bytes);
     if (st != KVA_OK) {
         d->cuMemAddressFree(r->base, r->reserved);
         return st;

@@ -103,7 +103,9 @@ typedef struct kva_class_geometry {
 
 typedef struct kva_slabs {
     kva_slab *slabs;        /* one descriptor per chunk of the pool (a partial tail chunk too) */
-    uint64_t *bitmaps;      /* slot_words words per chunk, committed lazily by the kernel */
+    uint64_t *bitmaps;      /* slot_words words per chunk */
+    int bitmaps_resident;   /* every page of bitmaps faulted in at creation (pool.c); otherwise
+                               the kernel commits them as slabs first touch them */
     size_t slot_words;
     uint32_t nchunks;       /* descriptors */
     unsigned chunk_shift;

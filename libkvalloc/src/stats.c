@@ -77,8 +77,10 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.rejected_calls = __atomic_load_n(&pool->rejected_calls, __ATOMIC_RELAXED);
     st.page_kind = pool->region.page_kind;
     st.page_size = pool->region.page_size;
+    if (sl->bitmaps_resident) bitmap_bytes = sl->bitmaps_bytes; /* faulted in at creation, all of them */
+    size_t caches = totals.caches + (__atomic_load_n(&pool->spare_cache, __ATOMIC_RELAXED) != NULL);
     st.metadata_bytes = sizeof *pool + buddy->pages_bytes + sl->slabs_bytes + bitmap_bytes +
-                        (size_t)sl->narenas * sizeof(kva_arena) + (size_t)totals.caches * sizeof(kva_tcache);
+                        (size_t)sl->narenas * sizeof(kva_arena) + caches * sizeof(kva_tcache);
     st.numa_node = pool->region.numa_node;
     st.backend = (uint32_t)pool->region.backend;
     st.mapped_bytes = kva_region_mapped_bytes(&pool->region);

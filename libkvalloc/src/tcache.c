@@ -4,6 +4,7 @@
  */
 #include <stdlib.h>
 
+#include "os.h"
 #include "pool.h"
 #include "tcache.h"
 
@@ -428,10 +429,23 @@ kva_tcache *kva_tc_find(kva_pool *pool) {
     return NULL;
 }
 
+kva_tcache *kva_tc_make_spare(void) {
+    kva_tcache *tc = calloc(1, sizeof *tc);
+    if (!tc) return NULL;
+    /* calloc leaves memory fresh from the kernel untouched: a store in each page the record
+     * spans faults it in now (volatile: not dropped as a store of the zero calloc promised). */
+    volatile unsigned char *bytes = (volatile unsigned char *)tc;
+    size_t page = kva_os_page_size();
+    for (size_t off = 0; off < sizeof *tc; off += page) bytes[off] = 0;
+    bytes[sizeof *tc - 1] = 0;
+    return tc;
+}
+
 kva_tcache *kva_tc_get(kva_pool *pool) {
     kva_tcache *tc = kva_tc_find(pool);
     if (tc || !exit_key_made) return tc;
-    tc = calloc(1, sizeof *tc);
+    tc = __atomic_exchange_n(&pool->spare_cache, NULL, __ATOMIC_ACQ_REL);
+    if (!tc) tc = calloc(1, sizeof *tc);
     if (!tc) return NULL;
     /* Any non-NULL value makes the exit run thread_exit, which walks all the thread's caches:
      * a constant, so that no later failure here has anything to undo (a NULL set on one would

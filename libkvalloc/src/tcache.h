@@ -129,6 +129,12 @@ kva_tcache *kva_tc_get(kva_pool *pool);
 /* The same without making one: NULL if this thread has none. */
 kva_tcache *kva_tc_find(kva_pool *pool);
 
+/* A zeroed cache record, its pages faulted in, that pool creation keeps for the first thread to
+ * call kva_tc_get (pool.h, spare_cache): made out of the process heap, a cache's first touch of
+ * fresh heap pages would otherwise be page faults in that thread's first call. NULL if there is
+ * no host memory for it (that thread then makes its own). */
+kva_tcache *kva_tc_make_spare(void);
+
 /* Makes the next owned word of class c after the current one (round the ring) that has a free
  * object, remote frees merged in, the current word: 1; 0 when every owned word is dry. No lock:
  * the first step of a refill, which the allocation fast path takes on its own. */
