@@ -26,7 +26,7 @@
 #include "kvalloc.h"
 
 /* Reports of one metric by one allocator across its children: at most one per child, and an
- * allocator has at most 5 patterns x 7 processes + 2 x 7 first-touch children. */
+ * allocator has at most 6 patterns x 7 processes + 2 x 7 first-touch children. */
 #define MAX_REPORTS 64
 
 struct settings {
@@ -34,6 +34,7 @@ struct settings {
     unsigned rounds;       /* batch rounds per child, after as many to warm up */
     unsigned processes;    /* fresh child processes per figure, median taken here */
     unsigned samples;      /* large-block allocations per child, after as many to warm up */
+    unsigned fresh_samples; /* the first allocations of a new pool measured per child */
     unsigned touch_processes; /* the same for the first-touch figures */
     int selected[BENCH_ALLOCATOR_COUNT];
     const char *json_path;
@@ -140,6 +141,7 @@ static void parse_options(int argc, char **argv, struct settings *s)
     s->rounds = rounds ? (unsigned)rounds : s->quick ? 50 : 1000;
     s->processes = s->quick ? 3 : 7;
     s->samples = 50 * s->rounds;
+    s->fresh_samples = s->quick ? 2000 : 20000;
     s->touch_processes = s->quick ? 1 : 7;
 }
 
@@ -165,6 +167,7 @@ struct child_spec {
     int prefault;
     const char *strace_log; /* run under strace, logging there; NULL for a plain run */
     int discard;            /* a warm-up run: its reports are dropped */
+    unsigned samples;       /* --samples for the child; 0: the settings' large-block count */
 };
 
 static void store_report(enum bench_allocator allocator, const char *line)
@@ -195,7 +198,7 @@ static int run_child(const struct settings *s, const struct child_spec *c)
 {
     char rounds[16], samples[16];
     snprintf(rounds, sizeof rounds, "%u", s->rounds);
-    snprintf(samples, sizeof samples, "%u", s->samples);
+    snprintf(samples, sizeof samples, "%u", c->samples ? c->samples : s->samples);
     const char *argv[24];
     int n = 0;
     if (c->strace_log != NULL) {
@@ -269,7 +272,7 @@ static void run_syscall_check(const struct settings *s, struct syscall_check *ou
     if (fd < 0)
         fatal("mkstemp: %s", strerror(errno));
     close(fd);
-    struct child_spec c = {BENCH_KVALLOC, "syscalls", 0, log_path, 0};
+    struct child_spec c = {BENCH_KVALLOC, "syscalls", 0, log_path, 0, 0};
     int status = run_child(s, &c);
     FILE *log = fopen(log_path, "r");
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0 || log == NULL) {
@@ -315,8 +318,8 @@ static int compare_double(const void *a, const void *b)
 }
 
 /* One figure per (allocator, metric): the worst report for figures that are a peak or a
- * count, the median of the reports otherwise (first-touch figures come from several fresh
- * processes). NAN when nothing was reported. */
+ * count (a fault count is the most any one process took), the median of the reports otherwise
+ * (first-touch figures come from several fresh processes). NAN when nothing was reported. */
 static double figure(enum bench_allocator a, enum bench_metric m)
 {
     struct reports r = g_reports[a][m];
@@ -329,6 +332,16 @@ static double figure(enum bench_allocator a, enum bench_metric m)
     case BENCH_METADATA_FULL_FRACTION:
     case BENCH_LARGE_MAX_NS:
     case BENCH_LARGE_FAILURES:
+    case BENCH_FRESH_MAX_NS:
+    case BENCH_FRESH_FAILURES:
+    case BENCH_BATCH64_FAULTS:
+    case BENCH_BATCH4K_FAULTS:
+    case BENCH_SHUFFLED64_FAULTS:
+    case BENCH_MIXED_FAULTS:
+    case BENCH_LARGE_FAULT_COUNT:
+    case BENCH_FRESH_FAULTS:
+    case BENCH_TOUCH_FAULTS:
+    case BENCH_TOUCH_PREFAULT_FAULTS:
         return r.value[r.count - 1];
     default:
         return r.count % 2 ? r.value[r.count / 2]
@@ -342,21 +355,33 @@ struct table_row {
     enum bench_metric metric;
     const char *label;
     int kvalloc_only;
+    int fault_count; /* a count of page faults: no ratio (most of them are 0) */
 };
 
-/* The kvalloc column of the first-touch row is its prefault=0 pool; the next row is
+/* The kvalloc column of the first-touch rows is its prefault=0 pool; the rows after them are
  * prefault=1, which only libkvalloc has. */
 static const struct table_row table_rows[] = {
-    {BENCH_BATCH64_NS, "64 B batch, ns/op", 0},
-    {BENCH_BATCH4K_NS, "4 KiB batch, ns/op", 0},
-    {BENCH_SHUFFLED64_NS, "64 B, frees shuffled, ns/op", 0},
-    {BENCH_MIXED_NS, "16 B-1 KiB mixed, ns/op", 0},
-    {BENCH_LARGE_P50_NS, "1-64 MiB alloc p50, ns", 0},
-    {BENCH_LARGE_P99_NS, "1-64 MiB alloc p99, ns", 0},
-    {BENCH_LARGE_P999_NS, "1-64 MiB alloc p99.9, ns", 0},
-    {BENCH_LARGE_FAULTS, "  page faults per 1000", 0},
-    {BENCH_TOUCH_GBPS, "64 MiB first touch, GB/s", 0},
-    {BENCH_TOUCH_PREFAULT_GBPS, "  kvalloc prefault=1, GB/s", 1},
+    {BENCH_BATCH64_NS, "64 B batch, ns/op", 0, 0},
+    {BENCH_BATCH64_FAULTS, "  minor faults, timed", 0, 1},
+    {BENCH_BATCH4K_NS, "4 KiB batch, ns/op", 0, 0},
+    {BENCH_BATCH4K_FAULTS, "  minor faults, timed", 0, 1},
+    {BENCH_SHUFFLED64_NS, "64 B, frees shuffled, ns/op", 0, 0},
+    {BENCH_SHUFFLED64_FAULTS, "  minor faults, timed", 0, 1},
+    {BENCH_MIXED_NS, "16 B-1 KiB mixed, ns/op", 0, 0},
+    {BENCH_MIXED_FAULTS, "  minor faults, timed", 0, 1},
+    {BENCH_LARGE_P50_NS, "1-64 MiB alloc p50, ns", 0, 0},
+    {BENCH_LARGE_P99_NS, "1-64 MiB alloc p99, ns", 0, 0},
+    {BENCH_LARGE_P999_NS, "1-64 MiB alloc p99.9, ns", 0, 0},
+    {BENCH_LARGE_FAULTS, "  page faults per 1000", 0, 0},
+    {BENCH_LARGE_FAULT_COUNT, "  minor faults, timed", 0, 1},
+    {BENCH_FRESH_P50_NS, "fresh pool p50, ns", 0, 0},
+    {BENCH_FRESH_P99_NS, "fresh pool p99, ns", 0, 0},
+    {BENCH_FRESH_P999_NS, "fresh pool p99.9, ns", 0, 0},
+    {BENCH_FRESH_FAULTS, "  minor faults, timed", 0, 1},
+    {BENCH_TOUCH_GBPS, "64 MiB first touch, GB/s", 0, 0},
+    {BENCH_TOUCH_FAULTS, "  minor faults, timed", 0, 1},
+    {BENCH_TOUCH_PREFAULT_GBPS, "  kvalloc prefault=1, GB/s", 1, 0},
+    {BENCH_TOUCH_PREFAULT_FAULTS, "  prefault=1 faults, timed", 1, 1},
 };
 
 enum target_state { TARGET_NA, TARGET_PASS, TARGET_FAIL };
@@ -369,7 +394,7 @@ struct target {
     char detail[192];
 };
 
-#define TARGET_COUNT 6
+#define TARGET_COUNT 8
 
 static const char *page_kind_name(double kind)
 {
@@ -466,6 +491,35 @@ static void judge_targets(const struct syscall_check *sc, struct target *t)
         snprintf(t[4].detail, sizeof t[4].detail, "n/a (kvalloc not measured)");
     }
 
+    t[6].name = "fresh-pool p99 <= tcmalloc's";
+    t[6].key = "fresh_p99_vs_tcmalloc";
+    judge_ratio(&t[6], figure(BENCH_KVALLOC, BENCH_FRESH_P99_NS),
+                figure(BENCH_TCMALLOC, BENCH_FRESH_P99_NS), 1.0, "tcmalloc");
+
+    /* Every timed loop of the allocation patterns, fresh pool included; not the first-touch
+     * pass, whose faults at prefault=0 are the managed memory's own first use. */
+    static const enum bench_metric timed_faults[] = {BENCH_BATCH64_FAULTS, BENCH_BATCH4K_FAULTS,
+                                                     BENCH_SHUFFLED64_FAULTS, BENCH_MIXED_FAULTS,
+                                                     BENCH_LARGE_FAULT_COUNT, BENCH_FRESH_FAULTS};
+    t[7].name = "0 minor faults in kvalloc's timed loops";
+    t[7].key = "timed_loop_faults";
+    double faults = 0;
+    unsigned loops = 0;
+    for (size_t i = 0; i < sizeof timed_faults / sizeof timed_faults[0]; i++) {
+        double f = figure(BENCH_KVALLOC, timed_faults[i]);
+        if (!isnan(f)) {
+            faults += f;
+            loops++;
+        }
+    }
+    if (loops > 0) {
+        t[7].value = faults;
+        t[7].state = faults == 0 ? TARGET_PASS : TARGET_FAIL;
+        snprintf(t[7].detail, sizeof t[7].detail, "%.0f in %u patterns' worst processes", faults, loops);
+    } else {
+        snprintf(t[7].detail, sizeof t[7].detail, "n/a (kvalloc not measured)");
+    }
+
     t[5].name = "no syscall between pool create/destroy";
     t[5].key = "syscalls_on_alloc_path";
     if (sc->outcome == CHECK_DONE) {
@@ -491,6 +545,9 @@ static void print_table(const struct settings *s, const struct machine *m,
     printf("median of %u processes per figure, each measuring after a warm-up (first touch: "
            "%u); batch: %u rounds of 1000 allocs + 1000 frees; large blocks: %u allocations\n",
            s->processes, s->touch_processes, s->rounds, s->samples);
+    printf("fresh pool: the first %u allocations of a new pool (kvalloc: 2 GiB), 16 blocks of 1-64 MiB "
+           "live, no warm-up;\nminor faults: in the timed loops, the most any one process took\n",
+           s->fresh_samples);
     printf("peers measured through malloc/free (LD_PRELOAD; tcmalloc = gperftools "
            "tcmalloc_minimal); (x) = kvalloc / peer\n\n");
 
@@ -513,7 +570,7 @@ static void print_table(const struct settings *s, const struct machine *m,
             format_value(value, sizeof value, v);
             if (!g_alloc[a].measured)
                 snprintf(cell, sizeof cell, "skipped");
-            else if (a != BENCH_KVALLOC && !isnan(v) && !isnan(kva) && v > 0)
+            else if (a != BENCH_KVALLOC && !row->fault_count && !isnan(v) && !isnan(kva) && v > 0)
                 snprintf(cell, sizeof cell, "%s (%.2fx)", value, kva / v);
             else
                 snprintf(cell, sizeof cell, "%s", value);
@@ -558,8 +615,8 @@ static void write_json(const struct settings *s, const struct machine *m,
     fprintf(f, ", \"cores\": %ld, \"kernel\": ", m->cores);
     bench_json_string(f, m->kernel);
     fprintf(f, "},\n  \"settings\": {\"quick\": %s, \"rounds\": %u, \"processes\": %u, "
-               "\"large_samples\": %u, \"touch_processes\": %u},\n  \"allocators\": {",
-            s->quick ? "true" : "false", s->rounds, s->processes, s->samples,
+               "\"large_samples\": %u, \"fresh_samples\": %u, \"touch_processes\": %u},\n  \"allocators\": {",
+            s->quick ? "true" : "false", s->rounds, s->processes, s->samples, s->fresh_samples,
             s->touch_processes);
     int first = 1;
     for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++) {
@@ -595,7 +652,7 @@ static void write_json(const struct settings *s, const struct machine *m,
             for (size_t r = 0; r < sizeof table_rows / sizeof table_rows[0]; r++) {
                 double v = figure(a, table_rows[r].metric);
                 double kva = figure(BENCH_KVALLOC, table_rows[r].metric);
-                if (isnan(v) || isnan(kva) || v <= 0)
+                if (table_rows[r].fault_count || isnan(v) || isnan(kva) || v <= 0)
                     continue;
                 fprintf(f, "%s\"%s\": ", first_ratio ? "" : ", ",
                         bench_metric_keys[table_rows[r].metric]);
@@ -634,13 +691,16 @@ static void write_json(const struct settings *s, const struct machine *m,
  * one repetition to the next, so that no allocator always follows the same one. */
 static void run_all(const struct settings *s)
 {
-    static const char *const in_process_patterns[] = {"batch64", "batch4k", "shuffled64", "mixed", "large"};
+    static const char *const in_process_patterns[] = {"batch64", "batch4k", "shuffled64", "mixed", "large",
+                                                      "fresh"};
     for (unsigned rep = 0; rep < s->processes; rep++)
         for (size_t p = 0; p < sizeof in_process_patterns / sizeof in_process_patterns[0]; p++)
             for (int k = 0; k < BENCH_ALLOCATOR_COUNT; k++) {
                 int a = (int)((k + rep) % BENCH_ALLOCATOR_COUNT);
                 if (g_alloc[a].measured) {
-                    struct child_spec c = {(enum bench_allocator)a, in_process_patterns[p], 0, NULL, 0};
+                    const char *pattern = in_process_patterns[p];
+                    struct child_spec c = {(enum bench_allocator)a, pattern, 0, NULL, 0,
+                                           strcmp(pattern, "fresh") == 0 ? s->fresh_samples : 0};
                     run_measured(s, &c);
                 }
             }
@@ -654,7 +714,7 @@ static void run_all(const struct settings *s)
         for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
             for (int prefault = a == BENCH_KVALLOC; prefault >= 0; prefault--)
                 if (g_alloc[a].measured) {
-                    struct child_spec c = {a, "touch", prefault, NULL, rep == 0};
+                    struct child_spec c = {a, "touch", prefault, NULL, rep == 0, 0};
                     run_measured(s, &c);
                 }
     if (isatty(STDERR_FILENO))

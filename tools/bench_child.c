@@ -197,6 +197,20 @@ static void *xmalloc(size_t size)
     return p;
 }
 
+/* Bookkeeping written in a timed loop, its pages faulted in now: a first touch in the loop would
+ * count as the allocator's page fault. A volatile store per page, since a compiler may turn
+ * malloc and a memset of zero into calloc, which leaves memory fresh from the kernel untouched. */
+static void *xmalloc_touched(size_t count, size_t size)
+{
+    volatile unsigned char *p = xmalloc(count * size);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    for (size_t off = 0; off < count * size; off += page)
+        p[off] = 0;
+    if (count * size > 0)
+        p[count * size - 1] = 0;
+    return (void *)p;
+}
+
 /* xorshift64*: the same seed gives every allocator the same request sequence. */
 static uint64_t next_random(uint64_t *state)
 {
@@ -302,15 +316,20 @@ static void batch_round(const struct backend *b, const struct batch_plan *plan, 
         batch_round_malloc(b, plan, slots, t);
 }
 
+/* The figures of one batch pattern. */
+struct batch_metrics {
+    enum bench_metric op, alloc, free, faults;
+};
+
 static void run_batch(const struct backend *b, const struct child_options *o, const struct batch_shape *shape,
-                      enum bench_metric m_op, enum bench_metric m_alloc, enum bench_metric m_free)
+                      const struct batch_metrics *m)
 {
     void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
     struct batch_plan *plan = xmalloc(sizeof *plan);
     plan_batch(shape, plan);
-    double *per_op = xmalloc(o->reps * sizeof *per_op);
-    double *per_alloc = xmalloc(o->reps * sizeof *per_alloc);
-    double *per_free = xmalloc(o->reps * sizeof *per_free);
+    double *per_op = xmalloc_touched(o->reps, sizeof *per_op);
+    double *per_alloc = xmalloc_touched(o->reps, sizeof *per_alloc);
+    double *per_free = xmalloc_touched(o->reps, sizeof *per_free);
 
     /* Warm-up: brings the allocator's caches and, for kvalloc, the slabs into being; the live
      * set is at its peak halfway through, which is when the pool is inspected. */
@@ -329,6 +348,7 @@ static void run_batch(const struct backend *b, const struct child_options *o, co
         batch_round(b, plan, slots, &warm);
 
     double ops = (double)o->rounds * BATCH_OBJECTS;
+    double faults_before = minor_faults();
     for (unsigned rep = 0; rep < o->reps; rep++) {
         struct batch_time t = {0, 0};
         for (unsigned r = 0; r < o->rounds; r++)
@@ -337,9 +357,10 @@ static void run_batch(const struct backend *b, const struct child_options *o, co
         per_alloc[rep] = (double)t.alloc_ns / ops;
         per_free[rep] = (double)t.free_ns / ops;
     }
-    report(m_op, median(per_op, o->reps));
-    report(m_alloc, median(per_alloc, o->reps));
-    report(m_free, median(per_free, o->reps));
+    report(m->faults, minor_faults() - faults_before);
+    report(m->op, median(per_op, o->reps));
+    report(m->alloc, median(per_alloc, o->reps));
+    report(m->free, median(per_free, o->reps));
     free(per_free);
     free(per_alloc);
     free(per_op);
@@ -460,6 +481,7 @@ static void run_large(const struct backend *b, const struct child_options *o)
     report(BENCH_LARGE_P999_NS, median(p999, o->reps));
     report(BENCH_LARGE_MAX_NS, worst);
     report(BENCH_LARGE_FAULTS, 1000 * faults / ((double)o->samples * o->reps));
+    report(BENCH_LARGE_FAULT_COUNT, faults);
     if (bench_pool != NULL)
         report(BENCH_LARGE_FAILURES, (double)failures);
     free(p999);
@@ -468,7 +490,47 @@ static void run_large(const struct backend *b, const struct child_options *o)
     free(lat);
 }
 
-/* ---- pattern 4: first touch ------------------------------------------------------------- */
+/* ---- pattern 4: a fresh pool ------------------------------------------------------------ */
+
+/* The large-block requests of a pool made just before: FRESH_LIVE blocks live, each allocation
+ * replacing one at random with a random power of two from 1 to 64 MiB. libkvalloc's pool holds
+ * FRESH_POOL, a peer's heap is as new as its process. Nothing warms up, since the first calls
+ * are what is measured; the frees between the timed allocations are in the fault count. */
+#define FRESH_POOL (2 * GIB)
+#define FRESH_LIVE 16
+
+static void run_fresh(const struct backend *b, const struct child_options *o)
+{
+    static struct live_set live;
+    double *lat = xmalloc_touched(o->samples, sizeof *lat);
+    uint64_t rng = 0x9E3779B97F4A7C15ULL, failures = 0;
+    /* What the loop writes besides the allocator, and the clock, touched before it. */
+    memset(&live, 0, sizeof live);
+    (void)now_ns();
+    if (o->allocator == BENCH_KVALLOC)
+        create_pool(FRESH_POOL, o->prefault, 0);
+    double faults_before = minor_faults();
+    for (unsigned i = 0; i < o->samples; i++) {
+        while (live.count >= FRESH_LIVE)
+            live_release_random(b, &live, &rng);
+        size_t size = (size_t)1 << (LARGE_MIN_SHIFT + next_random(&rng) % LARGE_SHIFTS);
+        lat[i] = (double)large_alloc(b, &live, size, &rng, &failures, 1);
+    }
+    double faults = minor_faults() - faults_before;
+    while (live.count > 0)
+        live_release(b, &live, live.count - 1);
+    qsort(lat, o->samples, sizeof *lat, compare_double);
+    report(BENCH_FRESH_P50_NS, percentile_sorted(lat, o->samples, 0.50));
+    report(BENCH_FRESH_P99_NS, percentile_sorted(lat, o->samples, 0.99));
+    report(BENCH_FRESH_P999_NS, percentile_sorted(lat, o->samples, 0.999));
+    report(BENCH_FRESH_MAX_NS, lat[o->samples - 1]);
+    report(BENCH_FRESH_FAULTS, faults);
+    if (bench_pool != NULL)
+        report(BENCH_FRESH_FAILURES, (double)failures);
+    free(lat);
+}
+
+/* ---- pattern 5: first touch ------------------------------------------------------------- */
 
 /* One pass over fresh memory: allocate every block and write one byte per 4 KiB page (that
  * write is the page fault a real first use pays), then free everything. The pass is timed
@@ -484,6 +546,7 @@ static void run_touch(const struct backend *b, const struct child_options *o)
         report(o->prefault ? BENCH_CREATE_PREFAULT_MS : BENCH_CREATE_MS, (double)(c1 - c0) / 1e6);
     }
     void *blocks[TOUCH_BLOCKS];
+    double faults_before = minor_faults();
     uint64_t t0 = now_ns();
     for (int i = 0; i < TOUCH_BLOCKS; i++) {
         if (bench_alloc_into(b, TOUCH_BLOCK, &blocks[i]))
@@ -496,8 +559,10 @@ static void run_touch(const struct backend *b, const struct child_options *o)
         if (bench_release(b, blocks[i]))
             die("a free of a %zu MiB block was refused", TOUCH_BLOCK / MIB);
     uint64_t t1 = now_ns();
+    double faults = minor_faults() - faults_before;
     /* bytes per ns is GB/s (10^9 bytes per second). */
     double gbps = (double)(TOUCH_BLOCK * TOUCH_BLOCKS) / (double)(t1 - t0);
+    report(is_kvalloc && o->prefault ? BENCH_TOUCH_PREFAULT_FAULTS : BENCH_TOUCH_FAULTS, faults);
     if (is_kvalloc) {
         report(o->prefault ? BENCH_TOUCH_PREFAULT_GBPS : BENCH_TOUCH_GBPS, gbps);
         kva_stats st;
@@ -603,7 +668,7 @@ static void parse_child_options(int argc, char **argv, struct child_options *o)
     if (o->allocator == BENCH_ALLOCATOR_COUNT)
         die("unknown allocator");
     if (o->pattern == NULL)
-        die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, touch, syscalls)");
+        die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, fresh, touch, syscalls)");
 }
 
 int bench_child_main(int argc, char **argv)
@@ -614,27 +679,34 @@ int bench_child_main(int argc, char **argv)
 
     int is_kvalloc = o.allocator == BENCH_KVALLOC;
     const struct backend *b = is_kvalloc ? &bench_kvalloc_backend : &bench_malloc_backend;
-    /* The touch pattern creates its own pool, because its creation is part of what it
-     * reports; the others use a 1 GiB pool. The syscall check's publishes every millisecond,
-     * so that publishing, which runs on the allocation path too, happens inside its window. */
-    if (is_kvalloc && strcmp(o.pattern, "touch") != 0)
+    /* The touch and fresh patterns create their own pools, because the creation and the
+     * pool's youth are part of what they report; the others use a 1 GiB pool. The syscall
+     * check's publishes every millisecond, so that publishing, which runs on the allocation
+     * path too, happens inside its window. */
+    if (is_kvalloc && strcmp(o.pattern, "touch") != 0 && strcmp(o.pattern, "fresh") != 0)
         create_pool(LARGE_POOL, o.prefault, strcmp(o.pattern, "syscalls") == 0 ? 1 : 0);
 
     static const size_t size64[] = {64}, size4k[] = {4096};
     if (strcmp(o.pattern, "batch64") == 0)
-        run_batch(b, &o, &(struct batch_shape){size64, 1, NULL}, BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS,
-                  BENCH_BATCH64_FREE_NS);
+        run_batch(b, &o, &(struct batch_shape){size64, 1, NULL},
+                  &(struct batch_metrics){BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS, BENCH_BATCH64_FREE_NS,
+                                          BENCH_BATCH64_FAULTS});
     else if (strcmp(o.pattern, "batch4k") == 0)
-        run_batch(b, &o, &(struct batch_shape){size4k, 1, NULL}, BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS,
-                  BENCH_BATCH4K_FREE_NS);
+        run_batch(b, &o, &(struct batch_shape){size4k, 1, NULL},
+                  &(struct batch_metrics){BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS, BENCH_BATCH4K_FREE_NS,
+                                          BENCH_BATCH4K_FAULTS});
     else if (strcmp(o.pattern, "shuffled64") == 0)
-        run_batch(b, &o, &(struct batch_shape){size64, 1, shuffled_order()}, BENCH_SHUFFLED64_NS,
-                  BENCH_SHUFFLED64_ALLOC_NS, BENCH_SHUFFLED64_FREE_NS);
+        run_batch(b, &o, &(struct batch_shape){size64, 1, shuffled_order()},
+                  &(struct batch_metrics){BENCH_SHUFFLED64_NS, BENCH_SHUFFLED64_ALLOC_NS,
+                                          BENCH_SHUFFLED64_FREE_NS, BENCH_SHUFFLED64_FAULTS});
     else if (strcmp(o.pattern, "mixed") == 0)
-        run_batch(b, &o, &(struct batch_shape){mixed_sizes, MIXED_SIZES, NULL}, BENCH_MIXED_NS,
-                  BENCH_MIXED_ALLOC_NS, BENCH_MIXED_FREE_NS);
+        run_batch(b, &o, &(struct batch_shape){mixed_sizes, MIXED_SIZES, NULL},
+                  &(struct batch_metrics){BENCH_MIXED_NS, BENCH_MIXED_ALLOC_NS, BENCH_MIXED_FREE_NS,
+                                          BENCH_MIXED_FAULTS});
     else if (strcmp(o.pattern, "large") == 0)
         run_large(b, &o);
+    else if (strcmp(o.pattern, "fresh") == 0)
+        run_fresh(b, &o);
     else if (strcmp(o.pattern, "touch") == 0)
         run_touch(b, &o);
     else if (strcmp(o.pattern, "syscalls") == 0)
