@@ -14,8 +14,6 @@
  *
  * argv[1]: the fake CUDA driver (tests/fake_cuda), for the CUDA pool.
  */
-#include <errno.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
@@ -23,7 +21,6 @@
 #include "check.h"
 #include "child.h"
 #include "kvalloc.h"
-#include "os.h"
 #include "size_class.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -71,15 +68,6 @@ static __attribute__((noinline)) void touch_stack(void) {
     for (size_t i = 0; i < sizeof frame; i += 1024) frame[i] = 0;
 }
 
-static uint64_t next_random(uint64_t *state) {
-    uint64_t x = *state;
-    x ^= x >> 12;
-    x ^= x << 25;
-    x ^= x >> 27;
-    *state = x;
-    return x * 0x2545F4914F6CDD1DULL;
-}
-
 /* Every size class, SMALL_OBJECTS at a time, freed in a scrambled order. */
 static void small_objects(kva_pool *pool) {
     for (int round = 0; round < SMALL_ROUNDS; round++) {
@@ -97,9 +85,9 @@ static void release(kva_pool *pool, unsigned i) {
 }
 
 /* Frees a random live block; 0 if there is none. */
-static int release_any(kva_pool *pool, uint64_t *rng) {
+static int release_any(kva_pool *pool, unsigned *seed) {
     if (set.live == 0) return 0;
-    unsigned i = (unsigned)(next_random(rng) % LARGE_LIVE);
+    unsigned i = (unsigned)rand_r(seed) % LARGE_LIVE;
     while (!set.block[i]) i = (i + 1) % LARGE_LIVE;
     release(pool, i);
     return 1;
@@ -107,15 +95,15 @@ static int release_any(kva_pool *pool, uint64_t *rng) {
 
 /* A request the buddy cannot place for fragmentation frees another block and is made again. */
 static void large_blocks(kva_pool *pool, size_t capacity, unsigned calls) {
-    uint64_t rng = 0x9E3779B97F4A7C15ULL;
+    unsigned seed = 20;
     for (unsigned n = 0; n < calls; n++) {
-        unsigned slot = (unsigned)(next_random(&rng) % LARGE_LIVE);
-        size_t size = MiB << (next_random(&rng) % 7);
+        unsigned slot = (unsigned)rand_r(&seed) % LARGE_LIVE;
+        size_t size = MiB << (rand_r(&seed) % 7);
         while (size > capacity / 16) size /= 2;
         if (set.block[slot]) release(pool, slot);
-        while (set.live + size > capacity / 2) release_any(pool, &rng);
+        while (set.live + size > capacity / 2) release_any(pool, &seed);
         kva_status st;
-        while ((st = kva_alloc(pool, size, &set.block[slot])) == KVA_ERR_NOMEM && release_any(pool, &rng)) {
+        while ((st = kva_alloc(pool, size, &set.block[slot])) == KVA_ERR_NOMEM && release_any(pool, &seed)) {
         }
         CHECK_STATUS(st, KVA_OK);
         if (st != KVA_OK) set.block[slot] = NULL;
@@ -217,34 +205,6 @@ static int cuda_pool(void) {
     return count_first_calls("CUDA pool (fake driver)", &cfg, map_every_granule, LARGE_CALLS);
 }
 
-/* Metadata is populated after its first records are written: where MADV_POPULATE_WRITE is
- * missing (made so by the hook), the fallback's touches must keep what they find. Each populate
- * call of creation falls back in turn, with and without prefault (whose region's populate comes
- * first); the pool must be sound and usable after each. */
-static void fallback_keeps_records(void) {
-    for (int prefault = 0; prefault <= 1; prefault++) {
-        for (unsigned n = 1;; n++) {
-            kva_config cfg = host_config(8 * MiB);
-            cfg.prefault = prefault;
-            kva_pool *pool = NULL;
-            kva_os_fail_nth(KVA_OS_POPULATE, n, EINVAL);
-            CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
-            unsigned left = kva_os_fail_nth(KVA_OS_ANY, 0, 0);
-            REQUIRE(pool);
-            CHECK_STATUS(kva_check(pool), KVA_OK);
-            void *block, *object;
-            CHECK_STATUS(kva_alloc(pool, 2 * MiB, &block), KVA_OK);
-            CHECK_STATUS(kva_alloc(pool, 64, &object), KVA_OK);
-            CHECK_STATUS(kva_free(pool, block), KVA_OK);
-            CHECK_STATUS(kva_free(pool, object), KVA_OK);
-            CHECK_STATUS(kva_check(pool), KVA_OK);
-            kva_pool_destroy(pool);
-            if (left > 0) break; /* creation made fewer populate calls than n */
-            CHECK(n < 10);
-        }
-    }
-}
-
 int main(int argc, char **argv) {
     fake_cuda = argc > 1 ? argv[1] : NULL;
     if (!FAULTS_ARE_COUNTABLE)
@@ -258,6 +218,5 @@ int main(int argc, char **argv) {
         in_child(cuda_pool, "cuda_pool");
     else
         printf("test_fresh_pool: no fake CUDA driver given, the CUDA pool is not checked\n");
-    fallback_keeps_records();
     return CHECK_DONE();
 }

@@ -134,8 +134,9 @@ static void test_populate_fallback(void) {
     CHECK(resident_pages(range, length) == length / page);
     munmap(range, length);
 
-    /* Each populate of a prefault pool's creation in turn (block records, slab records,
-     * bitmaps, the region) falls back: all of it is resident all the same. */
+    /* Each populate of a prefault pool's creation in turn (the region, block records, bitmaps)
+     * falls back: all of it is resident all the same, and the records creation had written
+     * before populating them are as they were. */
     kva_config cfg = config(KVA_PAGES_AUTO, 1, -1, 0);
     for (unsigned n = 1;; n++) {
         kva_pool *pool = NULL;
@@ -148,6 +149,10 @@ static void test_populate_fallback(void) {
         size_t bitmaps = (pool->slabs.bitmaps_bytes + page - 1) / page * page;
         CHECK(resident_pages(pool->buddy.pages, records) == records / page);
         CHECK(resident_pages(pool->slabs.bitmaps, bitmaps) == bitmaps / page);
+        CHECK_STATUS(kva_check(pool), KVA_OK);
+        void *block;
+        CHECK_STATUS(kva_alloc(pool, cfg.capacity / 2, &block), KVA_OK);
+        CHECK_STATUS(kva_free(pool, block), KVA_OK);
         kva_pool_destroy(pool);
         if (left > 0) break; /* creation made fewer than n populate calls */
         CHECK(n < 10);
