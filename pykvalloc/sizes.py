@@ -5,11 +5,14 @@ from __future__ import annotations
 import math
 import operator
 import re
+import reprlib
 
 from . import _ffi
 
 __all__ = ["size_classes", "size_class_of", "parse_size", "format_size"]
 
+#: The largest size parse_size reads.
+SIZE_MAX = (1 << 64) - 1
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 # A number, then a unit letter with an optional "b" or "ib", or a lone "b": "4ib" is no size.
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(?:([kmgt])(?:i?b)?|b)?\s*$", re.IGNORECASE)
@@ -31,18 +34,27 @@ def size_class_of(size: int) -> int | None:
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``"4096"``, ``"64K"``, ``"64KiB"``, ``"1.5m"``, ``"2G"`` (binary units)."""
+    """Bytes from ``"4096"``, ``"64K"``, ``"64KiB"``, ``"1.5m"``, ``"2G"`` (binary units), at
+    most 2^64-1: no size the library takes is wider."""
     match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 64K, 256MiB, 1.5G)")
+        raise ValueError(f"not a size: {reprlib.repr(text)} (examples: 4096, 64K, 256MiB, 1.5G)")
     number, unit = match.groups()
     scale = _UNITS[(unit or "").lower()]
-    # Whole numbers stay in integer arithmetic so that large sizes are exact.
-    if "." not in number:
-        return int(number) * scale
-    if scale == 1:  # "1.9" bytes is a typo, not a size
-        raise ValueError(f"not a whole number of bytes: {text!r}")
-    return int(float(number) * scale)  # "2.4G": rounded down to a whole byte
+    whole, _, fraction = number.partition(".")
+    if fraction and scale == 1:  # "1.9" bytes is a typo, not a size
+        raise ValueError(f"not a whole number of bytes: {reprlib.repr(text)}")
+    # The digit count is checked first: int() refuses text of more than 4,300 digits with a
+    # message about itself, and a float of 400 digits is inf.
+    digits = whole.lstrip("0") or "0"
+    if len(digits) > len(str(SIZE_MAX)):
+        raise ValueError(f"more than 2^64-1 bytes: {reprlib.repr(text)}")
+    # Whole numbers stay in integer arithmetic so that large sizes are exact; "2.4G" is rounded
+    # down to a whole byte.
+    size = int(digits) * scale if not fraction else int(float(number) * scale)
+    if size > SIZE_MAX:
+        raise ValueError(f"more than 2^64-1 bytes: {reprlib.repr(text)}")
+    return size
 
 
 def format_size(size: float) -> str:

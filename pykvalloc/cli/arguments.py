@@ -7,22 +7,46 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import reprlib
+import sys
 from pathlib import Path
+from typing import Callable
 
 from ..errors import InvalidArgument
 from ..kvcache import dtype_bytes
 from ..sizes import parse_size
 
 
-def positive_int(text: str) -> int:
-    """A whole number of at least 1 (tokens, requests, layers)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
+#: The most a count of the commands may be: no token, request or byte count is wider than 64 bits.
+COUNT_MAX = (1 << 64) - 1
+#: The most of what the KV cache keeps in 32 bits: layers, heads, head dimension, block tokens, blocks.
+U32_MAX = (1 << 32) - 1
+
+
+def whole_number(most: int) -> Callable[[str], int]:
+    """The type of an option taking a whole number from 1 to ``most``."""
+
+    def whole(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            # int() reads no more than 4,300 digits, and says so in words about itself.
+            if text.strip().isdigit():
+                raise argparse.ArgumentTypeError(f"must be at most {most:,}, not {reprlib.repr(text)}") from None
+            raise argparse.ArgumentTypeError(f"not a whole number: {reprlib.repr(text)}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+        if value > most:
+            raise argparse.ArgumentTypeError(f"must be at most {most:,}, not {reprlib.repr(text)}")
+        return value
+
+    return whole
+
+
+#: A count of at least 1 (requests, tokens).
+positive_int = whole_number(COUNT_MAX)
+#: A count the KV cache keeps in 32 bits (layers, heads, head dimension, tokens per block).
+positive_int32 = whole_number(U32_MAX)
 
 
 # The range of a speed or a time scale: a replay paced or scaled by 1e-320 computed "inf s"
@@ -37,12 +61,12 @@ def positive_number(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number: {reprlib.repr(text)}") from None
     if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {text!r}")
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, not {reprlib.repr(text)}")
     low, high = NUMBER_RANGE
     if not low <= value <= high:
-        raise argparse.ArgumentTypeError(f"must lie between {low:g} and {high:g}, not {text!r}")
+        raise argparse.ArgumentTypeError(f"must lie between {low:g} and {high:g}, not {reprlib.repr(text)}")
     return value
 
 
@@ -53,7 +77,7 @@ def positive_size(text: str) -> int:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {text!r}")
+        raise argparse.ArgumentTypeError(f"must be at least 1 byte, not {reprlib.repr(text)}")
     return value
 
 
@@ -92,6 +116,13 @@ def output_directory(text: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write into {text}: permission denied")
     return path
+
+
+def usage_error(command: str, message: str) -> int:
+    """Says on one line why arguments that are each valid are refused together, before anything
+    runs; returns the exit status of a usage error (2, as argparse's)."""
+    print(f"kvalloc {command}: {message}", file=sys.stderr)
+    return 2
 
 
 def help_text(doc: str) -> str:

@@ -26,17 +26,20 @@ from ..errors import InvalidArgument
 from ..replay.backends import Geometry
 from ..replay.report import print_report
 from ..replay.simulator import ReplayConfig, replay
-from ..replay.workload import default_workload
+from ..replay.workload import MAX_REQUESTS, default_workload
 from ..sizes import format_size
-from .arguments import help_text, positive_int, positive_number, positive_size
+from .arguments import help_text, positive_number, positive_size, usage_error, whole_number
+from .replay import capacity_tokens
 
 POOL_NAME = "kvalloc-demo"
+PUBLISH_WITHIN_S = 60
 
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser("demo", help="replay the embedded workload, watching it live",
                                    description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=positive_int, default=2000, help="requests to replay (default 2000)")
+    parser.add_argument("--requests", type=whole_number(MAX_REQUESTS), default=2000,
+                        help=f"requests to replay, at most {MAX_REQUESTS:,} (default 2000)")
     parser.add_argument("--kv-size", type=positive_size, default=2 << 30, help="KV capacity (default 2G)")
     parser.add_argument("--speed", type=positive_number, default=30.0,
                         help="simulated seconds per second when watched live (default 30)")
@@ -45,6 +48,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        capacity_tokens(args.kv_size, None, Geometry(), block_tokens=16)
+    except InvalidArgument as exc:
+        return usage_error("demo", str(exc))
     if args.no_tui or not (sys.stdin.isatty() and sys.stdout.isatty()):
         return headless(args)
     return watched(args)
@@ -94,7 +101,9 @@ def watched(args: argparse.Namespace) -> int:
 def _wait_for_segment(name: str, engine: subprocess.Popen[str]) -> Any:
     from ..stats import find_segment
     from ..errors import SegmentNotFound
-    deadline = time.monotonic() + 20
+    # A bound against a replay that hangs before it publishes, generous for a loaded machine:
+    # one that fails says so at once (it exits).
+    deadline = time.monotonic() + PUBLISH_WITHIN_S
     while time.monotonic() < deadline:
         try:
             return find_segment(name)
@@ -103,4 +112,4 @@ def _wait_for_segment(name: str, engine: subprocess.Popen[str]) -> Any:
                 raise InvalidArgument(f"the replay ended before it published (exit {engine.returncode}): "
                                       f"{engine.stderr.read() if engine.stderr else ''}") from None
             time.sleep(0.05)
-    raise InvalidArgument("the replay did not publish its statistics within 20 s")
+    raise InvalidArgument(f"the replay did not publish its statistics within {PUBLISH_WITHIN_S} s")

@@ -31,11 +31,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ..replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
 from ..replay.report import failed, print_report, write_json, write_plot
-from ..replay.simulator import ReplayConfig, ReplayResult, keyable, pacer, replay
+from ..replay.simulator import LONGEST_PACED_WAIT_S, ReplayConfig, ReplayResult, check_arrivals, keyable, pacer, replay
 from ..replay.traces import Trace, load_trace
-from ..replay.workload import default_workload
+from ..replay.workload import MAX_REQUESTS, default_workload
 from ..errors import InvalidArgument, KvallocError
-from .arguments import help_text, kv_dtype, output_file, positive_int, positive_number, positive_size
+from ..sizes import format_size
+from .arguments import (COUNT_MAX, U32_MAX, help_text, kv_dtype, output_file, positive_int, positive_int32,
+                        positive_number, positive_size, usage_error)
 
 MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
 
@@ -51,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", nargs="?", type=Path, help="Azure CSV or Mooncake JSONL (default: embedded workload)")
     parser.add_argument("--mode", choices=MODES, default="paged",
                         help="how the KV memory is managed (default: paged)")
-    parser.add_argument("--block-tokens", type=positive_int, default=None,
+    parser.add_argument("--block-tokens", type=positive_int32, default=None,
                         help="tokens per KV block (paged, not --compare; default 16). Prefix caching keys "
                              "blocks from the trace's 512-token hash ids, so it needs a size that divides 512 "
                              "or is a multiple of it; with any other, prefix caching is off and the hit rate "
@@ -67,10 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens one engine step may process, decodes and prompt chunks (default 8192)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="paged: do not key blocks by the trace's prefix ids")
-    parser.add_argument("--layers", type=positive_int, default=32,
+    parser.add_argument("--layers", type=positive_int32, default=32,
                         help="the model's layers (default 32: a Llama-3-8B-like model)")
-    parser.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads per layer (default 8)")
-    parser.add_argument("--head-dim", type=positive_int, default=128, help="dimension of a head (default 128)")
+    parser.add_argument("--kv-heads", type=positive_int32, default=8, help="KV heads per layer (default 8)")
+    parser.add_argument("--head-dim", type=positive_int32, default=128, help="dimension of a head (default 128)")
     parser.add_argument("--dtype", type=kv_dtype, default="float16", help="the KV cache's element type (default float16)")
     parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed trace rows")
     parser.add_argument("--compare", action="store_true",
@@ -82,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--pace", type=positive_number, default=None, metavar="SPEED",
                         help="hold the replay to SPEED simulated seconds per second, to watch it "
-                             "live with kvalloc top (default: as fast as it runs)")
+                             "live with kvalloc top; no wait between two steps lasts more than "
+                             f"{LONGEST_PACED_WAIT_S:g} s, so a longer gap between arrivals is cut "
+                             "short (default: as fast as it runs)")
 
 
 def read_traffic(args: argparse.Namespace) -> Trace:
@@ -94,12 +98,37 @@ def read_traffic(args: argparse.Namespace) -> Trace:
     return trace
 
 
+def capacity_tokens(kv_size: Optional[int], kv_tokens: Optional[int], geometry: Geometry,
+                    block_tokens: Optional[int]) -> int:
+    """The KV capacity in tokens, from ``kv_tokens`` or else ``kv_size`` (8 GiB when neither is
+    given). InvalidArgument, naming the option, for a capacity the library would refuse only once
+    the replay began: less than a token, more than 2^64-1 bytes, or, for a paged cache of
+    ``block_tokens`` a block, more than 2^32-1 blocks or blocks of more than 2^64-1 bytes."""
+    per_token = geometry.bytes_per_token
+    if kv_tokens is not None:
+        tokens, option = kv_tokens, f"--kv-tokens {kv_tokens:,}"
+    else:
+        size = kv_size if kv_size is not None else 8 << 30
+        tokens, option = size // per_token, f"--kv-size {format_size(size)}"
+    if tokens < 1:
+        raise InvalidArgument(f"{option} holds not one token of this model ({format_size(per_token)} per token)")
+    if tokens * per_token > COUNT_MAX:
+        raise InvalidArgument(f"{option} at {format_size(per_token)} per token is more than 2^64-1 bytes")
+    if block_tokens is not None:
+        if tokens // block_tokens > U32_MAX:
+            raise InvalidArgument(f"{option} is {tokens // block_tokens:,} blocks of {block_tokens} tokens; "
+                                  f"a KV cache holds at most {U32_MAX:,}")
+        if block_tokens * per_token > COUNT_MAX:
+            raise InvalidArgument(f"a block of {block_tokens:,} tokens at {format_size(per_token)} per token "
+                                  f"is more than 2^64-1 bytes")
+    return tokens
+
+
 def base_config(args: argparse.Namespace) -> ReplayConfig:
     geometry = Geometry(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
-    if args.kv_tokens is not None:
-        tokens = args.kv_tokens
-    else:
-        tokens = (args.kv_size if args.kv_size is not None else 8 << 30) // geometry.bytes_per_token
+    # --compare's smallest block is 16 tokens, as is the paged default.
+    paged_block = 16 if args.compare else (args.block_tokens or 16) if args.mode == "paged" else None
+    tokens = capacity_tokens(args.kv_size, args.kv_tokens, geometry, paged_block)
     return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens or 16, capacity_tokens=tokens, geometry=geometry,
                         max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
                         prefix_caching=not args.no_prefix_caching, pool_name=args.name,
@@ -199,15 +228,24 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # Said before the replay, not after it (with a traceback, as it once was).
-        print("kvalloc replay: --plot needs matplotlib: pip install 'pykvalloc[plot]'", file=sys.stderr)
-        return 2
+        return usage_error("replay", "--plot needs matplotlib: pip install 'pykvalloc[plot]'")
     if args.block_tokens is not None and (args.mode != "paged" or args.compare):
         # It was taken and ignored: contiguous and malloc have no blocks, --compare runs 16 .. 128.
-        print("kvalloc replay: --block-tokens applies to --mode paged without --compare", file=sys.stderr)
-        return 2
+        return usage_error("replay", "--block-tokens applies to --mode paged without --compare")
+    if not args.trace and args.requests is not None and args.requests > MAX_REQUESTS:
+        return usage_error("replay", f"--requests: the embedded workload holds at most {MAX_REQUESTS:,} "
+                                     f"requests (a trace file may hold more)")
+    try:
+        configs = configurations(args)
+    except InvalidArgument as exc:
+        return usage_error("replay", str(exc))
     trace = read_traffic(args)
+    try:
+        check_arrivals(trace, args.time_scale)
+    except InvalidArgument as exc:
+        return usage_error("replay", f"--time-scale: {exc}")
     with stop_on_signals() if args.pace else contextlib.nullcontext() as stop:
-        results = run_all(args, trace, configurations(args), args.quiet, console, args.pace, stop)
+        results = run_all(args, trace, configs, args.quiet, console, args.pace, stop)
     print_report(results, console)
     if args.json:
         write_json(results, args.json)

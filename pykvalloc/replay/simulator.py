@@ -203,6 +203,15 @@ def _percentile(sorted_values: list[int], fraction: float) -> float:
     return float(sorted_values[min(len(sorted_values) - 1, int(math.ceil(fraction * len(sorted_values))) - 1)])
 
 
+def check_arrivals(trace: Trace, time_scale: float) -> None:
+    """InvalidArgument for an arrival time that, divided by ``time_scale``, is not a finite
+    number: the simulated clock would read inf, and every figure over time with it."""
+    for request in trace.requests:
+        if not math.isfinite(request.arrival_s / time_scale):
+            raise InvalidArgument(f"the arrival at {request.arrival_s:g} s divided by the time scale "
+                                  f"{time_scale:g} is beyond a float's range")
+
+
 def replay(trace: Trace, config: ReplayConfig,
            progress: Optional[Callable[[int, int], None]] = None,
            on_step: Optional[Callable[[float], None]] = None,
@@ -211,6 +220,7 @@ def replay(trace: Trace, config: ReplayConfig,
     ``on_step(simulated_seconds)`` after every step. When ``should_stop()`` says so (asked
     before each step) the replay stops there: the requests under way give their blocks back, and
     the result covers the simulated time so far (``stopped``)."""
+    check_arrivals(trace, config.time_scale)
     timings = Timings()
     backend = make_backend(config, timings)
     requests = trace.requests
@@ -399,13 +409,29 @@ def replay(trace: Trace, config: ReplayConfig,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped)
 
 
-def pacer(speed: float, stop: Optional[threading.Event] = None) -> Callable[[float], None]:
+#: The longest a paced replay waits between two steps, in wall seconds. A busy step is a fraction
+#: of a simulated second, so a longer wait is a gap between arrivals (or a pace slower than
+#: anyone watches): a trace 10^10 s long would otherwise hold the replay for centuries, and
+#: such a wait overflows what a lock's timeout holds. kvalloc top refreshes at most every 10 s,
+#: so a watcher still sees the idle pool.
+LONGEST_PACED_WAIT_S = 10.0
+
+
+def pacer(speed: float, stop: Optional[threading.Event] = None,
+          longest_wait_s: float = LONGEST_PACED_WAIT_S) -> Callable[[float], None]:
     """An on_step that holds the replay to ``speed`` simulated seconds per wall second, so that a
-    person watching it live (kvalloc top) sees it unfold. A wait ends early once ``stop`` is set."""
-    start = time.perf_counter()
+    person watching it live (kvalloc top) sees it unfold. The simulated time a step adds is held
+    for at most ``longest_wait_s`` and the rest of it skipped: the steps after a long gap keep
+    the pace from where the gap ended. A wait ends early once ``stop`` is set."""
+    last_simulated_s = 0.0
+    due = time.perf_counter()         # when the replay may take its next step
 
     def hold(simulated_s: float) -> None:
-        ahead = simulated_s / speed - (time.perf_counter() - start)
+        nonlocal last_simulated_s, due
+        # min() also takes a step whose simulated time divided by the speed is inf.
+        due += min((simulated_s - last_simulated_s) / speed, longest_wait_s)
+        last_simulated_s = simulated_s
+        ahead = due - time.perf_counter()
         if ahead > 0.001:
             if stop is not None:
                 stop.wait(ahead)

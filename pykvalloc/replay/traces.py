@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import reprlib
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -59,11 +60,17 @@ class Trace:
 
 def _positive(value: object, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        number = int(str(value).strip())
+        text = str(value).strip()
+        try:
+            number = int(text)
+        except ValueError:
+            if text.isdigit():   # more digits than int() reads (4,300)
+                raise ValueError(f"{name} {reprlib.repr(value)} is too large") from None
+            number = 0
     else:
         number = value
     if number <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise ValueError(f"{name} must be a positive integer, got {reprlib.repr(value)}")
     return number
 
 
@@ -81,7 +88,7 @@ def _finite_float(text: str) -> float:
     # json.loads takes 1e400 as inf: a number no trace time or length can be.
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"the number {text} is too large")
+        raise ValueError(f"the number {reprlib.repr(text)} is too large")
     return value
 
 
@@ -91,9 +98,17 @@ def _no_constant(name: str) -> float:
     raise ValueError(f"{name} is not a JSON number")
 
 
+def _whole(text: str) -> int:
+    # int() reads no more than 4,300 digits, and says so in words about itself.
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"the number {reprlib.repr(text)} is too large") from None
+
+
 def _json_row(text: str) -> object:
     try:
-        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+        return json.loads(text, parse_float=_finite_float, parse_int=_whole, parse_constant=_no_constant)
     except RecursionError:
         raise ValueError("the JSON is nested too deeply") from None
 
@@ -200,8 +215,10 @@ def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", s
             timestamp = row["timestamp"]
             if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)) or timestamp < 0:
                 raise ValueError(f"timestamp must be a non-negative number, got {timestamp!r}")
-            # An integer too large for a float would overflow the arrival time.
-            timestamp = float(timestamp) / 1000.0
+            try:
+                timestamp = float(timestamp) / 1000.0
+            except OverflowError:
+                raise ValueError(f"the timestamp {reprlib.repr(timestamp)} is too large") from None
             input_tokens = _positive(row["input_length"], "input_length")
             output_tokens = _positive(row["output_length"], "output_length")
             ids = row.get("hash_ids")
@@ -215,7 +232,7 @@ def parse_mooncake_jsonl(lines: Iterable[str], path: str = "<mooncake jsonl>", s
         except KeyError as exc:
             collector.bad(line, f"missing field {exc.args[0]!r}")
             continue
-        except (ValueError, TypeError, OverflowError) as exc:
+        except (ValueError, TypeError) as exc:
             collector.bad(line, str(exc))
             continue
         arrivals.append(timestamp)

@@ -21,12 +21,17 @@ from __future__ import annotations
 
 import math
 import random
+import reprlib
 
+from ..errors import InvalidArgument
 from .traces import MOONCAKE_BLOCK_TOKENS, Request, Trace
 
 INPUT_MEDIAN, INPUT_P99, INPUT_MIN, INPUT_MAX = 1020, 4142, 2, 14050
 OUTPUT_MEDIAN, OUTPUT_P99, OUTPUT_MIN, OUTPUT_MAX = 129, 601, 7, 1000
 REQUESTS_PER_SECOND = 5.5
+# The workload is made in memory before the replay begins, about 300 bytes and 13 us a request:
+# a million is 50 hours of traffic in 300 MiB; 2^64 of them would never have begun.
+MAX_REQUESTS = 1_000_000
 FOLLOW_UP = 0.3
 OPEN_CONVERSATIONS = 256
 _Z99 = 2.3263478740408408  # the standard normal's 99th percentile
@@ -38,7 +43,10 @@ def _lognormal(rng: random.Random, median: float, p99: float, low: int, high: in
 
 
 def default_workload(requests: int = 2000, seed: int = 2023) -> Trace:
-    """``requests`` requests as a Trace, Poisson arrivals at the published rate."""
+    """``requests`` requests (at most MAX_REQUESTS) as a Trace, Poisson arrivals at the
+    published rate."""
+    if not 0 <= requests <= MAX_REQUESTS:
+        raise InvalidArgument(f"the embedded workload holds 0 to {MAX_REQUESTS:,} requests, not {reprlib.repr(requests)}")
     rng = random.Random(seed)
     next_id = 1                                    # id 0 is the shared system prompt
     conversations: list[tuple[int, tuple[int, ...]]] = []   # (tokens so far, their hash ids)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,3 +27,14 @@ def pool() -> Iterator[pykvalloc.Pool]:
     """A 16 MiB pool with the library's default settings, closed after the test."""
     with pykvalloc.Pool(16 * MiB, name="pytest") as p:
         yield p
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test's timeout on a child process guards against a hang and never judges speed: when
+    one runs out, the failure says that the child hung."""
+    try:
+        return (yield)
+    except subprocess.TimeoutExpired as exc:
+        command = exc.cmd if isinstance(exc.cmd, str) else " ".join(map(str, exc.cmd))
+        pytest.fail(f"hung: {command[:300]} did not exit within {exc.timeout:.3g} s")

@@ -61,11 +61,12 @@ def test_demo_rejects_bad_options(capsys, argv):
     assert info.value.code == 2
 
 
-def test_library_errors_become_a_message_and_status_1(capsys):
-    # 1,000 bytes of KV hold not one token of this model.
-    assert main(["demo", "--kv-size", "1000", "--no-tui"]) == 1
-    err = capsys.readouterr().err
-    assert err.startswith("kvalloc demo: InvalidArgument: ") and "capacity_tokens must be" in err
+def test_a_kv_size_that_holds_no_token_is_a_usage_error(capsys):
+    # 1,000 bytes of KV hold not one token of this model: said before anything runs.
+    assert main(["demo", "--kv-size", "1000", "--no-tui"]) == 2
+    said = capsys.readouterr()
+    assert said.err == "kvalloc demo: --kv-size 1000 B holds not one token of this model (128 KiB per token)\n"
+    assert said.out == ""
 
 
 def test_demo_rejects_the_requests_that_can_never_fit_and_reports_the_rest(capsys):
@@ -94,19 +95,18 @@ def test_demo_refuses_bad_numbers_before_it_runs(capsys, argv, message):
     assert message in captured.err and "Replaying" not in captured.out
 
 
-def test_installed_script_runs_headless_and_fast():
+def test_installed_script_runs_headless_and_prints_the_report():
     script = Path(sys.executable).parent / "kvalloc"
     if not script.exists():
         script = Path(shutil.which("kvalloc") or "")
     if not script.is_file():
         pytest.skip("the kvalloc script is not installed beside this interpreter")
-    started = time.perf_counter()
+    # Without a terminal the demo replays at full speed and prints its report. The timeout
+    # guards against a hang only (conftest.py says "hung"): how fast it runs is for benchmarks.
     result = subprocess.run([str(script), "demo"], capture_output=True, text=True,
-                            stdin=subprocess.DEVNULL, env=clean_env(), timeout=60)
-    elapsed = time.perf_counter() - started
+                            stdin=subprocess.DEVNULL, env=clean_env(), timeout=120)
     assert result.returncode == 0, result.stderr
     assert "prefix hit rate" in result.stdout and "KV use at first preemption" in result.stdout
-    assert elapsed < 5, f"kvalloc demo took {elapsed:.1f} s"
 
 
 def test_python_dash_m():
@@ -131,10 +131,12 @@ def test_demo_on_a_terminal_watches_the_replay_live_then_reports():
         os.execve(str(script), [str(script), "demo", "--requests", "300", "--speed", "100"], env)
     seen = b""
 
-    def read_for(seconds: float, until: bytes | None = None) -> None:
+    def read_until(text: bytes, seconds: float = 120) -> None:
+        # The bound guards against a hang only: it ends as soon as ``text`` shows.
         nonlocal seen
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not (until and until in seen):
+        while text not in seen:
+            assert time.monotonic() < deadline, f"hung: no {text!r} on the terminal within {seconds:g} s"
             ready, _, _ = select.select([fd], [], [], 0.1)
             if ready:
                 try:
@@ -142,12 +144,12 @@ def test_demo_on_a_terminal_watches_the_replay_live_then_reports():
                 except OSError:
                     return
 
-    read_for(30, until=b"KV cache")            # the inspector is drawing the live pool
+    read_until(b"KV cache")                    # the inspector is drawing the live pool
     assert b"kvalloc-demo-" in seen and b"KV cache" in seen
-    read_for(15, until=b"xited")               # 300 requests at 100x take about a second
+    read_until(b"xited")                       # 300 requests at 100x take about a second
     assert b"xited" in seen                    # the inspector says the engine exited, and lives
     os.write(fd, b"q")
-    read_for(20, until=b"allocator share")
+    read_until(b"allocator share")
     _, status = os.waitpid(pid, 0)
     os.close(fd)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
