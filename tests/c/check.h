@@ -5,8 +5,11 @@
 #ifndef KVA_TEST_CHECK_H
 #define KVA_TEST_CHECK_H
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "kvalloc.h" /* the macros print kva_strerror and kva_last_error */
 
@@ -41,6 +44,28 @@ static int check_failures;
             exit(1);                                                                         \
         }                                                                                    \
     } while (0)
+
+/* A bound against a hang, never a measure of speed: generous, so that a loaded machine with
+ * sanitizers never reaches it. */
+#define HANG_GUARD_SECONDS 60
+
+static __attribute__((unused)) char hang_guard_message[256];
+
+static __attribute__((unused)) void hang_guard_fired(int sig) {
+    (void)sig;
+    ssize_t written = write(2, hang_guard_message, strlen(hang_guard_message));
+    (void)written; /* the exit status says it failed either way */
+    _exit(1);
+}
+
+/* Fails the calling process, saying that `what` hung, once `seconds` have passed (SIGALRM):
+ * exit status 1, which a parent waiting for the process reads as a failure. */
+static __attribute__((unused)) void hang_guard(const char *what, unsigned seconds) {
+    snprintf(hang_guard_message, sizeof hang_guard_message, "hung: %s did not finish within %u s\n", what,
+             seconds);
+    signal(SIGALRM, hang_guard_fired);
+    alarm(seconds);
+}
 
 #define CHECK_DONE()                                                                         \
     (check_failures ? (fprintf(stderr, "%d check(s) failed\n", check_failures), 1) : 0)

@@ -42,7 +42,7 @@ static void *churn(void *arg) {
 
 /* The child: only this thread survives. Exit status 0 if all is well. */
 static int in_child(uint64_t live_of_mine) {
-    alarm(20);
+    hang_guard("a child forked beside churning workers", HANG_GUARD_SECONDS);
     if (kva_check(pool) != KVA_OK) {
         fprintf(stderr, "child: %s\n", kva_last_error());
         return 10;
@@ -122,7 +122,7 @@ static void children_exit_beside_named_pools(void) {
         pid_t pid = fork();
         REQUIRE(pid >= 0);
         if (pid == 0) {
-            alarm(2);
+            hang_guard("a child making a named pool", HANG_GUARD_SECONDS);
             kva_config cfg;
             kva_config_init(&cfg);
             cfg.capacity = (size_t)4 << 20;
@@ -176,7 +176,7 @@ static int exiting_children(void) {
         pid_t pid = fork();
         REQUIRE(pid >= 0);
         if (pid == 0) {
-            alarm(2);
+            hang_guard("a child exiting while pools are made", HANG_GUARD_SECONDS);
             exit(0);
         }
         int status = 0;

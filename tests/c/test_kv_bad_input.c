@@ -368,7 +368,7 @@ static void test_check_finds_a_shared_buffer(void) {
 }
 
 int main(void) {
-    alarm(60); /* a checker that loops fails the test instead of holding it */
+    hang_guard("test_kv_bad_input", 2 * HANG_GUARD_SECONDS); /* a checker that loops fails the test */
     test_check_survives_broken_chains();
     test_check_finds_a_shared_buffer();
     test_bad_configs();

@@ -88,7 +88,7 @@ static void *hold_flags(void *arg) {
 }
 
 static int first_lock_in_child(void) {
-    alarm(5); /* a child that inherited the list's lock held hangs here: SIGALRM fails it */
+    hang_guard("the child's first lock", HANG_GUARD_SECONDS); /* it hangs if it inherited the list's lock held */
     kva_lock fresh = KVA_LOCK_INIT;
     int token = kva_lock_acquire(&fresh); /* this thread's first lock: it makes its flag */
     kva_lock_release(&fresh, token);
@@ -148,7 +148,7 @@ static int refuse_membarrier(void) {
  * the first call on the pool from another thread hung. Now the revocation completes without
  * it and the lock never biases again. */
 static int revoke_without_membarrier(void) {
-    alarm(20); /* a hang fails the child */
+    hang_guard("the revocation without membarrier", HANG_GUARD_SECONDS);
     pthread_t holder;
     REQUIRE(pthread_create(&holder, NULL, take_bias, NULL) == 0);
     while (!__atomic_load_n(&bias_made, __ATOMIC_ACQUIRE)) sched_yield();

@@ -122,14 +122,14 @@ class Writer:
     def kill(self) -> None:
         """SIGKILL: no atexit handler runs, so the segment stays behind."""
         self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
+        self.process.wait(timeout=60)
 
     def stop(self) -> None:
         """A normal exit: the library removes the segment."""
         if self.process.poll() is None:
             assert self.process.stdin is not None
             self.process.stdin.close()
-            self.process.wait(timeout=10)
+            self.process.wait(timeout=60)
 
     def __enter__(self) -> Writer:
         return self
@@ -162,7 +162,7 @@ def writer_named(process_name: str, capacity: int = 16 << 20) -> Iterator[tuple[
         yield name, path
     finally:
         process.stdin.close()
-        process.wait(timeout=10)
+        process.wait(timeout=60)
         process.stdout.close()
         path.unlink(missing_ok=True)
 

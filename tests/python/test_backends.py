@@ -253,7 +253,6 @@ def test_gpu_check_runs_end_to_end_on_the_fake_driver(fake_driver):
     assert other["watermark_idle_mapped"] <= report["granularity"]
     for row in report["latency"]["sizes"].values():
         assert set(row) == {"kvalloc", "cuMemAlloc"}
-    assert report["elapsed_s"] < 180
     assert "host -> device -> host" in result.stdout
 
 

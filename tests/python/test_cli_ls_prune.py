@@ -62,7 +62,7 @@ class Creator:
     def close(self) -> None:
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.close()
-        self.process.wait(timeout=30)
+        self.process.wait(timeout=60)
         self.process.stdout.close()
 
 

@@ -50,15 +50,16 @@ def test_a_collection_holding_the_pool_lock_does_not_wait_on_the_cache() -> None
             with pool._lock:
                 a = threading.Thread(target=cache_method, daemon=True)
                 a.start()
-                assert holds_cache.wait(10)
+                assert holds_cache.wait(60)
                 gc.collect()  # runs the sequence's finalizer with the pool's lock held
-            a.join(10)
+            a.join(60)
             collector_done.set()
 
+        # The bounds guard against a hang only: without a deadlock all of this takes a moment.
         t = threading.Thread(target=collector, daemon=True)
         t.start()
-        t.join(20)
-        assert collector_done.is_set(), "the finalizer waited on the cache's lock: deadlock"
+        t.join(120)
+        assert collector_done.is_set(), "hung: the finalizer waited on the cache's lock (a deadlock)"
     finally:
         gc.enable()
     # The free went to the reaper, which took the locks in order once they were free.
@@ -85,11 +86,11 @@ def test_a_view_finalizer_takes_no_pool_lock() -> None:
     def hold_lock() -> None:
         with pool._lock:
             holding.set()
-            release.wait(20)
+            release.wait(120)
 
     holder = threading.Thread(target=hold_lock, daemon=True)
     holder.start()
-    assert holding.wait(10)
+    assert holding.wait(60)
     finished = threading.Event()
 
     def drop_view() -> None:
@@ -100,11 +101,11 @@ def test_a_view_finalizer_takes_no_pool_lock() -> None:
 
     dropper = threading.Thread(target=drop_view, daemon=True)
     dropper.start()
-    done_while_held = finished.wait(10)
+    done_while_held = finished.wait(60)  # a bound against a hang only
     release.set()
-    holder.join(10)
-    dropper.join(10)
-    assert done_while_held, "the view's finalizer waited on the pool's lock"
+    holder.join(60)
+    dropper.join(60)
+    assert done_while_held, "hung: the view's finalizer waited on the pool's lock"
     assert pool._users == 0 and not pool._finalizer.alive
 
 
@@ -125,10 +126,10 @@ def test_fork_while_another_thread_holds_a_pool_lock() -> None:
 
     t = threading.Thread(target=hold_locks_a_while)
     t.start()
-    assert holding.wait(10)
+    assert holding.wait(60)
     pid = os.fork()
-    if pid == 0:  # the child: any failure or hang is its exit status
-        signal.alarm(10)
+    if pid == 0:  # the child: any failure or hang (its alarm, a bound against a hang only) is its status
+        signal.alarm(60)
         try:
             pool.free(pool.alloc(4096))
             seq = cache.allocate(8)
@@ -139,15 +140,18 @@ def test_fork_while_another_thread_holds_a_pool_lock() -> None:
             os._exit(3)
     t.join()
     _, status = os.waitpid(pid, 0)
-    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"child status {status:#x}"
+    hung = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, \
+        "hung: the child's pool calls did not return within 60 s" if hung else f"child status {status:#x}"
     pool.free(pool.alloc(4096))  # the parent's locks came back free too
     cache.close()
     pool.close()
 
 
 def _run_and_expect(code: str, expected: str) -> None:
-    done = run_python(textwrap.dedent(code), timeout=60)
-    assert done.returncode == 0 and expected in done.stdout, done.stdout + done.stderr
+    done = run_python(textwrap.dedent(code), timeout=120)
+    hung = "Timeout (" in done.stderr  # faulthandler's report of a child that hung, with its stacks
+    assert done.returncode == 0 and expected in done.stdout, ("hung: " if hung else "") + done.stdout + done.stderr
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="no os.fork on this platform")
@@ -159,7 +163,7 @@ def test_an_object_dropped_while_a_fork_waits_is_not_finalized_by_the_fork(which
     _run_and_expect(f"""
         import faulthandler, os, threading, time
         import pykvalloc
-        faulthandler.dump_traceback_later(30, exit=True)
+        faulthandler.dump_traceback_later(60, exit=True)
         busy = pykvalloc.Pool(1 << 22, pages="small")
         if {which!r} == "varpool":
             obj = pykvalloc.VarPool(1 << 20, pages="small")
@@ -191,7 +195,7 @@ def test_two_threads_forking_at_once_leave_every_lock_usable() -> None:
     _run_and_expect("""
         import faulthandler, os, threading, time
         import pykvalloc
-        faulthandler.dump_traceback_later(30, exit=True)
+        faulthandler.dump_traceback_later(60, exit=True)
         p1 = pykvalloc.Pool(1 << 22, pages="small")
         p2 = pykvalloc.Pool(1 << 22, pages="small")
         def fork():
@@ -209,7 +213,7 @@ def test_two_threads_forking_at_once_leave_every_lock_usable() -> None:
         for t in (holder, first, second):
             t.join()
         for lock in (p1._lock, p2._lock, cache._lock, p1._users_lock, cache._views_lock):
-            assert lock.acquire(timeout=5), "a lock stayed held"
+            assert lock.acquire(timeout=30), "hung: a lock stayed held"
             lock.release()
         print("all usable")
     """, "all usable")

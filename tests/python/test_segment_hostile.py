@@ -189,10 +189,11 @@ def test_top_reports_what_is_no_segment_file_and_goes_on(kind):
         app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
         async with app.run_test(size=(100, 24)) as pilot:
             banner = app.screen.query_one(Banner)
-            for _ in range(500):
+            for _ in range(3000):  # 60 s at least: a bound against a hang only
                 if banner.message:
                     break
                 await pilot.pause(0.02)
+            assert banner.message, "hung: no banner within 60 s"
             assert banner.message.startswith("Read failed, retrying: SegmentUnreadable: ")
             assert KIND_NAMES[kind] in banner.message
             await pilot.pause(0.3)  # more ticks, each trying again

@@ -279,11 +279,11 @@ from kvalloc_tui.app import KvallocTop
 from kvalloc_tui.widgets import Banner
 
 async def until(pilot, predicate):
-    for _ in range(1000):
+    for _ in range(3000):  # 60 s at least: a bound against a hang only
         if predicate():
             return
         await pilot.pause(0.02)
-    raise AssertionError("never came")
+    raise AssertionError("hung: never came in 60 s")
 
 async def scenario():
     app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import pytest
@@ -165,10 +164,8 @@ def test_unknown_sections_and_missing_optional_ones_are_tolerated(original):
 def test_an_odd_sequence_forever_is_inconsistent_not_torn(original):
     def change(data):
         header_of(data)["sequence"] |= 1  # a writer that never finishes its publish
-    started = time.monotonic()
     with pytest.raises(InconsistentSnapshot, match=f"in {stats.SNAPSHOT_ATTEMPTS} attempts"):
         read(damaged(original, change))
-    assert time.monotonic() - started < 1.0  # bounded, and quickly
 
 
 def test_a_newer_minor_version_with_grown_entries_still_reads(original):

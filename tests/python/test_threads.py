@@ -503,8 +503,9 @@ def test_thread_caches_show_in_the_stats_and_flush() -> None:
         thread.join()
         # join() returns when the Python thread is done; the C thread's exit (and its cache's
         # return, a pthread key destructor) follows a moment later.
-        deadline = time.monotonic() + 10
-        while pool.stats().thread_caches != 1 and time.monotonic() < deadline:
+        deadline = time.monotonic() + 60
+        while pool.stats().thread_caches != 1:
+            assert time.monotonic() < deadline, "hung: the worker's thread cache outlived its thread by 60 s"
             time.sleep(0.01)
         after = pool.stats()
         assert after.thread_caches == 1 and after.cached_bytes == 0  # the worker's went at exit
