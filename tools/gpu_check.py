@@ -360,7 +360,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         driver.close()
     report["elapsed_s"] = round(time.monotonic() - began, 2)
-    check(report["elapsed_s"] < 180, f"the check took {report['elapsed_s']} s")
     return report
 
 
