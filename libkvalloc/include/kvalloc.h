@@ -781,6 +781,19 @@ KVA_API void kva_var_config_init(kva_var_config *cfg);
  * KVA_ERR_BACKEND. */
 KVA_API kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var **out);
 
+/* The config of a pool to back the variable-size pool cfg describes, for a caller that creates
+ * that pool itself (to choose its backend, NUMA node or checking, say) and passes it to
+ * kva_var_create. Start from kva_config_init and set those fields in *pool first; this sets
+ * three: capacity, the power of two (at least 1 MiB) whose one block holds the range (the
+ * capacity rounded down to the alignment), and the two red zones around it when pool->checked;
+ * min_block, raised from pool->min_block where the pool would otherwise have 2^32 blocks or
+ * more (from 16 TiB up with 4 KiB blocks); pages, cfg->pages for a host pool, except base pages
+ * for KVA_PAGES_THP where this process gets no transparent huge pages (a CUDA pool's pages are
+ * left as they are). The rest of cfg is kva_var_create's to check. Errors: KVA_ERR_INVALID
+ * (NULL, an unknown page mode, a range no pool can hold: more than 2^57 bytes), *pool then
+ * unchanged. */
+KVA_API kva_status kva_var_backing_config(const kva_var_config *cfg, kva_config *pool);
+
 /* Gives the region back to its pool (destroying the pool if it was created here). Outstanding
  * ranges become invalid. NULL is ignored. No other call on this pool may be running or start
  * afterwards. */
