@@ -70,10 +70,14 @@ static kva_status populate_metadata(kva_pool *pool, int prefault) {
     size_t records = pool->buddy.pages_bytes + pool->slabs.slabs_bytes;
     if (records > budget) return KVA_OK;
     kva_status st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
-    if (st != KVA_OK || pool->slabs.bitmaps_bytes > budget - records) return st;
-    st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
-    pool->slabs.bitmaps_resident = st == KVA_OK;
-    return st;
+    if (st == KVA_OK && pool->slabs.bitmaps_bytes <= budget - records) {
+        st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
+        pool->slabs.bitmaps_resident = st == KVA_OK;
+    }
+    /* Without prefault, populating is an optimisation: where the kernel (or a memory cgroup
+     * below the machine's memory) will not commit the metadata now, the pages the populate
+     * did not reach stay lazy, as they would be beyond the share, and the pool is made. */
+    return prefault ? st : KVA_OK;
 }
 
 kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {

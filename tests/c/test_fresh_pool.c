@@ -18,6 +18,8 @@
 #include <string.h>
 #include <sys/resource.h>
 
+#include <inttypes.h>
+
 #include "check.h"
 #include "child.h"
 #include "kvalloc.h"
@@ -44,6 +46,10 @@
 #define SMALL_OBJECTS 2000
 #define SMALL_ROUNDS 2
 #define LARGE_CALLS 20000
+/* Faults the kernel may add on its own to a phase on a busy machine: a page moved by memory
+ * compaction, or collapsed into a huge page, faults once at its next touch (1 in about 30 runs
+ * here under load). Metadata committed on first touch takes hundreds per phase. */
+#define KERNEL_FAULTS 2
 #define LARGE_LIVE 16
 
 static const char *fake_cuda;
@@ -66,6 +72,24 @@ static long minor_faults(void) {
 static __attribute__((noinline)) void touch_stack(void) {
     volatile unsigned char frame[256 << 10];
     for (size_t i = 0; i < sizeof frame; i += 1024) frame[i] = 0;
+}
+
+/* Each kind runs in a forked child, whose stack pages above the current frame are still shared
+ * with the parent: the first store into one (a spilled local of the caller, wherever the
+ * randomized stack top puts a page boundary) is a copy-on-write fault. A store of what each of
+ * those pages holds (an atomic add of zero) copies them all now. */
+static __attribute__((noinline)) void unshare_stack_above(void) {
+    FILE *maps = fopen("/proc/self/maps", "r");
+    REQUIRE(maps != NULL);
+    char line[512];
+    uintptr_t start = 0, end = 0;
+    while (fgets(line, sizeof line, maps))
+        if (strstr(line, "[stack]") && sscanf(line, "%" SCNxPTR "-%" SCNxPTR, &start, &end) == 2) break;
+    fclose(maps);
+    REQUIRE(end != 0);
+    unsigned char here;
+    for (uintptr_t page = (uintptr_t)&here & ~(uintptr_t)4095; page < end; page += 4096)
+        __atomic_fetch_add((unsigned char *)page, 0, __ATOMIC_RELAXED);
 }
 
 /* Every size class, SMALL_OBJECTS at a time, freed in a scrambled order. */
@@ -121,6 +145,7 @@ static int count_first_calls(const char *kind, kva_config *cfg, void (*prepare)(
     memset(objects, 0, sizeof objects);
     memset(&set, 0, sizeof set);
     touch_stack();
+    unshare_stack_above();
     kva_pool *pool = NULL;
     kva_status st = kva_pool_create(cfg, &pool);
     CHECK_STATUS(st, KVA_OK);
@@ -136,10 +161,10 @@ static int count_first_calls(const char *kind, kva_config *cfg, void (*prepare)(
     CHECK_STATUS(kva_get_stats(pool, &stats), KVA_OK);
     CHECK(stats.live_allocations == 0);
     kva_pool_destroy(pool);
-    if (FAULTS_ARE_COUNTABLE && small + large != 0) {
+    if (FAULTS_ARE_COUNTABLE && (small > KERNEL_FAULTS || large > KERNEL_FAULTS)) {
         fprintf(stderr, "test_fresh_pool: %s: %ld minor faults in the first %d small-object calls, %ld in the %u "
-                        "large-block allocations after them and their frees; expected none\n",
-                kind, small, 2 * SMALL_OBJECTS * SMALL_ROUNDS, large, large_calls);
+                        "large-block allocations after them and their frees; expected at most %d\n",
+                kind, small, 2 * SMALL_OBJECTS * SMALL_ROUNDS, large, large_calls, KERNEL_FAULTS);
         check_failures++;
     }
     return check_failures ? 1 : 0;

@@ -93,6 +93,9 @@ static void test_each_refusal(void) {
     refusal(KVA_OS_ADVISE, &thp, KVA_ERR_BACKEND, "MADV_HUGEPAGE");
     kva_config prefault = config(KVA_PAGES_SMALL, 1, -1, 0);
     refusal(KVA_OS_POPULATE, &prefault, KVA_ERR_BACKEND, "MADV_POPULATE_WRITE");
+    /* Without prefault, faulting the metadata in at creation is an optimisation: where the
+     * kernel or a memory cgroup refuses it, the pool is made with its metadata lazy. */
+    refusal(KVA_OS_POPULATE, &small, KVA_OK, "");
     kva_config bound = config(KVA_PAGES_SMALL, 0, 0, 0);
     refusal(KVA_OS_MBIND, &bound, KVA_ERR_BACKEND, "mbind");
     kva_config locked = config(KVA_PAGES_SMALL, 0, -1, 1);
