@@ -29,8 +29,29 @@ from .errors import (
     PoolClosedError,
     SegmentError,
 )
-from .kvcache import CopyOnWrite, KVCache, KVLayout, KVMode, Move, Pin, Sequence, TableInUseError
-from .pool import Allocation, Backend, ClassStats, HeapRegion, NumaPolicy, PageKind, PageMode, Pool, Stats, WalkKind
+from .kvcache import (
+    CopyOnWrite,
+    KVCache,
+    KVLayout,
+    KVMode,
+    Move,
+    Pin,
+    Sequence,
+    TableInUseError,
+)
+from .pool import (
+    Allocation,
+    Backend,
+    ClassStats,
+    HeapRegion,
+    NumaPolicy,
+    PageKind,
+    PageMode,
+    Pool,
+    PoolOptions,
+    Stats,
+    WalkKind,
+)
 from .sizes import format_size, parse_size, size_class_of, size_classes
 from .varpool import VarPool, VarStats
 
@@ -53,6 +74,7 @@ __all__ = [
     "VarStats",
     "Allocation",
     "Stats",
+    "PoolOptions",
     "ClassStats",
     "HeapRegion",
     "PageMode",

@@ -21,6 +21,7 @@ import ctypes
 import functools
 import os
 import sys
+from collections.abc import Callable, Iterable
 from ctypes import (
     POINTER,
     Structure,
@@ -35,7 +36,7 @@ from ctypes import (
     c_void_p,
 )
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from .errors import LibraryNotFoundError, error_for_status
 
@@ -122,128 +123,6 @@ class KvaClassStats(Structure):
         ("live_objects", c_uint64),
         ("slabs", c_uint64),
     ]
-
-
-# C name of each mirrored struct, for the ABI test that compiles a probe against the header.
-STRUCTS = {"kva_config": KvaConfig, "kva_stats": KvaStats, "kva_class_stats": KvaClassStats}
-
-# int (*kva_walk_fn)(uint64_t offset, uint64_t size, kva_walk_kind kind, void *ctx)
-WALK_FN = ctypes.CFUNCTYPE(c_int, c_uint64, c_uint64, c_enum, c_void_p)
-
-# A C function as ctypes exposes it; their exact signatures live in KvaLib.__init__.
-CFunction = Callable[..., Any]
-
-
-class KvaLib:
-    """The loaded library with every public function declared.
-
-    Functions that return a ``kva_status`` raise the matching ``KvallocError`` subclass instead
-    of returning it, so callers never look at status codes.
-    """
-
-    kva_strerror: CFunction
-    kva_last_error: CFunction
-    kva_config_init: CFunction
-    kva_pool_create: CFunction
-    kva_pool_destroy: CFunction
-    kva_alloc: CFunction
-    kva_alloc_aligned: CFunction
-    kva_alloc_exact: CFunction
-    kva_alloc_array: CFunction
-    kva_free: CFunction
-    kva_usable_size: CFunction
-    kva_trim: CFunction
-    kva_thread_flush: CFunction
-    kva_check: CFunction
-    kva_pool_base: CFunction
-    kva_get_stats: CFunction
-    kva_size_class_size: CFunction
-    kva_size_class_of: CFunction
-    kva_get_class_stats: CFunction
-    kva_walk: CFunction
-    kva_version: CFunction
-    kva_struct_size: CFunction
-    kva_stats_publish: CFunction
-    kva_stats_segment_name: CFunction
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            self._dll = ctypes.CDLL(str(path))
-        except OSError as exc:
-            raise LibraryNotFoundError(f"cannot load libkvalloc from {path}: {exc}") from exc
-
-        pool_p = c_void_p  # kva_pool * is opaque: only ever passed back to the library
-        status = self._declare_status
-        plain = self._declare
-
-        plain("kva_strerror", c_char_p, [c_enum])
-        plain("kva_last_error", c_char_p, [])
-        plain("kva_config_init", None, [POINTER(KvaConfig)])
-        status("kva_pool_create", [POINTER(KvaConfig), POINTER(pool_p)])
-        plain("kva_pool_destroy", None, [pool_p])
-        status("kva_alloc", [pool_p, c_size_t, POINTER(c_void_p)])
-        status("kva_alloc_aligned", [pool_p, c_size_t, c_size_t, POINTER(c_void_p)])
-        status("kva_alloc_exact", [pool_p, c_size_t, POINTER(c_void_p)])
-        status("kva_alloc_array", [pool_p, c_size_t, c_size_t, POINTER(c_void_p)])
-        status("kva_free", [pool_p, c_void_p])
-        plain("kva_usable_size", c_size_t, [pool_p, c_void_p])
-        status("kva_trim", [pool_p])
-        status("kva_thread_flush", [pool_p])
-        status("kva_check", [pool_p])
-        status("kva_pool_base", [pool_p, POINTER(c_void_p)])
-        status("kva_get_stats", [pool_p, POINTER(KvaStats)])
-        plain("kva_size_class_size", c_size_t, [c_uint])
-        plain("kva_size_class_of", c_int, [c_size_t])
-        status("kva_get_class_stats", [pool_p, c_uint, POINTER(KvaClassStats)])
-        status("kva_walk", [pool_p, WALK_FN, c_void_p])
-        plain("kva_version", c_char_p, [])
-        plain("kva_struct_size", c_size_t, [c_enum])
-        status("kva_stats_publish", [pool_p])
-        plain("kva_stats_segment_name", c_char_p, [pool_p])
-        self._check_struct_sizes("kva_struct_size", (KvaConfig, KvaStats, KvaClassStats))
-        declare_kv_functions(self)
-        declare_var_functions(self)
-
-    def _check_struct_sizes(self, size_function: str, structs: Any) -> None:
-        # The structs here are copies of the header's; a library of another version would read
-        # or write past them. Refuse it before the first call instead. ``size_function`` is the
-        # library's sizeof query for that family of structs, numbered from 1 in header order.
-        native_size = getattr(self, size_function)
-        for which, struct in enumerate(structs, start=1):
-            native = native_size(which)
-            if native != ctypes.sizeof(struct):
-                raise LibraryNotFoundError(
-                    f"{self.path} (version {self.kva_version().decode()}) has a "
-                    f"{struct.__name__} of {native} bytes, this package expects "
-                    f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
-
-    def _declare(self, name: str, restype: Any, argtypes: list[Any]) -> Any:
-        try:
-            function = getattr(self._dll, name)
-        except AttributeError as exc:
-            raise LibraryNotFoundError(
-                f"{self.path} does not export {name}: it is not a libkvalloc this package "
-                f"matches (set {ENV_VAR} to the right build)") from exc
-        function.restype = restype
-        function.argtypes = argtypes
-        setattr(self, name, function)
-        return function
-
-    def _declare_status(self, name: str, argtypes: list[Any]) -> None:
-        self._declare(name, c_enum, argtypes).errcheck = self._raise_on_failure
-
-    def _raise_on_failure(self, status: int, function: Any, _args: Any) -> int:
-        # ctypes calls this on the thread that made the call, right after it, so
-        # kva_last_error() still describes this very failure (it is per thread in C).
-        if status != 0:
-            name = self.kva_strerror(status).decode("utf-8", "replace")
-            detail = self.kva_last_error().decode("utf-8", "replace")
-            raise error_for_status(status, name, detail, function.__name__)
-        return status
-
-
-# ---- KV-cache manager (kva_kv_*) ---------------------------------------------------------------
 
 
 class KvaKvConfig(Structure):
@@ -354,47 +233,6 @@ class KvaKvStats(Structure):
     ]
 
 
-KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_copy": KvaKvCopy,
-              "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats}
-STRUCTS.update(KV_STRUCTS)
-
-
-def declare_kv_functions(lib: KvaLib) -> None:
-    """Declares the kva_kv_* functions on ``lib`` and checks the KV structs' sizes."""
-    kv_p = c_void_p  # kva_kv * is opaque
-    seq = c_uint64   # kva_kv_seq
-    status = lib._declare_status
-    lib._declare("kva_kv_config_init", None, [POINTER(KvaKvConfig)])
-    status("kva_kv_block_bytes", [POINTER(KvaKvConfig), POINTER(c_size_t)])
-    status("kva_kv_create", [POINTER(KvaKvConfig), c_void_p, POINTER(kv_p)])
-    lib._declare("kva_kv_destroy", None, [kv_p])
-    status("kva_kv_get_info", [kv_p, POINTER(KvaKvInfo)])
-    status("kva_kv_block_address", [kv_p, c_uint32, c_uint32, c_enum, POINTER(c_void_p)])
-    status("kva_kv_seq_allocate", [kv_p, c_uint32, POINTER(c_uint64), c_uint32, POINTER(c_uint32),
-                                   c_uint32, c_uint32, c_uint32, POINTER(seq), POINTER(c_uint32)])
-    status("kva_kv_seq_append", [kv_p, seq, c_uint32, POINTER(KvaKvCopy)])
-    status("kva_kv_seq_fork", [kv_p, seq, POINTER(seq)])
-    status("kva_kv_seq_free", [kv_p, seq])
-    status("kva_kv_seq_block_table", [kv_p, seq, POINTER(POINTER(c_uint32)), POINTER(c_uint32)])
-    status("kva_kv_seq_get_info", [kv_p, seq, POINTER(KvaKvSeqInfo)])
-    status("kva_kv_pin", [kv_p, POINTER(c_uint64), c_uint32, POINTER(c_uint32), c_uint32, c_uint32,
-                          POINTER(seq), POINTER(c_uint32)])
-    status("kva_kv_unpin", [kv_p, seq])
-    status("kva_kv_evict", [kv_p, c_uint32, POINTER(c_uint32)])
-    # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
-    status("kva_kv_compact", [kv_p, c_void_p, c_uint32, POINTER(c_uint32)])
-    status("kva_kv_trim", [kv_p, POINTER(c_uint32)])
-    status("kva_kv_get_stats", [kv_p, POINTER(KvaKvStats)])
-    status("kva_kv_check", [kv_p])
-    lib._declare("kva_kv_struct_size", c_size_t, [c_enum])
-    lib._check_struct_sizes("kva_kv_struct_size", KV_STRUCTS.values())
-
-# ---- end of KV-cache manager -------------------------------------------------------------------
-
-
-# ---- variable-size pools (kva_var_*) -----------------------------------------------------------
-
-
 class KvaVarConfig(Structure):
     """struct kva_var_config."""
 
@@ -430,27 +268,198 @@ class KvaVarStats(Structure):
     ]
 
 
+# Each family of structs in the order of its sizeof query (kva_struct_size, kva_kv_struct_size,
+# kva_var_struct_size: ids from 1 in header order), by C name.
+POOL_STRUCTS = {"kva_config": KvaConfig, "kva_stats": KvaStats, "kva_class_stats": KvaClassStats}
+KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_copy": KvaKvCopy,
+              "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats}
 VAR_STRUCTS = {"kva_var_config": KvaVarConfig, "kva_var_stats": KvaVarStats}
-STRUCTS.update(VAR_STRUCTS)
+# Every mirrored struct, for the ABI test that compiles a probe against the header.
+STRUCTS = {**POOL_STRUCTS, **KV_STRUCTS, **VAR_STRUCTS}
+
+# int (*kva_walk_fn)(uint64_t offset, uint64_t size, kva_walk_kind kind, void *ctx)
+WALK_FN = ctypes.CFUNCTYPE(c_int, c_uint64, c_uint64, c_enum, c_void_p)
+
+if TYPE_CHECKING:
+    from ctypes import _CArgObject, _CFunctionType, _Pointer
+    from typing import Optional
+
+    # What the declared functions take and return, as Python sees it. An opaque C object
+    # (kva_pool *, kva_kv *, kva_var *) is the int its create function returned; an address may
+    # be NULL (None); an out-parameter or a struct goes by reference (byref), and an optional
+    # one may be NULL.
+    Handle = int
+    Address = Optional[int]
+    Ref = _CArgObject
+    OptRef = Optional[_CArgObject]
+    Keys = Optional[_Pointer[c_uint64]]
+    Tokens = Optional[_Pointer[c_uint32]]
 
 
-def declare_var_functions(lib: KvaLib) -> None:
-    """Declares the kva_var_* functions on ``lib`` and checks the variable-size pool structs."""
-    var_p = c_void_p  # kva_var * is opaque
-    status = lib._declare_status
-    lib._declare("kva_var_config_init", None, [POINTER(KvaVarConfig)])
-    status("kva_var_create", [POINTER(KvaVarConfig), c_void_p, POINTER(var_p)])
-    lib._declare("kva_var_destroy", None, [var_p])
-    status("kva_var_alloc", [var_p, c_size_t, POINTER(c_void_p)])
-    status("kva_var_free", [var_p, c_void_p])
-    lib._declare("kva_var_usable_size", c_size_t, [var_p, c_void_p])
-    status("kva_var_base", [var_p, POINTER(c_void_p)])
-    status("kva_var_get_stats", [var_p, POINTER(KvaVarStats)])
-    status("kva_var_check", [var_p])
-    lib._declare("kva_var_struct_size", c_size_t, [c_int])
-    lib._check_struct_sizes("kva_var_struct_size", VAR_STRUCTS.values())
+class _Declaration:
+    """One C function's signature, written once in KvaLib's body; KvaLib.__init__ looks the
+    function up and applies it."""
 
-# ---- end of variable-size pools ----------------------------------------------------------------
+    __slots__ = ("restype", "argtypes", "returns_status")
+
+    def __init__(self, restype: Any, argtypes: tuple[Any, ...], returns_status: bool) -> None:
+        self.restype = restype
+        self.argtypes = list(argtypes)
+        self.returns_status = returns_status
+
+
+def _status(*argtypes: Any) -> Any:
+    """A function returning a ``kva_status``: a failing status raises its KvallocError. Typed
+    ``Any`` so that the attribute's annotation, the Python signature, is what mypy sees."""
+    return _Declaration(c_enum, argtypes, True)
+
+
+def _plain(restype: Any, *argtypes: Any) -> Any:
+    """A function whose result is returned as it is."""
+    return _Declaration(restype, argtypes, False)
+
+
+_pool = c_void_p  # kva_pool *, kva_kv * and kva_var * are opaque: only passed back to the library
+_kv = c_void_p
+_var = c_void_p
+_seq = c_uint64  # kva_kv_seq
+
+
+class KvaLib:
+    """The loaded library with every public function declared, each once, below: the Python
+    signature mypy checks callers against, then the C one ctypes converts with.
+
+    Functions that return a ``kva_status`` raise the matching ``KvallocError`` subclass instead
+    of returning it, so callers never look at status codes.
+    """
+
+    # -- pools (kva_*) ------------------------------------------------------------------------
+    kva_strerror: Callable[[int], bytes] = _plain(c_char_p, c_enum)
+    kva_last_error: Callable[[], bytes] = _plain(c_char_p)
+    kva_config_init: Callable[[Ref], None] = _plain(None, POINTER(KvaConfig))
+    kva_pool_create: Callable[[Ref, Ref], int] = _status(POINTER(KvaConfig), POINTER(_pool))
+    kva_pool_destroy: Callable[[Handle], None] = _plain(None, _pool)
+    kva_alloc: Callable[[Handle, int, Ref], int] = _status(_pool, c_size_t, POINTER(c_void_p))
+    kva_alloc_aligned: Callable[[Handle, int, int, Ref], int] = _status(
+        _pool, c_size_t, c_size_t, POINTER(c_void_p))
+    kva_alloc_exact: Callable[[Handle, int, Ref], int] = _status(_pool, c_size_t,
+                                                                 POINTER(c_void_p))
+    kva_alloc_array: Callable[[Handle, int, int, Ref], int] = _status(
+        _pool, c_size_t, c_size_t, POINTER(c_void_p))
+    kva_free: Callable[[Handle, Address], int] = _status(_pool, c_void_p)
+    kva_usable_size: Callable[[Handle, Address], int] = _plain(c_size_t, _pool, c_void_p)
+    kva_trim: Callable[[Handle], int] = _status(_pool)
+    kva_thread_flush: Callable[[Handle], int] = _status(_pool)
+    kva_check: Callable[[Handle], int] = _status(_pool)
+    kva_pool_base: Callable[[Handle, Ref], int] = _status(_pool, POINTER(c_void_p))
+    kva_get_stats: Callable[[Handle, Ref], int] = _status(_pool, POINTER(KvaStats))
+    kva_size_class_size: Callable[[int], int] = _plain(c_size_t, c_uint)
+    kva_size_class_of: Callable[[int], int] = _plain(c_int, c_size_t)
+    kva_get_class_stats: Callable[[Handle, int, Ref], int] = _status(
+        _pool, c_uint, POINTER(KvaClassStats))
+    kva_walk: Callable[[Handle, _CFunctionType, Address], int] = _status(_pool, WALK_FN, c_void_p)
+    kva_version: Callable[[], bytes] = _plain(c_char_p)
+    kva_struct_size: Callable[[int], int] = _plain(c_size_t, c_enum)
+    kva_stats_publish: Callable[[Handle], int] = _status(_pool)
+    kva_stats_segment_name: Callable[[Handle], bytes | None] = _plain(c_char_p, _pool)
+
+    # -- the KV-cache manager (kva_kv_*) ------------------------------------------------------
+    kva_kv_config_init: Callable[[Ref], None] = _plain(None, POINTER(KvaKvConfig))
+    kva_kv_block_bytes: Callable[[Ref, Ref], int] = _status(POINTER(KvaKvConfig),
+                                                            POINTER(c_size_t))
+    kva_kv_create: Callable[[Ref, Handle | None, Ref], int] = _status(
+        POINTER(KvaKvConfig), _pool, POINTER(_kv))
+    kva_kv_destroy: Callable[[Handle], None] = _plain(None, _kv)
+    kva_kv_get_info: Callable[[Handle, Ref], int] = _status(_kv, POINTER(KvaKvInfo))
+    kva_kv_block_address: Callable[[Handle, int, int, int, Ref], int] = _status(
+        _kv, c_uint32, c_uint32, c_enum, POINTER(c_void_p))
+    kva_kv_seq_allocate: Callable[[Handle, int, Keys, int, Tokens, int, int, int, Ref, Ref],
+                                  int] = _status(
+        _kv, c_uint32, POINTER(c_uint64), c_uint32, POINTER(c_uint32), c_uint32, c_uint32,
+        c_uint32, POINTER(_seq), POINTER(c_uint32))
+    kva_kv_seq_append: Callable[[Handle, int, int, Ref], int] = _status(
+        _kv, _seq, c_uint32, POINTER(KvaKvCopy))
+    kva_kv_seq_fork: Callable[[Handle, int, Ref], int] = _status(_kv, _seq, POINTER(_seq))
+    kva_kv_seq_free: Callable[[Handle, int], int] = _status(_kv, _seq)
+    kva_kv_seq_block_table: Callable[[Handle, int, Ref, Ref], int] = _status(
+        _kv, _seq, POINTER(POINTER(c_uint32)), POINTER(c_uint32))
+    kva_kv_seq_get_info: Callable[[Handle, int, Ref], int] = _status(_kv, _seq,
+                                                                     POINTER(KvaKvSeqInfo))
+    kva_kv_pin: Callable[[Handle, Keys, int, Tokens, int, int, Ref, Ref], int] = _status(
+        _kv, POINTER(c_uint64), c_uint32, POINTER(c_uint32), c_uint32, c_uint32, POINTER(_seq),
+        POINTER(c_uint32))
+    kva_kv_unpin: Callable[[Handle, int], int] = _status(_kv, _seq)
+    kva_kv_evict: Callable[[Handle, int, OptRef], int] = _status(_kv, c_uint32, POINTER(c_uint32))
+    # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
+    kva_kv_compact: Callable[[Handle, Address, int, Ref], int] = _status(
+        _kv, c_void_p, c_uint32, POINTER(c_uint32))
+    kva_kv_trim: Callable[[Handle, Ref], int] = _status(_kv, POINTER(c_uint32))
+    kva_kv_get_stats: Callable[[Handle, Ref], int] = _status(_kv, POINTER(KvaKvStats))
+    kva_kv_check: Callable[[Handle], int] = _status(_kv)
+    kva_kv_struct_size: Callable[[int], int] = _plain(c_size_t, c_enum)
+
+    # -- variable-size pools (kva_var_*) ------------------------------------------------------
+    kva_var_config_init: Callable[[Ref], None] = _plain(None, POINTER(KvaVarConfig))
+    kva_var_backing_config: Callable[[Ref, Ref], int] = _status(POINTER(KvaVarConfig),
+                                                                POINTER(KvaConfig))
+    kva_var_create: Callable[[Ref, Handle | None, Ref], int] = _status(
+        POINTER(KvaVarConfig), _pool, POINTER(_var))
+    kva_var_destroy: Callable[[Handle], None] = _plain(None, _var)
+    kva_var_alloc: Callable[[Handle, int, Ref], int] = _status(_var, c_size_t, POINTER(c_void_p))
+    kva_var_free: Callable[[Handle, Address], int] = _status(_var, c_void_p)
+    kva_var_usable_size: Callable[[Handle, Address], int] = _plain(c_size_t, _var, c_void_p)
+    kva_var_base: Callable[[Handle, Ref], int] = _status(_var, POINTER(c_void_p))
+    kva_var_get_stats: Callable[[Handle, Ref], int] = _status(_var, POINTER(KvaVarStats))
+    kva_var_check: Callable[[Handle], int] = _status(_var)
+    kva_var_struct_size: Callable[[int], int] = _plain(c_size_t, c_int)
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self._dll = ctypes.CDLL(str(path))
+        except OSError as exc:
+            raise LibraryNotFoundError(f"cannot load libkvalloc from {path}: {exc}") from exc
+        for name, declaration in vars(KvaLib).items():
+            if isinstance(declaration, _Declaration):
+                self._declare(name, declaration)
+        self._check_struct_sizes(self.kva_struct_size, POOL_STRUCTS.values())
+        self._check_struct_sizes(self.kva_kv_struct_size, KV_STRUCTS.values())
+        self._check_struct_sizes(self.kva_var_struct_size, VAR_STRUCTS.values())
+
+    def _check_struct_sizes(self, native_size: Callable[[int], int],
+                            structs: Iterable[type[Structure]]) -> None:
+        # The structs here are copies of the header's; a library of another version would read
+        # or write past them. Refuse it before the first call instead. ``native_size`` is the
+        # library's sizeof query for that family of structs, numbered from 1 in header order.
+        for which, struct in enumerate(structs, start=1):
+            native = native_size(which)
+            if native != ctypes.sizeof(struct):
+                raise LibraryNotFoundError(
+                    f"{self.path} (version {self.kva_version().decode()}) has a "
+                    f"{struct.__name__} of {native} bytes, this package expects "
+                    f"{ctypes.sizeof(struct)}: set {ENV_VAR} to a matching build")
+
+    def _declare(self, name: str, declaration: _Declaration) -> None:
+        try:
+            function = getattr(self._dll, name)
+        except AttributeError as exc:
+            raise LibraryNotFoundError(
+                f"{self.path} does not export {name}: it is not a libkvalloc this package "
+                f"matches (set {ENV_VAR} to the right build)") from exc
+        function.restype = declaration.restype
+        function.argtypes = declaration.argtypes
+        if declaration.returns_status:
+            function.errcheck = self._raise_on_failure
+        setattr(self, name, function)
+
+    def _raise_on_failure(self, status: int, function: Any, _args: object) -> int:
+        # ctypes calls this on the thread that made the call, right after it, so
+        # kva_last_error() still describes this very failure (it is per thread in C).
+        if status != 0:
+            name = self.kva_strerror(status).decode("utf-8", "replace")
+            detail = self.kva_last_error().decode("utf-8", "replace")
+            raise error_for_status(status, name, detail, function.__name__)
+        return status
 
 
 def candidate_paths() -> list[Path]:

@@ -1,8 +1,9 @@
 """The package's Python locks: their order, finalizers that must not wait on them, and fork.
 
 Order. A ``KVCache``'s or ``VarPool``'s lock comes before the lock of the ``Pool`` it calls
-into; the counters of users and views have leaf locks of their own, under which nothing else
-is taken. Every method takes locks in that order, so methods cannot deadlock one another.
+into; each object's count of users has a leaf lock of its own (``HandleOwner``, _owner.py),
+under which no other lock is waited for. Every method takes locks in that order, so methods
+cannot deadlock one another.
 
 Finalizers. ``weakref.finalize`` callbacks run inside a garbage collection, which may start in
 any thread at any allocation, that thread holding any of these locks. A finalizer that waited
@@ -26,18 +27,33 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Sequence
+from types import TracebackType
 from typing import Any, Protocol
 
 
-class _Lock(Protocol):
-    def acquire(self, blocking: bool = ...) -> bool: ...
+class Lock(Protocol):
+    """threading.Lock and threading.RLock, as this module and the objects use them."""
+
+    def acquire(self, blocking: bool = ..., timeout: float = ...) -> bool: ...
 
     def release(self) -> None: ...
+
+    def __enter__(self) -> bool: ...
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None, /) -> None: ...
+
+
+class Tracked(Protocol):
+    """An object whose locks the fork handlers hold: its outer locks, in order, and its leaf
+    locks."""
+
+    def _fork_locks(self) -> tuple[list[Lock], list[Lock]]: ...
 
 
 # ---- finalizers --------------------------------------------------------------------------
 
-_pending: collections.deque[tuple[Sequence[_Lock], Callable[..., None], tuple[Any, ...]]] = \
+_pending: collections.deque[tuple[Sequence[Lock], Callable[..., None], tuple[Any, ...]]] = \
     collections.deque()
 _wake = threading.Event()
 _reaper_pid = 0
@@ -46,7 +62,8 @@ _reaper_pid = 0
 _in_fork = False
 
 
-def _run_locked(locks: Sequence[_Lock], work: Callable[..., None], args: tuple[Any, ...]) -> None:
+def run_locked(locks: Sequence[Lock], work: Callable[..., None], *args: Any) -> None:
+    """Runs ``work(*args)`` holding ``locks``, waited for in the package's order."""
     for lock in locks:
         lock.acquire()
     try:
@@ -63,15 +80,15 @@ def _reap() -> None:
         while _pending:
             locks, work, args = _pending.popleft()
             try:
-                _run_locked(locks, work, args)
+                run_locked(locks, work, *args)
             except Exception:  # a finalizer's failure is not the reaper's to report
                 pass
 
 
-def run_or_defer(locks: Sequence[_Lock], work: Callable[..., None], *args: Any) -> None:
+def run_or_defer(locks: Sequence[Lock], work: Callable[..., None], *args: Any) -> None:
     """Runs ``work(*args)`` holding ``locks`` (in the package's order) if every one can be had
     at once, else hands it to the reaper thread. For finalizers only."""
-    taken: list[_Lock] = []
+    taken: list[Lock] = []
     for lock in locks:
         if not lock.acquire(blocking=False):
             break
@@ -111,20 +128,20 @@ def drain_deferred(timeout: float = 5.0) -> bool:
 # ---- fork ----------------------------------------------------------------------------------
 
 # Objects whose locks a fork must hold, by rank: 0 caches and VarPools, 1 pools.
-_ranked: tuple[weakref.WeakSet[Any], ...] = (weakref.WeakSet(), weakref.WeakSet())
+_ranked: tuple[weakref.WeakSet[Tracked], ...] = (weakref.WeakSet(), weakref.WeakSet())
 # One fork at a time: two threads forking at once would otherwise each wait on locks the other
 # took, and release each other's.
 _forking = threading.Lock()
-_held: list[_Lock] = []
+_held: list[Lock] = []
 
 
-def track(obj: Any, rank: int) -> None:
-    """Registers ``obj``, whose ``_fork_locks()`` lists its locks in order, with the fork
-    handlers: rank 0 for a KVCache or VarPool, 1 for a Pool."""
+def track(obj: Tracked, rank: int) -> None:
+    """Registers ``obj`` with the fork handlers: rank 0 for a KVCache or VarPool, 1 for a
+    Pool."""
     _ranked[rank].add(obj)
 
 
-def _locks_to_hold() -> list[_Lock]:
+def _locks_to_hold() -> list[Lock]:
     """Every tracked object's outer locks, rank by rank, then every leaf lock. Only the locks
     come back: holding the objects themselves while waiting on a lock would make this thread
     the one to run the finalizer of an object another thread drops meanwhile."""

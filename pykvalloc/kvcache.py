@@ -13,7 +13,8 @@ What an engine's scheduler calls::
     moves = cache.compact()                               # (src, dst) rows: data to the low ids
     cache.stats()                                         # free/used/cached blocks, hits, ...
 
-Lifetime rules, each there so that no Python call can crash the interpreter:
+Lifetime rules, each there so that no Python call can crash the interpreter (the cache owns its
+C handle as every owner does: ``HandleOwner``, _owner.py):
 
 * ``seq.block_table`` is a read-only numpy view of the table the library keeps. The library
   may move or rewrite that table when the sequence changes, so ``append()`` and ``free()``
@@ -21,8 +22,8 @@ Lifetime rules, each there so that no Python call can crash the interpreter:
   any view of the cache is: copy it (``np.array(...)``) to keep it longer. A view keeps its
   sequence and its cache alive.
 * A sequence nobody frees is freed when it becomes garbage; a cache nobody closes is destroyed
-  when it becomes garbage and no sequence or view needs it. ``close()`` is idempotent; with
-  views alive the C cache is destroyed when the last one goes.
+  when it becomes garbage and no sequence or view needs it. ``close()`` is idempotent; views
+  are users of the cache: with views alive the C cache is destroyed when the last one goes.
 * Handles of freed sequences are recognised by the library (a generation per slot), so a stale
   ``Sequence`` gets ``InvalidArgument`` (``DoubleFree`` for a second ``free()``), never another
   sequence's blocks.
@@ -32,19 +33,40 @@ Lifetime rules, each there so that no Python call can crash the interpreter:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import operator
-import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from ctypes import POINTER, byref, c_uint32, c_uint64, c_void_p
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex, TypeVar
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from ctypes import _Pointer
+    from typing import Union
+
+    import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
+
+    # What the key and token arguments take: any iterable of integers, or a numpy integer array.
+    IntegerArray = Union[Iterable[int], npt.NDArray[np.integer[Any]]]
+
 from . import _ffi, _locks
-from .errors import InvalidArgument, KvallocError, OutOfMemory, PoolClosedError
-from .pool import Pool, _name_arg, _size_arg
+from ._owner import HandleOwner, refuse_copy
+from .errors import InvalidArgument, KvallocError, OutOfMemory
+from .pool import (
+    PageMode,
+    Pool,
+    _enum_arg,
+    _name_arg,
+    _pages_arg,
+    _returned_address,
+    _size_arg,
+    _snapshot,
+)
 
 __all__ = ["KVCache", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout", "KVMode",
            "TableInUseError", "dtype_bytes"]
@@ -106,7 +128,7 @@ class Move(NamedTuple):
     dst_bucket: int
 
 
-def dtype_bytes(dtype: Any) -> int:
+def dtype_bytes(dtype: object) -> int:
     """Bytes per element of a dtype given as a name, a numpy dtype or a torch dtype."""
     if dtype is None:  # numpy reads None as float64; a KV cache's element type is never implied
         raise InvalidArgument("dtype must be given (a name such as 'float16', or a numpy or torch dtype)")
@@ -116,26 +138,27 @@ def dtype_bytes(dtype: Any) -> int:
         name = str(dtype).lower().removeprefix("torch.")
         if name not in _DTYPE_BYTES:
             try:
-                numpy_dtype = np.dtype(dtype)
+                numpy_dtype = np.dtype(dtype)  # type: ignore[call-overload]  # any object is tried
             except TypeError:
                 numpy_dtype = None
             if numpy_dtype is not None and numpy_dtype.kind in "fiu" and numpy_dtype.itemsize in (1, 2, 4, 8):
-                return numpy_dtype.itemsize
+                return int(numpy_dtype.itemsize)
     if name not in _DTYPE_BYTES:
         raise InvalidArgument(f"unknown KV dtype {dtype!r}; use one of {sorted(_DTYPE_BYTES)}")
     return _DTYPE_BYTES[name]
 
 
-def _u32(name: str, value: Any) -> int:
+def _u32(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgument(f"{name} must be an integer, not {type(value).__name__}")
-    value = int(value)
-    if not 0 <= value <= _U32_MAX:
-        raise InvalidArgument(f"{name} {value} is outside 0 .. 2^32-1")
-    return value
+    number = int(value)
+    if not 0 <= number <= _U32_MAX:
+        raise InvalidArgument(f"{name} {number} is outside 0 .. 2^32-1")
+    return number
 
 
-def _array_arg(name: str, values: Any, dtype: Any) -> np.ndarray | None:
+def _array_arg(name: str, values: IntegerArray | None, dtype: type[np.uint32] | type[np.uint64]
+               ) -> npt.NDArray[np.unsignedinteger[Any]] | None:
     """A C-contiguous array of exactly dtype for a pointer argument (no copy when it is one).
 
     Anything but an array is read item by item: numpy would make a float64 array of a list that
@@ -143,7 +166,9 @@ def _array_arg(name: str, values: Any, dtype: Any) -> np.ndarray | None:
     generator), where every item is a valid key."""
     if values is None:
         return None
-    if not isinstance(values, np.ndarray):
+    if isinstance(values, np.ndarray):
+        array = values
+    else:
         try:
             items = list(values)
         except TypeError:
@@ -155,8 +180,7 @@ def _array_arg(name: str, values: Any, dtype: Any) -> np.ndarray | None:
                 raise InvalidArgument(f"{name} must hold integers, not {type(item).__name__}")
             if not 0 <= item <= limit:
                 raise InvalidArgument(f"{name} holds values outside {np.dtype(dtype)}")
-        values = np.array(items, dtype=dtype)
-    array = values
+        array = np.array(items, dtype=dtype)
     if array.size > 0xFFFFFFFF:  # the C counts are 32-bit
         raise InvalidArgument(f"{name} holds {array.size} values; at most {0xFFFFFFFF}")
     if array.ndim != 1:
@@ -168,7 +192,10 @@ def _array_arg(name: str, values: Any, dtype: Any) -> np.ndarray | None:
     return np.ascontiguousarray(array, dtype=dtype)
 
 
-def _pointer(array: np.ndarray | None, ctype: Any) -> Any:
+_CType = TypeVar("_CType", c_uint32, c_uint64)
+
+
+def _pointer(array: npt.NDArray[Any] | None, ctype: type[_CType]) -> _Pointer[_CType] | None:
     return None if array is None else array.ctypes.data_as(POINTER(ctype))
 
 
@@ -183,14 +210,42 @@ class _TableAnchor:
                            "data": (address, True)}
 
     @property
-    def __array_interface__(self) -> dict[str, Any]:
+    def __array_interface__(self) -> dict[str, object]:
         return self._interface
 
 
-class KVCache:
+@dataclass(frozen=True)
+class KVInfo:
+    """The geometry of a KV cache (``kva_kv_info``; kvalloc.h describes each figure)."""
+
+    mode: KVMode
+    layout: KVLayout
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+    block_tokens: int
+    num_blocks: int      # paged mode; 0 in contiguous mode
+    max_context: int     # contiguous mode: the largest bucket; 0 in paged mode
+    block_bytes: int     # all layers, K and V, of one block
+    token_bytes: int     # all layers, K and V, of one token
+    slot_bytes: int      # K (or V) of one token in one layer
+    part_bytes: int      # K (or V) of one block in one layer
+    block_stride: int
+    layer_stride: int
+    base: int            # paged mode: the address of the KV memory (block 0, layer 0, K)
+    kv_bytes: int        # paged: num_blocks * block_bytes; contiguous: the pool's capacity
+
+    @classmethod
+    def _from_c(cls, raw: _ffi.KvaKvInfo) -> KVInfo:
+        return _snapshot(cls, raw, mode=KVMode(raw.mode), layout=KVLayout(raw.layout),
+                         base=raw.base or 0)
+
+
+class KVCache(HandleOwner):
     """A KV cache of ``num_blocks`` blocks of ``block_tokens`` tokens (or ``capacity_bytes``
     bytes' worth), for a model with ``layers`` layers of ``kv_heads`` KV heads of ``head_dim``
-    elements of ``dtype``.
+    elements of ``dtype`` (a name such as ``"float16"`` or ``"fp8"``, a numpy or a torch dtype).
 
     ``layout``: ``"layers"`` (default; one region per layer, a block id indexes each, what
     paged-attention kernels index) or ``"blocks"`` (all layers of a block together).
@@ -204,11 +259,14 @@ class KVCache:
     also times every call); a given ``pool`` brings its own name.
     """
 
-    def __init__(self, num_blocks: int | None = None, block_tokens: int = 16, layers: int = 32,
-                 kv_heads: int = 8, head_dim: int = 128, dtype: Any = "float16", *,
-                 capacity_bytes: int | None = None, layout: str | KVLayout = "layers",
-                 mode: str | KVMode = "paged", max_context: int | None = None,
-                 hash_seed: int = 0, pool: Any = None, pages: Any = "thp", name: str | None = None,
+    __slots__ = ("_lib", "_pool_lock", "_info", "_pool_handle")
+
+    def __init__(self, num_blocks: int | None = None, block_tokens: int = 16,
+                 layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                 dtype: object = "float16", *, capacity_bytes: int | None = None,
+                 layout: str | KVLayout = "layers", mode: str | KVMode = "paged",
+                 max_context: int | None = None, hash_seed: int = 0, pool: Pool | None = None,
+                 pages: str | PageMode = "thp", name: str | None = None,
                  trace: bool = False) -> None:
         lib = _ffi.load()
         config = _ffi.KvaKvConfig()
@@ -231,70 +289,46 @@ class KVCache:
         if seed is None or not 0 <= seed < 1 << 64:
             raise InvalidArgument("hash_seed must be an integer in 0 .. 2^64-1")
         config.hash_seed = seed
-        config.pages = _pages_value(pages)
-        self._name_bytes = _name_arg(name)   # kept alive: the C config points at it
-        config.name = self._name_bytes
+        config.pages = _pages_arg(pages)
+        config.name = _name_arg(name)  # C copies the name at creation
         config.trace = 1 if trace else 0
-
         if pool is not None and not isinstance(pool, Pool):
             raise InvalidArgument(f"pool must be a pykvalloc.Pool, not {type(pool).__name__}")
+
+        def create(pool_handle: int | None) -> int:
+            handle = c_void_p()
+            lib.kva_kv_create(byref(config), pool_handle, byref(handle))
+            return _returned_address(handle, "kva_kv_create")
+
+        handle = self._create_over(pool, create)
+        self._own(handle, lib.kva_kv_destroy, pool)
         self._lib = lib
-        self._lock = threading.RLock()
-        self._views_lock = threading.Lock()  # a leaf (_locks.py): view finalizers take only it
-        self._pool = pool
+        # The lock of a caller's Pool, which serializes the Python calls into its C pool: the
+        # cache takes it for its own (creation, destruction, contiguous buffers).
         self._pool_lock = pool._lock if pool is not None else None
-        handle = c_void_p()
-        pool_handle = None
-        with self._pool_guard():
-            if pool is not None:
-                # The cache is a user of the pool: closing the pool then waits for the cache.
-                pool_handle = pool._add_user()
-            try:
-                lib.kva_kv_create(byref(config), pool_handle, byref(handle))
-                if not handle.value:
-                    raise KvallocError("kva_kv_create returned no cache")
-            except BaseException:
-                if pool is not None:
-                    pool._user_gone()
-                raise
-        self._handle: int | None = handle.value
-        self._closed = False
-        self._views = 0
-        self._finalizer = weakref.finalize(self, _destroy_forgotten, lib, handle.value, pool)
-        self._finalizer.atexit = False  # at exit the process's memory goes with it
-        _locks.track(self, 0)
         info = _ffi.KvaKvInfo()
-        lib.kva_kv_get_info(self._handle, byref(info))
-        self._info = {name: getattr(info, name) for name, _ in _ffi.KvaKvInfo._fields_}
-        self._info["base"] = self._info["base"] or 0
-        self._info["mode"] = KVMode(info.mode)
-        self._info["layout"] = KVLayout(info.layout)
+        lib.kva_kv_get_info(handle, byref(info))
+        self._info = KVInfo._from_c(info)
+        # The C pool the memory comes from (a caller's, or the one C made for the cache).
+        self._pool_handle: int = info.pool
 
-    # -- lifetime ---------------------------------------------------------------------------
+    def _describe(self) -> str:
+        info = self._info
+        return (f"{info.mode.name.lower()} {info.num_blocks} blocks of {info.block_tokens} "
+                f"tokens, {info.block_bytes} bytes each,")
 
-    def close(self) -> None:
-        """Destroys the cache (now, or when the last block-table view is garbage); idempotent.
-        Sequences of a closed cache raise ``PoolClosedError``."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            with self._views_lock:
-                idle = self._views == 0
-            if idle:
-                self._destroy_now()
+    def _pool_guard(self) -> AbstractContextManager[object]:
+        return self._pool_lock if self._pool_lock is not None else _NO_LOCK
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
+    # -- the pool -----------------------------------------------------------------------------
 
     def pool_fragmentation(self) -> float:
         """The fragmentation (1 - largest free block / free bytes) of the pool the cache's
         memory comes from: what limits contiguous mode."""
         raw = _ffi.KvaStats()
         with self._lock, self._pool_guard():
-            self._open()
-            self._lib.kva_get_stats(self._info["pool"], byref(raw))
+            self._open_handle()
+            self._lib.kva_get_stats(self._pool_handle, byref(raw))
         return float(raw.fragmentation)
 
     def publish(self) -> None:
@@ -302,47 +336,13 @@ class KVCache:
         (a named cache; otherwise nothing happens). A named cache also publishes on its own from
         its calls, at most every ``publish_interval_ms`` of its pool."""
         with self._lock, self._pool_guard():
-            self._open()
-            self._lib.kva_stats_publish(self._info["pool"])
-
-    def __enter__(self) -> KVCache:
-        self._open()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def _fork_locks(self) -> tuple[list[Any], list[Any]]:
-        return [self._lock], [self._views_lock]
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError("KVCache objects cannot be copied or pickled: a copy would share the C "
-                        "cache without sharing its bookkeeping")
-
-    def _destroy_now(self) -> None:
-        """Destroys the C cache, once: from close() (the cache's lock held, so the pool's lock
-        may be waited on) or from the last view's finalizer (which must not wait: _locks.py)."""
-        detached = self._finalizer.detach()
-        if detached is not None:
-            _, _, (lib, handle, pool), _ = detached
-            with self._pool_guard():
-                _destroy(lib, handle, pool)
-
-    def _open(self) -> int:
-        if self._closed:
-            raise PoolClosedError("the KV cache is closed")
-        assert self._handle is not None
-        return self._handle
-
-    def _pool_guard(self) -> Any:
-        # A caller's Pool serializes its own calls with its lock; the cache calls into the same C
-        # pool (creation, destruction, contiguous buffers), so it takes that lock too.
-        return self._pool_lock if self._pool_lock is not None else _NO_LOCK
+            self._open_handle()
+            self._lib.kva_stats_publish(self._pool_handle)
 
     # -- sequences --------------------------------------------------------------------------
 
-    def allocate(self, num_tokens: int, block_keys: Iterable[int] | np.ndarray | None = None,
-                 tokens: Iterable[int] | np.ndarray | None = None, namespace: int = 0,
+    def allocate(self, num_tokens: int, block_keys: IntegerArray | None = None,
+                 tokens: IntegerArray | None = None, namespace: int = 0,
                  priority: int = 0) -> Sequence:
         """A sequence of ``num_tokens`` tokens. The content of its first full blocks is given as
         ``block_keys`` (one 64-bit key per block, such as a trace's hash ids) or as ``tokens``
@@ -360,13 +360,13 @@ class KVCache:
         cached = c_uint32()
         with self._lock, self._pool_guard():
             self._lib.kva_kv_seq_allocate(
-                self._open(), n, _pointer(keys, c_uint64), 0 if keys is None else keys.size,
+                self._open_handle(), n, _pointer(keys, c_uint64), 0 if keys is None else keys.size,
                 _pointer(ids, c_uint32), 0 if ids is None else ids.size, ns, prio, byref(seq),
                 byref(cached))
         return Sequence._new(self, seq.value, cached.value)
 
-    def pin(self, block_keys: Iterable[int] | np.ndarray | None = None,
-            tokens: Iterable[int] | np.ndarray | None = None, namespace: int = 0) -> Pin:
+    def pin(self, block_keys: IntegerArray | None = None,
+            tokens: IntegerArray | None = None, namespace: int = 0) -> Pin:
         """Pins the longest cached prefix of the given blocks: it is not evicted until
         ``unpin()``. ``Pin.num_tokens`` says how much was cached and is pinned now."""
         keys = _array_arg("block_keys", block_keys, np.uint64)
@@ -375,7 +375,7 @@ class KVCache:
         handle = c_uint64()
         pinned = c_uint32()
         with self._lock:
-            self._lib.kva_kv_pin(self._open(), _pointer(keys, c_uint64),
+            self._lib.kva_kv_pin(self._open_handle(), _pointer(keys, c_uint64),
                                  0 if keys is None else keys.size, _pointer(ids, c_uint32),
                                  0 if ids is None else ids.size, ns, byref(handle), byref(pinned))
         return Pin._new(self, handle.value, pinned.value)
@@ -386,10 +386,10 @@ class KVCache:
         count = _U32_MAX if max_blocks is None else _u32("max_blocks", max_blocks)
         evicted = c_uint32()
         with self._lock:
-            self._lib.kva_kv_evict(self._open(), count, byref(evicted))
+            self._lib.kva_kv_evict(self._open_handle(), count, byref(evicted))
         return evicted.value
 
-    def compact(self) -> np.ndarray:
+    def compact(self) -> npt.NDArray[np.uint32]:
         """Moves every block that holds data (used, or cached for prefix hits: those keep their
         hits; ``evict()`` first to drop them instead) to the lowest ids, so that afterwards the
         free blocks are the top ids, ``used_blocks + cached_blocks`` onwards: the tail of
@@ -404,11 +404,11 @@ class KVCache:
         this call. Paged mode only (``InvalidArgument`` otherwise)."""
         count = c_uint32()
         with self._lock:
-            if self._views:
+            if self._users:  # the block-table views are the cache's users
                 raise TableInUseError(
-                    f"cannot compact: {self._views} block_table view(s) alive; copy the tables "
+                    f"cannot compact: {self._users} block_table view(s) alive; copy the tables "
                     "(np.array(seq.block_table)) or drop the views first")
-            handle = self._open()
+            handle = self._open_handle()
             capacity = 0
             while True:
                 moves = np.empty((capacity, 2), dtype=np.uint32)
@@ -433,7 +433,7 @@ class KVCache:
         otherwise)."""
         trimmed = c_uint32()
         with self._lock:
-            self._lib.kva_kv_trim(self._open(), byref(trimmed))
+            self._lib.kva_kv_trim(self._open_handle(), byref(trimmed))
         return trimmed.value
 
     # -- introspection ----------------------------------------------------------------------
@@ -443,7 +443,7 @@ class KVCache:
         query_tokens, evictions, cow_copies, forks, ... and hit_rate."""
         raw = _ffi.KvaKvStats()
         with self._lock:
-            self._lib.kva_kv_get_stats(self._open(), byref(raw))
+            self._lib.kva_kv_get_stats(self._open_handle(), byref(raw))
         result = {name: getattr(raw, name) for name, _ in _ffi.KvaKvStats._fields_}
         result["call_ns_log2"] = list(raw.call_ns_log2)
         result["hit_rate"] = raw.hit_tokens / raw.query_tokens if raw.query_tokens else 0.0
@@ -452,7 +452,7 @@ class KVCache:
     def check(self) -> None:
         """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""
         with self._lock, self._pool_guard():
-            self._lib.kva_kv_check(self._open())
+            self._lib.kva_kv_check(self._open_handle())
 
     def block_address(self, block: int, layer: int, kind: str | int = "K") -> int:
         """The address of the K (``kind="K"``) or V part of one layer of one block."""
@@ -465,70 +465,30 @@ class KVCache:
             raise InvalidArgument(f"kind must be 'K' or 'V', not {kind!r}")
         out = c_void_p()
         with self._lock:
-            self._lib.kva_kv_block_address(self._open(), _u32("block", block), _u32("layer", layer),
-                                           part, byref(out))
+            self._lib.kva_kv_block_address(self._open_handle(), _u32("block", block),
+                                           _u32("layer", layer), part, byref(out))
         return out.value or 0
 
     @property
     def info(self) -> dict[str, Any]:
         """The geometry: block_bytes, token_bytes, slot_bytes, part_bytes, block_stride,
         layer_stride, base (address), kv_bytes, num_blocks, max_context, mode, layout, ..."""
-        return dict(self._info)
+        return {**dataclasses.asdict(self._info), "pool": self._pool_handle}
 
     @property
     def num_blocks(self) -> int:
-        return int(self._info["num_blocks"])
+        return self._info.num_blocks
 
     @property
     def block_tokens(self) -> int:
-        return int(self._info["block_tokens"])
+        return self._info.block_tokens
 
     @property
     def block_bytes(self) -> int:
-        return int(self._info["block_bytes"])
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
-        mode = self._info["mode"].name.lower()
-        return (f"<pykvalloc.KVCache {mode} {self._info['num_blocks']} blocks of "
-                f"{self._info['block_tokens']} tokens, {self._info['block_bytes']} bytes each, {state}>")
-
-    # -- used by Sequence -------------------------------------------------------------------
-
-    def _drop_view_locked(self, sequence: Sequence) -> None:
-        """A block table view is gone (a finalizer's work, the views lock held: _locks.py); the
-        last one of a closed cache destroys it."""
-        sequence._views -= 1
-        self._views -= 1
-        if self._closed and self._views == 0:
-            detached = self._finalizer.detach()
-            if detached is not None:
-                _, _, args, _ = detached
-                _destroy_forgotten(*args)
+        return self._info.block_bytes
 
 
-class _NoLock:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-_NO_LOCK = _NoLock()
-
-
-def _destroy(lib: Any, handle: int, pool: Pool | None) -> None:
-    # The cache's blocks go back to the pool before the pool can go: the finalizer holds the
-    # pool, and the cache is one of its users until here. The caller holds the pool's lock.
-    lib.kva_kv_destroy(handle)
-    if pool is not None:
-        pool._user_gone()
-
-
-def _destroy_forgotten(lib: Any, handle: int, pool: Pool | None) -> None:
-    """A finalizer: the cache became garbage, or its last view did after close()."""
-    _locks.run_or_defer([pool._lock] if pool is not None else [], _destroy, lib, handle, pool)
+_NO_LOCK = nullcontext()
 
 
 def _free_forgotten(cache: KVCache, handle: int, pin: bool) -> None:
@@ -546,6 +506,9 @@ def _free_forgotten_locked(cache: KVCache, handle: int, pin: bool) -> None:
         pass  # freed another way already; nothing to give back
 
 
+_Seq = TypeVar("_Seq", bound="Sequence")
+
+
 class Sequence:
     """One request's KV: a block table (paged) or a buffer (contiguous). Made by
     ``KVCache.allocate`` and ``Sequence.fork``."""
@@ -553,8 +516,15 @@ class Sequence:
     __slots__ = ("_cache", "_handle", "_cached", "_views", "_freed", "_finalizer", "__weakref__")
     _is_pin = False
 
+    _cache: KVCache
+    _handle: int
+    _cached: int
+    _views: int  # block-table views alive: users of the cache
+    _freed: bool
+    _finalizer: weakref.finalize[..., Sequence]
+
     @classmethod
-    def _new(cls, cache: KVCache, handle: int, cached: int) -> Any:
+    def _new(cls: type[_Seq], cache: KVCache, handle: int, cached: int) -> _Seq:
         self = cls.__new__(cls)
         self._cache = cache
         self._handle = handle
@@ -565,7 +535,7 @@ class Sequence:
         self._finalizer.atexit = False
         return self
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         raise TypeError("sequences come from KVCache.allocate() and Sequence.fork()")
 
     @property
@@ -582,24 +552,24 @@ class Sequence:
         raw = _ffi.KvaKvSeqInfo()
         cache = self._cache
         with cache._lock:
-            cache._lib.kva_kv_seq_get_info(cache._open(), self._handle, byref(raw))
+            cache._lib.kva_kv_seq_get_info(cache._open_handle(), self._handle, byref(raw))
         return raw
 
     @property
     def num_tokens(self) -> int:
-        return self._seq_info().num_tokens
+        return int(self._seq_info().num_tokens)
 
     @property
     def num_blocks(self) -> int:
-        return self._seq_info().num_blocks
+        return int(self._seq_info().num_blocks)
 
     @property
     def namespace(self) -> int:
-        return self._seq_info().namespace_id
+        return int(self._seq_info().namespace_id)
 
     @property
     def priority(self) -> int:
-        return self._seq_info().priority
+        return int(self._seq_info().priority)
 
     @property
     def buffer(self) -> tuple[int, int]:
@@ -612,30 +582,24 @@ class Sequence:
         return self._freed
 
     @property
-    def block_table(self) -> np.ndarray:
+    def block_table(self) -> npt.NDArray[np.uint32]:
         """The block ids, in order, as a read-only numpy uint32 view of the library's table (no
         copy). While it is alive, ``append()`` and ``free()`` refuse: see the module docs."""
         cache = self._cache
         table = POINTER(c_uint32)()
         length = c_uint32()
         with cache._lock:
-            cache._lib.kva_kv_seq_block_table(cache._open(), self._handle, byref(table),
+            cache._lib.kva_kv_seq_block_table(cache._open_handle(), self._handle, byref(table),
                                               byref(length))
-            address = _address_of(table)
+            address = c_void_p.from_buffer(table).value or 0
             anchor = _TableAnchor(self, address, length.value)
-            released = weakref.finalize(anchor, self._view_released)
+            # The view is a user of the cache: a close() leaves the C cache to the last view.
+            released = weakref.finalize(anchor, cache._user_gone, self)
             released.atexit = False
-            with cache._views_lock:
-                self._views += 1
-                cache._views += 1
-        view = np.asarray(anchor)
+            cache._add_user(self)
+        view: npt.NDArray[np.uint32] = np.asarray(anchor)
         view.flags.writeable = False
         return view
-
-    def _view_released(self) -> None:
-        # A finalizer: the cache's leaf lock only, never waited on (_locks.py).
-        cache = self._cache
-        _locks.run_or_defer([cache._views_lock], cache._drop_view_locked, self)
 
     def _refuse_with_views(self, what: str) -> None:
         if self._views:
@@ -652,7 +616,7 @@ class Sequence:
         cache = self._cache
         with cache._lock, cache._pool_guard():
             self._refuse_with_views("append to")
-            cache._lib.kva_kv_seq_append(cache._open(), self._handle, n, byref(copy))
+            cache._lib.kva_kv_seq_append(cache._open_handle(), self._handle, n, byref(copy))
         if copy.src_block != _NO_BLOCK:
             return CopyOnWrite(copy.src_block, copy.dst_block, copy.tokens)
         if copy.src:
@@ -665,7 +629,7 @@ class Sequence:
         child = c_uint64()
         cache = self._cache
         with cache._lock:
-            cache._lib.kva_kv_seq_fork(cache._open(), self._handle, byref(child))
+            cache._lib.kva_kv_seq_fork(cache._open_handle(), self._handle, byref(child))
         return Sequence._new(cache, child.value, self._cached)
 
     def free(self) -> None:
@@ -674,22 +638,22 @@ class Sequence:
         cache = self._cache
         with cache._lock, cache._pool_guard():
             self._refuse_with_views("free")
-            self._release_call(cache)(cache._open(), self._handle)
+            self._release_call(cache)(cache._open_handle(), self._handle)
             self._freed = True
             self._finalizer.detach()
 
-    def _release_call(self, cache: KVCache) -> Any:
+    def _release_call(self, cache: KVCache) -> Callable[[int, int], int]:
         return cache._lib.kva_kv_seq_free
 
-    def __enter__(self) -> Any:
+    def __enter__(self: _Seq) -> _Seq:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         if not self._freed:
             self.free()
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(f"{type(self).__name__} cannot be pickled or copied: it names library state")
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        refuse_copy(self)
 
     def __repr__(self) -> str:
         state = "freed" if self._freed else "live"
@@ -710,39 +674,12 @@ class Pin(Sequence):
     def unpin(self) -> None:
         self.free()
 
-    def _release_call(self, cache: KVCache) -> Any:
+    def _release_call(self, cache: KVCache) -> Callable[[int, int], int]:
         return cache._lib.kva_kv_unpin
 
-    def append(self, num_tokens: int = 1) -> Any:
+    def append(self, num_tokens: int = 1) -> NoReturn:
         raise InvalidArgument("a pin does not grow")
 
     def fork(self) -> Sequence:
         raise InvalidArgument("a pin cannot be forked")
 
-
-def _address_of(pointer: Any) -> int:
-    return c_void_p.from_buffer(pointer).value or 0
-
-
-def _enum_arg(name: str, value: Any, enum_type: type[enum.IntEnum]) -> int:
-    if isinstance(value, str):
-        try:
-            return int(enum_type[value.upper()])
-        except KeyError:
-            raise InvalidArgument(f"{name} must be one of {[m.name.lower() for m in enum_type]}, "
-                                  f"not {value!r}") from None
-    try:
-        return int(enum_type(value))
-    except ValueError:
-        raise InvalidArgument(f"{name} {value!r} is not a {enum_type.__name__}") from None
-
-
-def _pages_value(pages: Any) -> int:
-    names = {"auto": 0, "hugetlb": 1, "thp": 2, "small": 3}
-    if isinstance(pages, str):
-        if pages.lower() not in names:
-            raise InvalidArgument(f"pages must be one of {sorted(names)}, not {pages!r}")
-        return names[pages.lower()]
-    if isinstance(pages, int) and not isinstance(pages, bool) and pages in names.values():
-        return int(pages)  # a bool is an int, but True meant "hugetlb" here and "auto" in Pool
-    raise InvalidArgument(f"pages {pages!r} is not a page mode")

@@ -1,32 +1,33 @@
 """Pools and allocations: the Python face of ``kva_pool``.
 
 Lifetime rules. Each one exists because the alternative can crash the interpreter or hand the
-same bytes to two owners:
+same bytes to two owners. A ``Pool`` owns one C pool under the rules every owner of a C handle
+follows (``HandleOwner``, _owner.py: ``close()`` idempotent, then ``PoolClosedError`` from every
+method; users that outlive ``close()``; a finalizer for a forgotten pool; no copies); here is
+what they mean for a pool:
 
-* A ``Pool`` owns one C pool. ``close()`` is idempotent; afterwards every method raises
-  ``PoolClosedError`` instead of passing a destroyed handle to C.
 * The memory stays mapped while any numpy view of it exists. Every view's base object holds a
-  strong reference to its pool, so ``close()`` with live views closes the pool to all calls at
-  once but defers the unmap until the last view is garbage. A view can never point at
-  unmapped memory.
-* A ``KVCache`` built on a pool is a user of it in the same way: ``close()`` on the pool then
-  closes it to its own calls, and the C pool is destroyed after the cache (whose blocks are in
-  it) is closed or garbage. The cache's calls never reach a destroyed pool.
+  strong reference to its pool and counts as a user of it, so ``close()`` with live views
+  closes the pool to all calls at once but defers the unmap until the last view is garbage. A
+  view can never point at unmapped memory.
+* A ``KVCache`` or ``VarPool`` built on a pool is a user of it in the same way: ``close()`` on
+  the pool then closes it to its own calls, and the C pool is destroyed after the cache or
+  VarPool (whose memory is in it) is closed or garbage. Their calls never reach a destroyed
+  pool.
 * ``free()`` refuses (``AllocationInUseError``) while numpy views of that allocation are alive:
   the next allocation would get the same bytes while the old view could still write them.
   ``mmap.close()`` refuses exported buffers for the same reason.
-* A forgotten pool is destroyed by ``weakref.finalize`` when it becomes garbage (no
-  ``__del__``, so nothing runs against half torn-down modules). At interpreter exit, pools
-  without live views are closed; a pool with live views is left to the operating system,
-  because module teardown cannot promise that nothing touches a view after the unmap.
-* Each ``Pool`` serializes its calls with a lock of its own, since the bookkeeping above (open
-  or closed, live views, allocations freed) is Python state: sharing a pool between threads is
+* At interpreter exit, pools without users are closed; a pool with live views is left to the
+  operating system, because module teardown cannot promise that nothing touches a view after
+  the unmap.
+* Each ``Pool`` serializes its calls with its lock, since the bookkeeping above (open or
+  closed, live views, allocations freed) is Python state: sharing a pool between threads is
   safe, not parallel. The C pool itself takes calls from any number of threads at once (C
   callers get that; kvalloc.h, "Thread safety"). Finalizers never wait on these locks, and
   ``os.fork()`` while another thread holds one leaves the child a usable pool (``_locks.py``).
-* ``Pool`` and ``Allocation`` cannot be copied or pickled: a copy would share the C handle or
-  the address without sharing the bookkeeping above. Only a pool creates an ``Allocation``:
-  one made up by hand could view any address.
+* An ``Allocation`` cannot be copied or pickled either: a copy would share the address without
+  sharing its bookkeeping. Only a pool creates an ``Allocation``: one made up by hand could
+  view any address.
 * Freeing a freed allocation, or one of another pool, is caught here and never reaches C (its
   address may belong to a newer allocation by now), so ``Stats.rejected_calls`` counts only
   what C itself rejected.
@@ -41,19 +42,21 @@ import atexit
 import enum
 import math
 import operator
-import threading
+import re
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from ctypes import byref, c_size_t, c_void_p, sizeof
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from ctypes import Structure, byref, c_size_t, c_void_p, sizeof
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex, TypedDict, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
     import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
+    from _typeshed import DataclassInstance
 
-from . import _ffi, _locks
+from . import _ffi
+from ._owner import HandleOwner, refuse_copy
 from .errors import (
     AllocationFreedError,
     AllocationInUseError,
@@ -62,7 +65,6 @@ from .errors import (
     InvalidArgument,
     InvalidPointer,
     KvallocError,
-    PoolClosedError,
 )
 from .sizes import format_size
 
@@ -77,6 +79,7 @@ __all__ = [
     "Backend",
     "NumaPolicy",
     "WalkKind",
+    "PoolOptions",
 ]
 
 _SIZE_MAX = (1 << (8 * sizeof(c_size_t))) - 1
@@ -193,18 +196,23 @@ class Stats:
 
     @classmethod
     def _from_c(cls, raw: _ffi.KvaStats) -> Stats:
-        names = (field[0] for field in raw._fields_)
-        converted = ("free_blocks", "num_orders", "page_kind", "numa_node", "backend", "pinned",
-                     "locked")
-        scalars: dict[str, Any] = {
-            name: getattr(raw, name) for name in names if name not in converted
-        }
         orders = min(raw.num_orders, _ffi.KVA_MAX_ORDERS)
-        return cls(free_blocks=tuple(raw.free_blocks[:orders]),
-                   page_kind=PageKind(raw.page_kind),
-                   numa_node=None if raw.numa_node < 0 else raw.numa_node,
-                   backend=Backend(raw.backend), pinned=bool(raw.pinned),
-                   locked=bool(raw.locked), **scalars)
+        return _snapshot(cls, raw, free_blocks=tuple(raw.free_blocks[:orders]),
+                         page_kind=PageKind(raw.page_kind),
+                         numa_node=None if raw.numa_node < 0 else raw.numa_node,
+                         backend=Backend(raw.backend), pinned=bool(raw.pinned),
+                         locked=bool(raw.locked))
+
+
+_Snapshot = TypeVar("_Snapshot", bound="DataclassInstance")
+
+
+def _snapshot(cls: type[_Snapshot], raw: Structure, **converted: object) -> _Snapshot:
+    """A frozen dataclass of figures from its C struct: each field copied from the struct
+    member of the same name, except those given in ``converted``."""
+    copied = {field.name: getattr(raw, field.name) for field in fields(cls)
+              if field.name not in converted}
+    return cls(**copied, **converted)
 
 
 @dataclass(frozen=True)
@@ -231,34 +239,42 @@ def _size_arg(what: str, value: int) -> int:
     return number
 
 
-def _page_mode_arg(pages: str | PageMode) -> PageMode:
-    if isinstance(pages, PageMode):
-        return pages
-    if isinstance(pages, str) and pages.upper() in PageMode.__members__:
-        return PageMode[pages.upper()]
-    choices = ", ".join(repr(mode.name.lower()) for mode in PageMode)
-    raise InvalidArgument(f"pages must be one of {choices}, not {pages!r}")
+_Enum = TypeVar("_Enum", bound=enum.IntEnum)
 
 
-def _pages_arg(pages: str | PageMode | None, hugepages: bool | str | PageMode | None) -> PageMode:
+def _enum_arg(what: str, value: object, kind: type[_Enum]) -> _Enum:
+    """A member of ``kind`` from itself, its name in any case, or its value (not a bool, whose
+    meaning as a member would be a guess)."""
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str):
+        member = kind.__members__.get(value.upper())
+        if member is not None:
+            return member
+    elif isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    choices = ", ".join(repr(member.name.lower()) for member in kind)
+    # The class name in words: PageMode is "page mode", KVLayout "KV layout".
+    words = re.findall(r"[A-Z]+(?![a-z])|[A-Z][a-z]*", kind.__name__)
+    label = " ".join(word if len(word) > 1 and word.isupper() else word.lower() for word in words)
+    raise InvalidArgument(f"{what} must be one of {choices}; {value!r} is not a {label}")
+
+
+def _pages_arg(pages: str | PageMode | None,
+               hugepages: bool | str | PageMode | None = None) -> PageMode:
     """The page mode from ``pages`` or its alias ``hugepages`` (True: huge pages when the
-    machine has them, else normal ones; False: normal pages only)."""
+    machine has them, else normal ones; False: normal pages only); None for both: ``"auto"``.
+    Every class that takes a page mode reads it here."""
     if hugepages is None:
-        return _page_mode_arg("auto" if pages is None else pages)
+        return _enum_arg("pages", "auto" if pages is None else pages, PageMode)
     if pages is not None:
         raise InvalidArgument("give pages or hugepages, not both")
     if isinstance(hugepages, bool):
         return PageMode.AUTO if hugepages else PageMode.SMALL
-    return _page_mode_arg(hugepages)
-
-
-def _enum_arg(what: str, value: Any, kind: type[enum.IntEnum]) -> Any:
-    if isinstance(value, kind):
-        return value
-    if isinstance(value, str) and value.upper() in kind.__members__:
-        return kind[value.upper()]
-    choices = ", ".join(repr(member.name.lower()) for member in kind)
-    raise InvalidArgument(f"{what} must be one of {choices}, not {value!r}")
+    return _enum_arg("hugepages", hugepages, PageMode)
 
 
 def _int_arg(what: str, value: int, low: int) -> int:
@@ -302,11 +318,6 @@ def _returned_address(out: c_void_p, function: str) -> int:
     if out.value is None:
         raise KvallocError(f"{function} succeeded but returned a NULL address")
     return out.value
-
-
-def _refuse_copy(obj: object) -> None:
-    raise TypeError(f"{type(obj).__name__} objects cannot be copied or pickled: a copy would "
-                    "share the C resource without sharing its bookkeeping")
 
 
 class Allocation:
@@ -360,7 +371,7 @@ class Allocation:
         return not self._live
 
     def view(self, dtype: npt.DTypeLike = np.uint8,
-             shape: int | Sequence[int] | None = None) -> np.ndarray:
+             shape: int | Sequence[int] | None = None) -> npt.NDArray[Any]:
         """A writable numpy array over this allocation's memory.
 
         Without ``shape`` the array is one-dimensional and as long as ``size`` allows. The array
@@ -370,8 +381,8 @@ class Allocation:
         """
         return self._pool._view(self, dtype, shape)
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        _refuse_copy(self)
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        refuse_copy(self)
 
     def __repr__(self) -> str:
         state = "freed" if not self._live else f"{self._views} views" if self._views else "live"
@@ -390,37 +401,34 @@ class _ViewAnchor:
                            "data": (address, False)}
 
     @property
-    def __array_interface__(self) -> dict[str, Any]:
+    def __array_interface__(self) -> dict[str, object]:
         return self._interface
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        _refuse_copy(self)
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        refuse_copy(self)
 
 
-class _Allocator:
+class _Allocator(HandleOwner):
     """What Pool and VarPool share: handing out ``Allocation`` handles and taking them back.
 
     Every handle is checked here (its owner, freed or not, numpy views alive) before its address
     reaches C, where a stale address may name a newer allocation's memory. A subclass provides
-    ``_lock``, ``_open_handle()``, ``base``, its C free and usable-size functions (``_c_free``,
-    ``_c_usable_size``) and ``_mapping``: the Pool whose memory its allocations are in, which
-    every view keeps mapped.
+    ``base``, its C free and usable-size functions (``_c_free``, ``_c_usable_size``) and
+    ``_mapping``: the Pool whose memory its allocations are in, of which every view is a user.
     """
 
-    __slots__ = ()
+    __slots__ = ("_c_free", "_c_usable_size")
 
-    _lock: Any
-    _c_free: Any
-    _c_usable_size: Any
+    _c_free: Callable[[int, int | None], int]
+    _c_usable_size: Callable[[int, int | None], int]
 
-    if TYPE_CHECKING:
-        def _open_handle(self) -> int: ...
+    @property
+    def _mapping(self) -> Pool:
+        raise NotImplementedError
 
-        @property
-        def _mapping(self) -> Pool: ...
-
-        @property
-        def base(self) -> int: ...
+    @property
+    def base(self) -> int:
+        raise NotImplementedError
 
     def _owned_live(self, allocation: Allocation,
                     freed_error: type[KvallocError] = AllocationFreedError) -> None:
@@ -431,7 +439,7 @@ class _Allocator:
         if not allocation._live:
             raise freed_error(f"{allocation!r} was already freed")
 
-    def _allocate(self, function: Any, nbytes: int, *arguments: int) -> Allocation:
+    def _allocate(self, function: Callable[..., int], nbytes: int, *arguments: int) -> Allocation:
         out = c_void_p()
         with self._lock:
             function(self._open_handle(), nbytes, *arguments, byref(out))
@@ -474,7 +482,7 @@ class _Allocator:
             return int(self._c_usable_size(handle, allocation._address))
 
     def _view(self, allocation: Allocation, dtype: npt.DTypeLike,
-              shape: int | Sequence[int] | None) -> np.ndarray:
+              shape: int | Sequence[int] | None) -> npt.NDArray[Any]:
         mapping = self._mapping
         if mapping._backend is Backend.CUDA:
             raise InvalidArgument(
@@ -497,14 +505,13 @@ class _Allocator:
             if nbytes > allocation._size:
                 raise InvalidArgument(f"shape {dims} of {dt} needs {nbytes} bytes; "
                                       f"{allocation!r} has {allocation._size}")
-            # The anchor holds this pool (a VarPool holds its mapping); the mapping counts the
-            # view as a user, so a close defers the unmap until the view is garbage.
+            # The anchor holds this pool (a VarPool holds its mapping); the view is a user of
+            # the mapping, so a close defers the unmap until the view is garbage. This pool is
+            # open, so its mapping lives (a VarPool is a user of its mapping).
             anchor = _ViewAnchor(self, allocation._address, nbytes)
-            released = weakref.finalize(anchor, mapping._view_released, allocation)
+            released = weakref.finalize(anchor, mapping._user_gone, allocation)
             released.atexit = False  # at exit the views die with the process, not before it
-            with mapping._users_lock:
-                allocation._views += 1
-                mapping._users += 1
+            mapping._add_user(allocation)
         return np.asarray(anchor).view(dt).reshape(dims)
 
 
@@ -538,9 +545,9 @@ class Pool(_Allocator):
     to views that outlive the pool.
     """
 
-    __slots__ = ("_lib", "_handle", "_lock", "_users_lock", "_closed", "_users", "_finalizer", "_base",
-                 "_capacity", "_min_block", "_slab_chunk", "_name", "_backend", "_c_free",
-                 "_c_usable_size", "__weakref__")
+    __slots__ = ("_lib", "_base", "_capacity", "_min_block", "_slab_chunk", "_name", "_backend")
+
+    _fork_rank = 1
 
     def __init__(self, capacity: int, *, min_block: int | None = None,
                  slab_chunk: int | None = None, name: str | None = None,
@@ -580,21 +587,10 @@ class Pool(_Allocator):
 
         handle = c_void_p()
         lib.kva_pool_create(byref(config), byref(handle))
+        self._own(_returned_address(handle, "kva_pool_create"), lib.kva_pool_destroy)
         self._lib = lib
         self._c_free = lib.kva_free
         self._c_usable_size = lib.kva_usable_size
-        self._handle = _returned_address(handle, "kva_pool_create")
-        # Destroys a forgotten pool when it becomes garbage. Registered before anything else
-        # can fail, so that a half-built Pool is released too. atexit=False: interpreter exit
-        # is handled by _close_idle_pools below.
-        self._finalizer = weakref.finalize(self, lib.kva_pool_destroy, self._handle)
-        self._finalizer.atexit = False
-        self._lock = threading.RLock()
-        # A leaf lock (_locks.py) for the count of users, which finalizers change from inside
-        # garbage collections: they must not wait on _lock.
-        self._users_lock = threading.Lock()
-        self._closed = False
-        self._users = 0  # numpy views and KV caches alive: the C pool outlives close() for them
         self._name = name
 
         base = c_void_p()
@@ -606,56 +602,6 @@ class Pool(_Allocator):
         self._slab_chunk = stats.slab_chunk
         self._backend = stats.backend
         _open_pools.add(self)
-        _locks.track(self, 1)
-
-    # -- lifetime ---------------------------------------------------------------------------
-
-    def close(self) -> None:
-        """Closes the pool; idempotent. The memory is unmapped now, or when the last numpy
-        view of it is garbage if any is alive."""
-        with self._lock, self._users_lock:
-            self._close_locked()
-
-    def _close_locked(self) -> None:
-        """close() with both locks held; also run by a VarPool's finalizer (_locks.run_or_defer)."""
-        if self._closed:
-            return
-        self._closed = True
-        _open_pools.discard(self)
-        if self._users == 0:
-            self._release()
-
-    def _release(self) -> None:
-        """Destroys the C pool, once. Callers have made sure the pool is closed (no call can
-        start) and no user lives."""
-        # detach() rather than calling the finalizer: after weakref's own exit hook has run,
-        # calling a finalizer silently does nothing, and _close_idle_pools may run after it.
-        detached = self._finalizer.detach()
-        if detached is not None:
-            _, destroy, args, _ = detached
-            destroy(*args)
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self) -> Pool:
-        self._open_handle()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        _refuse_copy(self)
-
-    def _fork_locks(self) -> tuple[list[Any], list[Any]]:
-        return [self._lock], [self._users_lock]
-
-    def _open_handle(self) -> int:
-        if self._closed:
-            raise PoolClosedError(f"{self!r} is closed")
-        return self._handle
 
     @property
     def _mapping(self) -> Pool:
@@ -688,32 +634,6 @@ class Pool(_Allocator):
             self._lib.kva_alloc_array(self._open_handle(), count, size, byref(out))
         return Allocation(self, _returned_address(out, "kva_alloc_array"), count * size,
                           _ALLOCATION_KEY)
-
-    def _view_released(self, allocation: Allocation) -> None:
-        # A finalizer (a view's anchor is garbage), possibly inside a garbage collection in a
-        # thread that holds any lock: the leaf lock only, and never waited on (_locks.py).
-        _locks.run_or_defer([self._users_lock], self._drop_user_locked, allocation)
-
-    def _add_user(self) -> int:
-        """Registers a user that calls into the C pool (a KV cache): the handle, which stays
-        valid until the user calls ``_user_gone``, even across ``close()``. Caller holds the
-        lock."""
-        handle = self._open_handle()
-        with self._users_lock:
-            self._users += 1
-        return handle
-
-    def _user_gone(self) -> None:
-        """A KV cache or VarPool is gone; the last user out destroys a closed pool. Finalizers
-        call it: the leaf lock only, never waited on (_locks.py)."""
-        _locks.run_or_defer([self._users_lock], self._drop_user_locked, None)
-
-    def _drop_user_locked(self, allocation: Allocation | None) -> None:
-        if allocation is not None:
-            allocation._views -= 1
-        self._users -= 1
-        if self._closed and self._users == 0:
-            self._release()
 
     # -- maintenance and introspection ------------------------------------------------------
 
@@ -825,20 +745,42 @@ class Pool(_Allocator):
         """Where the memory lives; with ``Backend.CUDA`` addresses are device addresses."""
         return self._backend
 
-    def __repr__(self) -> str:
-        label = f" {self._name!r}" if self._name else ""
-        state = "closed" if self._closed else "open"
-        return f"<pykvalloc.Pool{label} {format_size(self._capacity)} at {self._base:#x} {state}>"
+    def _describe(self) -> str:
+        label = f"{self._name!r} " if self._name else ""
+        return f"{label}{format_size(self._capacity)} at {self._base:#x}"
 
 
-# Pools not yet closed, for the exit hook; weak so that it never keeps a pool alive.
+class PoolOptions(TypedDict, total=False):
+    """The keywords of ``Pool`` after ``capacity``: what a class that makes a pool for itself
+    passes on (``VarPool(capacity, **pool_options)``)."""
+
+    min_block: int | None
+    slab_chunk: int | None
+    name: str | None
+    pages: str | PageMode | None
+    prefault: bool
+    trace: bool
+    publish_interval_ms: int | None
+    backend: str | Backend
+    device: int
+    numa_node: int | None
+    numa_policy: str | NumaPolicy
+    hugepages: bool | str | PageMode | None
+    lock: bool
+    pin: bool
+    trim_watermark: int
+    checked: bool
+    arenas: int
+
+
+# Every pool, for the exit hook; weak so that it never keeps a pool alive.
 _open_pools: weakref.WeakSet[Pool] = weakref.WeakSet()
 
 
 @atexit.register
 def _close_idle_pools() -> None:
-    """At exit, releases every open pool no numpy view or KV cache still uses; the rest the OS
-    reclaims."""
+    """At exit, releases every pool no numpy view, KV cache or VarPool still uses; the rest the
+    OS reclaims."""
     for pool in list(_open_pools):
         if pool._users == 0:
             pool.close()

@@ -35,3 +35,13 @@ def run_kvalloc(*args: str, timeout: float = 60,
     it; a command that hangs fails the test with TimeoutExpired instead of hanging it."""
     return subprocess.run([sys.executable, "-m", "pykvalloc", *args], capture_output=True,
                           text=True, env=clean_env(), timeout=timeout, preexec_fn=preexec_fn)
+
+
+def mapped(address: int) -> bool:
+    """Whether the address lies in a mapping of this process (/proc/self/maps)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            if start <= address < end:
+                return True
+    return False

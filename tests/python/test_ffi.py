@@ -3,6 +3,7 @@ exactly the layout the compiler gives them."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import textwrap
@@ -144,3 +145,17 @@ def test_header_constants_match(tmp_path):
                     for part in ("MAJOR", "MINOR", "PATCH"))
     if pykvalloc.__version__ != "0+unknown":
         assert pykvalloc.__version__ == ".".join(map(str, version))
+
+
+@pytest.mark.skipif(not (HEADER_DIR / "kvalloc.h").is_file(), reason="no source tree beside")
+def test_every_public_function_is_declared_once():
+    # One loader declares the whole API: each KVA_API function of kvalloc.h is an attribute of
+    # KvaLib with its C signature applied, written once in the class body.
+    header = " ".join((HEADER_DIR / "kvalloc.h").read_text().split())
+    public = set(re.findall(r"KVA_API [^;(]*?\b(kva_\w+)\(", header))
+    declared = {name for name, value in vars(_ffi.KvaLib).items()
+                if isinstance(value, _ffi._Declaration)}
+    assert public and public == declared
+    lib = _ffi.load()
+    for name in public:
+        assert getattr(lib, name).argtypes is not None, name

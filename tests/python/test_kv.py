@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from support import mapped
 
 import pykvalloc
 from pykvalloc.kvcache import dtype_bytes
@@ -99,15 +100,6 @@ def test_views_keep_the_cache_alive_after_close() -> None:
     del view
     gc.collect()
     cache.close()  # idempotent
-
-
-def mapped(address: int) -> bool:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            if start <= address < end:
-                return True
-    return False
 
 
 def test_a_pool_closed_before_its_cache_is_destroyed_after_it() -> None:

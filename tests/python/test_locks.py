@@ -212,7 +212,7 @@ def test_two_threads_forking_at_once_leave_every_lock_usable() -> None:
         second = threading.Thread(target=fork); second.start()
         for t in (holder, first, second):
             t.join()
-        for lock in (p1._lock, p2._lock, cache._lock, p1._users_lock, cache._views_lock):
+        for lock in (p1._lock, p2._lock, cache._lock, p1._users_lock, cache._users_lock):
             assert lock.acquire(timeout=30), "hung: a lock stayed held"
             lock.release()
         print("all usable")
