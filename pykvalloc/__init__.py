@@ -32,8 +32,10 @@ from .errors import (
 from .kvcache import (
     CopyOnWrite,
     KVCache,
+    KVInfo,
     KVLayout,
     KVMode,
+    KVStats,
     Move,
     Pin,
     Sequence,
@@ -62,6 +64,8 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
 
 __all__ = [
     "KVCache",
+    "KVStats",
+    "KVInfo",
     "Sequence",
     "Pin",
     "CopyOnWrite",

@@ -11,7 +11,7 @@ What an engine's scheduler calls::
     child = seq.fork()                                    # beam search, parallel sampling
     seq.free()
     moves = cache.compact()                               # (src, dst) rows: data to the low ids
-    cache.stats()                                         # free/used/cached blocks, hits, ...
+    cache.stats()                                         # KVStats: free/used/cached blocks, hits
 
 Lifetime rules, each there so that no Python call can crash the interpreter (the cache owns its
 C handle as every owner does: ``HandleOwner``, _owner.py):
@@ -33,7 +33,6 @@ C handle as every owner does: ``HandleOwner``, _owner.py):
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import operator
 import weakref
@@ -68,8 +67,8 @@ from .pool import (
     _snapshot,
 )
 
-__all__ = ["KVCache", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout", "KVMode",
-           "TableInUseError", "dtype_bytes"]
+__all__ = ["KVCache", "KVStats", "KVInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
+           "KVMode", "TableInUseError", "dtype_bytes"]
 
 _U32_MAX = 0xFFFFFFFF
 _NO_BLOCK = _U32_MAX
@@ -240,6 +239,48 @@ class KVInfo:
     def _from_c(cls, raw: _ffi.KvaKvInfo) -> KVInfo:
         return _snapshot(cls, raw, mode=KVMode(raw.mode), layout=KVLayout(raw.layout),
                          base=raw.base or 0)
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot of ``kva_kv_stats``; see kvalloc.h for the exact meaning of each figure."""
+
+    num_blocks: int
+    free_blocks: int           # hold nothing
+    used_blocks: int           # referenced by live sequences or pins
+    cached_blocks: int         # referenced by none, kept for prefix hits, evictable
+    registered_blocks: int     # with a key in the prefix table
+    sequences: int             # live sequences, pins excluded
+    pins: int
+    trimmed_blocks: int        # free, their memory given back (trim)
+    hit_tokens: int            # cached tokens summed over allocations
+    query_tokens: int          # tokens summed over allocations
+    evictions: int
+    cow_copies: int
+    forks: int
+    allocations: int
+    frees: int
+    appends: int
+    moves: int                 # contiguous mode: bucket changes; paged mode: compaction moves
+    moved_bytes: int
+    alloc_failures: int
+    rejected_calls: int
+    bytes_in_use: int          # KV bytes held by sequences
+    block_metadata_bytes: int
+    metadata_bytes: int        # all host bytes of the cache's bookkeeping
+    # A cache created with trace=True times every call, lock to lock; zero otherwise.
+    timed_calls: int
+    timed_ns: int
+    call_ns_log2: tuple[int, ...]  # calls that took [2^i, 2^(i+1)) ns
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of the tokens asked for that the prefix cache held (0 before any)."""
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @classmethod
+    def _from_c(cls, raw: _ffi.KvaKvStats) -> KVStats:
+        return _snapshot(cls, raw, call_ns_log2=tuple(raw.call_ns_log2))
 
 
 class KVCache(HandleOwner):
@@ -429,7 +470,7 @@ class KVCache(HandleOwner):
         blocks still count as free for capacity: a call that needs them maps their memory again
         first (or evicts cached blocks if the memory cannot be had). A pool whose memory must
         stay (prefault, lock, pin, checked, hugetlb) gives nothing back. Returns the number of trimmed
-        blocks (``stats()["trimmed_blocks"]``). Paged mode only (``InvalidArgument``
+        blocks (``stats().trimmed_blocks``). Paged mode only (``InvalidArgument``
         otherwise)."""
         trimmed = c_uint32()
         with self._lock:
@@ -438,16 +479,13 @@ class KVCache(HandleOwner):
 
     # -- introspection ----------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> KVStats:
         """Counters and gauges: free_blocks, used_blocks, cached_blocks, hit_tokens,
         query_tokens, evictions, cow_copies, forks, ... and hit_rate."""
         raw = _ffi.KvaKvStats()
         with self._lock:
             self._lib.kva_kv_get_stats(self._open_handle(), byref(raw))
-        result = {name: getattr(raw, name) for name, _ in _ffi.KvaKvStats._fields_}
-        result["call_ns_log2"] = list(raw.call_ns_log2)
-        result["hit_rate"] = raw.hit_tokens / raw.query_tokens if raw.query_tokens else 0.0
-        return result
+        return KVStats._from_c(raw)
 
     def check(self) -> None:
         """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""
@@ -470,10 +508,10 @@ class KVCache(HandleOwner):
         return out.value or 0
 
     @property
-    def info(self) -> dict[str, Any]:
+    def info(self) -> KVInfo:
         """The geometry: block_bytes, token_bytes, slot_bytes, part_bytes, block_stride,
         layer_stride, base (address), kv_bytes, num_blocks, max_context, mode, layout, ..."""
-        return {**dataclasses.asdict(self._info), "pool": self._pool_handle}
+        return self._info
 
     @property
     def num_blocks(self) -> int:

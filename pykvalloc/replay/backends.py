@@ -120,12 +120,12 @@ class PagedBackend:
     def usage(self) -> tuple[float, int]:
         """(share of KV memory in use, token slots allocated)."""
         stats = self.cache.stats()
-        used = stats["used_blocks"]
+        used = stats.used_blocks
         return used / self.capacity_blocks, used * self.block_tokens
 
     def prefix(self) -> tuple[int, int]:
         stats = self.cache.stats()
-        return stats["hit_tokens"], stats["query_tokens"]
+        return stats.hit_tokens, stats.query_tokens
 
     def fragmentation(self) -> float:
         return 0.0  # every free block serves any request: paging has no external fragmentation
@@ -133,15 +133,15 @@ class PagedBackend:
     def library_time(self) -> Optional[tuple[int, list[int]]]:
         """(ns spent inside the library, log2 histogram of call times), timed in C."""
         stats = self.cache.stats()
-        return int(stats["timed_ns"]), list(stats["call_ns_log2"])
+        return int(stats.timed_ns), list(stats.call_ns_log2)
 
     def verify_empty(self) -> None:
         """After the run: every invariant holds and no block is referenced any more."""
         self.cache.check()
         stats = self.cache.stats()
-        if stats["used_blocks"] or stats["sequences"] or stats["bytes_in_use"]:
-            raise AssertionError(f"the replay left {stats['used_blocks']} blocks and {stats['sequences']} "
-                                 f"sequences live ({stats['bytes_in_use']} bytes)")
+        if stats.used_blocks or stats.sequences or stats.bytes_in_use:
+            raise AssertionError(f"the replay left {stats.used_blocks} blocks and {stats.sequences} "
+                                 f"sequences live ({stats.bytes_in_use} bytes)")
 
     def close(self) -> None:
         self.cache.close()
@@ -172,8 +172,8 @@ class ContiguousBackend(PagedBackend):
                              layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                              dtype=geometry.dtype, name=pool_name, trace=True)
         info = self.cache.info
-        self.max_context = int(info["max_context"])
-        self.pool_tokens = int(info["kv_bytes"]) // self.bytes_per_token
+        self.max_context = int(info.max_context)
+        self.pool_tokens = int(info.kv_bytes) // self.bytes_per_token
 
     def never_fits(self, prompt_tokens: int, final_tokens: int) -> Optional[str]:
         if final_tokens > self.max_context:
@@ -201,7 +201,7 @@ class ContiguousBackend(PagedBackend):
         return int(handle.buffer[1])
 
     def usage(self) -> tuple[float, int]:
-        reserved = self.cache.stats()["bytes_in_use"]
+        reserved = self.cache.stats().bytes_in_use
         return reserved / self.capacity_bytes, reserved // self.bytes_per_token
 
     def fragmentation(self) -> float:

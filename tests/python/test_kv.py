@@ -4,6 +4,7 @@ and every bad input (a clear error, nothing changed, the cache's check passing).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import gc
 import threading
@@ -27,9 +28,9 @@ def small(num_blocks: int = 16, block_tokens: int = 4, **kw) -> pykvalloc.KVCach
 
 
 def state(cache: pykvalloc.KVCache, *seqs: pykvalloc.Sequence) -> tuple:
-    stats = cache.stats()
-    for name in ("rejected_calls", "alloc_failures", "metadata_bytes"):
-        del stats[name]
+    # Everything but the counts of refusals and failures, and the bookkeeping's size.
+    stats = dataclasses.replace(cache.stats(), rejected_calls=0, alloc_failures=0,
+                                metadata_bytes=0)
     return stats, [np.array(s.block_table).tolist() for s in seqs]
 
 
@@ -51,15 +52,13 @@ def test_the_contract_of_the_issue() -> None:
     assert again.num_cached_tokens == 32
     assert np.array(again.block_table)[:2].tolist() == np.array(seq.block_table)[:2].tolist()
     stats = cache.stats()
-    for name in ("free_blocks", "used_blocks", "cached_blocks", "hit_tokens", "query_tokens",
-                 "evictions"):
-        assert name in stats
-    assert stats["hit_tokens"] == 32 and stats["query_tokens"] == 80
-    assert stats["used_blocks"] == 5 and stats["forks"] == 1
+    assert stats.hit_tokens == 32 and stats.query_tokens == 80
+    assert stats.used_blocks == 5 and stats.forks == 1
+    assert stats.hit_rate == 32 / 80 and stats.evictions == 0
     for s in (seq, child, again):
         s.free()
     stats = cache.stats()
-    assert stats["cached_blocks"] == 2 and stats["free_blocks"] == 62
+    assert stats.cached_blocks == 2 and stats.free_blocks == 62
     cache.check()
     cache.close()
 
@@ -138,28 +137,28 @@ def test_forgotten_sequences_are_freed() -> None:
     with small() as cache:
         cache.allocate(16)
         gc.collect()
-        assert cache.stats()["used_blocks"] == 0
+        assert cache.stats().used_blocks == 0
         with cache.allocate(4) as seq:
-            assert cache.stats()["used_blocks"] == 1
-        assert seq.freed and cache.stats()["used_blocks"] == 0
+            assert cache.stats().used_blocks == 1
+        assert seq.freed and cache.stats().used_blocks == 0
 
 
 def test_addresses_in_both_layouts_are_writable_and_disjoint() -> None:
     for layout in ("layers", "blocks"):
         with small(num_blocks=5, layout=layout) as cache:
             info = cache.info
-            assert info["layout"].name.lower() == layout
+            assert info.layout.name.lower() == layout
             seen = set()
             for block in range(5):
                 for layer in range(3):
                     for kind in ("K", "V"):
                         address = cache.block_address(block, layer, kind)
-                        expected = (info["base"] + block * info["block_stride"] +
-                                    layer * info["layer_stride"] + (kind == "V") * info["part_bytes"])
+                        expected = (info.base + block * info.block_stride +
+                                    layer * info.layer_stride + (kind == "V") * info.part_bytes)
                         assert address == expected
-                        ctypes.memset(address, 0xAB, info["part_bytes"])
-                        seen.update(range(address, address + info["part_bytes"]))
-            assert len(seen) == info["kv_bytes"] == 5 * cache.block_bytes
+                        ctypes.memset(address, 0xAB, info.part_bytes)
+                        seen.update(range(address, address + info.part_bytes))
+            assert len(seen) == info.kv_bytes == 5 * cache.block_bytes
 
 
 def test_copy_on_write_after_fork() -> None:
@@ -172,7 +171,7 @@ def test_copy_on_write_after_fork() -> None:
         assert copy == pykvalloc.CopyOnWrite(parent_table[1], child_table[1], 2)
         assert parent_table[0] == child_table[0]
         assert seq.append(1) is None  # the parent owns its block alone now
-        assert cache.stats()["cow_copies"] == 1
+        assert cache.stats().cow_copies == 1
 
 
 def test_prefix_keys_namespaces_priorities_pins_and_evict() -> None:
@@ -185,14 +184,14 @@ def test_prefix_keys_namespaces_priorities_pins_and_evict() -> None:
         pin = cache.pin(block_keys=[1, 2], namespace=1)
         assert pin.num_tokens == 8
         big = cache.allocate(16)  # 4 blocks: 2 free, then namespace 2's two cached blocks
-        assert cache.stats()["evictions"] == 2
+        assert cache.stats().evictions == 2
         big.free()
         assert cache.allocate(8, block_keys=[1, 2], namespace=1).num_cached_tokens == 8
         with pytest.raises(pykvalloc.InvalidArgument):
             pin.append(1)
         pin.unpin()
         gc.collect()
-        assert cache.evict() == 2 and cache.stats()["cached_blocks"] == 0
+        assert cache.evict() == 2 and cache.stats().cached_blocks == 0
         cache.check()
 
 
@@ -201,7 +200,7 @@ def test_contiguous_mode_moves_with_a_copy_descriptor() -> None:
         seq = cache.allocate(10)
         address, bucket = seq.buffer
         assert bucket == 64 and address
-        slot = cache.info["slot_bytes"]
+        slot = cache.info.slot_bytes
         for layer in range(3):
             for part in range(2):
                 ctypes.memset(address + (2 * layer + part) * bucket * slot, 1 + 2 * layer + part, 10 * slot)
@@ -223,7 +222,7 @@ def test_contiguous_mode_moves_with_a_copy_descriptor() -> None:
         with pytest.raises(pykvalloc.InvalidArgument):
             seq.append(2000)  # beyond max_context
         seq.free()
-        assert cache.stats()["moves"] == 1
+        assert cache.stats().moves == 1
         cache.check()
 
 
@@ -360,7 +359,7 @@ def test_bad_calls_change_nothing() -> None:
             gone.block_table
         with pytest.raises(TypeError):
             pykvalloc.Sequence()
-        assert cache.stats()["rejected_calls"] == 8  # the C-side refusals (the rest Python caught)
+        assert cache.stats().rejected_calls == 8  # the C-side refusals (the rest Python caught)
         seq.free()
         child.free()
         cache.check()
@@ -394,7 +393,7 @@ def test_threads_share_one_cache() -> None:
         for t in threads:
             t.join()
         assert not errors
-        assert cache.stats()["used_blocks"] == 0
+        assert cache.stats().used_blocks == 0
         cache.check()
 
 

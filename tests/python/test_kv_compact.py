@@ -25,9 +25,9 @@ def make(**kw) -> pykvalloc.KVCache:
 def kv_memory(cache: pykvalloc.KVCache) -> np.ndarray:
     """The KV memory as [layer][block][K|V bytes] u32 words (layers layout)."""
     info = cache.info
-    raw = (ctypes.c_uint8 * info["kv_bytes"]).from_address(info["base"])
+    raw = (ctypes.c_uint8 * info.kv_bytes).from_address(info.base)
     words = np.frombuffer(raw, dtype=np.uint32)
-    return words.reshape(info["layers"], info["num_blocks"], -1)
+    return words.reshape(info.layers, info.num_blocks, -1)
 
 
 def tags(memory: np.ndarray, seq: pykvalloc.Sequence) -> list[int]:
@@ -80,17 +80,17 @@ def test_compact_moves_data_to_the_low_ids(layout: str) -> None:
     memory = kv_memory(cache) if layout == "layers" else None
     if memory is None:  # the blocks layout: [block][layer][K|V]; the same view, axes swapped
         info = cache.info
-        raw = (ctypes.c_uint8 * info["kv_bytes"]).from_address(info["base"])
-        memory = np.frombuffer(raw, dtype=np.uint32).reshape(info["num_blocks"], info["layers"], -1)
+        raw = (ctypes.c_uint8 * info.kv_bytes).from_address(info.base)
+        memory = np.frombuffer(raw, dtype=np.uint32).reshape(info.num_blocks, info.layers, -1)
         memory = memory.transpose(1, 0, 2)
     memory[...] = 0
     live, freed_keys = fragmented(cache, memory)
     twin_live, _ = fragmented(twin, np.zeros_like(memory))
     before = {s.handle: tags(memory, s) for s in live}
     stats = cache.stats()
-    n = stats["used_blocks"] + stats["cached_blocks"]
+    n = stats.used_blocks + stats.cached_blocks
     high = sorted({b for s in live for b in np.array(s.block_table).tolist() if b >= n})
-    assert high and stats["cached_blocks"]
+    assert high and stats.cached_blocks
 
     moves = cache.compact()
     assert moves.dtype == np.uint32 and moves.shape[1] == 2 and len(moves) >= len(high)
@@ -103,8 +103,8 @@ def test_compact_moves_data_to_the_low_ids(layout: str) -> None:
 
     after = cache.stats()
     for name in ("free_blocks", "used_blocks", "cached_blocks", "registered_blocks"):
-        assert after[name] == stats[name], name
-    assert after["moves"] == len(moves) and after["moved_bytes"] == len(moves) * cache.block_bytes
+        assert getattr(after, name) == getattr(stats, name), name
+    assert after.moves == len(moves) and after.moved_bytes == len(moves) * cache.block_bytes
     for s in live:
         assert tags(memory, s) == before[s.handle]
         assert (np.array(s.block_table) < n).all()
@@ -122,7 +122,7 @@ def test_compact_moves_data_to_the_low_ids(layout: str) -> None:
         twin_live.append(b)
 
     # The free blocks are the top ids: new blocks come from n up, in order.
-    free = cache.stats()["free_blocks"]
+    free = cache.stats().free_blocks
     first_free = NUM_BLOCKS - free
     if free:
         tail = cache.allocate(free * BLOCK_TOKENS)
@@ -145,7 +145,7 @@ def test_a_live_view_refuses_compaction() -> None:
     before = view.tolist()
     with pytest.raises(pykvalloc.TableInUseError):
         cache.compact()
-    assert view.tolist() == before and cache.stats()["moves"] == 0
+    assert view.tolist() == before and cache.stats().moves == 0
     del view
     gc.collect()
     moves = cache.compact()
@@ -176,11 +176,11 @@ def test_trim_after_compaction_and_blocks_come_back() -> None:
         s.free()
     assert cache.trim() == 0  # the top blocks still hold data
     cache.compact()
-    assert cache.trim() == 32 and cache.stats()["trimmed_blocks"] == 32
-    assert cache.stats()["free_blocks"] == 0
+    assert cache.trim() == 32 and cache.stats().trimmed_blocks == 32
+    assert cache.stats().free_blocks == 0
     cache.check()
     more = [cache.allocate(8 * BLOCK_TOKENS) for _ in range(4)]  # the trimmed blocks again
-    assert cache.stats()["trimmed_blocks"] == 0 and cache.stats()["free_blocks"] == 0
+    assert cache.stats().trimmed_blocks == 0 and cache.stats().free_blocks == 0
     assert sorted(b for s in more for b in np.array(s.block_table).tolist()) == list(range(32, 64))
     cache.check()
     cache.close()

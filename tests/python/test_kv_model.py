@@ -132,7 +132,7 @@ def test_random_operations_match_the_model(seed: int, num_blocks: int) -> None:
             counts["compact"] += 1
 
         stats = cache.stats()
-        assert {name: stats[name] for name in STAT_NAMES} == model.stats(), f"operation {op}"
+        assert {name: getattr(stats, name) for name in STAT_NAMES} == model.stats(), f"operation {op}"
         if op % 500 == 0:
             for handle in live:
                 same_table(handle)
@@ -142,7 +142,7 @@ def test_random_operations_match_the_model(seed: int, num_blocks: int) -> None:
         same_table(handle)
         (seq.unpin if model.seqs[handle].pin else seq.free)()
         model.free_seq(handle)
-    assert {name: cache.stats()[name] for name in STAT_NAMES} == model.stats()
+    assert {name: getattr(cache.stats(), name) for name in STAT_NAMES} == model.stats()
     cache.check()
     # Every kind of operation happened, and often.
     assert min(counts.values()) > OPERATIONS // 2000, counts

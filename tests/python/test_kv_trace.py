@@ -65,11 +65,11 @@ def test_unlimited_capacity_hits_every_repeated_prefix() -> None:
         replay(cache, trace)
         stats = cache.stats()
         cache.check()
-    assert stats["evictions"] == 0
-    assert stats["hit_tokens"] == expected_hits_unlimited(trace)
-    assert stats["query_tokens"] == sum(n for n, _ in trace)
-    print(f"\nunlimited: {stats['hit_tokens']} of {stats['query_tokens']} prompt tokens hit "
-          f"({stats['hit_rate']:.1%}), {stats['cached_blocks']} blocks cached")
+    assert stats.evictions == 0
+    assert stats.hit_tokens == expected_hits_unlimited(trace)
+    assert stats.query_tokens == sum(n for n, _ in trace)
+    print(f"\nunlimited: {stats.hit_tokens} of {stats.query_tokens} prompt tokens hit "
+          f"({stats.hit_rate:.1%}), {stats.cached_blocks} blocks cached")
 
 
 @pytest.mark.parametrize("num_blocks", [1000, 10000])
@@ -85,8 +85,8 @@ def test_small_capacity_lru_hit_rate(num_blocks: int) -> None:
             model.free_seq(handle)
         stats = cache.stats()
         cache.check()
-    assert stats["hit_tokens"] == model.hit_tokens
-    assert stats["evictions"] == model.evictions > 0
-    assert stats["hit_tokens"] < expected_hits_unlimited(trace)
-    print(f"\n{num_blocks} blocks: LRU hit rate {stats['hit_rate']:.1%} "
-          f"({stats['hit_tokens']} of {stats['query_tokens']} tokens), {stats['evictions']} evictions")
+    assert stats.hit_tokens == model.hit_tokens
+    assert stats.evictions == model.evictions > 0
+    assert stats.hit_tokens < expected_hits_unlimited(trace)
+    print(f"\n{num_blocks} blocks: LRU hit rate {stats.hit_rate:.1%} "
+          f"({stats.hit_tokens} of {stats.query_tokens} tokens), {stats.evictions} evictions")

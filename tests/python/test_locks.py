@@ -35,7 +35,7 @@ def test_a_collection_holding_the_pool_lock_does_not_wait_on_the_cache() -> None
     gc.disable()
     try:
         _forget_in_a_cycle(cache, 40)
-        assert cache.stats()["used_blocks"] == 3
+        assert cache.stats().used_blocks == 3
         holds_cache = threading.Event()
 
         def cache_method() -> None:
@@ -64,7 +64,7 @@ def test_a_collection_holding_the_pool_lock_does_not_wait_on_the_cache() -> None
         gc.enable()
     # The free went to the reaper, which took the locks in order once they were free.
     assert _locks.drain_deferred()
-    assert cache.stats()["used_blocks"] == 0
+    assert cache.stats().used_blocks == 0
     cache.check()
     cache.close()
     pool.close()

@@ -37,7 +37,7 @@ def make_cache() -> pykvalloc.KVCache:
 def memory_of(owner: object) -> int:
     """An address of the owner's memory, mapped exactly as long as its C object lives."""
     if isinstance(owner, pykvalloc.KVCache):
-        return owner.info["base"]
+        return owner.info.base
     assert isinstance(owner, (pykvalloc.Pool, pykvalloc.VarPool))
     return owner.base
 

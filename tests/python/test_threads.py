@@ -103,18 +103,18 @@ def family_keys(family: int, n: int) -> list[int]:
     return [0x1000 * (family + 1) + i for i in range(n)]
 
 
-def assert_kv_balanced(cache: pykvalloc.KVCache, tally: dict[str, int]) -> dict[str, object]:
+def assert_kv_balanced(cache: pykvalloc.KVCache, tally: dict[str, int]) -> pykvalloc.KVStats:
     cache.check()
     st = cache.stats()
-    assert st["sequences"] == 0 and st["pins"] == 0
-    assert st["used_blocks"] == 0
-    assert st["free_blocks"] + st["cached_blocks"] == st["num_blocks"]
-    assert st["allocations"] == tally.get("allocations", 0)
-    assert st["frees"] == tally.get("frees", 0)
-    assert st["forks"] == tally.get("forks", 0)
-    assert st["appends"] == tally.get("appends", 0)
-    assert st["alloc_failures"] == tally.get("nomem", 0)
-    assert st["hit_tokens"] > 0  # the threads shared prefix blocks
+    assert st.sequences == 0 and st.pins == 0
+    assert st.used_blocks == 0
+    assert st.free_blocks + st.cached_blocks == st.num_blocks
+    assert st.allocations == tally.get("allocations", 0)
+    assert st.frees == tally.get("frees", 0)
+    assert st.forks == tally.get("forks", 0)
+    assert st.appends == tally.get("appends", 0)
+    assert st.alloc_failures == tally.get("nomem", 0)
+    assert st.hit_tokens > 0  # the threads shared prefix blocks
     return st
 
 
