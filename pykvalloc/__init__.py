@@ -30,6 +30,7 @@ from .errors import (
     SegmentError,
 )
 from .kvcache import (
+    DEFAULT_BLOCK_TOKENS,
     CopyOnWrite,
     KVCache,
     KVInfo,
@@ -66,6 +67,7 @@ __all__ = [
     "KVCache",
     "KVStats",
     "KVInfo",
+    "DEFAULT_BLOCK_TOKENS",
     "Sequence",
     "Pin",
     "CopyOnWrite",

@@ -68,7 +68,12 @@ from .pool import (
 )
 
 __all__ = ["KVCache", "KVStats", "KVInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
-           "KVMode", "TableInUseError", "dtype_bytes"]
+           "KVMode", "TableInUseError", "dtype_bytes", "DEFAULT_BLOCK_TOKENS"]
+
+#: Tokens per block when none is given: the default of the library's ``kva_kv_config_init``
+#: (test_kv checks that the two agree). A constant, so that importing the package never needs
+#: the library.
+DEFAULT_BLOCK_TOKENS = 16
 
 _U32_MAX = 0xFFFFFFFF
 _NO_BLOCK = _U32_MAX
@@ -302,7 +307,7 @@ class KVCache(HandleOwner):
 
     __slots__ = ("_lib", "_pool_lock", "_info", "_pool_handle")
 
-    def __init__(self, num_blocks: int | None = None, block_tokens: int = 16,
+    def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
                  dtype: object = "float16", *, capacity_bytes: int | None = None,
                  layout: str | KVLayout = "layers", mode: str | KVMode = "paged",

@@ -35,6 +35,7 @@ from ..replay.simulator import LONGEST_PACED_WAIT_S, ReplayConfig, ReplayResult,
 from ..replay.traces import Trace, load_trace
 from ..replay.workload import MAX_REQUESTS, default_workload
 from ..errors import InvalidArgument, KvallocError
+from ..kvcache import DEFAULT_BLOCK_TOKENS
 from ..sizes import format_size
 from .arguments import (COUNT_MAX, U32_MAX, help_text, kv_dtype, output_file, positive_int, positive_int32,
                         positive_number, positive_size, usage_error)
@@ -54,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=MODES, default="paged",
                         help="how the KV memory is managed (default: paged)")
     parser.add_argument("--block-tokens", type=positive_int32, default=None,
-                        help="tokens per KV block (paged, not --compare; default 16). Prefix caching keys "
+                        help=f"tokens per KV block (paged, not --compare; default {DEFAULT_BLOCK_TOKENS}). "
+                             "Prefix caching keys "
                              "blocks from the trace's 512-token hash ids, so it needs a size that divides 512 "
                              "or is a multiple of it; with any other, prefix caching is off and the hit rate "
                              "shows as -")
@@ -126,10 +128,11 @@ def capacity_tokens(kv_size: Optional[int], kv_tokens: Optional[int], geometry: 
 
 def base_config(args: argparse.Namespace) -> ReplayConfig:
     geometry = Geometry(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
-    # --compare's smallest block is 16 tokens, as is the paged default.
-    paged_block = 16 if args.compare else (args.block_tokens or 16) if args.mode == "paged" else None
+    # --compare's smallest block is the paged default.
+    paged_block = (DEFAULT_BLOCK_TOKENS if args.compare else (args.block_tokens or DEFAULT_BLOCK_TOKENS)
+                   if args.mode == "paged" else None)
     tokens = capacity_tokens(args.kv_size, args.kv_tokens, geometry, paged_block)
-    return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens or 16, capacity_tokens=tokens, geometry=geometry,
+    return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens or DEFAULT_BLOCK_TOKENS, capacity_tokens=tokens, geometry=geometry,
                         max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
                         prefix_caching=not args.no_prefix_caching, pool_name=args.name,
                         sample_every=16 if args.plot else 1 << 30)
@@ -139,7 +142,8 @@ def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
     base = base_config(args)
     if not args.compare:
         return [base]
-    out = [ReplayConfig(**{**base.__dict__, "mode": "paged", "block_tokens": b}) for b in (16, 32, 64, 128)]
+    out = [ReplayConfig(**{**base.__dict__, "mode": "paged", "block_tokens": b})
+           for b in (DEFAULT_BLOCK_TOKENS << doubling for doubling in range(4))]
     out.append(ReplayConfig(**{**base.__dict__, "mode": "contiguous"}))
     out.append(ReplayConfig(**{**base.__dict__, "mode": "malloc-glibc"}))
     if jemalloc_path():

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..errors import InvalidArgument
+from ..kvcache import DEFAULT_BLOCK_TOKENS
 from .backends import ContiguousBackend, Geometry, MallocBackend, PagedBackend, Timings, require_counts
 from .traces import MOONCAKE_BLOCK_TOKENS, Request, Trace
 
@@ -40,7 +41,7 @@ from .traces import MOONCAKE_BLOCK_TOKENS, Request, Trace
 @dataclass
 class ReplayConfig:
     mode: str = "paged"                 # paged | contiguous | malloc-glibc | malloc-jemalloc
-    block_tokens: int = 16
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
     capacity_tokens: int = 65536        # KV capacity in tokens (8 GiB for the default model)
     geometry: Geometry = field(default_factory=Geometry)
     max_batch_tokens: int = 8192        # token budget of one step

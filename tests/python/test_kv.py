@@ -14,6 +14,7 @@ import pytest
 from support import mapped
 
 import pykvalloc
+from pykvalloc import _ffi
 from pykvalloc.kvcache import dtype_bytes
 
 
@@ -247,6 +248,14 @@ def test_dtypes(dtype, size) -> None:
 def test_bad_configurations_are_refused(kwargs) -> None:
     with pytest.raises(pykvalloc.InvalidArgument):
         small(**kwargs)
+
+
+def test_the_default_block_size_is_the_library_s() -> None:
+    config = _ffi.KvaKvConfig()
+    _ffi.load().kva_kv_config_init(ctypes.byref(config))
+    assert pykvalloc.DEFAULT_BLOCK_TOKENS == config.block_tokens
+    with pykvalloc.KVCache(num_blocks=4, layers=1, kv_heads=1, head_dim=8, pages="small") as cache:
+        assert cache.block_tokens == pykvalloc.DEFAULT_BLOCK_TOKENS
 
 
 def test_hash_seed_takes_any_integer_type() -> None:
