@@ -15,10 +15,12 @@ must("cmake --install" ${CMAKE_COMMAND} --install ${BINARY_DIR} --prefix ${prefi
 
 set(consumer ${WORK_DIR}/consumer)
 file(MAKE_DIRECTORY ${consumer})
-# The consumer includes both public headers, and defines functions with the names of library
-# internals (kv_evict, kv_take): an engine's own names must never be linked into the library's
-# calls, nor clash with them, the static library included.
+# The consumer includes every public header (kvalloc_kv.h first, on its own, as an engine that
+# only uses the KV manager would), and defines functions with the names of library internals
+# (kv_evict, kv_take): an engine's own names must never be linked into the library's calls, nor
+# clash with them, the static library included.
 file(WRITE ${consumer}/main.c [=[
+#include <kvalloc_kv.h>
 #include <kvalloc.h>
 #include <kvalloc_stats.h>
 #include <stdint.h>
