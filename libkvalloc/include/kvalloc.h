@@ -516,7 +516,7 @@ typedef struct kva_var_stats {
  * TLSF the list of its largest size class. */
 KVA_API kva_status kva_var_get_stats(kva_var *var, kva_var_stats *out);
 
-/* Walks every invariant of the metadata (see varpool.h): KVA_OK or KVA_ERR_CORRUPT naming the
+/* Walks every invariant of the metadata (see var_pool.h): KVA_OK or KVA_ERR_CORRUPT naming the
  * first one broken. O(capacity / alignment); not for hot paths. */
 KVA_API kva_status kva_var_check(kva_var *var);
 

@@ -382,7 +382,7 @@ static kva_status checked_alloc(kva_pool *pool, size_t size, void **out,
         /* Nothing is handed out. The block is withheld as it is, so that what was written
          * stays for a debugger, kva_check keeps reporting it, and the stale pointer that
          * wrote it can never reach a live object; with no memory to list it, it is cleaned
-         * and freed instead, as it once always was. */
+         * and freed instead. */
         uint64_t at = (uint64_t)(start + bad - pool->base);
         if (!quarantine_add(pool, start)) {
             kva_poison(start, usable);

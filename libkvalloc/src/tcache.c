@@ -221,15 +221,12 @@ static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_r
     test_point(KVA_TC_POINT_PASSING);
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     test_point(KVA_TC_POINT_PASSED);
-    /* Passed on: accepted. An owner's free of the same object racing this one (a double free
-     * from two threads) is accepted too, and counted once, since a remote free counts where
-     * its bit is merged and a bit that finds its object free already is not (slab.h). This free
-     * once re-read the object's bit and, finding it free, took its own bit back from the remote
-     * word to refuse itself; but the bit found there need not be its own: the owner may have
-     * merged it, handed the object out again and another thread freed that next life in between,
-     * and the take-back then refused a valid free and lost the other one (a soak: 1 run in 10 of
-     * stress_threads ring; test_tcache places the steps). No test after the OR can tell the
-     * two apart: the remote word keeps no generation. */
+    /* Passed on: accepted. An owner's free racing this one is accepted too and counted once: a
+     * remote free counts where its bit is merged, and a bit that finds its object free is not
+     * (slab.h). Nothing after the OR re-checks: the owner may merge the bit, hand the object out
+     * again and another thread free that next life, and the remote word keeps no generation to
+     * tell those bits apart; taking 'our' bit back would refuse a valid free and lose another
+     * (test_tcache places the steps). */
     kva_bump(&tc->remote_frees);
     /* Given back meanwhile: nobody will merge the bit, so free it in the slab now. */
     if (__atomic_load_n(owner, __ATOMIC_SEQ_CST) == KVA_NO_OWNER) {

@@ -16,11 +16,10 @@
  * The limit is KVA_TC_BYTES of object span, between KVA_TC_MIN_WORDS and KVA_TC_WORDS words:
  * 32 words (2,048 objects, 128 KiB) of 64 B objects, 4 words from 512 B up (so above 512 B the
  * minimum decides: 4 words of at most 64 objects, as many as a slab holds, e.g. 256 KiB of
- * 1 KiB objects or 8 MiB of 64 KiB ones, what every class kept before the limit grew). A thread that frees
- * the class keeps its dry words, because they cost nothing (no free memory in them) and the
- * objects now live in them are the ones it frees next: a batch of up to the limit's objects then
- * cycles through owned words with no lock at all, as a batch within one mimalloc page (64 KiB of
- * small objects) does.
+ * 1 KiB objects or 8 MiB of 64 KiB ones). A thread that frees the class keeps its dry words,
+ * because they cost nothing (no free memory in them) and the objects now live in them are the
+ * ones it frees next: a batch of up to the limit's objects then cycles through owned words with
+ * no lock at all, as a batch within one mimalloc page (64 KiB of small objects) does.
  * The free memory a cache can hold is bounded by that limit per class it allocates from.
  *
  * The owned words are a cache kept out of band, like the offset arrays of tcmalloc's per-CPU
@@ -191,7 +190,7 @@ typedef struct kva_tc_totals {
 void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
 
 /* Frees of class c made so far by the totals, counted and pending: what statistics report (a
- * remote free counts from the moment it is made, as it did when it was counted there). */
+ * remote free counts from the moment it is made). */
 KVA_INLINE uint64_t kva_tc_frees_made(const kva_tc_totals *t, unsigned c) { return t->frees[c] + t->pending[c]; }
 
 /* Live objects of class c by the totals: allocations less frees, counted and pending. The
