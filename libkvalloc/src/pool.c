@@ -21,9 +21,7 @@
 void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
     kva_fork_untrack(pool);
-    kva_tc_pool_destroyed(pool);
-    free(pool->spare_cache);
-    free(pool->free_ids);
+    kva_tc_registry_fini(&pool->caches);
     free(pool->quarantine);
     kva_segment_close(pool->segment);
     kva_slabs_fini(&pool->slabs);
@@ -132,7 +130,7 @@ kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
         if (cfg->trace) pool->fast_limit = pool->fast_capacity = 0;
         kva_publish(pool, 1);
     }
-    pool->spare_cache = kva_tc_make_spare();
+    kva_tc_registry_init(&pool->caches, pool, &pool->slabs, pool->base);
     kva_fork_track(pool);
     *out = pool;
     return KVA_OK;
@@ -204,7 +202,7 @@ static kva_status reject(kva_pool *pool, kva_status status) {
 static void count_failure(kva_pool *pool) { __atomic_fetch_add(&pool->alloc_failures, 1, __ATOMIC_RELAXED); }
 
 static kva_tcache *this_thread_cache(kva_pool *pool) {
-    kva_tcache *tc = kva_tc_get(pool);
+    kva_tcache *tc = kva_tc_get(&pool->caches);
     if (!tc) kva_fail(KVA_ERR_NOMEM, "no host memory for this thread's cache of the pool");
     return tc;
 }
@@ -214,7 +212,7 @@ static kva_tcache *this_thread_cache(kva_pool *pool) {
  * Returns whether any slab went back. */
 static int reclaim_spares(kva_pool *pool) {
     kva_tcache *tc = kva_tc_find(pool);
-    if (tc) kva_tc_flush(pool, tc);
+    if (tc) kva_tc_flush(&pool->caches, tc);
     return kva_slab_trim(&pool->slabs) > 0;
 }
 
@@ -273,7 +271,7 @@ static kva_status alloc_object(kva_pool *pool, unsigned c, size_t size, void **o
     kva_tcache *tc = this_thread_cache(pool);
     if (!tc) return KVA_ERR_NOMEM;
     uint64_t offset;
-    if (kva_tc_alloc(pool, tc, c, &offset)) {
+    if (kva_tc_alloc(&pool->caches, tc, c, &offset)) {
         *out = pool->base + offset;
         return KVA_OK;
     }
@@ -454,7 +452,7 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
  * as a slow call for publishing (observe_tick), so that a thread that cycles through its own
  * words still publishes. Anything more (a word from an arena) goes the checked way. */
 static KVA_NOINLINE kva_status alloc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c, size_t size, void **out) {
-    if (kva_tc_next_word(pool, tc, c) && kva_tc_alloc_fast(tc, c, out)) {
+    if (kva_tc_next_word(&pool->caches, tc, c) && kva_tc_alloc_fast(tc, c, out)) {
         observe_tick(pool);
         return KVA_OK;
     }
@@ -547,12 +545,13 @@ static kva_status free_any(kva_pool *pool, void *ptr) {
         kva_tcache *tc = kva_tc_find(pool);
         kva_status st;
         if (tc) {
-            st = kva_tc_free(pool, tc, offset);
+            st = kva_tc_free(&pool->caches, tc, offset);
         } else {
             kva_object_ref ref;
             if (!kva_slab_locate(&pool->slabs, offset, &ref)) st = KVA_ERR_BAD_POINTER;
             else if (!kva_slab_is_live(&pool->slabs, &ref)) st = KVA_ERR_DOUBLE_FREE;
-            else st = (tc = kva_tc_get(pool)) ? kva_tc_free(pool, tc, offset) : kva_tc_free_uncached(pool, offset);
+            else if ((tc = kva_tc_get(&pool->caches))) st = kva_tc_free(&pool->caches, tc, offset);
+            else st = kva_tc_free_uncached(&pool->caches, offset);
         }
         if (st == KVA_ERR_DOUBLE_FREE) return reject(pool, kva_fail(st, "slab object %p is already free", ptr));
         if (st != KVA_OK) return reject(pool, classify_slab_interior(pool, ptr, offset));
@@ -607,7 +606,7 @@ KVA_HOT_ENTRY kva_status kva_free(kva_pool *pool, void *ptr) {
 kva_status kva_thread_flush(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     kva_tcache *tc = kva_tc_find(pool);
-    if (tc) kva_tc_flush(pool, tc);
+    if (tc) kva_tc_flush(&pool->caches, tc);
     return KVA_OK;
 }
 
@@ -649,7 +648,7 @@ static size_t usable_size(kva_pool *pool, const void *ptr) {
 kva_status kva_trim(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     kva_tcache *tc = kva_tc_find(pool);
-    if (tc) kva_tc_flush(pool, tc);
+    if (tc) kva_tc_flush(&pool->caches, tc);
     kva_slab_trim(&pool->slabs);
     pthread_mutex_lock(&pool->lock);
     kva_status st = kva_region_trim(&pool->region);

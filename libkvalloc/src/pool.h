@@ -20,6 +20,7 @@
 #include "region.h"
 #include "segment.h"
 #include "slab.h"
+#include "tcache.h"
 
 struct kva_pool {
     /* Read on every call: kept together at the front. */
@@ -59,21 +60,8 @@ struct kva_pool {
      * any other lock. */
     pthread_mutex_t publish_lock;
     kva_kv_publisher kv_publisher;   /* set by a KV cache built on this pool */
-    /* Thread caches (tcache.h), under the registry lock: the live ones, and the counters of
-     * those whose threads have exited. */
-    struct kva_tcache *tcaches;
-    /* (atomic) A cache made and faulted in at creation for the first thread that needs one, or
-     * NULL once taken (kva_tc_make_spare). */
-    struct kva_tcache *spare_cache;
-    uint32_t next_tc_id;
-    uint32_t ncaches;
-    uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
-    uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
-    uint64_t retired_remote_frees;
-    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache (a remote one counted here only if drained here) */
+    kva_tc_registry caches; /* the thread caches (tcache.h) */
     struct kva_pool *fork_prev, *fork_next; /* every live pool (fork.c) */
-    uint32_t *free_ids;      /* ids of exited threads' caches, for reuse (grown by doubling) */
-    uint32_t free_ids_count, free_ids_capacity;
     kva_config config; /* as created; config.name points at name below */
     char name[KVA_NAME_MAX + 1];
 };

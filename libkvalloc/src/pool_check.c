@@ -159,8 +159,9 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
     const kva_slabs *sl = &pool->slabs;
     uint64_t listed = 0;
     uint32_t caches = 0;
-    for (const kva_tcache *tc = pool->tcaches; tc; tc = tc->pool_next) {
-        if (++caches > pool->ncaches) return BROKEN("S6: the pool's list of thread caches is longer than its %u caches", pool->ncaches);
+    const kva_tc_registry *reg = &pool->caches;
+    for (const kva_tcache *tc = reg->caches; tc; tc = tc->pool_next) {
+        if (++caches > reg->ncaches) return BROKEN("S6: the pool's list of thread caches is longer than its %u caches", reg->ncaches);
         for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
             const kva_tc_class *k = &tc->cls[c];
             const kva_tc_hot *h = &tc->hot[c];
@@ -191,8 +192,8 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
                 return BROKEN("S6: thread cache %u's free window %u is not on a run of words it owns, as they are",
                               tc->id, i);
     }
-    if (caches != pool->ncaches)
-        return BROKEN("S6: the pool's list of thread caches holds %u of its %u caches", caches, pool->ncaches);
+    if (caches != reg->ncaches)
+        return BROKEN("S6: the pool's list of thread caches holds %u of its %u caches", caches, reg->ncaches);
     if (listed != owned_entries)
         return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,
                       (unsigned long long)listed);
@@ -342,7 +343,7 @@ static kva_status check_locked(kva_pool *pool) {
     kva_status st = check_buddy(&pool->buddy, &used_blocks);
     if (st != KVA_OK) return st;
     kva_tc_totals totals;
-    kva_tc_totals_locked(pool, &totals);
+    kva_tc_totals_locked(&pool->caches, &totals);
     st = check_slabs(pool, &totals);
     if (st != KVA_OK) return st;
     if (pool->checked) {

@@ -77,7 +77,7 @@ static void publish_classes(kva_pool *pool, kva_segment *seg) {
     kva_shm_class *out = (kva_shm_class *)(seg->classes + 1);
     const kva_slabs *sl = &pool->slabs;
     kva_tc_totals totals;
-    kva_tc_totals_locked(pool, &totals);
+    kva_tc_totals_locked(&pool->caches, &totals);
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         uint64_t slabs = 0;
         for (unsigned a = 0; a < sl->narenas; a++) slabs += sl->arenas[a].classes[c].slabs;

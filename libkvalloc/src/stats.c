@@ -44,7 +44,7 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     uint64_t retracted = __atomic_load_n(&pool->retracted_allocs, __ATOMIC_RELAXED);
     uint64_t allocs = pool->block_allocs, frees = pool->block_frees, live = allocs - frees;
     kva_tc_totals totals;
-    kva_tc_totals_locked(pool, &totals);
+    kva_tc_totals_locked(&pool->caches, &totals);
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         const kva_class_geometry *g = &sl->geom[c];
         uint64_t slabs = class_slabs(sl, c);
@@ -78,7 +78,7 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.page_kind = pool->region.page_kind;
     st.page_size = pool->region.page_size;
     if (sl->bitmaps_resident) bitmap_bytes = sl->bitmaps_bytes; /* faulted in at creation, all of them */
-    size_t caches = totals.caches + (__atomic_load_n(&pool->spare_cache, __ATOMIC_RELAXED) != NULL);
+    size_t caches = totals.caches + (__atomic_load_n(&pool->caches.spare, __ATOMIC_RELAXED) != NULL);
     st.metadata_bytes = sizeof *pool + buddy->pages_bytes + sl->slabs_bytes + bitmap_bytes +
                         (size_t)sl->narenas * sizeof(kva_arena) + caches * sizeof(kva_tcache);
     st.numa_node = pool->region.numa_node;
@@ -96,7 +96,7 @@ kva_status kva_get_class_stats(kva_pool *pool, unsigned index, kva_class_stats *
         return kva_fail(KVA_ERR_INVALID, "size class %u out of range (0..%d)", index, KVA_NUM_SIZE_CLASSES - 1);
     kva_pool_lock_all(pool);
     kva_tc_totals totals;
-    kva_tc_totals_locked(pool, &totals);
+    kva_tc_totals_locked(&pool->caches, &totals);
     const kva_class_geometry *g = &pool->slabs.geom[index];
     *out = (kva_class_stats){.object_size = g->size,
                              .objects_per_slab = g->nobj,

@@ -1,44 +1,12 @@
 /*
- * tcache.c — thread caches: lookup and lifetime, refills from the arenas, the complete free
- * (own words, words nobody owns, remote frees), flushing. See tcache.h and slab.h.
+ * tcache.c — thread caches' words: allocation and refills from the arenas, the complete free
+ * (own words, words nobody owns, remote frees), flushing, the free windows. See tcache.h and
+ * slab.h; the caches' lifetime is tcache_registry.c's.
  */
-#include <stdlib.h>
-
-#include "os.h"
-#include "pool.h"
 #include "tcache.h"
 
 /* Every cache's current word before it has one, and after it is dropped: never written. */
 static uint64_t no_word;
-const char kva_tc_nowhere;
-static kva_tcache dummy = {.pool = KVA_TC_NO_POOL}; /* matches no pool */
-
-__thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exec"))) = &dummy;
-static __thread kva_tcache *thread_caches; /* every cache of this thread, dead ones included */
-
-static pthread_mutex_t registry = PTHREAD_MUTEX_INITIALIZER;
-static pthread_key_t exit_key;
-static int exit_key_made;
-
-void kva_tc_registry_lock(void) { pthread_mutex_lock(&registry); }
-void kva_tc_registry_unlock(void) { pthread_mutex_unlock(&registry); }
-
-static kva_pool *pool_of(const kva_tcache *tc) { return __atomic_load_n(&tc->pool, __ATOMIC_ACQUIRE); }
-
-/* ---- the test hook ------------------------------------------------------------------------- */
-
-static void (*test_fn)(int point, void *ctx);
-static void *test_ctx;
-
-void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx) {
-    __atomic_store_n(&test_ctx, ctx, __ATOMIC_SEQ_CST);
-    __atomic_store_n(&test_fn, fn, __ATOMIC_SEQ_CST);
-}
-
-static void test_point(int point) {
-    void (*fn)(int, void *) = __atomic_load_n(&test_fn, __ATOMIC_ACQUIRE);
-    if (kva_unlikely(fn != NULL)) fn(point, __atomic_load_n(&test_ctx, __ATOMIC_ACQUIRE));
-}
 
 /* ---- the owned words of a class ------------------------------------------------------------ */
 
@@ -48,13 +16,13 @@ static uint64_t *word_remote(const kva_slabs *sl, uint32_t s, uint32_t w) {
     return kva_slab_remote_fast(&sl->slabs[s]) + w;
 }
 
-static void set_current(kva_pool *pool, kva_tcache *tc, unsigned c, uint32_t i) {
-    const kva_slabs *sl = &pool->slabs;
+static void set_current(kva_tc_registry *reg, kva_tcache *tc, unsigned c, uint32_t i) {
+    const kva_slabs *sl = reg->slabs;
     kva_tc_class *k = &tc->cls[c];
     kva_tc_hot *h = &tc->hot[c];
     uint32_t s = k->slab[i], w = k->word[i];
     kva_store(&k->cur, i);
-    h->addr = pool->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * h->size;
+    h->addr = reg->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * h->size;
     h->l0 = word_l0(sl, s, w);
     h->remote = word_remote(sl, s, w);
 }
@@ -139,8 +107,8 @@ void kva_tc_close_windows(kva_tcache *tc) {
 
 /* ---- allocation ---------------------------------------------------------------------------- */
 
-static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, int may_grow) {
-    kva_slabs *sl = &pool->slabs;
+static int claim_from(kva_tc_registry *reg, kva_tcache *tc, unsigned c, unsigned a, int may_grow) {
+    kva_slabs *sl = reg->slabs;
     uint32_t s, w;
     pthread_mutex_lock(&sl->arenas[a].lock);
     int ok = kva_slab_claim(sl, a, c, tc->id, may_grow, &s, &w, &tc->merged[c]);
@@ -148,19 +116,19 @@ static int claim_from(kva_pool *pool, kva_tcache *tc, unsigned c, unsigned a, in
     if (!ok) return 0;
     kva_tc_class *k = &tc->cls[c];
     add_owned(k, s, w);
-    set_current(pool, tc, c, k->nowned - 1);
+    set_current(reg, tc, c, k->nowned - 1);
     return 1;
 }
 
-int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
-    kva_slabs *sl = &pool->slabs;
+int kva_tc_next_word(kva_tc_registry *reg, kva_tcache *tc, unsigned c) {
+    kva_slabs *sl = reg->slabs;
     kva_tc_class *k = &tc->cls[c];
     uint32_t n = k->nowned, i = k->cur == KVA_NIL ? 0 : k->cur + 1;
     for (uint32_t j = 0; j < n; j++, i++) {
         if (i == n) i = 0;
         uint32_t s = k->slab[i], w = k->word[i];
         if (kva_slab_merge_remote(word_l0(sl, s, w), word_remote(sl, s, w), &tc->merged[c])) {
-            set_current(pool, tc, c, i);
+            set_current(reg, tc, c, i);
             return 1;
         }
     }
@@ -172,10 +140,10 @@ int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c) {
  * the arena of this CPU, growing a slab there, with dry words given back first (below); then
  * from any other arena's slabs; then, with every arena's spare slabs and this thread's other
  * cached words back in the buddy, a new slab once more. */
-static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
-    kva_slabs *sl = &pool->slabs;
+static int refill(kva_tc_registry *reg, kva_tcache *tc, unsigned c) {
+    kva_slabs *sl = reg->slabs;
     kva_tc_class *k = &tc->cls[c];
-    if (kva_tc_next_word(pool, tc, c)) return 1;
+    if (kva_tc_next_word(reg, tc, c)) return 1;
     /* Every owned word is dry. A thread that has freed objects of the class since the last
      * time keeps them (up to its limit, the oldest going first), since the objects now live in
      * them are the ones it frees next. One that has not (a producer whose objects other threads
@@ -191,36 +159,35 @@ static int refill(kva_pool *pool, kva_tcache *tc, unsigned c) {
     }
     unsigned a = kva_cpu_current() % sl->narenas;
     kva_cpu_after_read();
-    if (claim_from(pool, tc, c, a, 1)) return 1;
+    if (claim_from(reg, tc, c, a, 1)) return 1;
     for (unsigned i = 1; i < sl->narenas; i++)
-        if (claim_from(pool, tc, c, (a + i) % sl->narenas, 0)) return 1;
-    kva_tc_flush(pool, tc);
+        if (claim_from(reg, tc, c, (a + i) % sl->narenas, 0)) return 1;
+    kva_tc_flush(reg, tc);
     kva_slab_trim(sl);
-    return claim_from(pool, tc, c, a, 1);
+    return claim_from(reg, tc, c, a, 1);
 }
 
-int kva_tc_alloc(kva_pool *pool, kva_tcache *tc, unsigned c, uint64_t *offset) {
+int kva_tc_alloc(kva_tc_registry *reg, kva_tcache *tc, unsigned c, uint64_t *offset) {
     void *out;
     while (!kva_tc_alloc_fast(tc, c, &out))
-        if (!refill(pool, tc, c)) return 0;
-    *offset = (uint64_t)((unsigned char *)out - pool->base);
+        if (!refill(reg, tc, c)) return 0;
+    *offset = (uint64_t)((unsigned char *)out - reg->base);
     return 1;
 }
 
 /* ---- free ---------------------------------------------------------------------------------- */
 
 /* A free into a word another cache owns: the object's remote bit, for the owner to merge. */
-static kva_status remote_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *ref) {
-    kva_slabs *sl = &pool->slabs;
+static kva_status remote_free(kva_slabs *sl, kva_tcache *tc, const kva_object_ref *ref) {
     /* Everything read before the OR: once the object is passed on, its slab may be emptied and
      * made anew (see kva_slab_drain_remote). */
     uint64_t *remote = kva_ref_remote(sl, ref);
     uint32_t *owner = kva_ref_owner(sl, ref);
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
     if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
-    test_point(KVA_TC_POINT_PASSING);
+    kva_tc_test_point(KVA_TC_POINT_PASSING);
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
-    test_point(KVA_TC_POINT_PASSED);
+    kva_tc_test_point(KVA_TC_POINT_PASSED);
     /* Passed on: accepted. An owner's free racing this one is accepted too and counted once: a
      * remote free counts where its bit is merged, and a bit that finds its object free is not
      * (slab.h). Nothing after the OR re-checks: the owner may merge the bit, hand the object out
@@ -256,8 +223,7 @@ static uint32_t oldest_spare(const kva_tc_class *k, uint32_t skip) {
  * then the words beyond the cache's bound go back, the oldest first: under the same lock when
  * they belong to the same arena, after it otherwise. Returns KVA_ERR_BAD_POINTER (never) or
  * KVA_ERR_DOUBLE_FREE, or -1 when the word has an owner after all (the caller starts over). */
-static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *ref) {
-    kva_slabs *sl = &pool->slabs;
+static int claim_and_free(kva_slabs *sl, kva_tcache *tc, const kva_object_ref *ref) {
     kva_tc_class *k = &tc->cls[ref->cls];
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
     kva_arena *arena = &sl->arenas[a];
@@ -270,7 +236,7 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
         pthread_mutex_unlock(&arena->lock);
         return KVA_ERR_DOUBLE_FREE;
     }
-    test_point(KVA_TC_POINT_CLAIMING);
+    kva_tc_test_point(KVA_TC_POINT_CLAIMING);
     unsigned merged = kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
     add_owned(k, ref->slab, ref->word);
     kva_bump_release(&tc->frees[ref->cls]);
@@ -290,8 +256,8 @@ static int claim_and_free(kva_pool *pool, kva_tcache *tc, const kva_object_ref *
     return KVA_OK;
 }
 
-kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
-    kva_slabs *sl = &pool->slabs;
+kva_status kva_tc_free(kva_tc_registry *reg, kva_tcache *tc, uint64_t offset) {
+    kva_slabs *sl = reg->slabs;
     kva_object_ref ref;
     if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
     for (;;) {
@@ -304,21 +270,21 @@ kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset) {
             kva_bump_release(&tc->frees[ref.cls]);
             return KVA_OK;
         }
-        if (owner != KVA_NO_OWNER) return remote_free(pool, tc, &ref);
+        if (owner != KVA_NO_OWNER) return remote_free(sl, tc, &ref);
         if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
-        int st = claim_and_free(pool, tc, &ref);
+        int st = claim_and_free(sl, tc, &ref);
         if (st >= 0) return (kva_status)st;
     }
 }
 
-kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
-    kva_slabs *sl = &pool->slabs;
+kva_status kva_tc_free_uncached(kva_tc_registry *reg, uint64_t offset) {
+    kva_slabs *sl = reg->slabs;
     kva_object_ref ref;
     if (!kva_slab_locate(sl, offset, &ref)) return KVA_ERR_BAD_POINTER;
     for (;;) {
         if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
         if (kva_slab_owner_of(sl, &ref) != KVA_NO_OWNER) {
-            /* As a remote free, counted in the pool's own counters for want of a cache. */
+            /* As a remote free, counted in the registry's own counters for want of a cache. */
             uint64_t *remote = kva_ref_remote(sl, &ref);
             uint32_t *owner = kva_ref_owner(sl, &ref);
             unsigned a = kva_load(&sl->slabs[ref.slab].arena);
@@ -328,7 +294,7 @@ kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
                 pthread_mutex_lock(&sl->arenas[a].lock);
                 unsigned dc = ref.cls, merged = kva_slab_drain_remote(sl, a, ref.slab, ref.word, &dc);
                 pthread_mutex_unlock(&sl->arenas[a].lock);
-                if (merged) __atomic_fetch_add(&pool->uncached_frees[dc], merged, __ATOMIC_RELEASE);
+                if (merged) __atomic_fetch_add(&reg->uncached_frees[dc], merged, __ATOMIC_RELEASE);
             }
             return KVA_OK;
         }
@@ -339,15 +305,15 @@ kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset) {
         pthread_mutex_unlock(&arena->lock);
         if (!live) return KVA_ERR_DOUBLE_FREE;
         if (freed) {
-            __atomic_fetch_add(&pool->uncached_frees[ref.cls], 1, __ATOMIC_RELEASE);
+            __atomic_fetch_add(&reg->uncached_frees[ref.cls], 1, __ATOMIC_RELEASE);
             return KVA_OK;
         }
         /* Claimed meanwhile: the remote way, next time round. */
     }
 }
 
-void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
-    kva_slabs *sl = &pool->slabs;
+void kva_tc_flush(kva_tc_registry *reg, kva_tcache *tc) {
+    kva_slabs *sl = reg->slabs;
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_tc_class *k = &tc->cls[c];
         while (k->nowned) {
@@ -358,195 +324,12 @@ void kva_tc_flush(kva_pool *pool, kva_tcache *tc) {
     }
 }
 
-/* ---- lifetime ------------------------------------------------------------------------------ */
-
-/* Folds a live cache's counters into its pool and unlinks it (registry lock held). */
-static void retire(kva_pool *pool, kva_tcache *tc) {
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-        pool->retired_allocs[c] += tc->hot[c].allocs;
-        pool->retired_frees[c] += tc->frees[c] + tc->merged[c];
-    }
-    pool->retired_remote_frees += tc->remote_frees;
-    /* Its words are all given back: the id is free for the next cache (ids are never reused
-     * while a cache holds them, and never wrap into KVA_NO_OWNER). */
-    if (pool->free_ids_count == pool->free_ids_capacity) {
-        uint32_t capacity = pool->free_ids_capacity ? 2 * pool->free_ids_capacity : 64;
-        uint32_t *grown = realloc(pool->free_ids, capacity * sizeof *grown);
-        if (grown) {
-            pool->free_ids = grown;
-            pool->free_ids_capacity = capacity;
-        }
-    }
-    if (pool->free_ids_count < pool->free_ids_capacity) pool->free_ids[pool->free_ids_count++] = tc->id;
-    if (tc->pool_prev) tc->pool_prev->pool_next = tc->pool_next;
-    else pool->tcaches = tc->pool_next;
-    if (tc->pool_next) tc->pool_next->pool_prev = tc->pool_prev;
-    pool->ncaches--;
-    __atomic_store_n(&tc->pool, KVA_TC_NO_POOL, __ATOMIC_RELEASE);
-}
-
-/* The thread is exiting: every cache gives its words back and goes. */
-static void thread_exit(void *unused) {
-    (void)unused;
-    kva_tcache *tc = thread_caches;
-    thread_caches = NULL;
-    kva_tc_current = &dummy;
-    while (tc) {
-        kva_tcache *next = tc->thread_next;
-        pthread_mutex_lock(&registry);
-        kva_pool *pool = pool_of(tc);
-        if (pool != KVA_TC_NO_POOL) {
-            kva_tc_flush(pool, tc);
-            retire(pool, tc);
-        }
-        pthread_mutex_unlock(&registry);
-        free(tc);
-        tc = next;
-    }
-}
-
-/* At load time rather than with pthread_once on a first call: the once costs a futex wake
- * inside the first call of the process. */
-__attribute__((constructor)) static void make_key(void) { exit_key_made = pthread_key_create(&exit_key, thread_exit) == 0; }
-
-kva_tcache *kva_tc_find(kva_pool *pool) {
-    if (pool_of(kva_tc_current) == pool) return kva_tc_current;
-    for (kva_tcache **at = &thread_caches; *at;) {
-        kva_tcache *tc = *at;
-        kva_pool *owner = pool_of(tc);
-        if (owner == KVA_TC_NO_POOL) { /* its pool is gone */
-            *at = tc->thread_next;
-            if (kva_tc_current == tc) kva_tc_current = &dummy;
-            free(tc);
-            continue;
-        }
-        if (owner == pool) return kva_tc_current = tc;
-        at = &tc->thread_next;
-    }
-    return NULL;
-}
-
-kva_tcache *kva_tc_make_spare(void) {
-    kva_tcache *tc = calloc(1, sizeof *tc);
-    if (!tc) return NULL;
-    /* calloc leaves memory fresh from the kernel untouched: a store in each page the record
-     * spans faults it in now (volatile: not dropped as a store of the zero calloc promised). */
-    volatile unsigned char *bytes = (volatile unsigned char *)tc;
-    size_t page = kva_os_page_size();
-    for (size_t off = 0; off < sizeof *tc; off += page) bytes[off] = 0;
-    bytes[sizeof *tc - 1] = 0;
-    return tc;
-}
-
-kva_tcache *kva_tc_get(kva_pool *pool) {
-    kva_tcache *tc = kva_tc_find(pool);
-    if (tc || !exit_key_made) return tc;
-    tc = __atomic_exchange_n(&pool->spare_cache, NULL, __ATOMIC_ACQ_REL);
-    if (!tc) tc = calloc(1, sizeof *tc);
-    if (!tc) return NULL;
-    /* Any non-NULL value makes the exit run thread_exit, which walks all the thread's caches:
-     * a constant, so that no later failure here has anything to undo (a NULL set on one would
-     * have cancelled the exit of the thread's other caches). */
-    if (pthread_setspecific(exit_key, &dummy) != 0) {
-        free(tc);
-        return NULL;
-    }
+void kva_tc_init_classes(kva_tcache *tc, const kva_slabs *sl) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         kva_tc_class *k = &tc->cls[c];
-        tc->hot[c].size = pool->slabs.geom[c].size;
+        tc->hot[c].size = sl->geom[c].size;
         uint64_t span = 64 * tc->hot[c].size, words = span ? KVA_TC_BYTES / span : KVA_TC_MIN_WORDS;
         k->limit = (uint32_t)(words < KVA_TC_MIN_WORDS ? KVA_TC_MIN_WORDS : words > KVA_TC_WORDS ? KVA_TC_WORDS : words);
         no_current(tc, c);
     }
-    pthread_mutex_lock(&registry);
-    if (pool->free_ids_count > 0) {
-        tc->id = pool->free_ids[--pool->free_ids_count];
-    } else if (pool->next_tc_id < UINT32_MAX) {
-        tc->id = ++pool->next_tc_id;
-    } else {
-        /* 2^32 - 1 ids handed out and none free for reuse: refuse a new cache rather than
-         * hand out an id in use (the thread then frees without one, and allocation says
-         * KVA_ERR_NOMEM). */
-        pthread_mutex_unlock(&registry);
-        free(tc);
-        return NULL;
-    }
-    tc->pool_next = pool->tcaches;
-    if (pool->tcaches) pool->tcaches->pool_prev = tc;
-    pool->tcaches = tc;
-    pool->ncaches++;
-    __atomic_store_n(&tc->pool, pool, __ATOMIC_RELEASE);
-    pthread_mutex_unlock(&registry);
-    tc->thread_next = thread_caches;
-    thread_caches = tc;
-    return kva_tc_current = tc;
-}
-
-void kva_tc_pool_destroyed(kva_pool *pool) {
-    pthread_mutex_lock(&registry);
-    /* Each cache's successor is read before the cache is marked: once marked, its thread may
-     * free it at any moment (kva_tc_find, which takes no lock). */
-    for (kva_tcache *tc = pool->tcaches, *next; tc; tc = next) {
-        next = tc->pool_next;
-        __atomic_store_n(&tc->pool, KVA_TC_NO_POOL, __ATOMIC_RELEASE);
-        test_point(KVA_TC_POINT_MARKED);
-    }
-    pool->tcaches = NULL;
-    pool->ncaches = 0;
-    pthread_mutex_unlock(&registry);
-}
-
-void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out) {
-    const kva_slabs *sl = &pool->slabs;
-    *out = (kva_tc_totals){0};
-    /* Three passes: the free counts, the remote frees waiting in owned words, then the
-     * allocation counts. An object's free is seen after its allocation, often by another
-     * thread whose cache may come first in the list, so read the other way round (or cache by
-     * cache) the frees of objects handed between threads could outrun their allocations and
-     * live counts wrap below zero. The free counts and remote words are read with acquire,
-     * pairing with the release that counts or passes each free: what a thread did before it,
-     * such as taking the object from its allocating thread, is seen by the reads that follow.
-     * Retired counts do not move: the registry lock is held. */
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-        out->frees[c] = pool->retired_frees[c] + __atomic_load_n(&pool->uncached_frees[c], __ATOMIC_ACQUIRE);
-    out->remote_frees = pool->retired_remote_frees;
-    /* Every walk stops at the pool's count of caches: kva_check reads these totals before it
-     * has checked the list, which must not make it loop. */
-    uint32_t n = 0;
-    for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++) {
-        out->remote_frees += kva_load(&tc->remote_frees);
-        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++)
-            out->frees[c] += __atomic_load_n(&tc->frees[c], __ATOMIC_ACQUIRE) +
-                             __atomic_load_n(&tc->merged[c], __ATOMIC_ACQUIRE);
-        test_point(KVA_TC_POINT_COUNTED);
-    }
-    const kva_tcache *mine = NULL;
-    for (const kva_tcache *tc = thread_caches; tc && !mine; tc = tc->thread_next)
-        if (pool_of(tc) == pool) mine = tc;
-    n = 0;
-    for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++) {
-        out->caches++;
-        if (tc != mine) out->foreign_caches++;
-        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
-            const kva_tc_class *k = &tc->cls[c];
-            /* Another thread may change its set meanwhile: bounded reads, an estimate. The
-             * word's place comes from the class's geometry, not from the slab descriptor's
-             * copies, which kva_check has not verified yet when it asks. */
-            const kva_class_geometry *g = &sl->geom[c];
-            uint32_t owned = kva_load(&k->nowned);
-            for (uint32_t i = 0; i < owned && i < KVA_TC_WORDS; i++) {
-                uint32_t s = kva_load(&k->slab[i]), w = kva_load(&k->word[i]);
-                if (s >= sl->nchunks || __atomic_load_n(&sl->slabs[s].cls, __ATOMIC_ACQUIRE) != c || w >= g->l0_words)
-                    continue;
-                const uint64_t *l0 = kva_slab_bitmap(sl, s) + g->l1_words + w;
-                uint64_t remote = __atomic_load_n(l0 + g->l0_words, __ATOMIC_ACQUIRE), bits = kva_load(l0);
-                out->pending[c] += kva_slab_newly_freed(remote, bits);
-                out->cached[c] += (uint64_t)__builtin_popcountll(bits | remote);
-            }
-        }
-    }
-    for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) out->allocs[c] = pool->retired_allocs[c];
-    n = 0;
-    for (const kva_tcache *tc = pool->tcaches; tc && n < pool->ncaches; tc = tc->pool_next, n++)
-        for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) out->allocs[c] += kva_load(&tc->hot[c].allocs);
 }

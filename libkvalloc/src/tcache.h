@@ -27,10 +27,14 @@
  * free into a cache is caught exactly on the fast path, with no scan and no atomic operation.
  *
  * Lifetime: a cache is made by the thread's first call on the pool and lives in the thread's
- * list and the pool's list (under the registry lock). The thread's exit gives its words back and
- * folds its counters into the pool (a pthread key destructor); a pool's destruction marks its
- * caches dead (pool KVA_TC_NO_POOL) and each thread frees its dead caches on its next lookup or
- * at exit.
+ * list and its pool's registry (under the registry lock). The thread's exit gives its words back
+ * and folds its counters into the registry (a pthread key destructor); a pool's destruction marks
+ * its caches dead (pool KVA_TC_NO_POOL) and each thread frees its dead caches on its next lookup
+ * or at exit.
+ *
+ * Files: tcache.c the words (allocation, refills, the complete free, flushing, windows);
+ * tcache_registry.c the registry and the caches' lifetime (lookup, creation, thread exit, the
+ * totals).
  */
 #ifndef KVA_TCACHE_H
 #define KVA_TCACHE_H
@@ -93,6 +97,8 @@ typedef struct kva_tc_window {
 
 _Static_assert(sizeof(kva_tc_window) == 64, "a window is one cache line");
 
+struct kva_tc_registry;
+
 typedef struct kva_tcache {
     kva_pool *pool;           /* (atomic) KVA_TC_NO_POOL once the pool is destroyed */
     uint32_t id;              /* the owner id its words carry, unique in the pool */
@@ -108,7 +114,29 @@ typedef struct kva_tcache {
     uint64_t remote_frees;    /* remote frees this thread made (passed on; counted as frees where merged) */
     struct kva_tcache *thread_next;           /* the thread's caches */
     struct kva_tcache *pool_prev, *pool_next; /* the pool's caches (registry lock) */
+    struct kva_tc_registry *registry;         /* its pool's, while the pool lives */
 } kva_tcache;
+
+/* A pool's thread caches (the pool holds one, pool.h): the live caches, what those whose threads
+ * have exited counted, and the ids free for reuse. Under the registry lock, one for every pool
+ * (kva_tc_registry_lock), but for what says atomic. */
+typedef struct kva_tc_registry {
+    kva_pool *pool;           /* the pool: what its caches' pool field says while they live */
+    kva_slabs *slabs;         /* the pool's slabs */
+    unsigned char *base;      /* the pool's base address: offsets from it are the slabs' */
+    kva_tcache *caches;       /* the live ones, linked by pool_prev and pool_next */
+    uint32_t ncaches;
+    uint32_t next_id;         /* the last id handed out fresh */
+    /* (atomic) A cache made and faulted in at creation for the first thread that needs one, or
+     * NULL once taken (kva_tc_make_spare). */
+    kva_tcache *spare;
+    uint32_t *free_ids;       /* ids of exited threads' caches, for reuse (grown by doubling) */
+    uint32_t free_ids_count, free_ids_capacity;
+    uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
+    uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
+    uint64_t retired_remote_frees;
+    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache (a remote one counted here only if drained here) */
+} kva_tc_registry;
 
 /* The pool of a cache that has none (the dummy) or whose pool is gone: an address no pool has
  * and that is not NULL, so the fast paths' one compare of tc->pool with the caller's pool also
@@ -123,40 +151,45 @@ extern __thread kva_tcache *kva_tc_current __attribute__((tls_model("initial-exe
 /* The always-zero word a class with no current word allocates from (its l0 and remote). */
 uint64_t *kva_tc_no_word(void);
 
-/* This thread's cache for pool, made on first use; NULL if there is no host memory for one. */
-kva_tcache *kva_tc_get(kva_pool *pool);
-/* The same without making one: NULL if this thread has none. */
-kva_tcache *kva_tc_find(kva_pool *pool);
+/* Sets up the registry of a new pool (zeroed before): its pool, slabs and base, and a spare
+ * cache record, its pages faulted in, for the first thread to call kva_tc_get: made out of the
+ * process heap, a cache's first touch of fresh heap pages would otherwise be page faults in that
+ * thread's first call. Without host memory for the spare, that thread makes its own. */
+void kva_tc_registry_init(kva_tc_registry *reg, kva_pool *pool, kva_slabs *slabs, unsigned char *base);
 
-/* A zeroed cache record, its pages faulted in, that pool creation keeps for the first thread to
- * call kva_tc_get (pool.h, spare_cache): made out of the process heap, a cache's first touch of
- * fresh heap pages would otherwise be page faults in that thread's first call. NULL if there is
- * no host memory for it (that thread then makes its own). */
-kva_tcache *kva_tc_make_spare(void);
+/* The pool is going away: its caches are marked dead (their threads free them) and what the
+ * registry holds is freed. */
+void kva_tc_registry_fini(kva_tc_registry *reg);
+
+/* This thread's cache for the registry's pool, made on first use; NULL if there is no host
+ * memory for one. */
+kva_tcache *kva_tc_get(kva_tc_registry *reg);
+/* This thread's cache for pool without making one: NULL if this thread has none. */
+kva_tcache *kva_tc_find(const kva_pool *pool);
 
 /* Makes the next owned word of class c after the current one (round the ring) that has a free
  * object, remote frees merged in, the current word: 1; 0 when every owned word is dry. No lock:
  * the first step of a refill, which the allocation fast path takes on its own. */
-int kva_tc_next_word(kva_pool *pool, kva_tcache *tc, unsigned c);
+int kva_tc_next_word(kva_tc_registry *reg, kva_tcache *tc, unsigned c);
 
 /* An object of class c at *offset: from the current word, else after a refill. 0 when no slab
  * anywhere in the pool has a free object of the class and no new slab can be made. */
-int kva_tc_alloc(kva_pool *pool, kva_tcache *tc, unsigned c, uint64_t *offset);
+int kva_tc_alloc(kva_tc_registry *reg, kva_tcache *tc, unsigned c, uint64_t *offset);
 
 /* The complete free of the object at pool offset `offset` in a slab chunk: KVA_OK,
  * KVA_ERR_BAD_POINTER (not an object's start) or KVA_ERR_DOUBLE_FREE, which change nothing. */
-kva_status kva_tc_free(kva_pool *pool, kva_tcache *tc, uint64_t offset);
+kva_status kva_tc_free(kva_tc_registry *reg, kva_tcache *tc, uint64_t offset);
 
 /* The free of a thread that has no cache of the pool and cannot get one (no host memory):
  * validated as kva_tc_free, then freed into the word under its arena lock, or passed to the
  * word's owner. KVA_OK, KVA_ERR_BAD_POINTER or KVA_ERR_DOUBLE_FREE. */
-kva_status kva_tc_free_uncached(kva_pool *pool, uint64_t offset);
+kva_status kva_tc_free_uncached(kva_tc_registry *reg, uint64_t offset);
 
 /* Gives every word of the cache back to its arena. */
-void kva_tc_flush(kva_pool *pool, kva_tcache *tc);
+void kva_tc_flush(kva_tc_registry *reg, kva_tcache *tc);
 
-/* The pool is going away: its caches are marked dead (their threads free them). */
-void kva_tc_pool_destroyed(kva_pool *pool);
+/* A new cache's classes: each class's object size and word limit, and no current word. */
+void kva_tc_init_classes(kva_tcache *tc, const kva_slabs *sl);
 
 /* Test hook (process-wide; NULL restores): fn(point, ctx) runs at each point below, a window in
  * which another thread's step may strike, so that a test can place that step there.
@@ -172,10 +205,18 @@ enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED, KVA_TC_PO
        KVA_TC_POINT_CLAIMING };
 void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx);
 
+/* The hook's function and context (set by kva_tc_test_hook), and the check at each point. */
+extern void (*kva_tc_test_fn)(int point, void *ctx);
+extern void *kva_tc_test_ctx;
+KVA_INLINE void kva_tc_test_point(int point) {
+    void (*fn)(int, void *) = __atomic_load_n(&kva_tc_test_fn, __ATOMIC_ACQUIRE);
+    if (kva_unlikely(fn != NULL)) fn(point, __atomic_load_n(&kva_tc_test_ctx, __ATOMIC_ACQUIRE));
+}
+
 void kva_tc_registry_lock(void);
 void kva_tc_registry_unlock(void);
 
-/* What the pool's caches hold and have counted: with the registry lock held. Exact when the
+/* What the registry's caches hold and have counted: with the registry lock held. Exact when the
  * caches' threads are not running; a close estimate while they are. */
 typedef struct kva_tc_totals {
     uint64_t allocs[KVA_NUM_SIZE_CLASSES];
@@ -187,7 +228,7 @@ typedef struct kva_tc_totals {
     uint32_t caches;
     uint32_t foreign_caches;               /* caches of threads other than the caller */
 } kva_tc_totals;
-void kva_tc_totals_locked(kva_pool *pool, kva_tc_totals *out);
+void kva_tc_totals_locked(const kva_tc_registry *reg, kva_tc_totals *out);
 
 /* Frees of class c made so far by the totals, counted and pending: what statistics report (a
  * remote free counts from the moment it is made). */

@@ -59,7 +59,7 @@ static void test_ids_are_reused(void) {
     pool = make_pool(64 * MiB);
     for (int i = 0; i < 200; i++) run_one(alloc_free_some, NULL);
     /* One thread at a time: every cache took the id the previous one gave back. */
-    CHECK(pool->next_tc_id == 1);
+    CHECK(pool->caches.next_id == 1);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
 }
@@ -87,7 +87,7 @@ static void test_ids_exhausted(void) {
     for (int i = 0; i < 200; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
     kva_tcache *mine = kva_tc_find(pool);
     REQUIRE(mine != NULL && mine->id == 1);
-    pool->next_tc_id = UINT32_MAX; /* as if 2^32 - 1 ids were out and none given back */
+    pool->caches.next_id = UINT32_MAX; /* as if 2^32 - 1 ids were out and none given back */
     /* objs[0] lies in a word the main thread gave back when it moved on (nobody owns it);
      * objs[199] in its current word. */
     uncached_job job = {{objs[0], objs[199], objs[100]}};
@@ -734,12 +734,12 @@ static void *two_pools(void *arg) {
 static void test_refused_cache_keeps_the_others(void) {
     pool = make_pool(16 * MiB);
     other = make_pool(16 * MiB);
-    pool->next_tc_id = UINT32_MAX;
+    pool->caches.next_id = UINT32_MAX;
     run_one(two_pools, NULL);
     kva_stats st;
     REQUIRE(kva_get_stats(other, &st) == KVA_OK);
     CHECK(st.thread_caches == 0 && st.cached_bytes == 0 && st.live_allocations == 0);
-    CHECK(other->free_ids_count == 1); /* its id came back for reuse */
+    CHECK(other->caches.free_ids_count == 1); /* its id came back for reuse */
     CHECK_STATUS(kva_check(other), KVA_OK);
     kva_pool_destroy(other);
     kva_pool_destroy(pool);
