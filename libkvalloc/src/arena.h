@@ -48,7 +48,4 @@ static inline unsigned kva_arena_default_count(void) {
     return n > KVA_MAX_ARENAS ? KVA_MAX_ARENAS : n;
 }
 
-/* kva_cpu_allowed, under the name pool.c's arena placement calls it by. */
-static inline unsigned kva_arena_allowed_cpus(unsigned *cpus, unsigned max) { return kva_cpu_allowed(cpus, max); }
-
 #endif

@@ -17,39 +17,21 @@
  */
 #include <pthread.h>
 
-#include "fork.h"
 #include "lock.h"
 #include "os.h"
 #include "pool.h"
+#include "publish.h"
 #include "segment.h"
-#include "tcache.h"
 
-/* Every live pool, for the handlers; first in the lock order. */
-static pthread_mutex_t pools_lock = PTHREAD_MUTEX_INITIALIZER;
-static kva_pool *pools;
-
-void kva_fork_track(kva_pool *pool) {
-    pthread_mutex_lock(&pools_lock);
-    pool->fork_prev = NULL;
-    pool->fork_next = pools;
-    if (pools) pools->fork_prev = pool;
-    pools = pool;
-    pthread_mutex_unlock(&pools_lock);
-}
-
-void kva_fork_untrack(kva_pool *pool) {
-    pthread_mutex_lock(&pools_lock);
-    if (pool->fork_prev) pool->fork_prev->fork_next = pool->fork_next;
-    else pools = pool->fork_next;
-    if (pool->fork_next) pool->fork_next->fork_prev = pool->fork_prev;
-    pthread_mutex_unlock(&pools_lock);
-}
-
+/* The live pools' list (pool.h) is first in the lock order, then each named pool's publisher. */
 static void prepare(void) {
-    pthread_mutex_lock(&pools_lock);
-    for (kva_pool *p = pools; p; p = p->fork_next) pthread_mutex_lock(&p->publish_lock);
+    kva_pools_lock();
+    for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
+        kva_publisher *pub = kva_publisher_of(p);
+        if (pub) pthread_mutex_lock(&pub->lock);
+    }
     kva_tc_registry_lock();
-    for (kva_pool *p = pools; p; p = p->fork_next) {
+    for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
         for (unsigned a = 0; a < p->slabs.narenas; a++) pthread_mutex_lock(&p->slabs.arenas[a].lock);
         pthread_mutex_lock(&p->lock);
     }
@@ -60,17 +42,20 @@ static void prepare(void) {
 static void release_all(void) {
     kva_lock_flags_unlock();
     kva_segments_unlock();
-    for (kva_pool *p = pools; p; p = p->fork_next) {
+    for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
         pthread_mutex_unlock(&p->lock);
         for (unsigned a = p->slabs.narenas; a-- > 0;) pthread_mutex_unlock(&p->slabs.arenas[a].lock);
     }
     kva_tc_registry_unlock();
-    for (kva_pool *p = pools; p; p = p->fork_next) pthread_mutex_unlock(&p->publish_lock);
+    for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
+        kva_publisher *pub = kva_publisher_of(p);
+        if (pub) pthread_mutex_unlock(&pub->lock);
+    }
 }
 
 static void parent(void) {
     release_all();
-    pthread_mutex_unlock(&pools_lock);
+    kva_pools_unlock();
 }
 
 /* The child also lets go of the parent's statistics segments (kva_segment_disown): they

@@ -4,7 +4,7 @@
  */
 #include <stdlib.h>
 
-#include "checked.h"
+#include "checked_mode.h"
 #include "pool.h"
 #include "region_check.h"
 #include "tcache.h"

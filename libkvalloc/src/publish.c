@@ -1,5 +1,6 @@
 /*
- * publish.c — copies the pool's state into its statistics segment.
+ * publish.c — a named pool's publisher (publish.h): kva_pool_create, which gives a named pool
+ * its publisher, and the copy of the pool's state into its statistics segment.
  *
  * Cost: the summary, classes, arenas and KV sections are O(orders + classes): those run from
  * slow paths at most once per publish interval. The heap map and the slab strips are
@@ -7,13 +8,12 @@
  * busy pool: from slow paths they are refreshed at most once a second, and every time the engine
  * asks (kva_stats_publish).
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "os.h"
 #include "pool.h"
 #include "publish.h"
-#include "segment.h"
-#include "tcache.h"
 
 static void publish_summary(kva_pool *pool, kva_shm_summary *out) {
     kva_stats st;
@@ -138,9 +138,12 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
     seg->slabs->count = n;
 }
 
-void kva_publish(kva_pool *pool, int full) {
-    kva_segment *seg = pool->segment;
-    if (!seg || seg->inherited) return;
+/* Writes the pool's segment under the sequence lock (the publisher's lock held): the cheap
+ * sections always, the heap map and slab strips too when full is set. */
+static void publish(kva_publisher *pub, int full) {
+    kva_pool *pool = pub->pool;
+    kva_segment *seg = pub->segment;
+    if (seg->inherited) return;
     kva_segment_begin(seg);
     publish_summary(pool, seg->summary);
     kva_pool_lock_all(pool);
@@ -151,9 +154,8 @@ void kva_publish(kva_pool *pool, int full) {
         publish_slabs(pool, seg);
     }
     kva_pool_unlock_all(pool);
-    if (pool->kv_publisher.publish)
-        pool->kv_publisher.publish(pool->kv_publisher.ctx, seg->kv, full ? seg->heapmap : NULL, seg->cell_state,
-                                   seg->cell_fill);
+    if (pub->kv.publish)
+        pub->kv.publish(pub->kv.ctx, seg->kv, full ? seg->heapmap : NULL, seg->cell_state, seg->cell_fill);
     else
         memset(seg->kv, 0, sizeof *seg->kv);
     seg->header->heartbeat_ns = kva_os_realtime_ns();
@@ -161,40 +163,107 @@ void kva_publish(kva_pool *pool, int full) {
     kva_segment_end(seg);
 }
 
-void kva_publish_due(kva_pool *pool) {
-    if (!pool->segment) return;
-    pthread_mutex_lock(&pool->publish_lock);
-    int due = kva_segment_clock_due(pool->segment);
-    if (due) kva_publish(pool, due == 2);
-    pthread_mutex_unlock(&pool->publish_lock);
+/* Reads the clock under the publisher's lock and publishes what the interval says is due. */
+static void publish_due(kva_publisher *pub) {
+    pthread_mutex_lock(&pub->lock);
+    int due = kva_segment_clock_due(pub->segment);
+    if (due) publish(pub, due == 2);
+    pthread_mutex_unlock(&pub->lock);
 }
 
-/* Under the publish lock: a publish on another thread must see the whole hook or none, and
- * must not call a detached one (its KV cache may be gone). */
+kva_publisher *kva_publisher_of(const kva_pool *pool) { return pool->observer.ctx; }
+
 void kva_publish_tick(kva_pool *pool) {
-    if (pool->segment && kva_segment_tick(pool->segment)) kva_publish_due(pool);
+    kva_publisher *pub = kva_publisher_of(pool);
+    if (pub && kva_pool_tick(pool)) publish_due(pub);
 }
 
+/* Under the publisher's lock: a publish on another thread must see the whole hook or none, and
+ * must not call a detached one (its KV cache may be gone). */
 int kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher) {
-    pthread_mutex_lock(&pool->publish_lock);
-    int free_section = pool->kv_publisher.publish == NULL;
-    if (free_section) pool->kv_publisher = *publisher;
-    pthread_mutex_unlock(&pool->publish_lock);
+    kva_publisher *pub = kva_publisher_of(pool);
+    if (!pub) return 0;
+    pthread_mutex_lock(&pub->lock);
+    int free_section = pub->kv.publish == NULL;
+    if (free_section) pub->kv = *publisher;
+    pthread_mutex_unlock(&pub->lock);
     return free_section;
 }
 
 void kva_pool_detach_kv(kva_pool *pool, const void *ctx) {
-    pthread_mutex_lock(&pool->publish_lock);
-    if (pool->kv_publisher.ctx == ctx) memset(&pool->kv_publisher, 0, sizeof pool->kv_publisher);
-    pthread_mutex_unlock(&pool->publish_lock);
+    kva_publisher *pub = kva_publisher_of(pool);
+    if (!pub) return;
+    pthread_mutex_lock(&pub->lock);
+    if (pub->kv.ctx == ctx) memset(&pub->kv, 0, sizeof pub->kv);
+    pthread_mutex_unlock(&pub->lock);
 }
 
 kva_status kva_stats_publish(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
-    pthread_mutex_lock(&pool->publish_lock);
-    kva_publish(pool, 1);
-    pthread_mutex_unlock(&pool->publish_lock);
+    kva_publisher *pub = kva_publisher_of(pool);
+    if (!pub) return KVA_OK;
+    pthread_mutex_lock(&pub->lock);
+    publish(pub, 1);
+    pthread_mutex_unlock(&pub->lock);
     return KVA_OK;
 }
 
-const char *kva_stats_segment_name(kva_pool *pool) { return pool && pool->segment ? pool->segment->name : NULL; }
+const char *kva_stats_segment_name(kva_pool *pool) {
+    kva_publisher *pub = pool ? kva_publisher_of(pool) : NULL;
+    return pub ? pub->segment->name : NULL;
+}
+
+/* ---- the publisher as the pool's observer ------------------------------------------------- */
+
+static void observe_record(void *ctx, uint8_t op, kva_status status, uint64_t offset, uint64_t size,
+                           uint64_t latency_ns) {
+    kva_publisher *pub = ctx;
+    if (pub->segment->inherited) return;
+    pthread_mutex_lock(&pub->lock);
+    kva_segment_record(pub->segment, op, status, offset, size, latency_ns);
+    pthread_mutex_unlock(&pub->lock);
+}
+
+static void observe_due(void *ctx) {
+    kva_publisher *pub = ctx;
+    if (!pub->segment->inherited) publish_due(pub);
+}
+
+static void observe_close(void *ctx) {
+    kva_publisher *pub = ctx;
+    kva_segment_close(pub->segment);
+    pthread_mutex_destroy(&pub->lock);
+    free(pub);
+}
+
+/* A named pool's publisher: its segment opened, installed as the pool's observer, and the first
+ * publish made, so that an inspector finds the pool as soon as it exists. */
+static kva_status open_publisher(kva_pool *pool, const kva_config *cfg) {
+    kva_publisher *pub = calloc(1, sizeof *pub);
+    if (!pub) return kva_fail(KVA_ERR_NOMEM, "no host memory for the pool's publisher");
+    kva_segment_geometry sg = {.nblocks = pool->buddy.nblocks, .nchunks = pool->slabs.nchunks,
+                               .narenas = pool->slabs.narenas};
+    kva_status st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pub->segment);
+    if (st != KVA_OK) {
+        free(pub);
+        return st;
+    }
+    pub->pool = pool;
+    pthread_mutex_init(&pub->lock, NULL);
+    kva_pool_observe(pool, &(kva_pool_observer){.record = observe_record, .due = observe_due,
+                                                .close = observe_close, .ctx = pub});
+    publish(pub, 1);
+    return KVA_OK;
+}
+
+kva_status kva_pool_create(const kva_config *cfg, kva_pool **out) {
+    kva_pool *pool;
+    kva_status st = kva_pool_make(cfg, out ? &pool : NULL);
+    if (st != KVA_OK) return st;
+    if (cfg->name && (st = open_publisher(pool, cfg)) != KVA_OK) {
+        kva_pool_destroy(pool);
+        return st;
+    }
+    *out = pool;
+    return KVA_OK;
+}

@@ -1,12 +1,18 @@
 /*
- * publish.h — filling a pool's statistics segment, and the hook through which a KV-cache
- * manager built on the pool adds its own section and paints its blocks into the heap map.
+ * publish.h — a named pool's statistics: kva_pool_create gives a named pool a publisher, which
+ * owns the pool's statistics segment and watches the pool as its observer (pool.h): it records
+ * the calls the pool hands it and fills the segment when the interval has passed. And the hook
+ * through which a KV-cache manager built on the pool adds its own section and paints its blocks
+ * into the heap map.
  */
 #ifndef KVA_PUBLISH_H
 #define KVA_PUBLISH_H
 
+#include <pthread.h>
+
 #include "internal.h"
 #include "kvalloc_stats.h"
+#include "segment.h"
 
 typedef struct kva_kv_publisher {
     /* Fills *kv and, when map is not NULL (a full publish), repaints the heap-map cells
@@ -17,22 +23,28 @@ typedef struct kva_kv_publisher {
     void *ctx;
 } kva_kv_publisher;
 
+/* A named pool's publisher, the context of the pool's observer. */
+typedef struct kva_publisher {
+    kva_pool *pool;
+    kva_segment *segment;
+    /* The segment's writers (trace records, publishing) and the KV publisher hook. Taken before
+     * any other lock of the pool. */
+    pthread_mutex_t lock;
+    kva_kv_publisher kv;              /* set by a KV cache built on this pool */
+} kva_publisher;
+
+/* The pool's publisher; NULL for an anonymous pool. */
+kva_publisher *kva_publisher_of(const kva_pool *pool);
+
 /* Attaches a KV cache's publisher: 1, or 0 when another cache's is attached (the segment has
  * one KV section; the first cache keeps it). */
 int kva_pool_attach_kv(kva_pool *pool, const kva_kv_publisher *publisher);
 /* Detaches the publisher whose ctx is `ctx`, if it is the one attached. */
 void kva_pool_detach_kv(kva_pool *pool, const void *ctx);
 
-/* Writes the pool's segment under the sequence lock: the cheap sections always, the heap map and
- * slab strips too when full is set. */
-void kva_publish(kva_pool *pool, int full);
-
-/* Reads the clock under the publish lock and publishes when the pool's interval has passed; the
- * callers (the pool's slow paths, a KV cache's calls) come here every KVA_SEGMENT_CHECK_EVERY
- * calls of a thread (kva_segment_tick). A no-op for an anonymous pool. */
-void kva_publish_due(kva_pool *pool);
-
-/* A slow-path call's tick (kva_segment_tick), then kva_publish_due when it says so. */
+/* A KV cache's call on the pool: the thread's countdown (kva_pool_tick) and, when it says so,
+ * a publish if the pool's interval has passed, as the pool's own slow calls do. A no-op for an
+ * anonymous pool. */
 void kva_publish_tick(kva_pool *pool);
 
 #endif

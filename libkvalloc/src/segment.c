@@ -70,8 +70,6 @@ static uint32_t heap_cells(uint32_t nblocks, uint32_t *cell_blocks) {
     return (uint32_t)((n + per - 1) / per);
 }
 
-static uint64_t next_uid;
-
 /* Whether a file of this user, mode 0600, at this process's segment name is a segment a
  * writer with this pid made (kva_os_shm_own_fn): the header's magic, ABI, writer and size. */
 static int is_own_segment(const void *head, size_t len, uint64_t size, char *why, size_t why_size) {
@@ -97,7 +95,6 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     kva_segment *seg = calloc(1, sizeof *seg);
     if (!seg) return kva_fail(KVA_ERR_NOMEM, "no host memory for the stats segment descriptor");
     seg->fd = -1;
-    seg->uid = __atomic_add_fetch(&next_uid, 1, __ATOMIC_RELAXED);
     snprintf(seg->name, sizeof seg->name, "/%s%u.%s", KVA_SHM_PREFIX, kva_os_pid(), pool_name);
 
     uint32_t cell_blocks, cells = heap_cells(geo->nblocks, &cell_blocks);
@@ -160,7 +157,6 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
      * magic and retries, instead of reading half a header. */
     __atomic_store_n(&h->magic, KVA_SHM_MAGIC, __ATOMIC_RELEASE);
 
-    seg->trace_all = trace_all;
     seg->interval_ns = (uint64_t)interval_ms * 1000000u;
     seg->summary->publish_interval_ms = interval_ms;
     register_segment(seg);
@@ -227,8 +223,6 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
         __atomic_store_n(bucket, *bucket + 1, __ATOMIC_RELAXED); /* a counter: read as it stands */
     }
 }
-
-__thread kva_segment_ticker kva_segment_tickers[KVA_SEGMENT_TICK_SLOTS]; /* uids start at 1 */
 
 int kva_segment_clock_due(kva_segment *seg) {
     uint64_t now = kva_os_monotonic_ns();

@@ -1,7 +1,7 @@
 /*
  * segment.h — a named pool's live statistics segment (layout in kvalloc_stats.h).
  *
- * Writers are serialized by the pool's publish lock. A publish happens between segment_begin and
+ * Writers are serialized by the lock of the pool's publisher (publish.h). A publish happens between segment_begin and
  * segment_end, the sequence lock readers copy under; a trace record and the latency counters are
  * written outside it, the ring by its own protocol (kvalloc_stats.h, "The trace ring").
  */
@@ -14,8 +14,6 @@
 #define KVA_TRACE_RECORDS 1024
 
 typedef struct kva_segment {
-    uint64_t uid;                  /* unique in the process: another segment may later have this
-                                      one's address */
     char name[KVA_NAME_MAX + 32];  /* "/kvalloc.<pid>.<name>" */
     unsigned char *base;
     size_t size;
@@ -33,7 +31,6 @@ typedef struct kva_segment {
     uint64_t interval_ns;
     uint64_t next_publish_ns;     /* monotonic */
     uint64_t next_full_ns;        /* monotonic: when the heap map is refreshed next */
-    int trace_all;                /* every call is timed and recorded */
     int inherited;                /* this process is a child forked from the segment's writer
                                      (kva_segment_disown): nothing is mapped any more */
     struct kva_segment *next_live; /* the process-wide list removed at exit */
@@ -65,8 +62,8 @@ void kva_segments_lock(void);
 void kva_segments_unlock(void);
 
 /* In a forked child, with the list's lock held: disowns every segment of the list. The list,
- * not the pools, because a segment is listed from its creation, before its pool is tracked for
- * fork, and until its destruction, after the pool is no longer. */
+ * not the live pools, because a segment stays listed until its destruction, after its pool has
+ * left the live pools (kva_pool_destroy). */
 void kva_segments_disown_all(void);
 
 void kva_segment_begin(kva_segment *seg);
@@ -77,37 +74,8 @@ void kva_segment_end(kva_segment *seg);
 void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_t offset, uint64_t size,
                         uint64_t latency_ns);
 
-/* Slow-path calls between two reads of the clock: enough that the reads cost nothing, few
- * enough that even a pool making only a few thousand slow calls a second publishes on time. */
-#define KVA_SEGMENT_CHECK_EVERY 64
-
 /* Reads the clock: what to publish now: 0 nothing, 1 the cheap sections (the publish interval
  * has passed), 2 everything (a second has passed since the last full publish). */
 int kva_segment_clock_due(kva_segment *seg);
-
-/* Whether this slow-path call on seg should read the clock (kva_segment_clock_due, under the
- * pool's publish lock): the thread's first call on the segment (so that a pool's first slow
- * call publishes, as an inspector expects), then every KVA_SEGMENT_CHECK_EVERY calls of the
- * thread on it. The countdowns are the thread's own, not the segment's (one all threads
- * decremented would be a cache line they all write), one per segment in KVA_SEGMENT_TICK_SLOTS
- * slots picked by the segment's uid, so that a thread that alternates between pools still reads
- * the clock once per 64 calls of each (one countdown, reset to 1 at every switch, read it at
- * every call and took the publish lock with it). Segments that share a slot reset it in turn. */
-#define KVA_SEGMENT_TICK_SLOTS 8
-typedef struct kva_segment_ticker {
-    uint64_t uid;
-    unsigned countdown;
-} kva_segment_ticker;
-extern __thread kva_segment_ticker kva_segment_tickers[KVA_SEGMENT_TICK_SLOTS];
-KVA_INLINE int kva_segment_tick(const kva_segment *seg) {
-    kva_segment_ticker *t = &kva_segment_tickers[seg->uid % KVA_SEGMENT_TICK_SLOTS];
-    if (kva_unlikely(t->uid != seg->uid)) {
-        t->uid = seg->uid;
-        t->countdown = 1;
-    }
-    if (kva_likely(--t->countdown)) return 0;
-    t->countdown = KVA_SEGMENT_CHECK_EVERY;
-    return 1;
-}
 
 #endif

@@ -4,7 +4,7 @@
  * extra for it. Taken under every lock; the threads' own counters are read as they stand (exact
  * once those threads are quiet, an estimate while they run).
  */
-#include "checked.h"
+#include "checked_mode.h"
 #include "pool.h"
 #include "tcache.h"
 

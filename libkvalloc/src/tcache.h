@@ -135,7 +135,8 @@ typedef struct kva_tc_registry {
     uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_remote_frees;
-    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES]; /* atomic: frees by threads with no cache (a remote one counted here only if drained here) */
+    /* (atomic) Frees by threads with no cache (a remote one counted here only if drained here). */
+    uint64_t uncached_frees[KVA_NUM_SIZE_CLASSES];
 } kva_tc_registry;
 
 /* The pool of a cache that has none (the dummy) or whose pool is gone: an address no pool has

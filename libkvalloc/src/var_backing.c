@@ -6,7 +6,7 @@
  */
 #include <stdint.h>
 
-#include "checked.h"
+#include "checked_mode.h"
 #include "config.h"
 #include "internal.h"
 #include "os.h"

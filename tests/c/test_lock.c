@@ -18,7 +18,6 @@
 
 #include "check.h"
 #include "child.h"
-#include "fork.h"
 #include "lock.h"
 #include "os.h"
 
@@ -94,11 +93,6 @@ static int first_lock_in_child(void) {
     kva_lock_release(&fresh, token);
     return kva_lock_me != &kva_lock_nobody && kva_os_fork_depth() == 1 ? 0 : 1;
 }
-
-/* fork.c's handlers take the flags' list around a fork, and count the fork in the child
- * (kva_os_fork_depth, which the child checks). The test calls nothing of fork.c itself: this
- * reference links the handlers in from the library's archive. */
-static void (*const fork_handlers)(kva_pool *) __attribute__((used)) = kva_fork_track;
 
 /* A thread making or recycling its flag holds the flags' list lock for a moment; a fork then
  * must wait for it (fork.c), or the child's first lock waits forever. Run before this thread
