@@ -187,7 +187,7 @@ def crafted_segment(data: bytes, pid: int | None = None,
 def listing(capsys: Any, *options: str) -> dict:
     """``kvalloc ls --json OPTIONS`` run in this process (pytest's ``capsys`` takes its output),
     decoded."""
-    from pykvalloc.cli import main
+    from kvalloc_cli import main
 
     assert main(["ls", "--json", *options]) == 0
     return json.loads(capsys.readouterr().out)

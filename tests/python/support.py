@@ -31,9 +31,9 @@ def run_python(code: str, env: dict[str, str] | None = None,
 
 def run_kvalloc(*args: str, timeout: float = 60,
                 preexec_fn: Any = None) -> subprocess.CompletedProcess:
-    """The ``kvalloc`` command in a fresh interpreter (``python -m pykvalloc``), as a user runs
+    """The ``kvalloc`` command in a fresh interpreter (``python -m kvalloc_cli``), as a user runs
     it; a command that hangs fails the test with TimeoutExpired instead of hanging it."""
-    return subprocess.run([sys.executable, "-m", "pykvalloc", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kvalloc_cli", *args], capture_output=True,
                           text=True, env=clean_env(), timeout=timeout, preexec_fn=preexec_fn)
 
 

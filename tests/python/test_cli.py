@@ -15,7 +15,7 @@ from support import clean_env
 
 import pykvalloc
 from pykvalloc import _ffi
-from pykvalloc.cli import main
+from kvalloc_cli import main
 
 
 def test_version(capsys):
@@ -110,7 +110,7 @@ def test_installed_script_runs_headless_and_prints_the_report():
 
 
 def test_python_dash_m():
-    result = subprocess.run([sys.executable, "-m", "pykvalloc", "--version"],
+    result = subprocess.run([sys.executable, "-m", "kvalloc_cli", "--version"],
                             capture_output=True, text=True, env=clean_env(), timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("kvalloc (pykvalloc)")
@@ -179,7 +179,7 @@ def test_quitting_the_watched_demo_early_reports_the_run_so_far(capsys, monkeypa
     import asyncio
 
     import kvalloc_tui.app
-    from pykvalloc.cli import demo
+    from kvalloc_cli import demo
 
     class Watched(kvalloc_tui.app.KvallocTop):
         def run(self, *args, **kwargs):
@@ -203,7 +203,7 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback(argv):
     # Writing to a full disk (here /dev/full: stdout for the demo, the --json file for the
     # replay) raised OSError through the command.
     with open("/dev/full", "w") as full:
-        done = subprocess.run([sys.executable, "-m", "pykvalloc", *argv], stdout=full, stderr=subprocess.PIPE,
+        done = subprocess.run([sys.executable, "-m", "kvalloc_cli", *argv], stdout=full, stderr=subprocess.PIPE,
                               text=True, env=clean_env(), timeout=120)
     assert done.returncode == 1
     assert "No space left on device" in done.stderr and "Traceback" not in done.stderr, done.stderr
@@ -222,7 +222,7 @@ def test_speeds_and_scales_outside_their_range_are_refused(capsys, option):
 
 
 def test_the_json_report_is_strict_json(tmp_path):
-    from pykvalloc.replay.report import write_json
+    from kvalloc_cli.report import write_json
 
     out = tmp_path / "r.json"
     write_json([{"rate": float("nan"), "rows": [1.5, float("inf")], "nested": {"x": float("-inf")}}], out)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from support import run_kvalloc
 
-from pykvalloc.cli import bench
+from kvalloc_cli import bench
 
 
 def test_every_benchmark_is_installed():

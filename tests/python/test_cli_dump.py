@@ -11,7 +11,7 @@ from stats_writer import Writer, crafted_segment, prune_lock, segment_bytes, uni
 
 import pykvalloc
 from pykvalloc import stats
-from pykvalloc.cli import main
+from kvalloc_cli import main
 
 MiB = 1 << 20
 

@@ -22,7 +22,7 @@ from stats_writer import (
 from support import run_kvalloc
 
 import pykvalloc
-from pykvalloc.cli import ls, main
+from kvalloc_cli import ls, main
 from pykvalloc.stats import SHM_DIR, list_segments
 
 

@@ -22,7 +22,7 @@ from stats_writer import entry_for, listing, prune_lock, segment_bytes, unique_n
 from support import clean_env
 
 from pykvalloc import stats
-from pykvalloc.cli import ls, main
+from kvalloc_cli import ls, main
 from pykvalloc.stats import SHM_DIR
 
 # A process that creates a named pool when told to ("create NAME"), answers with the segment's

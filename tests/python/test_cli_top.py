@@ -6,7 +6,7 @@ import pytest
 from stats_writer import unique_name
 
 from pykvalloc import stats
-from pykvalloc.cli import main, top
+from kvalloc_cli import main, top
 
 
 def test_help_lists_the_keys(capsys):

@@ -65,7 +65,7 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     assert tags and all(tag.startswith("py3-none-") for tag in tags), tags
     record = (dist_info / "RECORD").read_text()
     assert "pykvalloc/py.typed" in record and "pykvalloc/libkvalloc.so" in record
-    assert "pykvalloc/cli/demo.py" in record and "pykvalloc/stats.py" in record
+    assert "kvalloc_cli/demo.py" in record and "pykvalloc/stats.py" in record and "\ncli/" not in record
     assert "kvalloc_tui/app.py" in record and "\ntui/" not in record
     requires = [line.split(": ", 1)[1] for line in (dist_info / "METADATA").read_text()
                 .splitlines() if line.startswith("Requires-Dist: ") and "extra ==" not in line]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from support import run_kvalloc
 
-from pykvalloc.cli import main
+from kvalloc_cli import main
 from pykvalloc.errors import InvalidArgument
 from pykvalloc.replay.backends import Geometry, jemalloc_available
 from pykvalloc.replay.simulator import ReplayConfig, replay
@@ -147,7 +147,7 @@ def test_the_time_weighted_fragmentation_is_a_share() -> None:
 ])
 def test_a_hit_rate_that_cannot_be_measured_is_none_and_shows_as_a_dash(
         mode: str, trace: Trace, capsys: pytest.CaptureFixture[str]) -> None:
-    from pykvalloc.replay.report import print_report
+    from kvalloc_cli.report import print_report
     result = replay(trace, ReplayConfig(mode=mode, capacity_tokens=60_000, geometry=SMALL_MODEL))
     assert result.prefix_hit_rate is None
     print_report([result])
@@ -440,7 +440,7 @@ def test_a_paced_replay_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Pat
     from support import clean_env
     name = f"stopped-{os.getpid()}"
     out = tmp_path / "report.json"
-    engine = subprocess.Popen([sys.executable, "-m", "pykvalloc", "replay", "--pace", "5", "--name", name,
+    engine = subprocess.Popen([sys.executable, "-m", "kvalloc_cli", "replay", "--pace", "5", "--name", name,
                                "--quiet", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=clean_env())
     try:

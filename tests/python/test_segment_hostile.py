@@ -24,7 +24,7 @@ from stats_writer import absent_pid, entry_for, prune_lock, segment_bytes, uniqu
 from support import clean_env
 
 from pykvalloc import stats
-from pykvalloc.cli import main
+from kvalloc_cli import main
 from pykvalloc.errors import DeadWriter, SegmentUnreadable
 from kvalloc_tui.app import KvallocTop
 from kvalloc_tui.widgets import Banner
@@ -126,10 +126,11 @@ def test_a_huge_file_is_read_only_as_far_as_its_header_states_and_pruned_when_de
 AS_ANOTHER_USER = r"""
 import contextlib, io, json, os, sys
 from pykvalloc import stats
-from pykvalloc.cli import main
+from kvalloc_cli import build_parser, main
 from pykvalloc.errors import SegmentError
 
 path = sys.argv[1]
+build_parser()  # imports every subcommand
 if sys.argv[2] == "drop":
     os.setgroups([])
     os.setgid(65534)

@@ -129,7 +129,7 @@ def read_api():
             outcomes[type(exc).__name__] += 1
 
 def command(*argv):
-    from pykvalloc.cli import main
+    from kvalloc_cli import main
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(list(argv))

@@ -12,7 +12,7 @@ import pytest
 from stats_writer import crafted_segment, unique_name
 
 import pykvalloc
-import pykvalloc.cli
+import kvalloc_cli
 from pykvalloc import stats
 from pykvalloc.errors import (
     BadMagic,
@@ -230,8 +230,8 @@ def test_a_segment_of_layout_1_0_reads_with_its_newer_fields_absent(original, ca
     current = read(original)
     with crafted_segment(layout_1_0(original)) as path, stats.Segment(path) as segment:
         snap = segment.snapshot()
-        assert pykvalloc.cli.main(["dump", str(path)]) == 0
-        assert pykvalloc.cli.main(["dump", str(path), "--json", "--trace"]) == 0
+        assert kvalloc_cli.main(["dump", str(path)]) == 0
+        assert kvalloc_cli.main(["dump", str(path), "--json", "--trace"]) == 0
     tables, dumped = capsys.readouterr().out.split("\n{\n", 1)
     dumped = json.loads("{\n" + dumped)
     assert dumped["abi"] == "1.0" and dumped["summary"]["publish_interval_ms"] is None

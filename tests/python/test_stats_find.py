@@ -9,7 +9,7 @@ import pytest
 from stats_writer import unique_name
 
 from pykvalloc import stats
-from pykvalloc.cli import dump, main
+from kvalloc_cli import dump, main
 from pykvalloc.errors import AmbiguousSegment, SegmentNotFound
 
 SEGMENTS = 3000  # a /dev/shm where an engine left a few thousand segments

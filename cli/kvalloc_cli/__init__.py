@@ -1,4 +1,5 @@
-"""The ``kvalloc`` command.
+"""The ``kvalloc`` command: a package of its own on top of pykvalloc and kvalloc_tui, which it
+imports and which never import it.
 
 Each subcommand is one module of this package with ``register(subparsers)``, which adds its
 parser and sets ``run``: a function taking the parsed arguments and returning the exit status.
@@ -12,11 +13,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .. import __version__, _ffi
-from ..errors import KvallocError
-from . import bench, demo, dump, ls, replay, top
-
-_COMMANDS = (demo, replay, bench, ls, dump, top)
+from pykvalloc import __version__, _ffi
+from pykvalloc.errors import KvallocError
 
 
 def version_text() -> str:
@@ -47,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exercise and inspect libkvalloc KV-cache memory pools.")
     parser.add_argument("--version", action=_VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for command in _COMMANDS:
+    from . import bench, demo, dump, ls, replay, top
+
+    for command in (demo, replay, bench, ls, dump, top):
         command.register(subparsers)
     return parser
 

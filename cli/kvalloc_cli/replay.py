@@ -29,16 +29,18 @@ from typing import Any, Iterator, Optional
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
-from ..replay.report import failed, print_report, write_json, write_plot
-from ..replay.simulator import LONGEST_PACED_WAIT_S, ReplayConfig, ReplayResult, check_arrivals, keyable, pacer, replay
-from ..replay.traces import Trace, load_trace
-from ..replay.workload import MAX_REQUESTS, default_workload
-from ..errors import InvalidArgument, KvallocError
-from ..kvcache import DEFAULT_BLOCK_TOKENS
-from ..sizes import format_size
+from pykvalloc.errors import InvalidArgument, KvallocError
+from pykvalloc.kvcache import DEFAULT_BLOCK_TOKENS
+from pykvalloc.replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
+from pykvalloc.replay.simulator import (LONGEST_PACED_WAIT_S, ReplayConfig, ReplayResult, check_arrivals, keyable,
+                                        pacer, replay)
+from pykvalloc.replay.traces import Trace, load_trace
+from pykvalloc.replay.workload import MAX_REQUESTS, default_workload
+from pykvalloc.sizes import format_size
+
 from .arguments import (COUNT_MAX, U32_MAX, help_text, kv_dtype, output_file, positive_int, positive_int32,
                         positive_number, positive_size, usage_error)
+from .report import failed, print_report, write_json, write_plot
 
 MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
 
@@ -155,7 +157,7 @@ def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str
     """The same replay in a child process with jemalloc preloaded; its report as a dict."""
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / "report.json"
-        argv = [sys.executable, "-m", "pykvalloc", "replay", "--mode", "malloc-jemalloc", "--quiet",
+        argv = [sys.executable, "-m", "kvalloc_cli", "replay", "--mode", "malloc-jemalloc", "--quiet",
                 "--kv-tokens", str(config.capacity_tokens), "--time-scale", str(config.time_scale),
                 "--max-batch-tokens", str(config.max_batch_tokens), "--layers", str(config.geometry.layers),
                 "--kv-heads", str(config.geometry.kv_heads), "--head-dim", str(config.geometry.head_dim),

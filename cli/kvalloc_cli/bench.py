@@ -29,6 +29,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pykvalloc
+
 from .arguments import help_text, output_directory
 
 # name on the command line -> (executable, takes --only and --json)
@@ -44,15 +46,14 @@ ENV_VAR = "KVALLOC_BENCH_DIR"  # where the executables are, instead of the packa
 
 def search_dirs() -> list[Path]:
     """Where the benchmark executables may be, in order: ``$KVALLOC_BENCH_DIR`` alone when set;
-    else the package's ``bench`` directory (where pip puts them; an editable install's package
-    spans the source tree and site-packages), then ``build/tools`` of a source checkout."""
+    else pykvalloc's ``bench`` directory (where pip puts them; an editable install's package
+    spans the source tree and site-packages), then ``build/tools`` of the source checkout
+    pykvalloc is imported from."""
     override = os.environ.get(ENV_VAR)
     if override is not None:
         return [Path(override)]
-    from .. import __path__ as package_path
-
-    dirs = [Path(entry) / "bench" for entry in package_path]
-    dirs.append(Path(__file__).resolve().parents[2] / "build" / "tools")
+    dirs = [Path(entry) / "bench" for entry in pykvalloc.__path__]
+    dirs.append(Path(pykvalloc.__file__).resolve().parent.parent / "build" / "tools")
     return dirs
 
 

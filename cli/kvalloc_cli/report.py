@@ -9,8 +9,8 @@ from typing import Any, Optional, Sequence
 from rich.console import Console
 from rich.table import Table
 
-from .._strict_json import json_ready
-from .simulator import ReplayResult
+from pykvalloc._strict_json import json_ready
+from pykvalloc.replay.simulator import ReplayResult
 
 #: What each row shows, and how.
 _ROWS = (

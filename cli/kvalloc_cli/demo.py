@@ -22,14 +22,16 @@ from typing import Any
 
 from rich.console import Console
 
-from ..errors import InvalidArgument
-from ..replay.backends import Geometry
-from ..replay.report import print_report
-from ..replay.simulator import ReplayConfig, replay
-from ..replay.workload import MAX_REQUESTS, default_workload
-from ..sizes import format_size
+from pykvalloc.errors import InvalidArgument, SegmentNotFound
+from pykvalloc.replay.backends import Geometry
+from pykvalloc.replay.simulator import ReplayConfig, replay
+from pykvalloc.replay.workload import MAX_REQUESTS, default_workload
+from pykvalloc.sizes import format_size
+from pykvalloc.stats import find_segment
+
 from .arguments import help_text, positive_number, positive_size, usage_error, whole_number
 from .replay import capacity_tokens
+from .report import print_report
 
 POOL_NAME = "kvalloc-demo"
 PUBLISH_WITHIN_S = 60
@@ -75,7 +77,7 @@ def watched(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.json"
         engine = subprocess.Popen(
-            [sys.executable, "-m", "pykvalloc", "replay", "--requests", str(args.requests),
+            [sys.executable, "-m", "kvalloc_cli", "replay", "--requests", str(args.requests),
              "--kv-size", str(args.kv_size), "--name", name, "--pace", str(args.speed), "--quiet",
              "--json", str(report)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -99,8 +101,6 @@ def watched(args: argparse.Namespace) -> int:
 
 
 def _wait_for_segment(name: str, engine: subprocess.Popen[str]) -> Any:
-    from ..stats import find_segment
-    from ..errors import SegmentNotFound
     # A bound against a replay that hangs before it publishes, generous for a loaded machine:
     # one that fails says so at once (it exits).
     deadline = time.monotonic() + PUBLISH_WITHIN_S

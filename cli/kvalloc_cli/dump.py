@@ -22,9 +22,10 @@ from rich.text import Text
 
 from kvalloc_tui import render
 
-from ..pool import PageKind
-from ..sizes import format_size
-from ..stats import Snapshot, format_age, open_segment, process_name
+from pykvalloc.pool import PageKind
+from pykvalloc.sizes import format_size
+from pykvalloc.stats import Snapshot, format_age, open_segment, process_name
+
 from .arguments import help_text
 
 HEAP_MAP_ROWS = 8  # at most; a small pool fills fewer

@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from ..errors import InvalidArgument
-from ..kvcache import dtype_bytes
-from ..sizes import parse_size
+from pykvalloc.errors import InvalidArgument
+from pykvalloc.kvcache import dtype_bytes
+from pykvalloc.sizes import parse_size
 
 
 #: The most a count of the commands may be: no token, request or byte count is wider than 64 bits.

@@ -11,7 +11,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..stats import SegmentFile, find_segment, list_segments
+from pykvalloc.stats import SegmentFile, find_segment, list_segments
+
 from .arguments import help_text
 
 

@@ -25,10 +25,10 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from .._strict_json import json_ready
-from ..errors import SegmentError, SegmentNotFound
-from ..sizes import format_size
-from ..stats import (
+from pykvalloc._strict_json import json_ready
+from pykvalloc.errors import SegmentError, SegmentNotFound
+from pykvalloc.sizes import format_size
+from pykvalloc.stats import (
     IDLE_AFTER_S,
     SHM_DIR,
     Segment,
@@ -39,6 +39,7 @@ from ..stats import (
     process_name,
     writer_lives,
 )
+
 from .arguments import help_text
 
 
