@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import psutil
 
 from ._strict_json import json_ready
 from .errors import (
@@ -84,6 +83,7 @@ __all__ = [
     "writer_lives",
     "MAX_SEGMENT_BYTES",
     "process_name",
+    "process_start_time",
     "latency_percentiles",
     "downsample_cells",
     "format_age",
@@ -340,11 +340,11 @@ def writer_alive(pid: int, start_time_ns: int | None = None) -> bool:
     if start_time_ns is None:
         return True
     try:
-        created = psutil.Process(pid).create_time()
-    except psutil.NoSuchProcess:
+        created = process_start_time(pid)
+    except (OSError, ValueError):
+        return True  # it exists, but /proc does not say when it started
+    if created is None:
         return False
-    except psutil.Error:
-        return True
     return created <= start_time_ns / 1e9 + _PID_REUSE_SLACK_S
 
 
@@ -453,11 +453,62 @@ def _file_kind(mode: int) -> str:
 
 
 def process_name(pid: int) -> str | None:
-    """The name of process ``pid`` (psutil), None when it is gone or hidden."""
-    try:
-        return psutil.Process(pid).name()
-    except psutil.Error:
+    """The name of process ``pid``, None when it is gone or hidden. The kernel keeps a name of at
+    most 15 bytes; a name cut there is completed from the program the command line names."""
+    if not 0 < pid < _PID_LIMIT:
         return None
+    try:
+        name, _ = _proc_stat(pid)
+    except (OSError, ValueError):
+        return None
+    if len(name) >= _COMM_BYTES:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                program = cmdline.read().split(b"\0", 1)[0].decode("utf-8", "replace")
+        except OSError:
+            return name
+        whole = os.path.basename(program)
+        if whole.startswith(name):
+            return whole
+    return name
+
+
+def process_start_time(pid: int) -> float | None:
+    """When process ``pid`` started, in seconds since the epoch: the boot time plus the start
+    the kernel counts in clock ticks since boot, so whole seconds at best (the boot time is
+    whole). None when there is no such process; ``OSError`` when /proc hides it."""
+    if not 0 < pid < _PID_LIMIT:
+        return None
+    try:
+        _, fields = _proc_stat(pid)
+    except FileNotFoundError:
+        return None
+    return _boot_time() + int(fields[_STARTTIME_FIELD]) / os.sysconf("SC_CLK_TCK")
+
+
+# The length of the kernel's process name (TASK_COMM_LEN less the terminating NUL).
+_COMM_BYTES = 15
+# Where the start time lies among the fields of /proc/<pid>/stat after the name (field 22 of
+# proc(5), the name being field 2).
+_STARTTIME_FIELD = 22 - 3
+
+
+def _proc_stat(pid: int) -> tuple[str, list[bytes]]:
+    """The name in /proc/<pid>/stat and the fields after it. A name may hold spaces and
+    parentheses, so it ends at the last ')'."""
+    with open(f"/proc/{pid}/stat", "rb") as stat_file:
+        raw = stat_file.read()
+    start, end = raw.index(b"("), raw.rindex(b")")
+    return raw[start + 1:end].decode("utf-8", "replace"), raw[end + 1:].split()
+
+
+def _boot_time() -> float:
+    """When the machine booted, in whole seconds since the epoch (btime in /proc/stat)."""
+    with open("/proc/stat", "rb") as proc_stat:
+        for line in proc_stat:
+            if line.startswith(b"btime "):
+                return float(line.split()[1])
+    raise ValueError("/proc/stat states no boot time")
 
 
 # ---- the open segment ---------------------------------------------------------------------------

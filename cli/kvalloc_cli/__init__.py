@@ -16,6 +16,8 @@ from typing import Any
 from pykvalloc import __version__, _ffi
 from pykvalloc.errors import KvallocError
 
+from . import extras
+
 
 def version_text() -> str:
     """``kvalloc --version``: the package version and which library file it loads."""
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvalloc`` console script; returns the exit status."""
+    hint = extras.install_hint(extras.RICH)
+    if hint:
+        print(f"kvalloc: the command {hint}", file=sys.stderr)
+        return 1
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))

@@ -29,6 +29,7 @@ from pykvalloc.replay.workload import MAX_REQUESTS, default_workload
 from pykvalloc.sizes import format_size
 from pykvalloc.stats import find_segment
 
+from . import extras
 from .arguments import help_text, positive_number, positive_size, usage_error, whole_number
 from .replay import capacity_tokens
 from .report import print_report
@@ -73,6 +74,10 @@ def headless(args: argparse.Namespace) -> int:
 
 def watched(args: argparse.Namespace) -> int:
     """The replay in a child process, kvalloc top in this one, the report at the end."""
+    hint = extras.install_hint(extras.TEXTUAL)
+    if hint:
+        print(f"kvalloc demo: watching live {hint} (--no-tui replays without it)", file=sys.stderr)
+        return 1
     name = f"{POOL_NAME}-{os.getpid()}"
     with tempfile.TemporaryDirectory() as scratch:
         report = Path(scratch) / "report.json"

@@ -13,6 +13,7 @@ from typing import Any
 
 from pykvalloc.stats import SegmentFile, find_segment, list_segments
 
+from . import extras
 from .arguments import help_text
 
 
@@ -40,6 +41,10 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    hint = extras.install_hint(extras.TEXTUAL)
+    if hint:
+        print(f"kvalloc top: {hint}", file=sys.stderr)
+        return 1
     target: SegmentFile | None = None
     if args.target is not None:
         target = find_segment(args.target)

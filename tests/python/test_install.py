@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 USE_IT = """
 import sys, pykvalloc, pykvalloc._ffi as ffi, pykvalloc.stats as stats
-import kvalloc_tui, kvalloc_tui.app
+import kvalloc_tui
 with pykvalloc.Pool(16 << 20, name="installed") as pool:
     block = pool.alloc(4096)
     view = block.view("int32")
@@ -50,9 +50,13 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     site_packages = Path(_run([python, "-c", "import sysconfig; print(sysconfig.get_path("
                                             "'platlib'))"], cwd=tmp_path).stdout.strip())
 
-    # A regular install, used from outside the source tree so that only the installed
-    # copy can be imported.
-    _run([python, "-m", "pip", "install", str(REPO_ROOT)], cwd=tmp_path)
+    # A regular install of the wheel, without extras, used from outside the source tree so
+    # that only the installed copy can be imported.
+    wheels = tmp_path / "wheels"
+    _run([python, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(wheels), str(REPO_ROOT)],
+         cwd=tmp_path)
+    wheel = next(wheels.glob("pykvalloc-*.whl"))
+    _run([python, "-m", "pip", "install", str(wheel)], cwd=tmp_path)
     module, library, version, tui = _run([python, "-c", USE_IT], cwd=tmp_path).stdout.split()
     assert Path(module).parent == site_packages / "pykvalloc"
     assert Path(tui).parent == site_packages / "kvalloc_tui"  # the TUI under its own name
@@ -67,9 +71,25 @@ def test_pip_install_into_a_fresh_venv(tmp_path):
     assert "pykvalloc/py.typed" in record and "pykvalloc/libkvalloc.so" in record
     assert "kvalloc_cli/demo.py" in record and "pykvalloc/stats.py" in record and "\ncli/" not in record
     assert "kvalloc_tui/app.py" in record and "\ntui/" not in record
-    requires = [line.split(": ", 1)[1] for line in (dist_info / "METADATA").read_text()
-                .splitlines() if line.startswith("Requires-Dist: ") and "extra ==" not in line]
-    assert sorted(requires) == ["numpy", "psutil", "rich", "textual"]
+    # The library needs numpy alone; the command's needs are extras.
+    requires: dict[str, list[str]] = {}
+    for line in (dist_info / "METADATA").read_text().splitlines():
+        if line.startswith("Requires-Dist: "):
+            requirement, _, marker = line.split(": ", 1)[1].partition(";")
+            extra = marker.split("==")[1].strip().strip("'\"") if "extra ==" in marker else ""
+            requires.setdefault(extra, []).append(requirement.strip())
+    assert requires[""] == ["numpy"]
+    assert sorted(requires["cli"]) == ["rich"]
+    assert sorted(requires["tui"]) == ["rich", "textual"]
+    assert requires["plot"] == ["matplotlib"]
+
+    # The script is installed without them, and says what to install.
+    bare = subprocess.run([str(venv / "bin" / "kvalloc"), "--version"], capture_output=True, text=True,
+                          cwd=tmp_path, env=clean_env(), stdin=subprocess.DEVNULL, timeout=120)
+    assert bare.returncode == 1 and bare.stdout == ""
+    assert bare.stderr == "kvalloc: the command needs rich: pip install 'pykvalloc[cli]'\n"
+    _run([python, "-m", "pip", "install", f"{wheel}[cli,tui]"], cwd=tmp_path)
+    _run([python, "-c", "import kvalloc_tui.app"], cwd=tmp_path)
 
     script = _run([str(venv / "bin" / "kvalloc"), "--version"], cwd=tmp_path).stdout
     assert script.startswith(f"kvalloc (pykvalloc) {version}\nlibrary: {library}")

@@ -7,7 +7,6 @@ import dataclasses
 import os
 
 import numpy as np
-import psutil
 import pytest
 from stats_writer import Writer, crafted_segment, prune_lock, unique_name
 
@@ -198,7 +197,7 @@ def test_a_reused_pid_is_a_dead_writer(named_pool):
         data = bytearray(segment.snapshot().data)
     header = np.frombuffer(data, stats.HEADER_DTYPE, count=1)
     header["capabilities"] &= ~np.uint64(stats.CAP_LIVENESS_LOCK)
-    born = psutil.Process().create_time()
+    born = stats.process_start_time(os.getpid())
     header["start_time_ns"] = int((born - 3600) * 1e9)
     with crafted_segment(bytes(data)) as path, stats.Segment(path) as segment:
         with pytest.raises(DeadWriter):
@@ -338,3 +337,24 @@ def test_downsampling_keeps_small_live_blocks_visible():
     same = stats.downsample_cells(state, fill, 100)
     assert same[0].tolist() == state.tolist()
     assert stats.downsample_cells(state, fill, 0)[0].size == 0
+
+
+def test_process_facts_from_proc_agree_with_psutil():
+    # The reader reads /proc itself (pykvalloc needs numpy alone); psutil, a test dependency,
+    # is the second opinion: the same names, and start times within the kernel's rounding.
+    import psutil
+
+    pids = [1, os.getpid(), os.getppid(), *sorted(psutil.pids())[:200]]
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            name, started = process.name(), process.create_time()
+        except psutil.Error:
+            continue  # gone meanwhile, or hidden
+        ours = stats.process_name(pid), stats.process_start_time(pid)
+        if not psutil.pid_exists(pid):
+            continue  # gone meanwhile
+        assert ours[0] == name, pid
+        assert ours[1] is not None and abs(ours[1] - started) < 0.05, pid
+    for pid in (0, -1, 1 << 22, 2**31, 9_999_999_999):
+        assert stats.process_name(pid) is None and stats.process_start_time(pid) is None
