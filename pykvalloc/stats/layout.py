@@ -1,0 +1,99 @@
+"""The layout of a statistics segment, as kvalloc_stats.h declares it: the structs as numpy
+dtypes, the section kinds and capability bits, and what a writer of an older minor version of the
+layout did not write yet."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
+ABI_MAJOR = 1
+ABI_MINOR = 3
+MAX_SECTIONS = 16
+LATENCY_BUCKETS = 40
+STRIP_CELLS = 64
+
+SECTION_SUMMARY, SECTION_HEAPMAP, SECTION_CLASSES, SECTION_SLABS = 1, 2, 3, 4
+SECTION_ARENAS, SECTION_LATENCY, SECTION_KV, SECTION_TRACE = 5, 6, 7, 8
+SECTION_NAMES = {SECTION_SUMMARY: "summary", SECTION_HEAPMAP: "heap map",
+                 SECTION_CLASSES: "classes", SECTION_SLABS: "slabs", SECTION_ARENAS: "arenas",
+                 SECTION_LATENCY: "latency", SECTION_KV: "kv", SECTION_TRACE: "trace"}
+
+CAP_TRACE_ALL = 1 << 8        # trace on: every call recorded and timed
+CAP_LIVENESS_LOCK = 1 << 9    # the writer holds a shared flock on the segment while alive
+
+CELL_FREE, CELL_BLOCK, CELL_SLAB, CELL_MIXED, CELL_KV_USED, CELL_KV_CACHED = range(6)
+CELL_NAMES = ("free", "block", "slab", "mixed", "kv used", "kv cached")
+
+OP_NAMES = {1: "alloc", 2: "free", 3: "alloc_aligned", 4: "alloc_exact", 5: "trim"}
+STATUS_NAMES = {0: "ok", 1: "out of memory", 2: "invalid", 3: "double free", 4: "bad pointer",
+                5: "backend", 6: "corrupt"}
+NO_OFFSET = (1 << 64) - 1
+
+# align=True lays the fields out as a C compiler does; "<" because the segment is little-endian
+# whatever machine reads it. tests/python/test_stats_layout.py checks every offset against the
+# compiler's.
+SECTION_DTYPE = np.dtype([("kind", "<u4"), ("reserved", "<u4"), ("offset", "<u8"),
+                          ("size", "<u8")], align=True)
+HEADER_DTYPE = np.dtype([
+    ("magic", "<u8"), ("abi_major", "<u2"), ("abi_minor", "<u2"), ("header_size", "<u4"),
+    ("capabilities", "<u8"), ("sequence", "<u8"), ("segment_size", "<u8"),
+    ("writer_pid", "<u4"), ("section_count", "<u4"), ("start_time_ns", "<u8"),
+    ("heartbeat_ns", "<u8"), ("publish_count", "<u8"), ("pool_name", "S64"),
+    ("sections", SECTION_DTYPE, (MAX_SECTIONS,)),
+], align=True)
+SUMMARY_COUNTERS = ("capacity", "min_block", "slab_chunk", "max_alloc_size", "bytes_in_use",
+                    "bytes_free", "slab_bytes", "slab_free_bytes", "largest_free",
+                    "live_allocations", "alloc_count", "free_count", "alloc_failures",
+                    "rejected_calls", "slab_count", "metadata_bytes", "page_size")
+SUMMARY_ADDED_1_1 = ("publish_interval_ms", "backend", "numa_node", "flags", "mapped_bytes")
+SUMMARY_DTYPE = np.dtype(
+    [(name, "<u8") for name in SUMMARY_COUNTERS]
+    + [("page_kind", "<u4"), ("num_orders", "<u4"), ("fragmentation", "<f8"),
+       ("free_blocks", "<u8", (48,)), ("unusable_index", "<f8", (48,)),
+       # 1.1
+       ("publish_interval_ms", "<u4"), ("backend", "<u4"), ("numa_node", "<i4"), ("flags", "<u4"),
+       ("mapped_bytes", "<u8")], align=True)
+HEAPMAP_DTYPE = np.dtype([("cells", "<u4"), ("cell_blocks", "<u4"), ("cell_bytes", "<u8")],
+                         align=True)
+COUNTED_DTYPE = np.dtype([("count", "<u4"), ("entry_size", "<u4")], align=True)  # classes, arenas
+CLASS_DTYPE = np.dtype([("object_size", "<u4"), ("objects_per_slab", "<u4"),
+                        ("live_objects", "<u8"), ("slabs", "<u8"), ("allocs", "<u8"),
+                        ("frees", "<u8")], align=True)
+SLABS_DTYPE = np.dtype([("count", "<u4"), ("capacity", "<u4")], align=True)
+SLAB_DTYPE = np.dtype([("chunk", "<u4"), ("size_class", "<u2"), ("reserved", "<u2"),
+                       ("inuse", "<u4"), ("objects", "<u4"), ("strip", "u1", (STRIP_CELLS,))],
+                      align=True)
+ARENA_DTYPE = np.dtype([("slabs", "<u8"), ("slab_bytes", "<u8"), ("spare_slabs", "<u8"),
+                        ("word_claims", "<u8"), ("numa_node", "<i8")], align=True)
+LATENCY_DTYPE = np.dtype([("alloc", "<u8", (LATENCY_BUCKETS,)),
+                          ("free", "<u8", (LATENCY_BUCKETS,))], align=True)
+KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "hit_tokens",
+               "query_tokens", "evictions", "cow_copies", "forks", "live_sequences",
+               "block_bytes")
+KV_DTYPE = np.dtype([("present", "<u4"), ("block_tokens", "<u4")]
+                    + [(name, "<u8") for name in KV_COUNTERS], align=True)
+TRACE_DTYPE = np.dtype([("capacity", "<u4"), ("entry_size", "<u4"), ("written", "<u8")],
+                       align=True)
+RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
+                         ("thread", "<u4"), ("op", "u1"), ("status", "u1"),
+                         ("reserved", "<u2")], align=True)
+
+# The bytes of a struct that every writer of this major version writes, for the structs a later
+# minor version grew at their end: an older writer's shorter struct lacks the fields after them.
+# Layout 1.0 ends the summary before its 1.1 fields; the arena entry of 1.2 first lacked
+# numa_node. (Before 1.2 an arena entry held other counters under the same bytes, see
+# Snapshot.__init__.)
+OLDEST_SIZE = {SUMMARY_DTYPE: SUMMARY_DTYPE.fields["publish_interval_ms"][1],
+               ARENA_DTYPE: ARENA_DTYPE.fields["numa_node"][1]}
+ARENAS_SINCE_MINOR = 2
+
+# The header fields a reader takes on their own, from the live file, before or around a copy.
+U64 = struct.Struct("<Q")
+IDENTITY = struct.Struct("<QHH")  # magic, abi_major, abi_minor: where every version has them
+SEQUENCE_AT = HEADER_DTYPE.fields["sequence"][1]
+CAPABILITIES_AT = HEADER_DTYPE.fields["capabilities"][1]
+CAPABILITIES_END = CAPABILITIES_AT + 8
+SEGMENT_SIZE_AT = HEADER_DTYPE.fields["segment_size"][1]
