@@ -343,7 +343,7 @@ class Allocation:
         self._address = address
         self._size = size
         self._live = True
-        self._views = 0  # numpy views alive; maintained under the _users_lock of pool._mapping
+        self._views = 0  # numpy views alive; maintained under its pool's _users_lock
 
     @property
     def address(self) -> int:
@@ -414,7 +414,8 @@ class _Allocator(HandleOwner):
     Every handle is checked here (its owner, freed or not, numpy views alive) before its address
     reaches C, where a stale address may name a newer allocation's memory. A subclass provides
     ``base``, its C free and usable-size functions (``_c_free``, ``_c_usable_size``) and
-    ``_mapping``: the Pool whose memory its allocations are in, of which every view is a user.
+    ``_mapping``: the Pool whose memory its allocations are in. Every view is a user of the
+    allocator that handed its allocation out.
     """
 
     __slots__ = ("_c_free", "_c_usable_size")
@@ -505,13 +506,15 @@ class _Allocator(HandleOwner):
             if nbytes > allocation._size:
                 raise InvalidArgument(f"shape {dims} of {dt} needs {nbytes} bytes; "
                                       f"{allocation!r} has {allocation._size}")
-            # The anchor holds this pool (a VarPool holds its mapping); the view is a user of
-            # the mapping, so a close defers the unmap until the view is garbage. This pool is
-            # open, so its mapping lives (a VarPool is a user of its mapping).
+            # The anchor holds this pool, and the view is a user of it: a close destroys the C
+            # object only once the view is garbage. For a Pool that keeps the memory mapped;
+            # for a VarPool it keeps its range from going back to its mapping (kva_var_destroy
+            # frees it there, where the next allocation would get the viewed memory), and the
+            # VarPool, a user of its mapping until then, keeps that mapped.
             anchor = _ViewAnchor(self, allocation._address, nbytes)
-            released = weakref.finalize(anchor, mapping._user_gone, allocation)
+            released = weakref.finalize(anchor, self._user_gone, allocation)
             released.atexit = False  # at exit the views die with the process, not before it
-            mapping._add_user(allocation)
+            self._add_user(allocation)
         return np.asarray(anchor).view(dt).reshape(dims)
 
 

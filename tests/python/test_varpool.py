@@ -338,6 +338,26 @@ def test_a_view_keeps_the_memory_mapped_after_close():
     assert not mapping.alive
 
 
+def test_a_view_keeps_its_range_from_the_pool_below_after_close():
+    """A VarPool over a caller's Pool gives its range back to that Pool when it is destroyed:
+    not while a view of it lives, else the Pool's next allocation gets the viewed memory."""
+    with pykvalloc.Pool(64 * MiB, pages="small") as pool:
+        var = VarPool(1 * MiB, pool=pool)
+        view = var.alloc(4096).view(np.uint8)
+        view[:] = 0xAA
+        var_range = (var.base, var.base + 1 * MiB)
+        var.close()
+        newcomer = pool.alloc(1 * MiB)
+        assert not var_range[0] <= newcomer.address < var_range[1]
+        newcomer.view(np.uint8)[:] = 0x55
+        assert (view == 0xAA).all()
+        del view
+        gc.collect()
+        pool.check()
+        again = pool.alloc(1 * MiB)  # the range is the Pool's again once the view is gone
+        assert var_range[0] <= again.address < var_range[1]
+
+
 def test_var_pools_and_their_handles_cannot_be_copied_or_pickled():
     # A handle is Pool's Allocation and a view's anchor Pool's too (test_errors covers both).
     with VarPool(1 * MiB) as var:
