@@ -5,6 +5,8 @@
 #include "os.h"
 
 static void list_push(kva_buddy *buddy, uint32_t index, unsigned order) {
+    kva_assert_internal(order < buddy->num_orders && index < buddy->nblocks &&
+                        (index & (((uint32_t)1 << order) - 1)) == 0); /* B2 */
     kva_page *page = &buddy->pages[index];
     uint32_t head = buddy->free_head[order];
     page->state = KVA_BLOCK_FREE;
@@ -19,6 +21,10 @@ static void list_push(kva_buddy *buddy, uint32_t index, unsigned order) {
 
 static void list_unlink(kva_buddy *buddy, uint32_t index, unsigned order) {
     kva_page *page = &buddy->pages[index];
+    kva_assert_internal(page->state == KVA_BLOCK_FREE && page->order == order && buddy->free_count[order] > 0);
+    kva_assert_internal(page->prev == KVA_NIL ? buddy->free_head[order] == index
+                                              : buddy->pages[page->prev].next == index);
+    kva_assert_internal(page->next == KVA_NIL || buddy->pages[page->next].prev == index);
     if (page->prev != KVA_NIL)
         buddy->pages[page->prev].next = page->next;
     else
@@ -55,9 +61,10 @@ void kva_buddy_fini(kva_buddy *buddy) {
 }
 
 uint32_t kva_buddy_alloc(kva_buddy *buddy, unsigned order, uint8_t state) {
+    kva_assert_internal(order < buddy->num_orders && (state == KVA_BLOCK_USED || state == KVA_BLOCK_SLAB));
     uint64_t candidates = buddy->nonempty & (~(uint64_t)0 << order);
     if (kva_unlikely(candidates == 0)) return KVA_NIL;
-    unsigned have = kva_ctz64(candidates);
+    unsigned have = kva_ctz64(candidates), found = have;
     uint32_t index = buddy->free_head[have];
     list_unlink(buddy, index, have);
     /* Split down to the order asked for; the upper halves go back on their lists. */
@@ -72,8 +79,11 @@ uint32_t kva_buddy_alloc(kva_buddy *buddy, unsigned order, uint8_t state) {
     uint64_t units = (uint64_t)1 << order;
     buddy->free_units -= units;
     buddy->used_units += units;
+    kva_assert_expensive(found == order || kva_buddy_check(buddy, NULL) == KVA_OK); /* after a split */
     return index;
 }
+
+static void free_any_block(kva_buddy *buddy, uint32_t index);
 
 /* Frees [at, end) as the largest aligned blocks that fit, each merging as far as it can. */
 static void free_range(kva_buddy *buddy, uint32_t at, uint32_t end) {
@@ -84,7 +94,7 @@ static void free_range(kva_buddy *buddy, uint32_t at, uint32_t end) {
         page->state = KVA_BLOCK_USED;
         page->order = (uint8_t)order;
         page->next = (uint32_t)1 << order;
-        kva_buddy_free(buddy, at);
+        free_any_block(buddy, at);
         at += (uint32_t)1 << order;
     }
 }
@@ -93,12 +103,16 @@ uint32_t kva_buddy_alloc_exact(kva_buddy *buddy, unsigned order, uint32_t units)
     uint32_t index = kva_buddy_alloc(buddy, order, KVA_BLOCK_USED);
     if (index == KVA_NIL) return KVA_NIL;
     uint32_t end = index + ((uint32_t)1 << order);
+    kva_assert_internal(units >= 1 && units <= (uint32_t)1 << order);
     buddy->pages[index].next = units;
     free_range(buddy, index + units, end);
+    kva_assert_expensive(kva_buddy_check(buddy, NULL) == KVA_OK);
     return index;
 }
 
-void kva_buddy_free(kva_buddy *buddy, uint32_t index) {
+/* kva_buddy_free's work, which free_range does for each piece of a range (the tiling is whole
+ * again only once the range is). */
+static void free_any_block(kva_buddy *buddy, uint32_t index) {
     kva_page *pages = buddy->pages;
     unsigned order = pages[index].order;
     uint32_t length = pages[index].next;
@@ -123,6 +137,13 @@ void kva_buddy_free(kva_buddy *buddy, uint32_t index) {
         order++;
     }
     list_push(buddy, index, order);
+}
+
+void kva_buddy_free(kva_buddy *buddy, uint32_t index) {
+    kva_assert_internal(index < buddy->nblocks && (buddy->pages[index].state == KVA_BLOCK_USED ||
+                                                   buddy->pages[index].state == KVA_BLOCK_SLAB));
+    free_any_block(buddy, index);
+    kva_assert_expensive(kva_buddy_check(buddy, NULL) == KVA_OK); /* after its merges */
 }
 
 uint32_t kva_buddy_block_of(const kva_buddy *buddy, uint32_t index) {

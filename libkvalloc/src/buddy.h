@@ -76,6 +76,10 @@ KVA_INLINE uint32_t kva_buddy_length(const kva_page *page) {
  * error paths and introspection, not for the hot path. */
 uint32_t kva_buddy_block_of(const kva_buddy *buddy, uint32_t index);
 
+/* Walks B1-B6 (buddy_check.c): KVA_OK, or KVA_ERR_CORRUPT naming the first one broken. With
+ * used_blocks, counts the USED blocks there (kva_check's P3). The caller holds the pool lock. */
+kva_status kva_buddy_check(const kva_buddy *buddy, uint64_t *used_blocks);
+
 /* The smallest order whose block holds size bytes; num_orders if none does. */
 KVA_INLINE unsigned kva_buddy_order_for(const kva_buddy *buddy, size_t size) {
     size_t blocks = (size + ((size_t)1 << buddy->min_shift) - 1) >> buddy->min_shift;

@@ -1,8 +1,11 @@
 /*
- * error.c — status names and the per-thread description of the last failure.
+ * error.c — status names, the per-thread description of the last failure, and what a failed
+ * assertion of a debug build does (internal.h).
  */
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "internal.h"
 
@@ -31,3 +34,22 @@ kva_status kva_fail(kva_status status, const char *fmt, ...) {
     va_end(args);
     return status;
 }
+
+#if KVA_DEBUG >= 1
+/* The checker an expensive assertion runs names what it found broken in the last error. */
+void kva_assert_fail(const char *expr, const char *file, int line, const char *func) {
+    fprintf(stderr, "%s:%d: %s: libkvalloc assertion failed: %s\n", file, line, func, expr);
+    if (last_error[0]) fprintf(stderr, "  the thread's last error: %s\n", last_error);
+    fflush(stderr);
+    abort();
+}
+#endif
+
+#if KVA_DEBUG >= 3
+int kva_debug_expensive;
+
+__attribute__((constructor)) static void read_debug_expensive(void) {
+    const char *v = getenv("KVA_DEBUG_EXPENSIVE");
+    kva_debug_expensive = v && strcmp(v, "1") == 0;
+}
+#endif

@@ -78,6 +78,46 @@ KVA_INLINE unsigned kva_log2(size_t x) { return 63u - (unsigned)__builtin_clzll(
 KVA_INLINE unsigned kva_ctz64(uint64_t x) { return (unsigned)__builtin_ctzll(x); }
 
 /*
+ * Assertions, at three levels as mimalloc's, chosen by KVA_DEBUG (CMake: 0 in Release, 3 in
+ * Debug, which the sanitizer builds are):
+ *   kva_assert(e)           1+  cheap facts at the public boundary: what a call hands back;
+ *   kva_assert_internal(e)  2+  cheap invariants on the fast paths: an object's bit, a buddy
+ *                               order in range, a list's links, a word's owner;
+ *   kva_assert_expensive(e) 3+  a layer's checker (buddy_check.c, slab_check.c, tcache_check.c)
+ *                               after a slow path: a buddy split or merge, a slab made or
+ *                               released, a trim, a refill. They walk whole structures, so at
+ *                               run time they run only where the environment sets
+ *                               KVA_DEBUG_EXPENSIVE=1 (the tests labelled expensive do).
+ * Level 0 compiles every one to nothing: the expression is never evaluated (sizeof only sees
+ * it, so that what it names counts as used). A failed assertion prints file, line, function and
+ * the expression to stderr and aborts: the one place the library prints or aborts, in debug
+ * builds only, since a broken invariant means the metadata can no longer be trusted.
+ */
+#ifndef KVA_DEBUG
+#define KVA_DEBUG 0
+#endif
+#define KVA_ASSERT_OFF(e) ((void)sizeof(!(e)))
+#if KVA_DEBUG >= 1
+void kva_assert_fail(const char *expr, const char *file, int line, const char *func)
+    __attribute__((noreturn, cold, noinline));
+#define KVA_ASSERT_ON(e) (kva_likely(e) ? (void)0 : kva_assert_fail(#e, __FILE__, __LINE__, __func__))
+#define kva_assert(e) KVA_ASSERT_ON(e)
+#else
+#define kva_assert(e) KVA_ASSERT_OFF(e)
+#endif
+#if KVA_DEBUG >= 2
+#define kva_assert_internal(e) KVA_ASSERT_ON(e)
+#else
+#define kva_assert_internal(e) KVA_ASSERT_OFF(e)
+#endif
+#if KVA_DEBUG >= 3
+extern int kva_debug_expensive; /* KVA_DEBUG_EXPENSIVE=1 in the environment at load time */
+#define kva_assert_expensive(e) (kva_unlikely(kva_debug_expensive) ? KVA_ASSERT_ON(e) : (void)0)
+#else
+#define kva_assert_expensive(e) KVA_ASSERT_OFF(e)
+#endif
+
+/*
  * Records why the calling thread's current call failed (kva_last_error) and returns status,
  * so error paths read `return kva_fail(KVA_ERR_INVALID, "min_block %zu ...", v);`.
  * Cold by construction: only error paths call it.

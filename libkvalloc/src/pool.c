@@ -42,6 +42,13 @@ static void observe_tick(kva_pool *pool) {
 
 /* ---- allocation ---------------------------------------------------------------------------- */
 
+/* What a successful allocation hands out (for kva_assert): size bytes at ptr inside the pool,
+ * aligned as asked. */
+static inline int handed_out(const kva_pool *pool, const void *ptr, size_t size, size_t alignment) {
+    uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
+    return offset < pool->capacity && size <= pool->capacity - offset && (uintptr_t)ptr % alignment == 0;
+}
+
 static void count_failure(kva_pool *pool) { __atomic_fetch_add(&pool->alloc_failures, 1, __ATOMIC_RELAXED); }
 
 static kva_tcache *this_thread_cache(kva_pool *pool) {
@@ -76,6 +83,7 @@ static kva_status take_block(kva_pool *pool, unsigned order, uint32_t units, uin
     pthread_mutex_lock(&pool->lock);
     *head = units ? kva_buddy_alloc_exact(&pool->buddy, order, units) : kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
     kva_status st = KVA_OK;
+    kva_assert_internal(*head == KVA_NIL || pool->buddy.pages[*head].state == KVA_BLOCK_USED);
     if (*head != KVA_NIL) {
         st = commit_block(pool, *head);
         if (st == KVA_OK) pool->block_allocs++;
@@ -166,6 +174,7 @@ static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void *
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
     kva_status st = pool->checked ? kva_checked_alloc(pool, size, out, alloc_any) : alloc_any(pool, size, out);
+    kva_assert(st != KVA_OK || handed_out(pool, *out, size, 1));
     return observe_end(pool, KVA_SHM_OP_ALLOC, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
@@ -188,7 +197,10 @@ KVA_HOT_ENTRY kva_status kva_alloc(kva_pool *pool, size_t size, void **out) {
     kva_tcache *tc = kva_tc_current;
     if (kva_likely(kva_load(&tc->pool) == pool && out != NULL && size - 1 < pool->fast_limit)) {
         unsigned c = kva_class_index(size);
-        if (kva_likely(kva_tc_alloc_fast(tc, c, out))) return KVA_OK;
+        if (kva_likely(kva_tc_alloc_fast(tc, c, out))) {
+            kva_assert_internal((uintptr_t)*out - (uintptr_t)pool->base < pool->capacity);
+            return KVA_OK;
+        }
         return alloc_next_word(pool, tc, c, size, out);
     }
     return alloc_checked(pool, size, out);
@@ -239,6 +251,7 @@ kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void
     else
         st = kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "a checked pool aligns to %d bytes at most, not %zu",
                                             KVA_REDZONE, alignment));
+    kva_assert(st != KVA_OK || handed_out(pool, *out, size, alignment));
     return observe_end(pool, KVA_SHM_OP_ALLOC_ALIGNED, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
@@ -253,6 +266,8 @@ kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
     uint64_t start = observe_start(pool);
     kva_status st =
         pool->checked ? kva_checked_alloc(pool, size, out, alloc_exact_any) : alloc_exact_any(pool, size, out);
+    kva_assert(st != KVA_OK ||
+               handed_out(pool, *out, size, pool->checked ? KVA_REDZONE : (size_t)1 << pool->buddy.min_shift));
     return observe_end(pool, KVA_SHM_OP_ALLOC_EXACT, st, st == KVA_OK ? *out : NULL, size, start);
 }
 
@@ -367,6 +382,7 @@ kva_status kva_trim(kva_pool *pool) {
     kva_slab_trim(&pool->slabs);
     pthread_mutex_lock(&pool->lock);
     kva_status st = kva_region_trim(&pool->region);
+    kva_assert_expensive(kva_buddy_check(&pool->buddy, NULL) == KVA_OK);
     pthread_mutex_unlock(&pool->lock);
     return observe_end(pool, KVA_SHM_OP_TRIM, st, NULL, 0, UINT64_MAX);
 }

@@ -88,6 +88,7 @@ static kva_arena_class *arena_class(kva_slabs *sl, uint32_t s) {
  * goes to the head, where claims come from. */
 static void list_push_head(kva_slabs *sl, kva_arena_class *ac, uint32_t s) {
     kva_slab *slab = &sl->slabs[s];
+    kva_assert_internal(!slab->listed);
     slab->prev = KVA_NIL;
     slab->next = ac->partial_head;
     if (ac->partial_head != KVA_NIL) sl->slabs[ac->partial_head].prev = s;
@@ -98,6 +99,7 @@ static void list_push_head(kva_slabs *sl, kva_arena_class *ac, uint32_t s) {
 
 static void list_push_tail(kva_slabs *sl, kva_arena_class *ac, uint32_t s) {
     kva_slab *slab = &sl->slabs[s];
+    kva_assert_internal(!slab->listed);
     slab->next = KVA_NIL;
     slab->prev = ac->partial_tail;
     if (ac->partial_tail != KVA_NIL) sl->slabs[ac->partial_tail].next = s;
@@ -108,6 +110,9 @@ static void list_push_tail(kva_slabs *sl, kva_arena_class *ac, uint32_t s) {
 
 static void list_unlink(kva_slabs *sl, kva_arena_class *ac, uint32_t s) {
     kva_slab *slab = &sl->slabs[s];
+    kva_assert_internal(slab->listed);
+    kva_assert_internal(slab->prev == KVA_NIL ? ac->partial_head == s : sl->slabs[slab->prev].next == s);
+    kva_assert_internal(slab->next == KVA_NIL ? ac->partial_tail == s : sl->slabs[slab->next].prev == s);
     if (slab->prev != KVA_NIL) sl->slabs[slab->prev].next = slab->next;
     else ac->partial_head = slab->next;
     if (slab->next != KVA_NIL) sl->slabs[slab->next].prev = slab->prev;
@@ -125,6 +130,7 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
         return KVA_NIL;
     }
     uint32_t s = head >> sl->chunk_order;
+    kva_assert_internal(s < sl->nchunks && sl->slabs[s].cls == KVA_SLAB_NONE);
     uint64_t offset = (uint64_t)s << sl->chunk_shift;
     if (kva_unlikely(kva_region_commit(sl->region, offset, sl->chunk_mask + 1) != KVA_OK)) {
         kva_buddy_free(sl->buddy, head);
@@ -167,6 +173,8 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
 }
 
 static void release(kva_slabs *sl, uint32_t s) {
+    kva_assert_internal(sl->slabs[s].inuse == 0);
+    unsigned a = sl->slabs[s].arena, c = sl->slabs[s].cls;
     kva_arena_class *ac = arena_class(sl, s);
     if (sl->slabs[s].listed) list_unlink(sl, ac, s);
     if (ac->empty_slab == s) ac->empty_slab = KVA_NIL;
@@ -177,6 +185,7 @@ static void release(kva_slabs *sl, uint32_t s) {
     kva_region_decommit(sl->region, (uint64_t)s << sl->chunk_shift, sl->chunk_mask + 1);
     kva_buddy_free(sl->buddy, s << sl->chunk_order);
     pthread_mutex_unlock(sl->pool_lock);
+    kva_assert_expensive(kva_slab_check_arena(sl, a, c, KVA_NIL) == KVA_OK);
 }
 
 /* Slab s has just become empty. Its arena keeps one empty slab per class so that a batch that
@@ -209,6 +218,7 @@ unsigned kva_slab_claim_word(kva_slabs *sl, uint32_t s, uint32_t w, uint32_t own
      * then finds this owner: either way its bit waits for this owner's next merge. */
     uint64_t *l0 = &slab->l0[w];
     uint64_t before = kva_load(l0), *remote_word = &kva_slab_remote(slab, g)[w];
+    kva_assert_internal(kva_load(&kva_slab_owner(slab, g)[w]) == KVA_NO_OWNER && (before & freeing) == 0);
     uint64_t remote = kva_load(remote_word) ? __atomic_exchange_n(remote_word, 0, __ATOMIC_ACQ_REL) : 0;
     kva_store(l0, before | remote | freeing);
     __atomic_store_n(&kva_slab_owner(slab, g)[w], owner, __ATOMIC_RELEASE);
@@ -247,12 +257,14 @@ int kva_slab_claim(kva_slabs *sl, unsigned a, unsigned c, uint32_t owner, int ma
     kva_add_release(merged, kva_slab_claim_word(sl, s, w, owner, 0));
     *slab_out = s;
     *word_out = w;
+    kva_assert_expensive(kva_slab_check_arena(sl, a, c, s) == KVA_OK);
     return 1;
 }
 
 unsigned kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
     kva_slab *slab = &sl->slabs[s];
     const kva_class_geometry *g = &sl->geom[slab->cls];
+    kva_assert_internal(kva_load(&kva_slab_owner(slab, g)[w]) != KVA_NO_OWNER);
     /* The owner first, with a full fence, then the remote word: a remote free ORs, then reads
      * the owner; one of the two sides sees the other's write, so its bit is merged here or it
      * finds no owner and drains the bit itself under this arena's lock. */
@@ -277,6 +289,7 @@ unsigned kva_slab_release_word(kva_slabs *sl, uint32_t s, uint32_t w) {
 static void free_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t freed) {
     kva_slab *slab = &sl->slabs[s];
     uint64_t *l0 = &slab->l0[w];
+    kva_assert_internal((kva_load(l0) & freed) == 0 && slab->inuse >= (uint32_t)__builtin_popcountll(freed));
     kva_store(l0, kva_load(l0) | freed);
     slab->inuse -= (uint32_t)__builtin_popcountll(freed);
     list_word(sl, s, w);

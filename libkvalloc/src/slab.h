@@ -243,6 +243,23 @@ int kva_slab_free_in_unowned(kva_slabs *sl, uint32_t s, uint32_t w, uint64_t bit
  * turn (no lock held by the caller); how many went back. */
 unsigned kva_slab_trim(kva_slabs *sl);
 
+/* ---- checks (slab_check.c): KVA_OK, or KVA_ERR_CORRUPT naming what is broken --------------- */
+
+/* Chunk s: no slab unless its buddy block is a SLAB head; a slab's descriptor and bitmaps (S1,
+ * S2), and its place in its arena (S3, S4: listed when it has free objects, the spare when
+ * empty). Adds the free bits of its owned words to *in_caches and its owned words to *owned.
+ * The slab's arena lock held, or every lock. */
+kva_status kva_slab_check(const kva_slabs *sl, uint32_t s, uint64_t *in_caches, uint64_t *owned);
+
+/* What an expensive assertion checks after a slab is made (s: the slab) or released (s:
+ * KVA_NIL) in arena a for class c: slab s and the arena's list of the class. The arena's lock
+ * held. */
+kva_status kva_slab_check_arena(const kva_slabs *sl, unsigned a, unsigned c, uint32_t s);
+
+/* Arena a's partial list of class c (S3: links, members of that arena and class, each flagged
+ * listed, no loop) and its spare (S4); its length in *listed. The arena's lock held. */
+kva_status kva_slab_check_list(const kva_slabs *sl, unsigned a, unsigned c, uint64_t *listed);
+
 /* ---- words: the owner side (no lock) ------------------------------------------------------- */
 
 /* Remote frees are counted when their bits reach the object's word, by whoever merges them

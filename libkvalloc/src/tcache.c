@@ -21,6 +21,7 @@ static void set_current(kva_tc_registry *reg, kva_tcache *tc, unsigned c, uint32
     kva_tc_class *k = &tc->cls[c];
     kva_tc_hot *h = &tc->hot[c];
     uint32_t s = k->slab[i], w = k->word[i];
+    kva_assert_internal(i < k->nowned && kva_load(&kva_slab_owner_fast(&sl->slabs[s])[w]) == tc->id);
     kva_store(&k->cur, i);
     h->addr = reg->base + ((uint64_t)s << sl->chunk_shift) + (uint64_t)w * 64 * h->size;
     h->l0 = word_l0(sl, s, w);
@@ -37,6 +38,7 @@ static void no_current(kva_tcache *tc, unsigned c) {
 
 static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {
     uint32_t n = k->nowned;
+    kva_assert_internal(n < KVA_TC_WORDS + 1);
     kva_store(&k->slab[n], s);
     kva_store(&k->word[n], w);
     kva_store(&k->nowned, n + 1);
@@ -47,6 +49,7 @@ static void add_owned(kva_tc_class *k, uint32_t s, uint32_t w) {
 static void remove_owned(kva_tcache *tc, unsigned c, uint32_t i) {
     kva_tc_class *k = &tc->cls[c];
     uint32_t n = k->nowned;
+    kva_assert_internal(i < n);
     kva_tc_close_windows(tc);
     if (k->cur == i) no_current(tc, c);
     for (uint32_t j = i; j + 1 < n; j++) {
@@ -59,6 +62,7 @@ static void remove_owned(kva_tcache *tc, unsigned c, uint32_t i) {
 
 /* Gives owned word w of slab s (class c) back to its arena. */
 static void give_back(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s, uint32_t w) {
+    kva_assert_internal(kva_load(&kva_slab_owner_fast(&sl->slabs[s])[w]) == tc->id);
     kva_arena *arena = &sl->arenas[sl->slabs[s].arena];
     pthread_mutex_lock(&arena->lock);
     unsigned merged = kva_slab_release_word(sl, s, w);
@@ -76,6 +80,7 @@ static void give_back_dry(kva_slabs *sl, kva_tcache *tc, unsigned c, uint32_t s,
     /* Read while the word is still ours and the slab cannot go: see kva_slab_drain_remote. */
     uint64_t *remote = &kva_slab_remote(slab, g)[w];
     unsigned a = slab->arena;
+    kva_assert_internal(kva_load(&kva_slab_owner(slab, g)[w]) == tc->id && kva_load(&slab->l0[w]) == 0);
     __atomic_store_n(&kva_slab_owner(slab, g)[w], KVA_NO_OWNER, __ATOMIC_SEQ_CST);
     if (__atomic_load_n(remote, __ATOMIC_SEQ_CST) == 0) return;
     pthread_mutex_lock(&sl->arenas[a].lock);
@@ -169,8 +174,11 @@ static int refill(kva_tc_registry *reg, kva_tcache *tc, unsigned c) {
 
 int kva_tc_alloc(kva_tc_registry *reg, kva_tcache *tc, unsigned c, uint64_t *offset) {
     void *out;
-    while (!kva_tc_alloc_fast(tc, c, &out))
-        if (!refill(reg, tc, c)) return 0;
+    while (!kva_tc_alloc_fast(tc, c, &out)) {
+        int refilled = refill(reg, tc, c);
+        kva_assert_expensive(kva_tc_check_cache(reg, tc, NULL) == KVA_OK);
+        if (!refilled) return 0;
+    }
     *offset = (uint64_t)((unsigned char *)out - reg->base);
     return 1;
 }
@@ -184,6 +192,7 @@ static kva_status remote_free(kva_slabs *sl, kva_tcache *tc, const kva_object_re
     uint64_t *remote = kva_ref_remote(sl, ref);
     uint32_t *owner = kva_ref_owner(sl, ref);
     unsigned a = kva_load(&sl->slabs[ref->slab].arena);
+    kva_assert_internal(ref->cls < KVA_NUM_SIZE_CLASSES && a < sl->narenas);
     if (kva_load(ref->l0) & ref->bit) return KVA_ERR_DOUBLE_FREE;
     kva_tc_test_point(KVA_TC_POINT_PASSING);
     if (__atomic_fetch_or(remote, ref->bit, __ATOMIC_SEQ_CST) & ref->bit) return KVA_ERR_DOUBLE_FREE;
@@ -238,6 +247,7 @@ static int claim_and_free(kva_slabs *sl, kva_tcache *tc, const kva_object_ref *r
     }
     kva_tc_test_point(KVA_TC_POINT_CLAIMING);
     unsigned merged = kva_slab_claim_word(sl, ref->slab, ref->word, tc->id, ref->bit);
+    kva_assert_internal(kva_slab_owner_of(sl, ref) == tc->id);
     add_owned(k, ref->slab, ref->word);
     kva_bump_release(&tc->frees[ref->cls]);
     kva_add_release(&tc->merged[ref->cls], merged);
@@ -273,6 +283,7 @@ kva_status kva_tc_free(kva_tc_registry *reg, kva_tcache *tc, uint64_t offset) {
         if (owner != KVA_NO_OWNER) return remote_free(sl, tc, &ref);
         if (!kva_slab_is_live(sl, &ref)) return KVA_ERR_DOUBLE_FREE;
         int st = claim_and_free(sl, tc, &ref);
+        kva_assert_expensive(kva_tc_check_cache(reg, tc, NULL) == KVA_OK);
         if (st >= 0) return (kva_status)st;
     }
 }
@@ -322,6 +333,7 @@ void kva_tc_flush(kva_tc_registry *reg, kva_tcache *tc) {
             remove_owned(tc, c, last);
         }
     }
+    kva_assert_expensive(kva_tc_check_cache(reg, tc, NULL) == KVA_OK);
 }
 
 void kva_tc_init_classes(kva_tcache *tc, const kva_slabs *sl) {

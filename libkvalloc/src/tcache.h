@@ -231,6 +231,17 @@ typedef struct kva_tc_totals {
 } kva_tc_totals;
 void kva_tc_totals_locked(const kva_tc_registry *reg, kva_tc_totals *out);
 
+/* S6 for one cache (tcache_check.c): its words of each class are words of slabs of that class
+ * that it owns, within its limit; its current words and free windows are on them, as they are.
+ * Adds the words it lists to *listed (when not NULL). KVA_OK, or KVA_ERR_CORRUPT naming what is
+ * broken. Run by the cache's own thread, or under the registry lock while no other thread holds
+ * a cache. */
+kva_status kva_tc_check_cache(const kva_tc_registry *reg, const kva_tcache *tc, uint64_t *listed);
+
+/* kva_tc_check_cache over every cache of the registry, whose list must hold its count of
+ * caches (registry lock held, no other thread holding a cache). */
+kva_status kva_tc_check_caches(const kva_tc_registry *reg, uint64_t *listed);
+
 /* Frees of class c made so far by the totals, counted and pending: what statistics report (a
  * remote free counts from the moment it is made). */
 KVA_INLINE uint64_t kva_tc_frees_made(const kva_tc_totals *t, unsigned c) { return t->frees[c] + t->pending[c]; }
@@ -284,6 +295,7 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     uint64_t rel = offset & sl->chunk_mask, object;
     if (kva_unlikely(!kva_div_exact(rel, slab->magic, &object) || object >= slab->nobj)) return 0;
     uint64_t w = object >> 6;
+    kva_assert_internal(c < KVA_NUM_SIZE_CLASSES && w < slab->l0_words);
     if (kva_unlikely(kva_load(kva_slab_owner_fast(slab) + w) != tc->id)) return 0;
     uint64_t *l0 = slab->l0 + w, bit = (uint64_t)1 << (object & 63), bits = kva_load(l0);
     if (kva_unlikely(((bits & bit) | kva_load(kva_slab_remote_fast(slab) + w)) != 0)) return 0;
