@@ -100,19 +100,20 @@ KVA_INLINE unsigned kva_ctz64(uint64_t x) { return (unsigned)__builtin_ctzll(x);
 #if KVA_DEBUG >= 1
 void kva_assert_fail(const char *expr, const char *file, int line, const char *func)
     __attribute__((noreturn, cold, noinline));
-#define KVA_ASSERT_ON(e) (kva_likely(e) ? (void)0 : kva_assert_fail(#e, __FILE__, __LINE__, __func__))
-#define kva_assert(e) KVA_ASSERT_ON(e)
+/* The text is taken where the assertion is written, before its macros (KVA_NIL, say) expand. */
+#define KVA_ASSERT_ON(e, text) (kva_likely(e) ? (void)0 : kva_assert_fail(text, __FILE__, __LINE__, __func__))
+#define kva_assert(e) KVA_ASSERT_ON(e, #e)
 #else
 #define kva_assert(e) KVA_ASSERT_OFF(e)
 #endif
 #if KVA_DEBUG >= 2
-#define kva_assert_internal(e) KVA_ASSERT_ON(e)
+#define kva_assert_internal(e) KVA_ASSERT_ON(e, #e)
 #else
 #define kva_assert_internal(e) KVA_ASSERT_OFF(e)
 #endif
 #if KVA_DEBUG >= 3
 extern int kva_debug_expensive; /* KVA_DEBUG_EXPENSIVE=1 in the environment at load time */
-#define kva_assert_expensive(e) (kva_unlikely(kva_debug_expensive) ? KVA_ASSERT_ON(e) : (void)0)
+#define kva_assert_expensive(e) (kva_unlikely(kva_debug_expensive) ? KVA_ASSERT_ON(e, #e) : (void)0)
 #else
 #define kva_assert_expensive(e) KVA_ASSERT_OFF(e)
 #endif
