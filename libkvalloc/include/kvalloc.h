@@ -143,7 +143,9 @@ typedef struct kva_config {
                             so two live pools of one process cannot share a name: the second
                             is refused (KVA_ERR_INVALID) */
     kva_page_mode pages; /* default KVA_PAGES_AUTO */
-    int prefault;        /* nonzero: take every first-touch page fault at creation */
+    int prefault;        /* nonzero: take every first-touch page fault at creation, the managed
+                            memory's and all of the metadata's (kva_pool_create says how much
+                            of the metadata is faulted in without it) */
     int trace;           /* nonzero (named pools): time every call and record it in the trace
                             ring. Off by default: then only failed and rejected calls are
                             recorded, and the fast paths cost nothing extra */
@@ -217,8 +219,15 @@ KVA_API size_t kva_struct_size(kva_struct_id which);
 
 typedef struct kva_pool kva_pool;
 
-/* Validates cfg, maps the region and builds the metadata. On failure *out is untouched and
- * nothing is left mapped, reserved or registered. Errors: KVA_ERR_INVALID (the config, a NUMA
+/* Validates cfg, maps the region and builds the metadata. The metadata is faulted in at
+ * creation, so that no call on the pool takes a page fault in it: the block records, then the
+ * slab bitmaps, each while the pool's metadata fits in 1/16 of the machine's physical memory,
+ * all of it with prefault; beyond that share it is committed as it is first used, so that a pool
+ * larger than memory can still be made. At the defaults that is 2.26 % of the capacity resident
+ * from creation (kva_stats.metadata_bytes), and 7-9 ms of the creation per GiB of capacity.
+ * Without prefault, metadata the kernel (or a memory cgroup) will not commit now stays lazy and
+ * the pool is made all the same. On failure *out is untouched and nothing is left mapped,
+ * reserved or registered. Errors: KVA_ERR_INVALID (the config, a NUMA
  * node this process cannot use, a GPU ordinal that does not exist), KVA_ERR_NOMEM (host memory
  * for the metadata; for prefault, lock or pin, host memory the kernel cannot back: such a pool is
  * counted by its overcommit accounting at once, where a pool touched lazily is not; GPU memory
