@@ -10,29 +10,33 @@
  * KV_EVICT_BATCH at a time, before any of their records is read, so their records and then
  * their prefix-table buckets load in parallel instead of one cache miss after another.
  */
+#include <string.h>
+
 #include "kv_cache.h"
 
 /* Victims collected and loaded together: enough independent loads in flight to cover a memory
  * latency. */
 #define KV_EVICT_BATCH 32
 
-int kv_prefix_register(kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns) {
+uint32_t kv_commit(kva_kv *kv, uint32_t b, const kv_ident *id, const kv_ident *parent, uint32_t first_token) {
     /* Appended at the end of its chain: chains then run oldest first, and eviction, which takes
      * the oldest, mostly unlinks a chain's head and touches no other block's record. */
-    uint32_t *link = &kv->buckets[key.lo & kv->bucket_mask];
+    uint32_t *link = &kv->buckets[id->key.lo & kv->bucket_mask];
     while (*link != KVA_NIL) {
-        const kva_kv_block *other = &kv->blocks[*link];
-        if (kv_key_equal(other->key, key) && other->ns == ns) return 0;
+        if (kv_block_holds(kv, *link, id)) return *link;
         link = &kv->blocks[*link].hash_next;
     }
     kva_kv_block *blk = &kv->blocks[b];
-    blk->key = key;
-    blk->ns = ns;
+    blk->key = id->key;
+    blk->ns = id->ns;
+    blk->key_len = (uint8_t)id->len;
+    if (id->len) memcpy(kv_key_store(kv, b), id->bytes, id->len);
     blk->registered = 1;
     blk->hash_next = KVA_NIL;
     *link = b;
     kv->registered_count++;
-    return 1;
+    if (kva_unlikely(kv->events != NULL)) kv_event_stored(kv, b, id, parent, first_token);
+    return b;
 }
 
 static void prefix_unregister(kva_kv *kv, uint32_t b) {
@@ -56,7 +60,7 @@ static void free_append(kva_kv *kv, uint32_t b) {
     kv->free_count++;
 }
 
-uint32_t kv_evict(kva_kv *kv, uint32_t count) {
+uint32_t kv_evict(kva_kv *kv, uint32_t count, int announce) {
     if (count > kv->cached_count) count = kv->cached_count;
     uint32_t victims[KV_EVICT_BATCH], bucket[KV_EVICT_BATCH];
     for (uint32_t done = 0; done < count;) {
@@ -80,6 +84,7 @@ uint32_t kv_evict(kva_kv *kv, uint32_t count) {
         }
         for (uint32_t i = 0; i < n; i++) {
             uint32_t b = victims[i];
+            if (kva_unlikely(announce && kv->events != NULL)) kv_event_removed(kv, b);
             kv_lru_remove(kv, b);
             prefix_unregister(kv, b);
             free_append(kv, b);
@@ -90,8 +95,18 @@ uint32_t kv_evict(kva_kv *kv, uint32_t count) {
     return count;
 }
 
+void kv_forget(kva_kv *kv, uint32_t b) {
+    if (kv->events) kv_event_removed(kv, b);
+    prefix_unregister(kv, b);
+    if (kv->blocks[b].state == KV_CACHED) {
+        kv_lru_remove(kv, b);
+        free_append(kv, b);
+    }
+    kv->counters.evictions++;
+}
+
 void kv_make_room(kva_kv *kv, uint32_t need) {
-    if (need > kv->free_count) kv_evict(kv, need - kv->free_count);
+    if (need > kv->free_count) kv_evict(kv, need - kv->free_count, 1);
 }
 
 void kv_take(kva_kv *kv, uint32_t *table, uint32_t n, uint8_t priority) {
@@ -126,19 +141,5 @@ void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority) {
 void kv_release(kva_kv *kv, const uint32_t *table, uint32_t n) {
     /* Last block first: the tail of a released sequence reaches the LRU lists before its head
      * and is evicted first. */
-    for (uint32_t i = n; i-- > 0;) {
-        uint32_t b = table[i];
-        kva_kv_block *blk = &kv->blocks[b];
-        if (--blk->refs != 0) continue;
-        kv->used_count--;
-        if (blk->registered) {
-            kv_lru_push(kv, b);
-        } else {
-            blk->state = KV_FREE;
-            blk->next = kv->free_top;
-            if (kv->free_count == 0) kv->free_bottom = b;
-            kv->free_top = b;
-            kv->free_count++;
-        }
-    }
+    for (uint32_t i = n; i-- > 0;) kv_unref(kv, table[i]);
 }

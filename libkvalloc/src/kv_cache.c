@@ -19,6 +19,14 @@
 #define KV_MAX_BLOCKS ((uint32_t)1 << 30)
 /* Contiguous mode: buckets up to 2^30 tokens. */
 #define KV_MAX_CONTEXT ((uint32_t)1 << 30)
+/* The largest event ring: 96 MiB. */
+#define KV_MAX_EVENTS ((uint32_t)1 << 20)
+
+#if UINTPTR_MAX == UINT64_MAX
+_Static_assert(sizeof(kva_kv_config) == 80, "the config's added fields fill its alignment holes");
+#endif
+_Static_assert(sizeof(kva_kv_event) == 96, "an event is 96 bytes without padding");
+_Static_assert(sizeof(kva_kv_block_copy) == 16, "a batch copy is four u32");
 #define KV_POOL_MIN_BLOCK ((size_t)4096)
 
 void kva_kv_config_init(kva_kv_config *cfg) {
@@ -45,6 +53,12 @@ static kva_status geometry(const kva_kv_config *cfg, kva_kv_info *info) {
     if ((unsigned)cfg->mode > KVA_KV_CONTIGUOUS) return kva_fail(KVA_ERR_INVALID, "unknown mode %d", (int)cfg->mode);
     if ((unsigned)cfg->layout > KVA_KV_LAYOUT_LAYERS)
         return kva_fail(KVA_ERR_INVALID, "unknown layout %d", (int)cfg->layout);
+    if (cfg->max_key_bytes > KVA_KV_MAX_KEY_BYTES)
+        return kva_fail(KVA_ERR_INVALID, "max_key_bytes %u is beyond %d", cfg->max_key_bytes, KVA_KV_MAX_KEY_BYTES);
+    if (cfg->event_capacity > KV_MAX_EVENTS)
+        return kva_fail(KVA_ERR_INVALID, "event_capacity %u is beyond %u", cfg->event_capacity, KV_MAX_EVENTS);
+    if (cfg->mode != KVA_KV_PAGED && (cfg->max_key_bytes || cfg->event_capacity))
+        return kva_fail(KVA_ERR_INVALID, "engine keys and events need paged mode");
     size_t slot, token, block;
     if (!mul_size((size_t)cfg->kv_heads * cfg->head_dim, cfg->dtype_bytes, &slot) ||
         !mul_size(slot, (size_t)2 * cfg->layers, &token) || !mul_size(token, cfg->block_tokens, &block))
@@ -217,9 +231,19 @@ static kva_status paged_init(kva_kv *kv) {
     memset(kv->buckets, 0xff, (size_t)buckets * sizeof *kv->buckets);
     kv->num_blocks = n;
     kv->backed_blocks = n;
-    for (uint32_t b = 0; b < n; b++) {
-        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .lru_slot = KVA_NIL,
-                                       .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
+    for (uint32_t b = 0; b < n; b++)
+        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
+    /* Touched only where used: engine keys as blocks are registered under them, the engine's
+     * references as it takes them. */
+    void *loose;
+    st = kv_metadata_map((size_t)n * sizeof *kv->loose, &loose, &kv->loose_length);
+    if (st != KVA_OK) return st;
+    kv->loose = loose;
+    if (kv->max_key_bytes) {
+        void *keys;
+        st = kv_metadata_map((size_t)n * kv->max_key_bytes, &keys, &kv->key_store_length);
+        if (st != KVA_OK) return st;
+        kv->key_store = keys;
     }
     kv->free_top = 0;
     kv->free_bottom = n - 1;
@@ -233,12 +257,19 @@ static void release_memory(kva_kv *kv) {
         kva_kv_seqrec *rec = &kv->seqs[s];
         if (rec->live && kv->info.mode == KVA_KV_CONTIGUOUS) kv_contig_release(kv, rec);
         free(rec->table);
+        free(rec->partial);
     }
-    /* Slots past seq_slots may hold a table reserved by a call that then failed. */
-    if (kv->seq_slots < kv->seq_capacity) free(kv->seqs[kv->seq_slots].table);
+    /* The slot at seq_slots may hold a table reserved by a call that then failed. */
+    if (kv->seq_slots < kv->seq_capacity) {
+        free(kv->seqs[kv->seq_slots].table);
+        free(kv->seqs[kv->seq_slots].partial);
+    }
     free(kv->seqs);
     kva_os_unmap(kv->blocks, kv->blocks_length);
     kva_os_unmap(kv->buckets, kv->buckets_length);
+    kva_os_unmap(kv->loose, kv->loose_length);
+    kva_os_unmap(kv->key_store, kv->key_store_length);
+    kv_events_release(kv);
     kv_lru_release(kv);
     /* Trimmed or not: the pool's free forgets the granules given back (region_cuda.c). */
     if (kv->memory) kva_free(kv->pool, kv->memory);
@@ -260,6 +291,8 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     kv->info = info;
     kv->block_tokens = info.block_tokens;
     kv->hash_seed = cfg->hash_seed;
+    kv->max_key_bytes = cfg->max_key_bytes;
+    kv->event_medium = cfg->event_medium;
     kv->handle_key = kv_new_handle_key();
     kv->free_slot = KVA_NIL;
     kv->free_top = kv->free_bottom = KVA_NIL;
@@ -276,6 +309,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     }
     kv->info.pool = kv->pool;
     st = cfg->mode == KVA_KV_PAGED ? paged_init(kv) : contiguous_limit(kv, cfg);
+    if (st == KVA_OK && cfg->event_capacity) st = kv_events_init(kv, cfg->event_capacity);
     if (st == KVA_OK && pthread_mutex_init(&kv->lock, NULL) != 0)
         st = kva_fail(KVA_ERR_BACKEND, "pthread_mutex_init failed");
     if (st != KVA_OK) {
@@ -319,7 +353,7 @@ kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_
 }
 
 static kva_status evict_locked(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
-    uint32_t count = kv->info.mode == KVA_KV_PAGED ? kv_evict(kv, max_blocks) : 0;
+    uint32_t count = kv->info.mode == KVA_KV_PAGED ? kv_evict(kv, max_blocks, 1) : 0;
     if (evicted) *evicted = count;
     return KVA_OK;
 }
@@ -362,11 +396,14 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
     memcpy(st.call_ns_log2, kv->call_ns_log2, sizeof st.call_ns_log2);
     st.bytes_in_use = kv->info.mode == KVA_KV_PAGED ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
     st.block_metadata_bytes =
-        (size_t)kv->num_blocks * sizeof *kv->blocks + (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
+        (size_t)kv->num_blocks * (sizeof *kv->blocks + kv->max_key_bytes + (kv->loose_touched ? sizeof *kv->loose : 0)) +
+        (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
         (size_t)kv->lru_used * (KV_LRU_SEG * sizeof *kv->lru_ids + sizeof *kv->lru_segs);
     size_t tables = 0;
-    for (uint32_t s = 0; s < kv->seq_slots; s++) tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t);
-    st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables;
+    for (uint32_t s = 0; s < kv->seq_slots; s++)
+        tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t) + (kv->seqs[s].partial ? kv->block_tokens * sizeof(uint32_t) : 0);
+    st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables +
+                        (size_t)kv->event_capacity * sizeof(kva_kv_event);
     *out = st;
 }
 
@@ -388,6 +425,9 @@ size_t kva_kv_struct_size(kva_kv_struct_id which) {
     case KVA_KV_STRUCT_COPY: return sizeof(kva_kv_copy);
     case KVA_KV_STRUCT_SEQ_INFO: return sizeof(kva_kv_seq_info);
     case KVA_KV_STRUCT_STATS: return sizeof(kva_kv_stats);
+    case KVA_KV_STRUCT_CONTENT: return sizeof(kva_kv_content);
+    case KVA_KV_STRUCT_BLOCK_COPY: return sizeof(kva_kv_block_copy);
+    case KVA_KV_STRUCT_EVENT: return sizeof(kva_kv_event);
     }
     return 0;
 }

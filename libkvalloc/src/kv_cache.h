@@ -3,12 +3,16 @@
  * the prefix table and the sequences. Nothing here is public.
  *
  * Paged mode. The KV memory is one exact allocation from a pool cut into num_blocks blocks.
- * Each block has a 40-byte record indexed by its id, the prefix table has 1.5 to 3 u32 buckets
- * per block, and the LRU lists' segments take at most 8.4 bytes per block in a large cache
- * (kv_lru.c): 46 to 61 bytes of metadata per block. A block is in exactly one state:
+ * Metadata per block: a 40-byte record indexed by its id, 1.5 to 3 u32 prefix-table buckets
+ * (6 to 12 bytes), at most 8.4 bytes of LRU segments in a large cache (kv_lru.c): 46 to 61
+ * bytes (bench_kv measures 50.8 at 10^4 blocks, 52.2 at 2^20). Beside them, only where used:
+ * max_key_bytes bytes of engine keys (a cache created with them), and 4 bytes of the engine's
+ * references once the block calls have held one (mapped at creation, touched only then): with
+ * 32-byte keys and the block calls, 88.2 bytes at 2^20. A block is in exactly one state:
  *   FREE    on the free stack (linked through `next`; released blocks go on top, evicted
  *           ones below the rest); holds nothing.
- *   USED    refs > 0: that many block-table entries of live sequences (pins included) name it.
+ *   USED    refs > 0: that many references, each a block-table entry of a live sequence (pins
+ *           included) or one the engine holds directly through the block calls (loose[b]).
  *   CACHED  refs == 0, registered, on the LRU list of its priority: its KV is kept for a future
  *           prefix hit and is given up only when a block is needed and the free stack is empty.
  * LRU lists run from the least recently released block (head, evicted first) to the most
@@ -21,7 +25,15 @@
  * A block is registered, with its key in the prefix table, only while it is full in every
  * table that names it: appends write only into a sequence's partial last block, so cached KV
  * is never written. A registered key is unique: a new block whose key is already registered
- * stays unregistered and is freed, not cached, when released.
+ * stays unregistered and is freed, not cached, when released. A key is the library's chained
+ * 128-bit key (key_len 0) or the engine's own bytes (key_len 1 .. max_key_bytes, kept in
+ * key_store at b * max_key_bytes; the record holds their fingerprint): kv_key.h.
+ *
+ * Commits. Blocks are registered by a prompt (those given after the hits), by an extension of a
+ * sequence that keeps its chain (each block it fills: the sequence remembers its last full
+ * block's key, and when keyed by token ids the tokens of its partial block), and by
+ * kva_kv_block_commit (blocks no table names). Every registration and dropped registration
+ * goes into the event ring when the cache has one (kv_events.c).
  *
  * Compaction (kv_compact.c) renumbers the blocks: those holding data (USED and CACHED) go to
  * ids [0, n) and the free stack is rebuilt as n, n+1, ... from the top; every record, link and
@@ -31,7 +43,9 @@
  *  K1  Every block is FREE, USED, CACHED or TRIMMED; all but USED ones have refs == 0, USED
  *      ones refs > 0; the TRIMMED blocks are exactly [backed_blocks, num_blocks);
  *      free_count + used_count + cached_count + trimmed == num_blocks.
- *  K2  A block's refs equals the number of entries naming it in live sequences' tables.
+ *  K2  A block's refs equals the number of entries naming it in live sequences' tables plus
+ *      loose[b], the references the engine holds directly; loose_refs sums loose[]; no loose
+ *      count carries KV_LOOSE_MARK (a mark lives only inside one call).
  *  K3  The free stack holds exactly the FREE blocks, each once, free_count of them, and ends at
  *      free_bottom (KVA_NIL when empty).
  *  K4  The segments of LRU list p are doubly linked from lru_head[p] to lru_tail[p]; each holds
@@ -45,7 +59,9 @@
  *      segment below lru_used is on the free-segment list, with fill 0.
  *  K5  Every CACHED block is registered; no FREE block is. Each registered block is on the chain
  *      of bucket (key.lo & bucket_mask) exactly once, every chained block is registered, and no
- *      two registered blocks share (key, namespace); registered_count counts them.
+ *      two registered blocks share (key, namespace, key_len, key bytes); registered_count
+ *      counts them. A registered engine key has 1 <= key_len <= max_key_bytes and its key is
+ *      the fingerprint of its namespace and bytes (kv_key_engine).
  *  K6  A registered block is full in every table naming it: at entry i of a sequence of n
  *      tokens, (i + 1) * block_tokens <= n.
  *  K7  A live sequence has len == ceil(num_tokens / block_tokens) <= cap (paged) and a
@@ -54,6 +70,13 @@
  *  K8  Contiguous mode: a live sequence owns a live pool allocation of at least bucket_tokens *
  *      token_bytes, bucket_tokens is a power of two in [KVA_KV_MIN_BUCKET, max_context] holding
  *      num_tokens; contig_bytes sums the usable sizes of every buffer and retired buffer.
+ *  K9  A live sequence's key_kind is a kva_kv_key_kind, NONE for pins and in contiguous mode;
+ *      one keyed by token ids has its partial buffer, one keyed by engine keys a key_len in
+ *      [1, max_key_bytes] and has_last == (num_tokens >= block_tokens). While it keeps its
+ *      chain, its last full block, when registered, is registered under the key the sequence
+ *      holds for it: chain (key_len 0) or last_key, in its namespace.
+ *  K10 The event ring holds event_count <= event_capacity events from event_head on, each of a
+ *      known kind with key_len and parent_len at most KVA_KV_MAX_KEY_BYTES.
  *
  * Threads. One mutex per cache (`lock`) guards everything below except the fields marked
  * "fixed at creation", which are written before the cache is handed out and only read after,
@@ -78,19 +101,33 @@
 enum { KV_FREE = 0, KV_USED = 1, KV_CACHED = 2, KV_TRIMMED = 3 /* free, its memory given back (kv_trim.c) */ };
 
 typedef struct kva_kv_block {
-    kva_kv_key key;      /* meaningful while registered */
-    uint32_t refs;
+    kva_kv_key key;      /* while registered: the chained key, or the engine key's fingerprint */
+    uint64_t ns;         /* while registered: the namespace of the key */
+    uint32_t refs;       /* table entries naming it + loose[b] */
     uint32_t hash_next;  /* the next block on the same prefix-table bucket */
-    uint32_t lru_slot;   /* while CACHED: its entry in the LRU segments (segment * KV_LRU_SEG + i) */
-    uint32_t next;       /* while FREE: the next block on the free stack */
-    uint32_t ns;         /* the namespace of the key */
+    union {
+        uint32_t next;     /* while FREE: the next block on the free stack */
+        uint32_t lru_slot; /* while CACHED: its entry in the LRU segments (segment * KV_LRU_SEG + i) */
+    };
     uint8_t state;
-    uint8_t priority;    /* the highest priority of referencing sequences since leaving FREE */
+    uint8_t priority;    /* the highest priority of its holders since leaving FREE */
     uint8_t registered;
-    uint8_t reserved;
+    uint8_t key_len;     /* while registered: 0 for a library key, else the engine key's bytes */
 } kva_kv_block;
 
 _Static_assert(sizeof(kva_kv_block) == 40, "a block record is 40 bytes");
+
+/* A key as the prefix table matches it: its 128 bits and namespace, and for an engine key its
+ * bytes (the record keeps a copy in key_store). */
+typedef struct kv_ident {
+    kva_kv_key key;
+    uint64_t ns;
+    const uint8_t *bytes; /* len bytes; NULL for a library key */
+    uint32_t len;         /* 0: a library key */
+} kv_ident;
+
+/* Set in a loose count only while one call checks its arguments (a block listed twice). */
+#define KV_LOOSE_MARK 0x80000000u
 
 /* One segment of an LRU list (kv_lru.c). */
 #define KV_LRU_SEG 64 /* block ids per segment: one 256-byte array */
@@ -106,14 +143,24 @@ typedef struct kva_kv_seqrec {
     uint32_t *table;          /* paged: block ids; cap entries allocated, kept across reuse */
     unsigned char *buffer;    /* contiguous: the bucket */
     unsigned char *retired;   /* contiguous: the previous bucket, freed at the next append/free */
+    uint32_t *partial;        /* keyed by token ids: the tokens of its partial last block
+                                 (block_tokens allocated, kept across reuse) */
     uint32_t len, cap;
     uint32_t num_tokens;
     uint32_t cached_tokens;
     uint32_t generation;      /* of the handle that names this slot now (never 0) */
-    uint32_t ns;
     uint32_t bucket_tokens;
     uint32_t next_free;       /* free-slot list link */
-    uint8_t live, priority, is_pin, reserved;
+    uint64_t ns;
+    kva_kv_key chain;         /* keyed by tokens or u64 keys: its last full block's key (root
+                                 before the first) */
+    uint8_t live, priority, is_pin;
+    uint8_t mark;             /* set only while one batch call checks its arguments */
+    uint8_t key_kind;         /* kva_kv_key_kind of the content of its next blocks: NONE when
+                                 it keeps no chain (none given, or it broke) */
+    uint8_t key_len;          /* keyed by engine keys: their length */
+    uint8_t has_last;         /* keyed by engine keys: last_key holds its last full block's key */
+    uint8_t last_key[KVA_KV_MAX_KEY_BYTES];
 } kva_kv_seqrec;
 
 typedef struct kva_kv_counters {
@@ -139,6 +186,8 @@ struct kva_kv {
     uint64_t painted_first;   /* the first cell */
     uint32_t painted_cells;
     int timed;                /* trace: time every call under the lock */
+    uint32_t max_key_bytes;   /* the longest engine key; 0: none */
+    uint32_t event_medium;    /* copied into every event */
 
     /* Everything below: under the lock. */
 
@@ -161,6 +210,18 @@ struct kva_kv {
     kva_kv_key root;
     size_t blocks_length, buckets_length; /* bytes mapped for blocks and buckets */
     size_t lru_ids_length, lru_segs_length;
+    uint8_t *key_store;       /* num_blocks * max_key_bytes: registered engine keys' bytes */
+    size_t key_store_length;
+    uint32_t *loose;          /* per block: references the engine holds directly */
+    size_t loose_length;
+    uint64_t loose_refs;      /* sum of loose[] */
+    int loose_touched;        /* some block has held a loose reference (its pages are resident) */
+
+    /* Events (kv_events.c): a ring of event_capacity, event_count of them from event_head. */
+    kva_kv_event *events;     /* NULL: events off */
+    size_t events_length;
+    uint32_t event_capacity, event_head, event_count;
+    uint64_t events_dropped;  /* since the last kva_kv_take_events */
 
     /* Sequences. */
     kva_kv_seqrec *seqs;
@@ -282,22 +343,51 @@ kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen);
 
 /* ---- the prefix table and the blocks (kv_blocks.c) ---------------------------------------- */
 
-/* The registered block with this key and namespace on the chain starting at b, or KVA_NIL. */
-KVA_INLINE uint32_t kv_prefix_find_from(const kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns) {
+/* Block b's room in key_store: max_key_bytes bytes. */
+KVA_INLINE uint8_t *kv_key_store(const kva_kv *kv, uint32_t b) {
+    return kv->key_store + (size_t)b * kv->max_key_bytes;
+}
+
+KVA_INLINE kv_ident kv_ident_library(kva_kv_key key, uint64_t ns) { return (kv_ident){key, ns, NULL, 0}; }
+
+KVA_INLINE kv_ident kv_ident_engine(const kva_kv *kv, uint64_t ns, const uint8_t *bytes, uint32_t len) {
+    return (kv_ident){kv_key_engine(kv->root, ns, bytes, len), ns, bytes, len};
+}
+
+/* The key registered block b holds, as an identity (its bytes in key_store). */
+KVA_INLINE kv_ident kv_block_ident(const kva_kv *kv, uint32_t b) {
+    const kva_kv_block *blk = &kv->blocks[b];
+    return (kv_ident){blk->key, blk->ns, blk->key_len ? kv_key_store(kv, b) : NULL, blk->key_len};
+}
+
+/* Whether registered block b holds the key id: the 128 bits first (they differ for almost
+ * every other key), then the namespace, the length and, for an engine key, its bytes. */
+KVA_INLINE int kv_block_holds(const kva_kv *kv, uint32_t b, const kv_ident *id) {
+    const kva_kv_block *blk = &kv->blocks[b];
+    return kv_key_equal(blk->key, id->key) && blk->ns == id->ns && blk->key_len == id->len &&
+           (id->len == 0 || memcmp(kv_key_store(kv, b), id->bytes, id->len) == 0);
+}
+
+/* The registered block with this key on the chain starting at b, or KVA_NIL. */
+KVA_INLINE uint32_t kv_prefix_find_from(const kva_kv *kv, uint32_t b, const kv_ident *id) {
     while (b != KVA_NIL) {
-        const kva_kv_block *blk = &kv->blocks[b];
-        if (kv_key_equal(blk->key, key) && blk->ns == ns) return b;
-        b = blk->hash_next;
+        if (kv_block_holds(kv, b, id)) return b;
+        b = kv->blocks[b].hash_next;
     }
     return KVA_NIL;
 }
 
-KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, kva_kv_key key, uint32_t ns) {
-    return kv_prefix_find_from(kv, kv->buckets[key.lo & kv->bucket_mask], key, ns);
+KVA_INLINE uint32_t kv_prefix_find(const kva_kv *kv, const kv_ident *id) {
+    return kv_prefix_find_from(kv, kv->buckets[id->key.lo & kv->bucket_mask], id);
 }
 
-/* Registers block b under key unless the key is taken; 1 if it registered. */
-int kv_prefix_register(kva_kv *kv, uint32_t b, kva_kv_key key, uint32_t ns);
+/* Registers unregistered block b under id unless the key is registered already; returns the
+ * block registered under it now (b, or the one that held it). A registration is a stored event
+ * with the given parent (NULL: none) and first token. */
+uint32_t kv_commit(kva_kv *kv, uint32_t b, const kv_ident *id, const kv_ident *parent, uint32_t first_token);
+/* Drops registered block b's registration (a removed event, an eviction): a CACHED block goes
+ * below the free blocks, a USED one stays USED. */
+void kv_forget(kva_kv *kv, uint32_t b);
 
 KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) {
     return kv->free_count + kv->cached_count + (kv->num_blocks - kv->backed_blocks);
@@ -311,18 +401,105 @@ KVA_INLINE uint32_t kv_blocks_available(const kva_kv *kv) {
 kva_status kv_ensure_backed(kva_kv *kv, uint32_t need, uint32_t evictable);
 
 /* Evicts up to count cached blocks, lowest priority and least recently released first, and
- * appends them below the free blocks. Returns how many it evicted. */
-uint32_t kv_evict(kva_kv *kv, uint32_t count);
+ * appends them below the free blocks, each a removed event when `announce`. Returns how many
+ * it evicted. */
+uint32_t kv_evict(kva_kv *kv, uint32_t count, int announce);
 /* Evicts what a call needs beyond the free blocks (the caller checked kv_blocks_available). */
 void kv_make_room(kva_kv *kv, uint32_t need);
 /* Takes n free blocks from the top of the free stack into table[0 .. n), each USED with one
  * reference (kv_make_room made room). */
 void kv_take(kva_kv *kv, uint32_t *table, uint32_t n, uint8_t priority);
-/* Adds a reference from a sequence of the given priority to a USED or CACHED block. */
+/* Adds a reference from a holder of the given priority to a USED or CACHED block. */
 void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority);
-/* Drops one reference from each of table[0 .. n), last first; a block left with none is cached
- * if registered, else free (on top of the free stack). */
+
+/* Drops one reference from block b; left with none, it is cached if registered, else free (on
+ * top of the free stack). */
+KVA_INLINE void kv_unref(kva_kv *kv, uint32_t b) {
+    kva_kv_block *blk = &kv->blocks[b];
+    if (--blk->refs != 0) return;
+    kv->used_count--;
+    if (blk->registered) {
+        kv_lru_push(kv, b);
+    } else {
+        blk->state = KV_FREE;
+        blk->next = kv->free_top;
+        if (kv->free_count == 0) kv->free_bottom = b;
+        kv->free_top = b;
+        kv->free_count++;
+    }
+}
+
+/* Drops one reference from each of table[0 .. n), last first. */
 void kv_release(kva_kv *kv, const uint32_t *table, uint32_t n);
+
+/* ---- content: how a request's blocks are named (kv_lookup.c) ------------------------------ */
+
+/* Content checked against the cache: kind, key length and array, `items` of them. */
+typedef struct kv_content {
+    uint32_t kind;          /* kva_kv_key_kind */
+    uint32_t key_len;       /* engine keys */
+    const uint32_t *tokens; /* the array of `kind`, at the request's first item */
+    const uint64_t *keys;
+    const uint8_t *bytes;
+    uint32_t items;         /* items given */
+    uint32_t blocks;        /* full blocks whose content is given (token ids: whole blocks) */
+    uint64_t ns;
+} kv_content;
+
+/* Checks content of `items` items (content NULL: none, with items 0) for this cache: a known
+ * kind, its array, an engine key length; fills *out for namespace ns. KVA_ERR_INVALID, counted,
+ * when refused. */
+kva_status kv_content_check(kva_kv *kv, const kva_kv_content *content, uint64_t items, uint64_t ns, kv_content *out);
+
+/* The part of checked content `all` that is items [first, first + items), in namespace ns. */
+kv_content kv_content_part(const kva_kv *kv, const kv_content *all, uint64_t first, uint32_t items, uint64_t ns);
+
+/* Checks a batch's offsets: count + 1 non-decreasing entries from 0, each request's items
+ * fitting a u32, the last `total`. KVA_ERR_INVALID, counted, when refused. */
+kva_status kv_offsets_check(kva_kv *kv, const uint64_t *offsets, uint32_t count, uint64_t *total);
+
+/* The key of given block i, whose parent's chained key is `parent` (unused by engine keys). */
+KVA_INLINE kv_ident kv_content_ident(const kva_kv *kv, const kv_content *c, uint32_t i, kva_kv_key parent) {
+    if (c->kind == KVA_KV_KEY_BYTES)
+        return kv_ident_engine(kv, c->ns, c->bytes + (size_t)i * c->key_len, c->key_len);
+    kva_kv_key digest = c->kind == KVA_KV_KEY_U64 ? kv_digest_caller(c->keys[i])
+                                                   : kv_digest_tokens(c->tokens + (size_t)i * kv->block_tokens, kv->block_tokens);
+    return kv_ident_library(kv_key_chain(parent, digest, c->ns), c->ns);
+}
+
+/* Looks the given blocks up in order, stopping at the first miss. The hits go to
+ * table[0 .. hits) (table may be NULL); *last receives the last hit's key (the root as a library key if none:
+ * what the first block given chains on) and *cached_hits how many hits are CACHED. Changes
+ * nothing. */
+uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last, uint32_t *cached_hits);
+
+/* ---- sequences (kv_seq.c), for the batch calls (kv_batch.c) -------------------------------- */
+
+/* The live sequence a handle names, for every call but free (a freed one is simply invalid);
+ * NULL with *st set, the refusal counted. */
+kva_kv_seqrec *kv_live_seq(kva_kv *kv, kva_kv_seq seq, kva_status *st);
+/* Checks a paged admission's arguments beyond its content. */
+kva_status kv_admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c);
+/* A paged admission, arguments checked: KVA_OK, or KVA_ERR_NOMEM with nothing changed. */
+kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
+                    uint32_t *cached_tokens);
+/* Checks an extension of a live sequence by n tokens with content c (NULL: none). */
+kva_status kv_extend_check(kva_kv *kv, const kva_kv_seqrec *rec, kva_kv_seq seq, uint32_t n, const kv_content *c);
+/* A paged extension, arguments checked: KVA_OK, or KVA_ERR_NOMEM with nothing changed. */
+kva_status kv_extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t n, const kv_content *c, kva_kv_copy *copy);
+/* Frees a live sequence or pin (paged or contiguous). */
+void kv_seq_release(kva_kv *kv, kva_kv_seqrec *rec);
+
+/* ---- events (kv_events.c) ------------------------------------------------------------------ */
+
+kva_status kv_events_init(kva_kv *kv, uint32_t capacity);
+void kv_events_release(kva_kv *kv);
+/* Each records one event when events are on (kv->events): block b registered under id, with
+ * its parent (NULL: none) and first token; registered block b's registration dropped (its key
+ * read from the block); every registration dropped. */
+void kv_event_stored(kva_kv *kv, uint32_t b, const kv_ident *id, const kv_ident *parent, uint32_t first_token);
+void kv_event_removed(kva_kv *kv, uint32_t b);
+void kv_event_cleared(kva_kv *kv);
 
 /* ---- modes ------------------------------------------------------------------------------- */
 

@@ -57,6 +57,10 @@ static kva_status check_prefix_table(const kva_kv *kv) {
             if (!blk->registered) return BROKEN("K5: block %u is chained but not registered", b);
             if ((blk->key.lo & kv->bucket_mask) != bucket) return BROKEN("K5: block %u is chained in the wrong bucket", b);
             if (++chained > kv->registered_count) return BROKEN("K5: the chains hold more blocks than are registered");
+            if (blk->key_len > kv->max_key_bytes)
+                return BROKEN("K5: block %u has an engine key of %u bytes; at most %u", b, blk->key_len, kv->max_key_bytes);
+            if (blk->key_len && !kv_key_equal(blk->key, kv_key_engine(kv->root, blk->ns, kv_key_store(kv, b), blk->key_len)))
+                return BROKEN("K5: block %u's engine key does not match its fingerprint", b);
             /* The rest of the chain, for a second block of the same key: bounded as the outer
              * walk is not yet past it (a link past the end, or a loop that never comes back to
              * b, is for the outer walk to report when it gets there). */
@@ -64,8 +68,8 @@ static kva_status check_prefix_table(const kva_kv *kv) {
             for (uint32_t o = blk->hash_next; o != KVA_NIL && o < kv->num_blocks && steps++ < kv->registered_count;
                  o = kv->blocks[o].hash_next) {
                 if (o == b) return BROKEN("K5: the chain of bucket %u loops back to block %u", bucket, b);
-                if (kv_key_equal(kv->blocks[o].key, blk->key) && kv->blocks[o].ns == blk->ns)
-                    return BROKEN("K5: blocks %u and %u share a key", b, o);
+                kv_ident id = kv_block_ident(kv, b);
+                if (kv_block_holds(kv, o, &id)) return BROKEN("K5: blocks %u and %u share a key", b, o);
             }
         }
     }
@@ -74,7 +78,32 @@ static kva_status check_prefix_table(const kva_kv *kv) {
     return KVA_OK;
 }
 
-/* K2, K6 and K7: counts each block's references from the tables. */
+/* K9 for a live paged sequence: its chain state, and the key of its last full block. */
+static kva_status check_chain(const kva_kv *kv, uint32_t s, const kva_kv_seqrec *rec) {
+    if (rec->key_kind > KVA_KV_KEY_BYTES || (rec->key_kind != KVA_KV_KEY_NONE && rec->is_pin))
+        return BROKEN("K9: sequence in slot %u has key kind %u (pin %u)", s, rec->key_kind, rec->is_pin);
+    uint32_t full = rec->num_tokens / kv->block_tokens;
+    kv_ident id = kv_ident_library(rec->chain, rec->ns);
+    switch (rec->key_kind) {
+    case KVA_KV_KEY_NONE: return KVA_OK;
+    case KVA_KV_KEY_TOKENS:
+        if (!rec->partial) return BROKEN("K9: sequence in slot %u is keyed by token ids but has no partial buffer", s);
+        break;
+    case KVA_KV_KEY_BYTES:
+        if (rec->key_len == 0 || rec->key_len > kv->max_key_bytes || rec->has_last != (full > 0))
+            return BROKEN("K9: sequence in slot %u has engine keys of %u bytes, has_last %u at %u full blocks", s,
+                          rec->key_len, rec->has_last, full);
+        id = kv_ident_engine(kv, rec->ns, rec->last_key, rec->key_len);
+        break;
+    }
+    if (full == 0) return KVA_OK;
+    uint32_t b = rec->table[full - 1];
+    if (kv->blocks[b].registered && !kv_block_holds(kv, b, &id))
+        return BROKEN("K9: sequence in slot %u's last full block %u is registered under a key other than its chain's", s, b);
+    return KVA_OK;
+}
+
+/* K2, K6, K7 and K9: counts each block's references from the tables. */
 static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
     uint32_t live = 0, pins = 0, free_slots = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++) {
@@ -83,7 +112,10 @@ static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
         if (!rec->live) continue;
         if (rec->is_pin) pins++;
         else live++;
-        if (kv->info.mode != KVA_KV_PAGED) continue;
+        if (kv->info.mode != KVA_KV_PAGED) {
+            if (rec->key_kind != KVA_KV_KEY_NONE) return BROKEN("K9: contiguous sequence in slot %u is keyed", s);
+            continue;
+        }
         uint64_t blocks = ((uint64_t)rec->num_tokens + kv->block_tokens - 1) / kv->block_tokens;
         if (rec->len != blocks || rec->len > rec->cap)
             return BROKEN("K7: sequence in slot %u has %u tokens but %u blocks (room for %u)", s, rec->num_tokens, rec->len,
@@ -95,6 +127,8 @@ static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
             if (kv->blocks[b].registered && (uint64_t)(i + 1) * kv->block_tokens > rec->num_tokens)
                 return BROKEN("K6: registered block %u is the partial block %u of the sequence in slot %u", b, i, s);
         }
+        kva_status st = check_chain(kv, s, rec);
+        if (st != KVA_OK) return st;
     }
     for (uint32_t s = kv->free_slot; s != KVA_NIL; s = kv->seqs[s].next_free) {
         if (s >= kv->seq_slots || kv->seqs[s].live) return BROKEN("K7: free-slot list names slot %u, not a free slot", s);
@@ -103,6 +137,20 @@ static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
     if (live != kv->live_seqs || pins != kv->live_pins || live + pins + free_slots != kv->seq_slots)
         return BROKEN("K7: %u live sequences, %u pins and %u free slots of %u; the counters say %u and %u", live, pins,
                       free_slots, kv->seq_slots, kv->live_seqs, kv->live_pins);
+    return KVA_OK;
+}
+
+/* K10: the event ring. */
+static kva_status check_events(const kva_kv *kv) {
+    if (!kv->events) return kv->event_count == 0 ? KVA_OK : BROKEN("K10: %u events without a ring", kv->event_count);
+    if (kv->event_count > kv->event_capacity || kv->event_head >= kv->event_capacity)
+        return BROKEN("K10: %u events from %u in a ring of %u", kv->event_count, kv->event_head, kv->event_capacity);
+    for (uint32_t i = 0; i < kv->event_count; i++) {
+        const kva_kv_event *ev = &kv->events[(kv->event_head + i) % kv->event_capacity];
+        if (ev->kind < KVA_KV_EVENT_STORED || ev->kind > KVA_KV_EVENT_CLEARED || ev->key_len > KVA_KV_MAX_KEY_BYTES ||
+            ev->parent_len > KVA_KV_MAX_KEY_BYTES)
+            return BROKEN("K10: event %u has kind %u, key_len %u, parent_len %u", i, ev->kind, ev->key_len, ev->parent_len);
+    }
     return KVA_OK;
 }
 
@@ -122,9 +170,18 @@ static kva_status check_paged(kva_kv *kv) {
     if (st == KVA_OK) st = kv_lru_check(kv, seen);
     if (st == KVA_OK) st = check_prefix_table(kv);
     if (st == KVA_OK) st = check_sequences(kv, refs);
-    for (uint32_t b = 0; st == KVA_OK && b < kv->num_blocks; b++)
-        if (refs[b] != kv->blocks[b].refs)
-            st = BROKEN("K2: block %u has %u references but %u table entries name it", b, kv->blocks[b].refs, refs[b]);
+    uint64_t loose = 0;
+    for (uint32_t b = 0; st == KVA_OK && b < kv->num_blocks; b++) {
+        if (kv->loose[b] & KV_LOOSE_MARK) st = BROKEN("K2: block %u's loose count %#x carries a mark", b, kv->loose[b]);
+        else if (refs[b] + (uint64_t)kv->loose[b] != kv->blocks[b].refs)
+            st = BROKEN("K2: block %u has %u references but %u table entries name it and the engine holds %u", b,
+                        kv->blocks[b].refs, refs[b], kv->loose[b]);
+        loose += kv->loose[b];
+    }
+    if (st == KVA_OK && loose != kv->loose_refs)
+        st = BROKEN("K2: the engine holds %llu references; the counter says %llu", (unsigned long long)loose,
+                    (unsigned long long)kv->loose_refs);
+    if (st == KVA_OK) st = check_events(kv);
     free(seen);
     free(refs);
     return st;

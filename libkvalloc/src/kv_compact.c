@@ -11,8 +11,9 @@
  * The work is in passes over metadata only (the KV memory is never touched: it may be GPU
  * memory, and the engine copies):
  *   1. count the moves; refuse (nothing changed) if the caller's array is too small;
- *   2. copy each source's record to its hole and leave a forwarding id in the source's `next`
- *      (every source is above n and becomes free in pass 5, so its record is scratch);
+ *   2. copy each source's record, its loose count and its engine key to its hole and leave a
+ *      forwarding id in the source's `next` (every source is above n and becomes free in pass
+ *      5, so its record is scratch);
  *   3. rewrite the links of the records now in [0, n): the prefix-chain link of registered
  *      ones; then the bucket heads that named a source (a source's bucket follows from its
  *      key) and the ids in the LRU segments (a CACHED block's lru_slot, its position there,
@@ -24,6 +25,8 @@
  * forwarding ids, and nothing needs host memory, so compaction cannot fail halfway.
  * O(num_blocks + table entries) under the lock.
  */
+#include <string.h>
+
 #include "kv_cache.h"
 
 #define INVALID(...) kv_reject(kv, kva_fail(KVA_ERR_INVALID, __VA_ARGS__))
@@ -42,6 +45,11 @@ static void move_records(kva_kv *kv, uint32_t n, kva_kv_move *moves) {
         while (kv->blocks[hole].state != KV_FREE) hole++; /* below n: as many holes as sources */
         kv->blocks[hole] = kv->blocks[src];
         kv->blocks[src].next = hole;
+        /* The engine's references and key bytes go with the block. */
+        kv->loose[hole] = kv->loose[src];
+        kv->loose[src] = 0;
+        if (kv->blocks[hole].registered && kv->blocks[hole].key_len)
+            memcpy(kv_key_store(kv, hole), kv_key_store(kv, src), kv->blocks[hole].key_len);
         moves[i] = (kva_kv_move){src, hole};
         hole++;
         src++;
@@ -73,8 +81,8 @@ static void rewrite_tables(kva_kv *kv, uint32_t n) {
 static void rebuild_free(kva_kv *kv, uint32_t n) {
     uint32_t total = kv->backed_blocks; /* the trimmed blocks above stay trimmed */
     for (uint32_t b = n; b < total; b++)
-        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .lru_slot = KVA_NIL,
-                                       .next = b + 1 < total ? b + 1 : KVA_NIL, .state = KV_FREE};
+        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .next = b + 1 < total ? b + 1 : KVA_NIL,
+                                       .state = KV_FREE};
     kv->free_top = n < total ? n : KVA_NIL;
     kv->free_bottom = n < total ? total - 1 : KVA_NIL;
 }

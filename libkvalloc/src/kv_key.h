@@ -4,10 +4,18 @@
  * A full block's key names its content and everything before it:
  *     key_0 = chain(root(seed), digest_0, ns),   key_i = chain(key_{i-1}, digest_i, ns)
  * where digest_i is 128 bits standing for the block's content: its token ids hashed here, or the
- * caller's 64-bit block key (a trace's hash id, an engine's own block hash) with a fixed domain
- * word beside it. Equal keys therefore mean equal namespaces and equal contents all the way from
- * the first block, up to a collision. The prefix table compares the namespace exactly as well,
- * so different namespaces never share a block, collision or not.
+ * caller's 64-bit block key (a trace's hash id) with a fixed domain word beside it, and ns is the
+ * 64-bit namespace. Equal keys therefore mean equal namespaces and equal contents all the way
+ * from the first block, up to a collision. The prefix table compares the namespace exactly as
+ * well, so different namespaces never share a block, collision or not.
+ *
+ * Engine keys. An engine that hashes its blocks itself (vLLM's 32-byte sha256 or 16-byte xxh3
+ * digests, already chained over the parent; SGLang's sha256) gives the key as 1 to 32 bytes. It
+ * is not chained again: the engine's bytes are the identity, stored exactly beside the block
+ * (kv_cache.h, key_store), and two registered keys are equal only when their namespaces, lengths
+ * and bytes are. The 128-bit fingerprint of the bytes (kv_key_engine) picks the prefix-table
+ * bucket and rules most other keys out with one compare; it never decides equality alone, so
+ * two distinct engine keys never alias, whatever the fingerprint does.
  *
  * Each key is two 64-bit lanes computed by different functions of the same input: different
  * multipliers, shifts, word orders, and xor against add for absorbing. An absorb step is a
@@ -28,6 +36,8 @@
 #ifndef KVA_KV_KEY_H
 #define KVA_KV_KEY_H
 
+#include <string.h>
+
 #include "internal.h"
 
 typedef struct kva_kv_key {
@@ -41,10 +51,11 @@ typedef struct kva_kv_key {
 #define KV_FIN_A2 0xb37523a53b4a3ee3ull
 #define KV_FIN_B1 0x4de45321ad915a37ull
 #define KV_FIN_B2 0x9823beb1e6ba3ad7ull
-/* Domain words: a caller key's digest, a token digest's start, the root. */
+/* Domain words: a caller key's digest, a token digest's start, the root, an engine key. */
 #define KV_DOMAIN_CALLER 0xaed09b824ca87fc3ull
 #define KV_DOMAIN_TOKENS 0x1ff135342e825ce1ull
 #define KV_DOMAIN_ROOT 0x33f5f28807f0cbd5ull
+#define KV_DOMAIN_ENGINE 0x8c1b5e3f6a0d2d79ull
 
 KVA_INLINE uint64_t kv_rotl(uint64_t x, unsigned r) { return (x << r) | (x >> (64 - r)); }
 
@@ -73,7 +84,7 @@ KVA_INLINE kva_kv_key kv_key_root(uint64_t seed) {
 }
 
 /* The key of a block whose parent has key `parent`. */
-KVA_INLINE kva_kv_key kv_key_chain(kva_kv_key parent, kva_kv_key digest, uint32_t ns) {
+KVA_INLINE kva_kv_key kv_key_chain(kva_kv_key parent, kva_kv_key digest, uint64_t ns) {
     uint64_t a = kv_absorb_a(kv_absorb_a(kv_absorb_a(parent.lo, digest.lo), digest.hi), parent.hi ^ ns);
     uint64_t b = kv_absorb_b(kv_absorb_b(kv_absorb_b(parent.hi, digest.hi), digest.lo), parent.lo + ns);
     return (kva_kv_key){kv_finish(a, KV_FIN_A1, KV_FIN_A2), kv_finish(b, KV_FIN_B1, KV_FIN_B2)};
@@ -94,6 +105,19 @@ KVA_INLINE kva_kv_key kv_digest_tokens(const uint32_t *tokens, uint32_t n) {
     if (i < n) {
         a = kv_absorb_a(a, tokens[i]);
         b = kv_absorb_b(b, tokens[i]);
+    }
+    return (kva_kv_key){kv_finish(a, KV_FIN_A1, KV_FIN_A2), kv_finish(b, KV_FIN_B1, KV_FIN_B2)};
+}
+
+/* The fingerprint of an engine's key of len bytes (1 .. KVA_KV_MAX_KEY_BYTES) in namespace ns,
+ * seeded by the cache's root so that a client cannot aim keys at one bucket. */
+KVA_INLINE kva_kv_key kv_key_engine(kva_kv_key root, uint64_t ns, const uint8_t *bytes, uint32_t len) {
+    uint64_t a = kv_absorb_a(root.lo ^ KV_DOMAIN_ENGINE ^ len, ns), b = kv_absorb_b(root.hi + KV_DOMAIN_ENGINE + len, ns);
+    for (uint32_t i = 0; i < len; i += 8) {
+        uint64_t w = 0;
+        memcpy(&w, bytes + i, len - i < 8 ? len - i : 8);
+        a = kv_absorb_a(a, w);
+        b = kv_absorb_b(b, w);
     }
     return (kva_kv_key){kv_finish(a, KV_FIN_A1, KV_FIN_A2), kv_finish(b, KV_FIN_B1, KV_FIN_B2)};
 }

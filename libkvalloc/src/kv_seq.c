@@ -1,6 +1,7 @@
 /*
- * kv_seq.c — the sequence calls: allocate with prefix lookup and registration, append with copy
- * on write, fork, free, pins, block tables. Paged mode is here; contiguous mode is kv_contig.c.
+ * kv_seq.c — the sequence calls: admission with prefix lookup and registration, extension with
+ * copy on write and the commit of the blocks decoding fills, fork, free, pins, block tables.
+ * Paged mode is here; contiguous mode is kv_contig.c; the batch forms are kv_batch.c.
  *
  * Every call checks everything first, then counts the blocks it needs against the free and
  * evictable ones and reserves host memory for the table, and only then changes state, so a
@@ -10,93 +11,14 @@
  * between kv_lock and kv_unlock: the cache's lock is held for the whole call and released on
  * every return path.
  */
+#include <stdlib.h>
 #include <string.h>
 
 #include "kv_cache.h"
 
 #define INVALID(...) kv_reject(kv, kva_fail(KVA_ERR_INVALID, __VA_ARGS__))
 
-/* The content of a request's first full blocks: caller keys or token ids, or nothing. */
-typedef struct kv_content {
-    const uint64_t *keys;
-    const uint32_t *tokens;
-    uint32_t blocks;    /* full blocks whose content is given */
-    uint32_t token_ids; /* token ids given (their whole blocks are the content) */
-    uint32_t ns;
-} kv_content;
-
-KVA_INLINE kva_kv_key content_digest(const kva_kv *kv, const kv_content *c, uint32_t i) {
-    if (c->keys) return kv_digest_caller(c->keys[i]);
-    return kv_digest_tokens(c->tokens + (size_t)i * kv->block_tokens, kv->block_tokens);
-}
-
-/* Checks the content arguments shared by allocation and pins. */
-static kva_status content_check(kva_kv *kv, const uint64_t *keys, uint32_t num_keys, const uint32_t *tokens,
-                                uint32_t num_token_ids, uint32_t ns, kv_content *out) {
-    if (!keys && num_keys) return INVALID("block_keys is NULL but num_keys is %u", num_keys);
-    if (!tokens && num_token_ids) return INVALID("tokens is NULL but num_token_ids is %u", num_token_ids);
-    if (num_keys && num_token_ids) return INVALID("give block keys or token ids, not both");
-    if (kv->info.mode != KVA_KV_PAGED && (num_keys || num_token_ids))
-        return INVALID("prefix keys need paged mode; this cache is contiguous");
-    out->keys = num_keys ? keys : NULL;
-    out->tokens = num_token_ids ? tokens : NULL;
-    out->blocks = num_keys ? num_keys : num_token_ids / kv->block_tokens;
-    out->token_ids = num_token_ids;
-    out->ns = ns;
-    return KVA_OK;
-}
-
-/* Blocks looked up per round: their keys are computed first (they depend only on the content),
- * then their buckets and records load in parallel, so a long prefix in a large cache waits on
- * memory about once per round instead of twice per block. */
-#define KV_PROBE_BATCH 16
-
-/* Looks the given blocks up in order, stopping at the first miss. The hits go to
- * table[0 .. hits); *key receives the last hit's key (the root if none) and *cached_hits how
- * many hits are CACHED (they leave the LRU lists when referenced). Changes nothing else. */
-static uint32_t prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kva_kv_key *key,
-                             uint32_t *cached_hits) {
-    kva_kv_key at = kv->root;
-    uint32_t hits = 0, cached = 0;
-    while (hits < c->blocks) {
-        kva_kv_key keys[KV_PROBE_BATCH];
-        uint32_t heads[KV_PROBE_BATCH];
-        uint32_t n = c->blocks - hits < KV_PROBE_BATCH ? c->blocks - hits : KV_PROBE_BATCH;
-        kva_kv_key k = at;
-        for (uint32_t j = 0; j < n; j++) {
-            k = kv_key_chain(k, content_digest(kv, c, hits + j), c->ns);
-            keys[j] = k;
-            __builtin_prefetch(&kv->buckets[k.lo & kv->bucket_mask]);
-        }
-        for (uint32_t j = 0; j < n; j++) {
-            heads[j] = kv->buckets[keys[j].lo & kv->bucket_mask];
-            if (heads[j] != KVA_NIL) {
-                __builtin_prefetch(&kv->blocks[heads[j]]);
-                __builtin_prefetch((const char *)&kv->blocks[heads[j]] + sizeof(kva_kv_block) - 1);
-            }
-        }
-        for (uint32_t j = 0; j < n; j++) {
-            uint32_t b = kv_prefix_find_from(kv, heads[j], keys[j], c->ns);
-            if (b == KVA_NIL) goto done;
-            table[hits++] = b;
-            if (kv->blocks[b].state == KV_CACHED) {
-                /* The hit takes it off its LRU list (kv_block_ref): its entry starts loading. */
-                uint32_t slot = kv->blocks[b].lru_slot;
-                __builtin_prefetch(&kv->lru_ids[slot], 1);
-                __builtin_prefetch(&kv->lru_segs[slot / KV_LRU_SEG], 1);
-                cached++;
-            }
-            at = keys[j];
-        }
-    }
-done:
-    *key = at;
-    *cached_hits = cached;
-    return hits;
-}
-
-/* The live sequence a handle names, for every call but free: a freed one is simply invalid. */
-static kva_kv_seqrec *live_seq(kva_kv *kv, kva_kv_seq seq, kva_status *st) {
+kva_kv_seqrec *kv_live_seq(kva_kv *kv, kva_kv_seq seq, kva_status *st) {
     kva_kv_seqrec *rec = kv_seq_lookup(kv, seq, st);
     if (!rec && *st == KVA_ERR_DOUBLE_FREE)
         *st = kva_fail(KVA_ERR_INVALID, "sequence %#llx was freed", (unsigned long long)seq);
@@ -110,26 +32,67 @@ static kva_status no_room(kva_kv *kv, uint32_t need, uint32_t available, const c
                     available, kv->num_blocks);
 }
 
-static kva_status paged_allocate(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority,
-                                 kva_kv_seq *seq, uint32_t *cached_tokens) {
-    uint32_t bt = kv->block_tokens;
-    uint32_t full = num_tokens / bt;
+/* Whether content given at admission covers the whole sequence, so that it keeps its chain. */
+static int keeps_chain(const kva_kv *kv, const kv_content *c, uint32_t num_tokens) {
+    if (c->kind == KVA_KV_KEY_TOKENS) return c->items == num_tokens;
+    if (c->kind == KVA_KV_KEY_U64 || c->kind == KVA_KV_KEY_BYTES) return c->items == num_tokens / kv->block_tokens;
+    return 0;
+}
+
+/* Room for the tokens of a partial block in a slot; 0 (KVA_ERR_NOMEM recorded and counted) if
+ * host memory runs out. */
+static int partial_reserve(kva_kv *kv, kva_kv_seqrec *rec) {
+    if (!rec->partial) rec->partial = malloc(kv->block_tokens * sizeof *rec->partial);
+    if (rec->partial) return 1;
+    kv->counters.alloc_failures++;
+    kva_fail(KVA_ERR_NOMEM, "no host memory for %u token ids", kv->block_tokens);
+    return 0;
+}
+
+/* The key a sequence holds for its last full block, the parent of its next one. */
+static kv_ident chain_parent(const kva_kv_seqrec *rec) {
+    if (rec->key_kind == KVA_KV_KEY_BYTES) return (kv_ident){{0, 0}, rec->ns, rec->last_key, rec->key_len};
+    return kv_ident_library(rec->chain, rec->ns);
+}
+
+/* Takes id as the key of the sequence's last full block. */
+static void chain_advance(kva_kv_seqrec *rec, const kv_ident *id) {
+    if (rec->key_kind == KVA_KV_KEY_BYTES) {
+        memcpy(rec->last_key, id->bytes, id->len);
+        rec->has_last = 1;
+    } else {
+        rec->chain = id->key;
+    }
+}
+
+kva_status kv_admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c) {
+    uint32_t full = num_tokens / kv->block_tokens;
+    if (priority >= KVA_KV_PRIORITIES) return INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
+    if (c->kind == KVA_KV_KEY_TOKENS && c->items > num_tokens)
+        return INVALID("%u token ids for a sequence of %u tokens", c->items, num_tokens);
+    if (c->kind != KVA_KV_KEY_TOKENS && c->items > full)
+        return INVALID("%u block keys but %u tokens fill only %u blocks of %u", c->items, num_tokens, full,
+                       kv->block_tokens);
+    return KVA_OK;
+}
+
+kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
+                    uint32_t *cached_tokens) {
+    uint32_t bt = kv->block_tokens, full = num_tokens / bt;
     uint64_t blocks = ((uint64_t)num_tokens + bt - 1) / bt;
-    if (c->keys && c->blocks > full)
-        return INVALID("%u block keys but %u tokens fill only %u blocks of %u", c->blocks, num_tokens, full, bt);
-    if (c->token_ids > num_tokens)
-        return INVALID("%u token ids for a sequence of %u tokens", c->token_ids, num_tokens);
     if (blocks > kv->num_blocks) return no_room(kv, (uint32_t)blocks, kv->num_blocks, "the sequence");
+    int keyed = keeps_chain(kv, c, num_tokens);
 
     kva_kv_seqrec *rec = kv_seq_reserve(kv, (uint32_t)blocks);
     if (!rec) {
         kv->counters.alloc_failures++;
         return KVA_ERR_NOMEM;
     }
+    if (keyed && c->kind == KVA_KV_KEY_TOKENS && !partial_reserve(kv, rec)) return KVA_ERR_NOMEM;
     uint32_t *table = rec->table;
-    kva_kv_key key;
+    kv_ident last;
     uint32_t cached_hits;
-    uint32_t hits = prefix_probe(kv, c, table, &key, &cached_hits);
+    uint32_t hits = kv_prefix_probe(kv, c, table, &last, &cached_hits);
     uint32_t need = (uint32_t)blocks - hits, available = kv_blocks_available(kv) - cached_hits;
     if (need > available) return no_room(kv, need, available, "the sequence");
     kva_status backed = kv_ensure_backed(kv, need, kv->cached_count - cached_hits);
@@ -138,9 +101,12 @@ static kva_status paged_allocate(kva_kv *kv, uint32_t num_tokens, const kv_conte
     for (uint32_t i = 0; i < hits; i++) kv_block_ref(kv, table[i], priority);
     kv_make_room(kv, need);
     kv_take(kv, table + hits, need, priority);
+    if (c->kind == KVA_KV_KEY_BYTES) /* the commits below write the new blocks' keys */
+        for (uint32_t i = hits; i < c->blocks; i++) __builtin_prefetch(kv_key_store(kv, table[i]), 1);
     for (uint32_t i = hits; i < c->blocks; i++) {
-        key = kv_key_chain(key, content_digest(kv, c, i), c->ns);
-        kv_prefix_register(kv, table[i], key, c->ns);
+        kv_ident id = kv_content_ident(kv, c, i, last.key);
+        kv_commit(kv, table[i], &id, i ? &last : NULL, i * bt);
+        last = id;
     }
     rec->len = (uint32_t)blocks;
     rec->num_tokens = num_tokens;
@@ -148,6 +114,13 @@ static kva_status paged_allocate(kva_kv *kv, uint32_t num_tokens, const kv_conte
     rec->ns = c->ns;
     rec->priority = priority;
     rec->is_pin = 0;
+    rec->key_kind = (uint8_t)(keyed ? c->kind : KVA_KV_KEY_NONE);
+    rec->key_len = (uint8_t)c->key_len;
+    rec->chain = last.key;
+    rec->has_last = 0;
+    if (keyed && c->kind == KVA_KV_KEY_BYTES && full) chain_advance(rec, &last);
+    if (keyed && c->kind == KVA_KV_KEY_TOKENS)
+        memcpy(rec->partial, c->tokens + (size_t)full * bt, (num_tokens - full * bt) * sizeof *rec->partial);
     *seq = kv_seq_publish(kv, rec);
     if (cached_tokens) *cached_tokens = hits * bt;
     kv->counters.allocations++;
@@ -156,12 +129,10 @@ static kva_status paged_allocate(kva_kv *kv, uint32_t num_tokens, const kv_conte
     return KVA_OK;
 }
 
-static kva_status seq_allocate_locked(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys,
-                                      uint32_t num_keys, const uint32_t *tokens, uint32_t num_token_ids,
-                                      uint32_t namespace_id, uint32_t priority, kva_kv_seq *seq,
-                                      uint32_t *cached_tokens) {
+static kva_status admit_locked(kva_kv *kv, uint32_t num_tokens, uint64_t ns, uint32_t priority,
+                               const kva_kv_content *content, uint32_t count, kva_kv_seq *seq, uint32_t *cached_tokens) {
     kv_content c;
-    kva_status st = content_check(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, &c);
+    kva_status st = kv_content_check(kv, content, count, ns, &c);
     if (st != KVA_OK) return st;
     if (!seq) return INVALID("seq is NULL");
     if (priority >= KVA_KV_PRIORITIES) return INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
@@ -170,27 +141,104 @@ static kva_status seq_allocate_locked(kva_kv *kv, uint32_t num_tokens, const uin
         if (st == KVA_OK && cached_tokens) *cached_tokens = 0;
         return st;
     }
-    return paged_allocate(kv, num_tokens, &c, (uint8_t)priority, seq, cached_tokens);
+    c = kv_content_part(kv, &c, 0, count, ns);
+    st = kv_admit_check(kv, num_tokens, priority, &c);
+    if (st != KVA_OK) return st;
+    return kv_admit(kv, num_tokens, &c, (uint8_t)priority, seq, cached_tokens);
+}
+
+kva_status kva_kv_seq_admit(kva_kv *kv, uint32_t num_tokens, uint64_t namespace_id, uint32_t priority,
+                            const kva_kv_content *content, uint32_t count, kva_kv_seq *seq, uint32_t *cached_tokens) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = admit_locked(kv, num_tokens, namespace_id, priority, content, count, seq, cached_tokens);
+    kv_unlock(kv);
+    return st;
+}
+
+/* The content of the older calls: caller keys or token ids, not both. */
+static kva_status legacy_content(const uint64_t *keys, uint32_t num_keys, const uint32_t *tokens,
+                                 uint32_t num_token_ids, kva_kv_content *out, uint32_t *count) {
+    if (num_keys && num_token_ids) return kva_fail(KVA_ERR_INVALID, "give block keys or token ids, not both");
+    *out = (kva_kv_content){.kind = num_keys ? KVA_KV_KEY_U64 : num_token_ids ? KVA_KV_KEY_TOKENS : KVA_KV_KEY_NONE,
+                            .tokens = tokens, .keys = keys};
+    *count = num_keys + num_token_ids;
+    return KVA_OK;
 }
 
 kva_status kva_kv_seq_allocate(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys, uint32_t num_keys,
                                const uint32_t *tokens, uint32_t num_token_ids, uint32_t namespace_id,
                                uint32_t priority, kva_kv_seq *seq, uint32_t *cached_tokens) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kva_kv_content content;
+    uint32_t count = 0;
     kv_lock(kv);
-    kva_status st = seq_allocate_locked(kv, num_tokens, block_keys, num_keys, tokens, num_token_ids, namespace_id,
-                                        priority, seq, cached_tokens);
+    kva_status st = legacy_content(block_keys, num_keys, tokens, num_token_ids, &content, &count);
+    st = st != KVA_OK ? kv_reject(kv, st)
+                      : admit_locked(kv, num_tokens, namespace_id, priority, &content, count, seq, cached_tokens);
     kv_unlock(kv);
     return st;
 }
 
-/* ---- append ------------------------------------------------------------------------------- */
+/* ---- extension ---------------------------------------------------------------------------- */
 
-static kva_status paged_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, kva_kv_copy *copy) {
+/* Blocks an extension of n tokens fills. */
+static uint32_t blocks_filled(const kva_kv *kv, const kva_kv_seqrec *rec, uint32_t n) {
+    return (uint32_t)(((uint64_t)rec->num_tokens + n) / kv->block_tokens - rec->num_tokens / kv->block_tokens);
+}
+
+kva_status kv_extend_check(kva_kv *kv, const kva_kv_seqrec *rec, kva_kv_seq seq, uint32_t n, const kv_content *c) {
+    if (rec->is_pin) return INVALID("sequence %#llx is a pin; pins do not grow", (unsigned long long)seq);
+    if ((uint64_t)rec->num_tokens + n > UINT32_MAX)
+        return INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, n);
+    if (rec->key_kind == KVA_KV_KEY_NONE || !c || c->items == 0) return KVA_OK; /* content not read */
+    if (c->kind != rec->key_kind || c->key_len != (rec->key_kind == KVA_KV_KEY_BYTES ? rec->key_len : 0))
+        return INVALID("content of kind %u (key_len %u) for sequence %#llx, keyed by kind %u (key_len %u)", c->kind,
+                       c->key_len, (unsigned long long)seq, rec->key_kind, rec->key_len);
+    uint32_t want = rec->key_kind == KVA_KV_KEY_TOKENS ? n : blocks_filled(kv, rec, n);
+    if (c->items != want)
+        return INVALID("%u content items for sequence %#llx; this extension needs %u (or 0)", c->items,
+                       (unsigned long long)seq, want);
+    return KVA_OK;
+}
+
+/* Registers table[i], which the sequence has just filled, under id (as a prompt's block). */
+static void commit_filled_block(kva_kv *kv, kva_kv_seqrec *rec, uint32_t i, const kv_ident *id) {
+    kv_ident parent = chain_parent(rec);
+    kv_commit(kv, rec->table[i], id, i ? &parent : NULL, i * kv->block_tokens);
+    chain_advance(rec, id);
+}
+
+/* Commits the blocks an extension of a chained sequence from old_tokens by n tokens filled, with
+ * content c (checked: the tokens appended, or a key per filled block). Each filled block is the
+ * sequence's own: a fresh block, or its partial last block, private once the extension has
+ * copied it on write. */
+static void commit_filled(kva_kv *kv, kva_kv_seqrec *rec, uint32_t old_tokens, uint32_t n, const kv_content *c) {
+    uint32_t bt = kv->block_tokens, fill = old_tokens % bt, first = old_tokens / bt;
+    uint32_t end = (uint32_t)(((uint64_t)old_tokens + n) / bt);
+    if (c->kind != KVA_KV_KEY_TOKENS) {
+        for (uint32_t i = first; i < end; i++) {
+            kv_ident id = kv_content_ident(kv, c, i - first, rec->chain);
+            commit_filled_block(kv, rec, i, &id);
+        }
+        return;
+    }
+    const uint32_t *src = c->tokens, *stop = c->tokens + n;
+    for (uint32_t i = first; i < end; i++) {
+        memcpy(rec->partial + fill, src, (bt - fill) * sizeof *src);
+        src += bt - fill;
+        fill = 0;
+        kv_ident id = kv_ident_library(kv_key_chain(rec->chain, kv_digest_tokens(rec->partial, bt), rec->ns), rec->ns);
+        commit_filled_block(kv, rec, i, &id);
+    }
+    memcpy(rec->partial + fill, src, (size_t)(stop - src) * sizeof *src);
+}
+
+kva_status kv_extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, const kv_content *c, kva_kv_copy *copy) {
     uint32_t bt = kv->block_tokens;
-    uint32_t new_tokens = rec->num_tokens + num_tokens;
+    uint32_t old_tokens = rec->num_tokens, new_tokens = old_tokens + num_tokens;
     uint32_t new_len = (uint32_t)(((uint64_t)new_tokens + bt - 1) / bt);
-    uint32_t fill = rec->num_tokens % bt;
+    uint32_t fill = old_tokens % bt;
     int cow = num_tokens != 0 && fill != 0 && kv->blocks[rec->table[rec->len - 1]].refs > 1;
     uint32_t need = new_len - rec->len + (uint32_t)cow, available = kv_blocks_available(kv);
     if (need > available) return no_room(kv, need, available, "the append");
@@ -215,38 +263,52 @@ static kva_status paged_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_toke
     }
     kv_take(kv, rec->table + rec->len, new_len - rec->len, rec->priority);
     rec->len = new_len;
+    if (rec->key_kind != KVA_KV_KEY_NONE) {
+        if (c && c->items) commit_filled(kv, rec, old_tokens, num_tokens, c);
+        else if (rec->key_kind == KVA_KV_KEY_TOKENS ? num_tokens != 0 : new_tokens / bt != old_tokens / bt)
+            rec->key_kind = KVA_KV_KEY_NONE; /* what the new tokens hold is not known */
+    }
     rec->num_tokens = new_tokens;
     *copy = out;
     return KVA_OK;
 }
 
-static kva_status seq_append_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
+static kva_status extend_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, const kva_kv_content *content,
+                                uint32_t count, kva_kv_copy *copy) {
     kva_status st;
-    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
+    kva_kv_seqrec *rec = kv_live_seq(kv, seq, &st);
     if (!rec) return st;
     if (!copy) return INVALID("copy is NULL");
-    if (rec->is_pin) return INVALID("sequence %#llx is a pin; pins do not grow", (unsigned long long)seq);
-    if ((uint64_t)rec->num_tokens + num_tokens > UINT32_MAX)
-        return INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, num_tokens);
+    kv_content c;
+    st = kv_content_check(kv, content, count, rec->ns, &c);
+    if (st != KVA_OK) return st;
+    c = kv_content_part(kv, &c, 0, count, rec->ns);
+    st = kv_extend_check(kv, rec, seq, num_tokens, &c);
+    if (st != KVA_OK) return st;
     st = kv->info.mode == KVA_KV_CONTIGUOUS ? kv_contig_append(kv, rec, num_tokens, copy)
-                                           : paged_append(kv, rec, num_tokens, copy);
+                                           : kv_extend(kv, rec, num_tokens, &c, copy);
     if (st == KVA_OK) kv->counters.appends++;
     return st;
 }
 
-kva_status kva_kv_seq_append(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
+kva_status kva_kv_seq_extend(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, const kva_kv_content *content,
+                             uint32_t count, kva_kv_copy *copy) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kv_lock(kv);
-    kva_status st = seq_append_locked(kv, seq, num_tokens, copy);
+    kva_status st = extend_locked(kv, seq, num_tokens, content, count, copy);
     kv_unlock(kv);
     return st;
+}
+
+kva_status kva_kv_seq_append(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
+    return kva_kv_seq_extend(kv, seq, num_tokens, NULL, 0, copy);
 }
 
 /* ---- fork, free, pins --------------------------------------------------------------------- */
 
 static kva_status seq_fork_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child) {
     kva_status st;
-    kva_kv_seqrec *parent = live_seq(kv, seq, &st);
+    kva_kv_seqrec *parent = kv_live_seq(kv, seq, &st);
     if (!parent) return st;
     if (!child) return INVALID("child is NULL");
     if (kv->info.mode != KVA_KV_PAGED || parent->is_pin) return INVALID("fork needs a paged sequence that is not a pin");
@@ -257,6 +319,7 @@ static kva_status seq_fork_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child)
         return KVA_ERR_NOMEM;
     }
     parent = &kv->seqs[parent_slot]; /* reserving may have moved the slots */
+    if (parent->key_kind == KVA_KV_KEY_TOKENS && !partial_reserve(kv, rec)) return KVA_ERR_NOMEM;
     for (uint32_t i = 0; i < parent->len; i++) {
         rec->table[i] = parent->table[i];
         kv_block_ref(kv, parent->table[i], parent->priority);
@@ -267,6 +330,14 @@ static kva_status seq_fork_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child)
     rec->ns = parent->ns;
     rec->priority = parent->priority;
     rec->is_pin = 0;
+    /* The child holds the same content: it keeps the parent's chain. */
+    rec->key_kind = parent->key_kind;
+    rec->key_len = parent->key_len;
+    rec->chain = parent->chain;
+    rec->has_last = parent->has_last;
+    memcpy(rec->last_key, parent->last_key, sizeof rec->last_key);
+    if (parent->key_kind == KVA_KV_KEY_TOKENS)
+        memcpy(rec->partial, parent->partial, parent->num_tokens % kv->block_tokens * sizeof *rec->partial);
     *child = kv_seq_publish(kv, rec);
     kv->counters.forks++;
     return KVA_OK;
@@ -287,11 +358,15 @@ static kva_status release_locked(kva_kv *kv, kva_kv_seq seq, int pin) {
     if (rec->is_pin != pin)
         return INVALID(pin ? "%#llx is a sequence, not a pin; use kva_kv_seq_free" : "%#llx is a pin; use kva_kv_unpin",
                        (unsigned long long)seq);
+    kv_seq_release(kv, rec);
+    return KVA_OK;
+}
+
+void kv_seq_release(kva_kv *kv, kva_kv_seqrec *rec) {
     if (kv->info.mode == KVA_KV_CONTIGUOUS) kv_contig_release(kv, rec);
     else kv_release(kv, rec->table, rec->len);
+    if (!rec->is_pin) kv->counters.frees++;
     kv_seq_retire(kv, rec);
-    if (!pin) kv->counters.frees++;
-    return KVA_OK;
 }
 
 static kva_status release(kva_kv *kv, kva_kv_seq seq, int pin) {
@@ -306,39 +381,53 @@ kva_status kva_kv_seq_free(kva_kv *kv, kva_kv_seq seq) { return release(kv, seq,
 
 kva_status kva_kv_unpin(kva_kv *kv, kva_kv_seq pin) { return release(kv, pin, 1); }
 
-static kva_status pin_locked(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
-                             uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin, uint32_t *pinned_tokens) {
+static kva_status pin_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *content, uint32_t count, kva_kv_seq *pin,
+                             uint32_t *pinned_tokens) {
     kv_content c;
-    kva_status st = content_check(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, &c);
+    kva_status st = kv_content_check(kv, content, count, ns, &c);
     if (st != KVA_OK) return st;
     if (!pin) return INVALID("pin is NULL");
     if (kv->info.mode != KVA_KV_PAGED) return INVALID("pins need paged mode");
+    c = kv_content_part(kv, &c, 0, count, ns);
     kva_kv_seqrec *rec = kv_seq_reserve(kv, c.blocks);
     if (!rec) {
         kv->counters.alloc_failures++;
         return KVA_ERR_NOMEM;
     }
-    kva_kv_key key;
+    kv_ident last;
     uint32_t cached_hits;
-    uint32_t hits = prefix_probe(kv, &c, rec->table, &key, &cached_hits);
+    uint32_t hits = kv_prefix_probe(kv, &c, rec->table, &last, &cached_hits);
     /* Priority 0 leaves each block's priority as it is. */
     for (uint32_t i = 0; i < hits; i++) kv_block_ref(kv, rec->table[i], 0);
     rec->len = hits;
     rec->num_tokens = hits * kv->block_tokens;
     rec->cached_tokens = rec->num_tokens;
-    rec->ns = namespace_id;
+    rec->ns = ns;
     rec->priority = 0;
     rec->is_pin = 1;
+    rec->key_kind = KVA_KV_KEY_NONE;
     *pin = kv_seq_publish(kv, rec);
     if (pinned_tokens) *pinned_tokens = rec->num_tokens;
     return KVA_OK;
 }
 
+kva_status kva_kv_pin_content(kva_kv *kv, uint64_t namespace_id, const kva_kv_content *content, uint32_t count,
+                              kva_kv_seq *pin, uint32_t *pinned_tokens) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = pin_locked(kv, namespace_id, content, count, pin, pinned_tokens);
+    kv_unlock(kv);
+    return st;
+}
+
 kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
                       uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin, uint32_t *pinned_tokens) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kva_kv_content content;
+    uint32_t count = 0;
     kv_lock(kv);
-    kva_status st = pin_locked(kv, block_keys, num_keys, tokens, num_token_ids, namespace_id, pin, pinned_tokens);
+    kva_status st = legacy_content(block_keys, num_keys, tokens, num_token_ids, &content, &count);
+    st = st != KVA_OK ? kv_reject(kv, st) : pin_locked(kv, namespace_id, &content, count, pin, pinned_tokens);
     kv_unlock(kv);
     return st;
 }
@@ -347,7 +436,7 @@ kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys,
 
 static kva_status seq_block_table_locked(kva_kv *kv, kva_kv_seq seq, const uint32_t **table, uint32_t *len) {
     kva_status st;
-    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
+    kva_kv_seqrec *rec = kv_live_seq(kv, seq, &st);
     if (!rec) return st;
     if (!table || !len) return INVALID("table or len is NULL");
     if (kv->info.mode != KVA_KV_PAGED) return INVALID("block tables need paged mode");
@@ -366,14 +455,15 @@ kva_status kva_kv_seq_block_table(kva_kv *kv, kva_kv_seq seq, const uint32_t **t
 
 static kva_status seq_get_info_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq_info *out) {
     kva_status st;
-    kva_kv_seqrec *rec = live_seq(kv, seq, &st);
+    kva_kv_seqrec *rec = kv_live_seq(kv, seq, &st);
     if (!rec) return st;
     if (!out) return INVALID("out is NULL");
     *out = (kva_kv_seq_info){
         .num_tokens = rec->num_tokens,
         .num_blocks = rec->len,
         .cached_tokens = rec->cached_tokens,
-        .namespace_id = rec->ns,
+        .namespace_id = (uint32_t)rec->ns,
+        .namespace_hi = (uint32_t)(rec->ns >> 32),
         .priority = rec->priority,
         .is_pin = rec->is_pin,
         .bucket_tokens = rec->bucket_tokens,

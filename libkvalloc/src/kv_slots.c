@@ -108,6 +108,7 @@ void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec) {
     rec->buffer = rec->retired = NULL;
     rec->bucket_tokens = 0;
     rec->is_pin = 0;
+    rec->key_kind = KVA_KV_KEY_NONE;
     if (++rec->generation == 0) rec->generation = 1;
     rec->next_free = kv->free_slot;
     kv->free_slot = (uint32_t)(rec - kv->seqs);

@@ -75,7 +75,7 @@ kva_status kv_ensure_backed(kva_kv *kv, uint32_t need, uint32_t evictable) {
     /* Below the free blocks with memory: those are taken first. */
     for (uint32_t b = from; b < to; b++) {
         kva_kv_block *blk = &kv->blocks[b];
-        *blk = (kva_kv_block){.hash_next = KVA_NIL, .lru_slot = KVA_NIL, .next = KVA_NIL, .state = KV_FREE};
+        *blk = (kva_kv_block){.hash_next = KVA_NIL, .next = KVA_NIL, .state = KV_FREE};
         if (kv->free_count == 0) kv->free_top = b;
         else kv->blocks[kv->free_bottom].next = b;
         kv->free_bottom = b;
