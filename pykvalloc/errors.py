@@ -119,8 +119,11 @@ class SegmentError(KvallocError):
     """A pool's statistics segment (``pykvalloc.stats``) cannot be read; ``path`` names it.
 
     The segment is written by another process and read without trusting it, so each way it can
-    be wrong has its own class below.
+    be wrong has its own class below; ``kind`` names it in a word or two for people (a row of
+    ``kvalloc ls``, the inspector's picker), where the class name is Python's.
     """
+
+    kind = "unreadable"
 
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(message)
@@ -129,6 +132,8 @@ class SegmentError(KvallocError):
 
 class SegmentNotFound(SegmentError, FileNotFoundError):
     """No segment matches the pool asked for."""
+
+    kind = "not found"
 
 
 class SegmentUnreadable(SegmentError, OSError):
@@ -140,41 +145,59 @@ class SegmentUnreadable(SegmentError, OSError):
 class AmbiguousSegment(SegmentError, LookupError):
     """Several segments match the pool asked for; the message lists them."""
 
+    kind = "ambiguous"
+
 
 class BadMagic(SegmentError):
     """The file does not start with the segment magic: it is not a kvalloc statistics segment."""
 
+    kind = "not a segment"
+
 
 class UnsupportedVersion(SegmentError):
     """The segment's layout version (``abi_major``) is not the one this reader understands."""
+
+    kind = "unknown layout"
 
 
 class CorruptSegment(SegmentError):
     """A field of the segment contradicts the segment itself: a section outside its bounds, a
     count larger than its section."""
 
+    kind = "corrupt"
+
 
 class TruncatedSegment(CorruptSegment):
     """The file is shorter than its header or than the size the header states."""
+
+    kind = "truncated"
 
 
 class InconsistentSnapshot(SegmentError):
     """The writer kept changing the segment: no consistent copy was had in the bounded number of
     attempts. Torn data is never returned instead."""
 
+    kind = "inconsistent"
+
 
 class WriterGone(SegmentError):
     """The pool behind the segment will publish no more: its process ended or it was destroyed."""
+
+    kind = "gone"
 
 
 class DeadWriter(WriterGone):
     """The process that wrote the segment is gone (killed before it could remove the segment);
     ``kvalloc ls --prune`` removes such leftovers."""
 
+    kind = "dead writer"
+
 
 class SegmentRemoved(WriterGone):
     """The segment was removed while it was being watched: the pool was destroyed or its process
     exited normally."""
+
+    kind = "removed"
 
 
 _BY_STATUS: dict[int, type[KvallocError]] = {

@@ -3,6 +3,7 @@ imports and which never import it.
 
 Each subcommand is one module of this package with ``register(subparsers)``, which adds its
 parser and sets ``run``: a function taking the parsed arguments and returning the exit status.
+Every command keeps the conventions of ``CONVENTIONS``, which ``kvalloc --help`` lists.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from pykvalloc import __version__, _ffi
 from pykvalloc.errors import KvallocError
@@ -41,10 +42,34 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
+CONVENTIONS = """\
+conventions of every command:
+  output   stdout holds the report alone, a table or, with --json, JSON (ls, dump,
+           replay, bench); -o FILE writes the JSON to FILE, not to stdout
+  JSON     one object: ls {"segments", "removed"}, dump the snapshot's figures,
+           replay {"runs": [one per configuration]}, bench {"benchmarks": {...}}
+  stderr   progress bars, status lines and "wrote FILE"
+  --speed  simulated seconds per second, in demo and replay alike
+  errors   one line on stderr, "kvalloc COMMAND: message"; exit status 1, or 2 for
+           a usage error
+  extras   pip install 'pykvalloc[cli,tui]': rich for every command, Textual for top
+           and the demo watched live; 'pykvalloc[plot]' for replay --plot
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser whose usage errors take the form of every error of the command: one line,
+    ``kvalloc COMMAND: message`` (``--help`` shows the usage), and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvalloc",
-        description="Exercise and inspect libkvalloc KV-cache memory pools.")
+        description="Exercise and inspect libkvalloc KV-cache memory pools.",
+        epilog=CONVENTIONS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action=_VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     from . import bench, demo, dump, ls, replay, top
@@ -64,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except KvallocError as exc:
-        print(f"kvalloc {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(f"kvalloc {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -104,20 +104,6 @@ def output_file(text: str) -> Path:
     return path
 
 
-def output_directory(text: str) -> Path:
-    """A directory the command will write files into, made if missing: what exists of the path
-    must be directories, and the deepest of them writable."""
-    path = Path(text)
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write into {text}: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write into {text}: permission denied")
-    return path
-
-
 def usage_error(command: str, message: str) -> int:
     """Says on one line why arguments that are each valid are refused together, before anything
     runs; returns the exit status of a usage error (2, as argparse's)."""

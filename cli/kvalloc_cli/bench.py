@@ -13,7 +13,9 @@ does and records their figures):
 Each runs in a child process of its own and prints its table as it goes; the peers run with
 LD_PRELOAD set to their Debian libraries (libjemalloc2, libmimalloc2.0,
 libgoogle-perftools4 / libtcmalloc-minimal4), and a peer that is not installed is left out.
-Timings are only comparable within one run, on a machine with nothing else running.
+Timings are only comparable within one run, on a machine with nothing else running. alloc and
+threads also give every figure as JSON, {"benchmarks": {"alloc": ..., "threads": ...}}: --json
+prints it on stdout (the tables go to stderr then), -o FILE writes it to FILE.
 
 The exit status is 0 when every benchmark ran and met its targets as it judges them itself
 (kv and varpool exit 1 when one of theirs is missed; alloc and threads print their verdicts and
@@ -23,17 +25,20 @@ exit 0), else the first nonzero status.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import pykvalloc
 
-from .arguments import help_text, output_directory
+from .arguments import help_text
+from .output import add_report_options, emit_json, wants_table
 
-# name on the command line -> (executable, takes --only and --json)
+# name on the command line -> (executable, takes --only and writes its figures as JSON)
 BENCHMARKS = {
     "alloc": ("bench_alloc", True),
     "threads": ("bench_threads", True),
@@ -65,15 +70,16 @@ def find(executable: str) -> Path | None:
     return None
 
 
-def command_line(name: str, path: Path, args: argparse.Namespace) -> list[str]:
+def command_line(name: str, path: Path, args: argparse.Namespace, figures: Path | None) -> list[str]:
+    """The program's arguments; ``figures``: where it writes its JSON, None for none."""
     executable, rich_options = BENCHMARKS[name]
     argv = [str(path)]
     if args.quick:
         argv.append("--quick")
     if rich_options and args.only:
         argv += ["--only", args.only]
-    if rich_options and args.json:
-        argv += ["--json", str(Path(args.json) / f"{executable}.json")]
+    if rich_options and figures is not None:
+        argv += ["--json", str(figures)]
     return argv
 
 
@@ -108,9 +114,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--only", metavar="NAME[,NAME...]", type=allocator_names,
                         help="alloc and threads: these allocators only "
                              "(glibc, jemalloc, mimalloc, tcmalloc, kvalloc)")
-    parser.add_argument("--json", metavar="DIR", type=output_directory,
-                        help="alloc and threads: write every figure to DIR/bench_alloc.json "
-                             "and DIR/bench_threads.json")
+    add_report_options(parser, "alloc's and threads' figures")
     parser.add_argument("--list", action="store_true",
                         help="say which benchmarks are installed, and where, then exit")
     parser.set_defaults(run=run)
@@ -126,9 +130,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:8} {executable:14} {path if path else 'not installed'}")
         return 0
     ignoring = [name for name in names if not BENCHMARKS[name][1]]
-    if ignoring and (args.only or args.json):
+    wants_json = args.json or args.output is not None
+    if ignoring and (args.only or wants_json):
         print(f"kvalloc bench: {', '.join(ignoring)} measure libkvalloc alone and print their table only: "
-              f"--only and --json apply to alloc and threads", file=sys.stderr)
+              f"--only, --json and -o apply to alloc and threads", file=sys.stderr)
     paths = {name: find(BENCHMARKS[name][0]) for name in names}
     missing = [BENCHMARKS[name][0] for name, path in paths.items() if path is None]
     if missing:
@@ -137,16 +142,24 @@ def run(args: argparse.Namespace) -> int:
               f"them with the package, and a source checkout builds them with "
               f"`cmake --build build`", file=sys.stderr)
         return 2
-    if args.json:
-        Path(args.json).mkdir(parents=True, exist_ok=True)
     status = 0
-    for name in names:
-        argv = command_line(name, paths[name], args)
-        print(f"== kvalloc bench {name}: {' '.join(argv)}", flush=True)
-        code = subprocess.run(argv, check=False).returncode
-        if code < 0:  # killed by a signal: the shell's way of saying so
-            code = 128 - code
-        if code != 0:
-            print(f"== kvalloc bench {name}: exit status {code}", flush=True)
-            status = status or code
+    figures: dict[str, Any] = {}
+    # The programs print their tables on this process's stdout, or, when stdout holds the JSON
+    # alone (--json), on its stderr (descriptor 2).
+    tables = None if wants_table(args) else 2
+    with tempfile.TemporaryDirectory() as scratch:
+        for name in names:
+            written = Path(scratch) / f"{BENCHMARKS[name][0]}.json" if wants_json else None
+            argv = command_line(name, paths[name], args, written)
+            print(f"== kvalloc bench {name}: {' '.join(argv)}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            code = subprocess.run(argv, stdout=tables, check=False).returncode
+            if code < 0:  # killed by a signal: the shell's way of saying so
+                code = 128 - code
+            if code != 0:
+                print(f"== kvalloc bench {name}: exit status {code}", file=sys.stderr, flush=True)
+                status = status or code
+            if written is not None and written.is_file():
+                figures[name] = json.loads(written.read_text())
+    emit_json(args, {"benchmarks": figures})
     return status

@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from pykvalloc.errors import InvalidArgument, SegmentNotFound
 from pykvalloc.replay.backends import Geometry
 from pykvalloc.replay.simulator import ReplayConfig, replay
@@ -61,14 +59,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def headless(args: argparse.Namespace) -> int:
-    console = Console()
     geometry = Geometry()
     config = ReplayConfig(mode="paged", capacity_tokens=args.kv_size // geometry.bytes_per_token,
                           geometry=geometry, pool_name=POOL_NAME)
-    console.print(f"Replaying {args.requests:,} requests of the embedded workload through a "
-                  f"{format_size(args.kv_size)} paged KV cache (pool {POOL_NAME!r})...")
+    print(f"Replaying {args.requests:,} requests of the embedded workload through a "
+          f"{format_size(args.kv_size)} paged KV cache (pool {POOL_NAME!r})...", file=sys.stderr)
     result = replay(default_workload(args.requests), config)
-    print_report([result], console)
+    print_report([result])
     return 0 if result.finished == result.requests else 1
 
 
@@ -83,8 +80,8 @@ def watched(args: argparse.Namespace) -> int:
         report = Path(scratch) / "report.json"
         engine = subprocess.Popen(
             [sys.executable, "-m", "kvalloc_cli", "replay", "--requests", str(args.requests),
-             "--kv-size", str(args.kv_size), "--name", name, "--pace", str(args.speed), "--quiet",
-             "--json", str(report)],
+             "--kv-size", str(args.kv_size), "--name", name, "--speed", str(args.speed), "--quiet",
+             "--output", str(report)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:
             target = _wait_for_segment(name, engine)
@@ -98,7 +95,7 @@ def watched(args: argparse.Namespace) -> int:
             print(f"kvalloc demo: the replay did not finish{': ' + errors.strip() if errors.strip() else ''}",
                   file=sys.stderr)
             return 1
-        payload = json.loads(report.read_text())
+        payload = json.loads(report.read_text())["runs"][0]
     print_report([payload])
     if payload.get("stopped"):
         return 0  # you quit before the end: the report covers the run until then

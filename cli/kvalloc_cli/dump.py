@@ -4,13 +4,13 @@ The pool is found by pid, pool name or segment file (``kvalloc ls`` lists them) 
 its statistics segment, so the engine is neither stopped nor signalled. The tables show the
 summary, the free blocks per buddy order with the kernel's unusable-free-space index, the heap
 map in coloured cells, the slab classes in use, call latency and the KV cache; ``--trace`` adds
-the ring of recent operations, ``--json`` prints every figure as JSON instead.
+the ring of recent operations. ``--json`` prints every figure as JSON instead, ``-o FILE`` writes
+that JSON to FILE.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from typing import Any
@@ -27,6 +27,7 @@ from pykvalloc.sizes import format_size
 from pykvalloc.stats import Snapshot, format_age, open_segment, process_name
 
 from .arguments import help_text
+from .output import add_report_options, emit_json, wants_table
 
 HEAP_MAP_ROWS = 8  # at most; a small pool fills fewer
 BAR_WIDTH = 20
@@ -40,7 +41,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", metavar="PID|NAME",
                         help="the writer's pid, the pool name, or the segment file")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_report_options(parser, "every figure")
     parser.add_argument("--trace", action="store_true",
                         help="also print the ring of recent operations")
     parser.set_defaults(run=run)
@@ -50,10 +51,13 @@ def run(args: argparse.Namespace) -> int:
     with open_segment(args.target) as segment:
         snap = segment.snapshot()
     process = process_name(snap.pid)
-    if args.json:
-        print(json.dumps({"process": process, **snap.to_dict(trace=args.trace)}, indent=1,
-                         allow_nan=False))
-        return 0
+    if wants_table(args):
+        _print_tables(snap, process, args.trace)
+    emit_json(args, {"process": process, **snap.to_dict(trace=args.trace)})
+    return 0
+
+
+def _print_tables(snap: Snapshot, process: str | None, trace: bool) -> None:
     console = Console(highlight=False)
     console.print(render.header_line(snap, process, render.writer_state(snap)))
     console.print(Text(f"{snap.path}  layout {snap.abi[0]}.{snap.abi[1]}  publish "
@@ -65,9 +69,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(_classes_table(snap))
     console.print(_latency_table(snap))
     console.print(_kv_table(snap))
-    if args.trace:
+    if trace:
         console.print(_trace_table(snap))
-    return 0
 
 
 def _summary_table(snap: Snapshot) -> Table:

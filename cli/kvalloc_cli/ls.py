@@ -13,7 +13,6 @@ judged again, under the writer's lock, at the moment it is removed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -25,7 +24,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from pykvalloc._strict_json import json_ready
 from pykvalloc.errors import SegmentError, SegmentNotFound
 from pykvalloc.sizes import format_size
 from pykvalloc.stats import (
@@ -41,6 +39,7 @@ from pykvalloc.stats import (
 )
 
 from .arguments import help_text
+from .output import add_report_options, emit_json, wants_table
 
 
 @dataclass(frozen=True)
@@ -58,6 +57,7 @@ class Entry:
     uptime_s: float | None = None
     heartbeat_age_s: float | None = None
     problem: str | None = None  # what is wrong with an unreadable segment
+    problem_kind: str | None = None  # the same in a word or two (SegmentError.kind)
     # A KV cache's blocks: the pool counts its whole KV region as one allocation (always 100 %
     # in use), so its use is told by the blocks sequences hold, and those the prefix cache keeps.
     kv_used_blocks: int | None = None
@@ -77,7 +77,7 @@ def describe(found: SegmentFile) -> Entry | None:
     except SegmentError as exc:
         alive = found.process_alive()
         return Entry(str(found.path), found.pid, process_name(found.pid) if alive else None,
-                     found.name, alive, "unreadable", problem=f"{type(exc).__name__}: {exc}")
+                     found.name, alive, "unreadable", problem=str(exc), problem_kind=exc.kind)
     alive = writer_lives(found.path, snap.capabilities, snap.pid, snap.start_time_ns)
     age = snap.heartbeat_age()
     state = "dead" if not alive else "idle" if age >= IDLE_AFTER_S else "live"
@@ -97,7 +97,7 @@ def register(subparsers: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prune", action="store_true",
                         help="remove the segments whose process is gone")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_report_options(parser, "the list")
     parser.set_defaults(run=run)
 
 
@@ -156,18 +156,16 @@ def run(args: argparse.Namespace) -> int:
             entry = describe(found)
         if entry is not None:
             entries.append(entry)
-    if args.json:
-        print(json.dumps(json_ready({"segments": [asdict(entry) for entry in entries],
-                                     "removed": [entry.segment for entry in removed]}),
-                         indent=1, allow_nan=False))
-        return 0
-    console = Console(highlight=False)
     for entry in removed:
-        console.print(Text(f"removed {entry.segment} (pool {entry.pool!r}, process {entry.pid} is gone)"))
-    if entries:
-        console.print(_table(entries))
-    elif not removed:
-        console.print(f"no pool segments in {SHM_DIR}")
+        print(f"removed {entry.segment} (pool {entry.pool!r}, process {entry.pid} is gone)", file=sys.stderr)
+    if wants_table(args):
+        console = Console(highlight=False)
+        if entries:
+            console.print(_table(entries))
+        else:
+            console.print(f"no pool segments in {SHM_DIR}")
+    emit_json(args, {"segments": [asdict(entry) for entry in entries],
+                     "removed": [entry.segment for entry in removed]})
     return 0
 
 
@@ -192,9 +190,8 @@ def _table(entries: list[Entry]) -> Table:
         state = entry.state
         if entry.state == "idle" and entry.heartbeat_age_s is not None:
             state = f"idle {format_age(entry.heartbeat_age_s)}"
-        elif entry.problem:
-            error = entry.problem.split(":", 1)[0]
-            state = f"{state} ({error}, {'alive' if entry.alive else 'dead'})"
+        elif entry.problem_kind:
+            state = f"{state} ({entry.problem_kind}, {'alive' if entry.alive else 'dead'})"
         # Names as Text: a process or pool name such as "[/]x" is not Rich markup.
         table.add_row(str(entry.pid), Text(entry.process or "-"), Text(entry.pool), *figures,
                       Text(state, _STATE_STYLES[entry.state]),

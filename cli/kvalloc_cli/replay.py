@@ -40,7 +40,8 @@ from pykvalloc.sizes import format_size
 
 from .arguments import (COUNT_MAX, U32_MAX, help_text, kv_dtype, output_file, positive_int, positive_int32,
                         positive_number, positive_size, usage_error)
-from .report import failed, print_report, write_json, write_plot
+from .output import add_report_options, emit_json, wants_table, wrote
+from .report import failed, print_report, report_json, write_plot
 
 MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
 
@@ -82,11 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="paged 16/32/64/128, contiguous and malloc on the same traffic")
     parser.add_argument("--name", default=None, help="publish live stats under this pool name (kvalloc top)")
-    parser.add_argument("--json", type=output_file, default=None, metavar="FILE", help="write the report as JSON")
+    add_report_options(parser, "the report (runs: one per configuration)")
     parser.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                         help="plot KV use and hit rate over time (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--pace", type=positive_number, default=None, metavar="SPEED",
+    parser.add_argument("--speed", type=positive_number, default=None,
                         help="hold the replay to SPEED simulated seconds per second, to watch it "
                              "live with kvalloc top; no wait between two steps lasts more than "
                              f"{LONGEST_PACED_WAIT_S:g} s, so a longer gap between arrivals is cut "
@@ -161,7 +162,7 @@ def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str
                 "--kv-tokens", str(config.capacity_tokens), "--time-scale", str(config.time_scale),
                 "--max-batch-tokens", str(config.max_batch_tokens), "--layers", str(config.geometry.layers),
                 "--kv-heads", str(config.geometry.kv_heads), "--head-dim", str(config.geometry.head_dim),
-                "--dtype", config.geometry.dtype, "--json", str(out)]
+                "--dtype", config.geometry.dtype, "--output", str(out)]
         if args.trace:
             argv.insert(4, str(args.trace))
         if args.requests is not None:
@@ -175,14 +176,14 @@ def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str
         if not out.exists():
             reason = done.stderr.strip() or f"exit status {done.returncode}"
             raise InvalidArgument(f"the jemalloc replay failed: {reason}")
-        return dict(json.loads(out.read_text()))
+        return dict(json.loads(out.read_text())["runs"][0])
 
 
 @contextlib.contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
-    """While a paced replay runs (one a person watches, such as the demo's), SIGTERM and SIGINT
-    ask it to stop at its next step and report what it got through, instead of ending the
-    process with nothing to show."""
+    """While a replay held to a --speed runs (one a person watches, such as the demo's), SIGTERM
+    and SIGINT ask it to stop at its next step and report what it got through, instead of ending
+    the process with nothing to show."""
     asked = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: asked.set())
                 for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -193,20 +194,21 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
-def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig], quiet: bool, console: Console,
-            pace: Optional[float] = None,
+def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig], quiet: bool, status: Console,
+            speed: Optional[float] = None,
             stop: Optional[threading.Event] = None) -> list[ReplayResult | dict[str, Any]]:
+    """Every configuration's replay; ``status`` (stderr) takes the progress bar and the warnings."""
     results: list[ReplayResult | dict[str, Any]] = []
     if trace.skipped:
-        console.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
-                      f"{trace.skipped_examples[0][1]})", style="yellow")
+        status.print(f"skipped {trace.skipped} malformed rows (first: line {trace.skipped_examples[0][0]}: "
+                     f"{trace.skipped_examples[0][1]})", style="yellow", markup=False, highlight=False)
     unkeyed = sorted({c.block_tokens for c in configs if c.mode == "paged" and c.prefix_caching
                       and not keyable(c.block_tokens)})
     if unkeyed and any(r.hash_ids for r in trace.requests):
-        console.print(f"--block-tokens {unkeyed[0]} neither divides nor is a multiple of the trace's 512-token "
-                      f"hash blocks: prefix caching is off and its hit rate is not measured", style="yellow")
+        status.print(f"--block-tokens {unkeyed[0]} neither divides nor is a multiple of the trace's 512-token "
+                     f"hash blocks: prefix caching is off and its hit rate is not measured", style="yellow")
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, disable=quiet or len(trace.requests) < 2000) as progress:
+                  console=status, disable=quiet or len(trace.requests) < 2000) as progress:
         for config in configs:
             task = progress.add_task(f"{config.mode}/{config.block_tokens}", total=len(trace.requests))
 
@@ -218,7 +220,7 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
                     results.append(replay_preloaded(args, config))
                 else:
                     results.append(replay(trace, config, progress=update,
-                                          on_step=pacer(pace, stop) if pace else None,
+                                          on_step=pacer(speed, stop) if speed else None,
                                           should_stop=stop.is_set if stop is not None else None))
             except KvallocError as exc:
                 if len(configs) == 1:
@@ -231,7 +233,6 @@ def run_all(args: argparse.Namespace, trace: Trace, configs: list[ReplayConfig],
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console()
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # Said before the replay, not after it (with a traceback, as it once was).
         return usage_error("replay", "--plot needs matplotlib: pip install 'pykvalloc[plot]'")
@@ -250,14 +251,15 @@ def run(args: argparse.Namespace) -> int:
         check_arrivals(trace, args.time_scale)
     except InvalidArgument as exc:
         return usage_error("replay", f"--time-scale: {exc}")
-    with stop_on_signals() if args.pace else contextlib.nullcontext() as stop:
-        results = run_all(args, trace, configs, args.quiet, console, args.pace, stop)
-    print_report(results, console)
-    if args.json:
-        write_json(results, args.json)
+    with stop_on_signals() if args.speed else contextlib.nullcontext() as stop:
+        results = run_all(args, trace, configs, args.quiet, Console(stderr=True), args.speed, stop)
+    if wants_table(args):
+        print_report(results)
+    emit_json(args, report_json(results))
     if args.plot:
         write_plot(results, args.plot)
-    rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+        wrote(args.plot)
+    rows = report_json(results)["runs"]
     if any(r.get("stopped") for r in rows):
         return 130  # interrupted, as a shell counts it; the report covers the run so far
     return 0 if all("error" not in r and r["finished"] == r["requests"] for r in rows) else 1

@@ -1,15 +1,13 @@
-"""The replay report: a rich table for people, JSON for scripts, a PNG plot when matplotlib is
-installed (the optional ``plot`` extra)."""
+"""The replay report: a rich table for people, JSON for scripts (``{"runs": [...]}``, one run per
+configuration), a PNG plot when matplotlib is installed (the optional ``plot`` extra)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
 
-from pykvalloc._strict_json import json_ready
 from pykvalloc.replay.simulator import ReplayResult
 
 #: What each row shows, and how.
@@ -60,12 +58,12 @@ def failed(config: Any, trace: Any, error: Exception) -> dict[str, Any]:
     figure absent, so that the other configurations still make their table."""
     return {"mode": config.mode, "block_tokens": config.block_tokens, "capacity_tokens": config.capacity_tokens,
             "capacity_bytes": config.capacity_tokens * config.geometry.bytes_per_token,
-            "source": trace.source, "requests": len(trace.requests), "error": f"{type(error).__name__}: {error}"}
+            "source": trace.source, "requests": len(trace.requests), "error": str(error)}
 
 
 def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Optional[Console] = None) -> None:
     """The table of one or more replays, given as results or as their JSON form (as_dict)."""
-    rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
+    rows = report_json(results)["runs"]
     console = console or Console()
     report = table(rows)
     wide_enough = console.measure(report, options=console.options.update(max_width=10_000)).maximum
@@ -109,12 +107,9 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         console.print(f"Allocator calls were timed {where}.{about_hits}", style="dim")
 
 
-def write_json(results: Sequence[ReplayResult | dict[str, Any]], path: Path) -> None:
-    """Strict JSON: a figure that is not a finite number (a rate over no time) is null, since
-    NaN and Infinity are not JSON and other readers refuse them."""
-    rows = [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]
-    payload: Any = rows[0] if len(rows) == 1 else rows
-    path.write_text(json.dumps(json_ready(payload), indent=2, allow_nan=False) + "\n")
+def report_json(results: Sequence[ReplayResult | dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The report as JSON values: ``{"runs": [...]}``, one run per configuration, however many."""
+    return {"runs": [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]}
 
 
 def _binned(times: list[float], values: list[float], bins: int) -> tuple[list[float], list[float]]:

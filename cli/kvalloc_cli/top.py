@@ -8,6 +8,7 @@ Keys: q quit, space pause, + / - refresh less / more often, tab next pool, p pic
 from __future__ import annotations
 
 import argparse
+import reprlib
 import sys
 from typing import Any
 
@@ -21,7 +22,7 @@ def _interval(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {reprlib.repr(text)}") from None
     if not 0.1 <= value <= 10:
         raise argparse.ArgumentTypeError("the interval must lie in [0.1, 10] seconds")
     return value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from .liveness import writer_alive, writer_lives
 
 # The pid in a segment's file name is the writer's; the pool name follows the library's rule.
 _FILE_RE = re.compile(r"kvalloc\.([0-9]{1,10})\.([A-Za-z0-9_.-]{1,63})\Z")
+# A target that can name a writer's pid: as many digits as a file name's pid may have.
+_PID_TEXT = re.compile(r"[0-9]{1,10}\Z")
 
 
 @dataclass(frozen=True)
@@ -73,15 +76,15 @@ def find_segment(target: str, directory: Path = SHM_DIR) -> SegmentFile:
     if os.sep in target:
         path = Path(target)
         if not os.path.lexists(path):  # a link is not followed, but found: opening it says why
-            raise SegmentNotFound(f"no segment {target}", path=target)
+            raise SegmentNotFound(f"no segment {_shown(target)}", path=target)
         found = SegmentFile.from_path(path)
         if found is None:
-            raise SegmentNotFound(f"{target} is not named like a kvalloc segment "
+            raise SegmentNotFound(f"{_shown(target)} is not named like a kvalloc segment "
                                   "(kvalloc.<pid>.<pool name>)", path=target)
         return found
     segments = list_segments(directory)
     matches = [s for s in segments if s.path.name == target]
-    if not matches and target.isdigit():
+    if not matches and _PID_TEXT.match(target):
         matches = [s for s in segments if s.pid == int(target)]
     if not matches:
         matches = [s for s in segments if s.name == target]
@@ -89,16 +92,25 @@ def find_segment(target: str, directory: Path = SHM_DIR) -> SegmentFile:
         alive = [s for s in matches if s.process_alive()]
         matches = alive or matches
     if not matches:
-        raise SegmentNotFound(f"no pool segment matches {target!r} in {directory} "
+        raise SegmentNotFound(f"no pool segment matches {_shown(target)} in {directory} "
                               f"(segments there: {_a_few(segments)})")
     if len(matches) > 1:
-        raise AmbiguousSegment(f"{target!r} matches {len(matches):,} segments: "
+        raise AmbiguousSegment(f"{_shown(target)} matches {len(matches):,} segments: "
                                f"{_a_few(matches)}; name one of them")
     return matches[0]
 
 
 # An error names at most this many segments: a /dev/shm may hold thousands.
 _NAMED_IN_ERRORS = 5
+
+# A target as an error shows it: whole up to the longest path a segment's name makes (a pool name
+# of 63 characters, a pid of 10 digits, /dev/shm), cut short beyond, as a 5,000-digit one is.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxstring = 100
+
+
+def _shown(target: str) -> str:
+    return _SHOWN.repr(target)
 
 
 def _a_few(segments: list[SegmentFile]) -> str:

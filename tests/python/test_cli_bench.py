@@ -21,14 +21,24 @@ def test_every_benchmark_is_installed():
 
 
 def test_alloc_runs_the_comparison_and_writes_its_figures(tmp_path):
-    done = run_kvalloc("bench", "alloc", "--quick", "--only", "kvalloc,glibc", "--json", str(tmp_path / "out"),
-                       timeout=300)
+    out = tmp_path / "bench.json"
+    done = run_kvalloc("bench", "alloc", "--quick", "--only", "kvalloc,glibc", "-o", str(out), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "== kvalloc bench alloc:" in done.stdout and "--only kvalloc,glibc" in done.stdout
-    assert "64 B batch, ns/op" in done.stdout          # the table the program prints
-    figures = json.loads((tmp_path / "out" / "bench_alloc.json").read_text())
+    # What runs is a status line (stderr); the program's table is the report (stdout).
+    assert "== kvalloc bench alloc:" in done.stderr and "--only kvalloc,glibc" in done.stderr
+    assert "64 B batch, ns/op" in done.stdout and "== kvalloc" not in done.stdout
+    assert f"wrote {out}" in done.stderr
+    figures = json.loads(out.read_text())["benchmarks"]["alloc"]
     assert set(figures["allocators"]) == {"glibc", "kvalloc"}
     assert figures["allocators"]["kvalloc"]["metrics"]["batch64_ns_per_op"] > 0
+
+
+def test_json_puts_the_figures_alone_on_stdout():
+    done = run_kvalloc("bench", "alloc", "--quick", "--only", "kvalloc", "--json", timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(done.stdout)["benchmarks"]["alloc"]  # nothing else on stdout
+    assert set(figures["allocators"]) == {"kvalloc"}
+    assert "64 B batch, ns/op" in done.stderr
 
 
 def test_varpool_exit_status_is_the_programs_verdict():
@@ -37,7 +47,7 @@ def test_varpool_exit_status_is_the_programs_verdict():
     assert len(verdicts) == 5, done.stdout  # TLSF's speed and four traces' fragmentation
     missed = any(line.rstrip().endswith("FAIL") for line in verdicts)
     assert (done.returncode == 1) == missed and done.returncode in (0, 1), done.stdout + done.stderr
-    assert ("exit status 1" in done.stdout) == missed
+    assert ("exit status 1" in done.stderr) == missed
 
 
 def test_missing_programs_are_named(tmp_path, monkeypatch):
@@ -62,17 +72,17 @@ def test_only_names_allocators_it_knows():
     assert done.returncode == 1 and "unknown allocator 'ptmalloc'" in done.stderr, done.stderr
 
 
-def test_json_must_name_a_directory(tmp_path):
-    # An existing file (or a path through one) ended in a FileExistsError traceback.
+def test_output_must_be_a_file_it_can_write(tmp_path):
+    # Refused before anything runs: a directory, a path through a file.
     afile = tmp_path / "afile"
     afile.write_text("")
-    for target in (afile, afile / "below"):
-        done = run_kvalloc("bench", "alloc", "--quick", "--json", str(target))
-        assert done.returncode == 2 and "is not a directory" in done.stderr, done.stderr
+    for target, why in ((tmp_path, "it is a directory"), (afile / "below", "no directory")):
+        done = run_kvalloc("bench", "alloc", "--quick", "-o", str(target))
+        assert done.returncode == 2 and why in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
 
 
 def test_options_a_benchmark_does_not_take_are_said_to_be_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv(bench.ENV_VAR, str(tmp_path))  # nothing runs: the programs are "missing"
     done = run_kvalloc("bench", "kv", "--only", "kvalloc")
-    assert "kv measure libkvalloc alone" in done.stderr and "--only and --json apply to alloc and threads" in done.stderr
+    assert "kv measure libkvalloc alone" in done.stderr and "--only, --json and -o apply to alloc and threads" in done.stderr

@@ -97,13 +97,13 @@ def test_a_dead_writer_is_reported_not_dumped(capsys):
         writer.kill()
         assert main(["dump", str(writer.path)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"kvalloc dump: DeadWriter: process {writer.pid}")
+    assert err.startswith(f"kvalloc dump: process {writer.pid}")
     assert "kvalloc ls --prune" in err
 
 
 def test_no_such_pool(capsys):
     assert main(["dump", unique_name("absent")]) == 1
-    assert "SegmentNotFound: no pool segment matches" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith("kvalloc dump: no pool segment matches")
 
 
 def test_a_segment_removed_while_it_is_read(capsys):
@@ -115,7 +115,7 @@ def test_a_segment_removed_while_it_is_read(capsys):
         segment.snapshot()
     segment.close()
     assert main(["dump", name]) == 1
-    assert "SegmentNotFound" in capsys.readouterr().err
+    assert capsys.readouterr().err.startswith(f"kvalloc dump: no pool segment matches {name!r}")
 
 
 def refuse_constant(name: str) -> None:

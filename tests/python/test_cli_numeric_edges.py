@@ -2,7 +2,7 @@
 past 2^64 or far past a float, on the command line and inside trace files. Each is refused with
 one clear line (exit status 2 for the command line, as argparse says it; 1 for a malformed
 trace, naming its line), or works; never a traceback, and never a hang. Then the pacer under
-``--pace``, on a clock of the test's own."""
+``--speed``, on a clock of the test's own."""
 
 from __future__ import annotations
 
@@ -52,9 +52,9 @@ SMALL = ["--requests", "5"]
 
 # (argv, exit status, what the last line of stderr says; "" for a run that works)
 CASES = [
-    # --pace and --time-scale: finite numbers in [1e-6, 1e6].
+    # --speed and --time-scale: finite numbers in [1e-6, 1e6].
     *[([*REPLAY, *SMALL, f"{option}={value}"], 2, f"argument {option}: {message}")
-      for option in ("--pace", "--time-scale")
+      for option in ("--speed", "--time-scale")
       for value, message in (("1e308", "must lie between 1e-06 and 1e+06"),
                              ("1e400", "must be a finite number above 0, not '1e400'"),
                              ("inf", "must be a finite number above 0"),
@@ -93,11 +93,11 @@ CASES = [
     ([*REPLAY, *SMALL, "--kv-size", HUGE], 2, "argument --kv-size: more than 2^64-1 bytes"),
     ([*REPLAY, *SMALL, "--kv-size", TOO_MANY_DIGITS], 2, "argument --kv-size: more than 2^64-1 bytes"),
     ([*REPLAY, *SMALL, "--kv-size", HUGE_FRACTION], 2, "argument --kv-size: more than 2^64-1 bytes"),
-    # --pace waits out a gap between arrivals, but never more than 10 s at a time: a gap of
-    # 10^10 s at --pace 1 ended in an OverflowError traceback (a wait past what a lock's timeout
-    # holds), and at --pace 1e6 it waited 10^4 s.
-    ([*REPLAY, "{gap}", "--pace", "1"], 0, ""),
-    ([*REPLAY, "{gap}", "--pace", "1e6"], 0, ""),
+    # --speed waits out a gap between arrivals, but never more than 10 s at a time: a gap of
+    # 10^10 s at --speed 1 ended in an OverflowError traceback (a wait past what a lock's timeout
+    # holds), and at --speed 1e6 it waited 10^4 s.
+    ([*REPLAY, "{gap}", "--speed", "1"], 0, ""),
+    ([*REPLAY, "{gap}", "--speed", "1e6"], 0, ""),
     ([*REPLAY, "{gap}"], 0, ""),
     ([*REPLAY, "{far}"], 0, ""),
     ([*REPLAY, "{finite_max}"], 0, ""),

@@ -83,10 +83,10 @@ def test_a_rejected_request_is_in_the_report_and_the_exit_status(tmp_path: Path,
                      '{"timestamp": 10, "input_length": 900, "output_length": 200}\n')
     out = tmp_path / "report.json"
     assert main(["replay", str(trace), "--kv-tokens", "1000", "--layers", "2", "--kv-heads", "2",
-                 "--head-dim", "64", "--json", str(out), "--quiet"]) == 1
+                 "--head-dim", "64", "-o", str(out), "--quiet"]) == 1
     printed = " ".join(capsys.readouterr().out.split())      # however the console wraps it
     assert "rejected 1 of 2 requests, which can never complete" in printed
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text())["runs"][0]
     assert (report["finished"], report["rejected"]) == (1, 1)
 
 
@@ -98,10 +98,10 @@ def test_compare_shows_a_failed_configuration_as_a_failed_column(tmp_path: Path,
     trace.write_text('{"timestamp": 0, "input_length": 10, "output_length": 5}\n')
     out = tmp_path / "compare.json"
     assert main(["replay", str(trace), "--compare", "--kv-tokens", "40", "--layers", "2", "--kv-heads", "2",
-                 "--head-dim", "64", "--json", str(out), "--quiet"]) == 1
+                 "--head-dim", "64", "-o", str(out), "--quiet"]) == 1
     printed = " ".join(capsys.readouterr().out.split())      # however the console wraps it
-    assert "contiguous failed: InvalidArgument" in printed and "holds no bucket" in printed
-    rows = json.loads(out.read_text())
+    assert "contiguous failed: invalid argument" in printed and "holds no bucket" in printed
+    rows = json.loads(out.read_text())["runs"]
     assert [r["mode"] for r in rows][:6] == ["paged"] * 4 + ["contiguous", "malloc-glibc"]
     assert "error" in rows[4] and all(r["finished"] == 1 for i, r in enumerate(rows) if i != 4)
 
@@ -164,14 +164,15 @@ def test_a_block_size_that_cannot_be_keyed_is_said_and_not_measured(tmp_path: Pa
     common = ["replay", str(trace), "--kv-tokens", "4096", "--layers", "2", "--kv-heads", "2", "--head-dim", "64",
               "--quiet"]
     assert main([*common, "--block-tokens", "48"]) == 0
-    printed = capsys.readouterr().out
-    assert "--block-tokens 48 neither divides nor is a multiple" in " ".join(printed.split())
+    said = capsys.readouterr()
+    printed = said.out
+    assert "--block-tokens 48 neither divides nor is a multiple" in " ".join(said.err.split())
     row = next(line for line in printed.splitlines() if "prefix hit rate" in line)
     assert "-" in row and "%" not in row
     # A multiple of 512 keys each block by the ids it covers: the second request hits both.
     out = tmp_path / "report.json"
-    assert main([*common, "--block-tokens", "1024", "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["prefix_hit_rate"] == pytest.approx(1024 / 2200)
+    assert main([*common, "--block-tokens", "1024", "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["runs"][0]["prefix_hit_rate"] == pytest.approx(1024 / 2200)
 
 
 def test_hash_ids_up_to_64_bits_replay() -> None:
@@ -231,9 +232,11 @@ def test_the_time_scale_compresses_arrivals() -> None:
 def test_replay_command_writes_the_json_report(tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     status = main(["replay", "--mode", "malloc-glibc", "--requests", "200", "--kv-tokens", "60000",
-                   "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "--json", str(out), "--quiet"])
+                   "--layers", "2", "--kv-heads", "2", "--head-dim", "64", "-o", str(out), "--quiet"])
     assert status == 0
-    report = json.loads(out.read_text())
+    runs = json.loads(out.read_text())["runs"]
+    assert len(runs) == 1  # one configuration: a list of one, as --compare's is of several
+    report = runs[0]
     for key in ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "wall_s"):
@@ -247,7 +250,7 @@ def test_replay_command_names_a_bad_trace_line(tmp_path: Path, capsys: pytest.Ca
     assert main(["replay", str(bad), "--mode", "malloc-glibc", "--quiet"]) == 1
     assert "bad.csv:3" in capsys.readouterr().err
     assert main(["replay", str(bad), "--mode", "malloc-glibc", "--quiet", "--skip-bad"]) == 0
-    assert "skipped 1 malformed" in capsys.readouterr().out
+    assert "skipped 1 malformed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("block_tokens", [16, 32, 64, 128])
@@ -299,9 +302,9 @@ def test_a_named_replay_publishes_for_the_inspector() -> None:
 def test_compare_runs_jemalloc_preloaded_in_a_child(tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     status = main(["replay", "--compare", "--requests", "150", "--kv-tokens", "60000", "--layers", "2",
-                   "--kv-heads", "2", "--head-dim", "64", "--time-scale", "10", "--json", str(out), "--quiet"])
+                   "--kv-heads", "2", "--head-dim", "64", "--time-scale", "10", "-o", str(out), "--quiet"])
     assert status == 0
-    rows = json.loads(out.read_text())
+    rows = json.loads(out.read_text())["runs"]
     assert [r["mode"] for r in rows] == ["paged"] * 4 + ["contiguous", "malloc-glibc", "malloc-jemalloc"]
     jemalloc = rows[-1]
     assert jemalloc["finished"] == 150 and jemalloc["timing"] == "around the ctypes call"
@@ -312,8 +315,8 @@ def test_the_jemalloc_column_stands_when_a_request_is_rejected(tmp_path: Path) -
     # The child's exit status 1 (a rejected request) made the parent call the column failed,
     # with an empty reason; the child's report says what was rejected.
     out = tmp_path / "compare.json"
-    assert main(["replay", "--compare", "--requests", "300", "--kv-size", "1G", "--json", str(out), "--quiet"]) == 1
-    jemalloc = json.loads(out.read_text())[-1]
+    assert main(["replay", "--compare", "--requests", "300", "--kv-size", "1G", "-o", str(out), "--quiet"]) == 1
+    jemalloc = json.loads(out.read_text())["runs"][-1]
     assert jemalloc["mode"] == "malloc-jemalloc" and "error" not in jemalloc
     assert jemalloc["rejected"] == 1 and jemalloc["finished"] == 299
 
@@ -346,14 +349,14 @@ def test_preemptions_do_not_raise_the_prefix_hit_rate() -> None:
     (["--time-scale", "0"], "argument --time-scale: must be a finite number above 0"),
     (["--time-scale", "nan"], "argument --time-scale: must be a finite number above 0, not 'nan'"),
     (["--time-scale", "-1"], "argument --time-scale: must be a finite number above 0"),
-    (["--pace", "nan"], "argument --pace: must be a finite number above 0"),
-    (["--json", "/nonexistent/x.json"], "argument --json: cannot write /nonexistent/x.json: no directory"),
+    (["--speed", "nan"], "argument --speed: must be a finite number above 0"),
+    (["-o", "/nonexistent/x.json"], "argument -o/--output: cannot write /nonexistent/x.json: no directory"),
     (["--plot", "/"], "argument --plot: cannot write /: it is a directory"),
 ])
 def test_replay_refuses_bad_arguments_before_it_runs(argv: list[str], message: str) -> None:
     # A real kvalloc process: each of these is refused before the replay starts, with exit
     # status 2 and no traceback (not a hang, not a silently dropped request for --requests -1,
-    # not a --json failure after the whole replay).
+    # not a -o failure after the whole replay).
     done = run_kvalloc("replay", "--mode", "malloc-glibc", "--requests", "50", "--quiet", *argv,
                        timeout=60)
     assert done.returncode == 2, done.stderr
@@ -386,10 +389,11 @@ def test_a_trace_with_a_non_finite_number_names_its_line(tmp_path: Path, number:
     assert f"{trace}:1: " in done.stderr and "Traceback" not in done.stderr
     report = tmp_path / "report.json"
     done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", "--skip-bad",
-                       "--json", str(report), timeout=60)
+                       "-o", str(report), timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "skipped 1 malformed" in done.stdout
-    report_json = json.loads(report.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))
+    assert "skipped 1 malformed" in done.stderr and f"wrote {report}" in done.stderr
+    runs = json.loads(report.read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))["runs"]
+    report_json = runs[0]
     assert report_json["requests"] == report_json["finished"] == 1
 
 
@@ -408,7 +412,7 @@ def test_a_csv_line_that_cannot_be_read_names_its_line(tmp_path: Path, content: 
     assert f"bad.csv:{line}: {reason}" in done.stderr
     done = run_kvalloc("replay", str(trace), "--mode", "malloc-glibc", "--quiet", "--skip-bad", timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "skipped 1 malformed" in done.stdout
+    assert "skipped 1 malformed" in done.stderr
 
 
 @pytest.mark.parametrize("mode", ["paged", "contiguous"])
@@ -428,7 +432,7 @@ def test_a_replay_asked_to_stop_gives_back_its_blocks_and_says_so(mode: str) -> 
     assert not whole.stopped and whole.finished == 400 and whole.steps > 300
 
 
-def test_a_paced_replay_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Path) -> None:
+def test_a_replay_held_to_a_speed_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Path) -> None:
     import os
     import signal
     import subprocess
@@ -440,8 +444,8 @@ def test_a_paced_replay_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Pat
     from support import clean_env
     name = f"stopped-{os.getpid()}"
     out = tmp_path / "report.json"
-    engine = subprocess.Popen([sys.executable, "-m", "kvalloc_cli", "replay", "--pace", "5", "--name", name,
-                               "--quiet", "--json", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    engine = subprocess.Popen([sys.executable, "-m", "kvalloc_cli", "replay", "--speed", "5", "--name", name,
+                               "--quiet", "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=clean_env())
     try:
         deadline = time.monotonic() + 120
@@ -460,7 +464,7 @@ def test_a_paced_replay_stopped_by_a_signal_reports_the_run_so_far(tmp_path: Pat
         if engine.poll() is None:
             engine.kill()
     assert engine.returncode == 130, errors
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text())["runs"][0]
     assert report["stopped"] is True and report["finished"] < report["requests"] == 2000
     assert "stopped early, as asked" in said
 

@@ -57,5 +57,16 @@ def test_kvalloc_dump_of_an_unknown_pool_says_so_in_one_short_line(crowded, caps
     target = unique_name("absent")
     assert main(["dump", target]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"kvalloc dump: SegmentNotFound: no pool segment matches {target!r}")
+    assert err.startswith(f"kvalloc dump: no pool segment matches {target!r}")
     assert len(err) < 500 and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("target", ["9" * 5000, "p" * 5000, "²", "/dev/shm/" + "x" * 5000])
+def test_a_huge_target_is_cut_short_in_the_message(crowded, capsys, monkeypatch, target):
+    # A 5,000-character target was echoed whole (a 5 KB line), and one of more digits than int()
+    # reads raised ValueError as soon as segments were there to compare pids with.
+    monkeypatch.setattr(dump, "open_segment", lambda target: stats.open_segment(target, crowded))
+    assert main(["dump", target]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("kvalloc dump: ") and "Traceback" not in err
+    assert len(err) < 500 and err.count("\n") == 1, err

@@ -95,7 +95,7 @@ def _describe(found: SegmentFile) -> Text:
             snap = segment.snapshot(check_writer=False)
         figures = f"{format_size(snap.capacity):>9}  use {snap.use_fraction:6.1%}"
     except SegmentError as exc:
-        figures = f"unreadable: {type(exc).__name__}"
+        figures = f"unreadable: {exc.kind}"
     process = process_name(found.pid) or "?"
     # Text, not a str, which Textual would parse as markup: a process may name itself "[/]x".
     return Text(f"{found.pid:>8}  {process[:16]:<16} {figures:<{FIGURES_WIDTH}}  {found.name}")

@@ -81,7 +81,7 @@ class PoolWatch:
             # its file goes; the snapshot kept in ``last`` is all the screen needs.
             self._release(forget=False)
         elif error is not None:
-            self.problem = f"{type(error).__name__}: {error}"
+            self.problem = str(error)
             self.lasting = isinstance(error, LASTING_ERRORS)
             if self.lasting:
                 self._retry_at = time.monotonic() + LASTING_RETRY_S
