@@ -49,7 +49,9 @@ $(VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard libkvalloc/src/* li
 
 venv: $(VENV)/.installed
 
+# The type check (mypy's files: pyproject.toml), then every Python test.
 test-py: venv
+	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest -q tests/python
 
 # libFuzzer on the pool (one configuration; all of them), the KV manager (paged; contiguous) and the variable-size

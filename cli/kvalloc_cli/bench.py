@@ -134,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
     if ignoring and (args.only or wants_json):
         print(f"kvalloc bench: {', '.join(ignoring)} measure libkvalloc alone and print their table only: "
               f"--only, --json and -o apply to alloc and threads", file=sys.stderr)
-    paths = {name: find(BENCHMARKS[name][0]) for name in names}
-    missing = [BENCHMARKS[name][0] for name, path in paths.items() if path is None]
+    found = {name: find(BENCHMARKS[name][0]) for name in names}
+    paths = {name: path for name, path in found.items() if path is not None}
+    missing = [BENCHMARKS[name][0] for name in names if name not in paths]
     if missing:
         where = ", ".join(str(directory) for directory in search_dirs())
         print(f"kvalloc bench: {', '.join(missing)} not found (looked in {where}); pip installs "

@@ -184,8 +184,8 @@ def _table(entries: list[Entry]) -> Table:
         else:
             use = f"{entry.bytes_in_use / entry.capacity:.1%}" if entry.capacity else "-"
             if entry.kv_total_blocks:
-                use = (f"KV {entry.kv_used_blocks / entry.kv_total_blocks:.1%} "
-                       f"+{entry.kv_cached_blocks / entry.kv_total_blocks:.1%} cached")
+                use = (f"KV {(entry.kv_used_blocks or 0) / entry.kv_total_blocks:.1%} "
+                       f"+{(entry.kv_cached_blocks or 0) / entry.kv_total_blocks:.1%} cached")
             figures = [format_size(entry.capacity), format_size(entry.bytes_in_use), use]
         state = entry.state
         if entry.state == "idle" and entry.heartbeat_age_s is not None:

@@ -243,7 +243,8 @@ class MallocBackend:
         return [address, need], need
 
     def extend(self, handle: Any, tokens: int) -> Optional[int]:
-        return handle[1]  # the whole answer was reserved on admission
+        reserved: int = handle[1]  # the whole answer was reserved on admission
+        return reserved
 
     def release(self, handle: Any) -> None:
         self.timings.timed(self._free, handle[0])

@@ -5,6 +5,7 @@ layout did not write yet."""
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
 
@@ -86,14 +87,24 @@ RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
 # Layout 1.0 ends the summary before its 1.1 fields; the arena entry of 1.2 first lacked
 # numa_node. (Before 1.2 an arena entry held other counters under the same bytes, see
 # Snapshot.__init__.)
-OLDEST_SIZE = {SUMMARY_DTYPE: SUMMARY_DTYPE.fields["publish_interval_ms"][1],
-               ARENA_DTYPE: ARENA_DTYPE.fields["numa_node"][1]}
+
+
+def struct_fields(dtype: np.dtype[Any]) -> dict[str, tuple[np.dtype[Any], int]]:
+    """The fields of one of the struct dtypes above, in order: name -> (its dtype, its offset)."""
+    fields, names = dtype.fields, dtype.names
+    if fields is None or names is None:
+        raise TypeError(f"{dtype} is not a struct")
+    return {name: (fields[name][0], fields[name][1]) for name in names}
+
+
+OLDEST_SIZE = {SUMMARY_DTYPE: struct_fields(SUMMARY_DTYPE)["publish_interval_ms"][1],
+               ARENA_DTYPE: struct_fields(ARENA_DTYPE)["numa_node"][1]}
 ARENAS_SINCE_MINOR = 2
 
 # The header fields a reader takes on their own, from the live file, before or around a copy.
 U64 = struct.Struct("<Q")
 IDENTITY = struct.Struct("<QHH")  # magic, abi_major, abi_minor: where every version has them
-SEQUENCE_AT = HEADER_DTYPE.fields["sequence"][1]
-CAPABILITIES_AT = HEADER_DTYPE.fields["capabilities"][1]
+SEQUENCE_AT = struct_fields(HEADER_DTYPE)["sequence"][1]
+CAPABILITIES_AT = struct_fields(HEADER_DTYPE)["capabilities"][1]
 CAPABILITIES_END = CAPABILITIES_AT + 8
-SEGMENT_SIZE_AT = HEADER_DTYPE.fields["segment_size"][1]
+SEGMENT_SIZE_AT = struct_fields(HEADER_DTYPE)["segment_size"][1]

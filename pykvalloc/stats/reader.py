@@ -47,6 +47,7 @@ from .layout import (
     SEQUENCE_AT,
     TRACE_DTYPE,
     U64,
+    struct_fields,
 )
 from .liveness import writer_alive, writer_lives
 from .snapshot import Snapshot
@@ -155,7 +156,8 @@ class Segment:
         raw = os.pread(fd, 8, at)
         if len(raw) < 8:
             raise self._truncated(f"the file ended before byte {at + 8} as it was read")
-        return U64.unpack(raw)[0]
+        value: int = U64.unpack(raw)[0]
+        return value
 
     def _trace_written(self, fd: int, head: bytes, stated: int) -> int | None:
         """The live trace ring's ``written`` (kvalloc_stats.h, "The trace ring"), None when the
@@ -166,7 +168,7 @@ class Segment:
             at = -1
             for entry in header["sections"][:min(int(header["section_count"]), MAX_SECTIONS)]:
                 if int(entry["kind"]) == SECTION_TRACE:
-                    offset = int(entry["offset"]) + TRACE_DTYPE.fields["written"][1]
+                    offset = int(entry["offset"]) + struct_fields(TRACE_DTYPE)["written"][1]
                     if offset % 8 == 0 and offset + 8 <= stated:
                         at = offset
                     break
@@ -236,7 +238,8 @@ class Segment:
             # hold the magic, or another sequence: the copy must begin as the header did.
             if after == before == U64.unpack_from(data, SEQUENCE_AT)[0] \
                     and data[:IDENTITY.size] == head[:IDENTITY.size]:
-                bounds = None if written_before is None else (written_before, written_after)
+                bounds = (None if written_before is None or written_after is None else
+                          (written_before, written_after))
                 return data, bounds
         raise failure(f"no consistent snapshot of {self.path} in {attempts} attempts: {reason}",
                       path=str(self.path))

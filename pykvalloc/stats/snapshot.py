@@ -50,6 +50,7 @@ from .layout import (
     SUMMARY_COUNTERS,
     SUMMARY_DTYPE,
     TRACE_DTYPE,
+    struct_fields,
 )
 
 class Snapshot:
@@ -146,8 +147,10 @@ class Snapshot:
             return None
         offset, size = where
         if size < dtype.itemsize:
-            return self._older(kind, dtype, offset, 1, size)[0]
-        return np.frombuffer(self.data, dtype, count=1, offset=offset)[0]
+            oldest: np.void = self._older(kind, dtype, offset, 1, size)[0]
+            return oldest
+        struct: np.void = np.frombuffer(self.data, dtype, count=1, offset=offset)[0]
+        return struct
 
     def _older(self, kind: int, dtype: np.dtype, offset: int, count: int, written: int
                ) -> np.ndarray:
@@ -160,8 +163,8 @@ class Snapshot:
         if written < oldest:
             raise self._corrupt(f"the {name} section holds structs of {written} bytes, fewer "
                                 f"than the {oldest} of their oldest layout")
-        fields = dtype.fields
-        present = [f for f in dtype.names if fields[f][1] + fields[f][0].itemsize <= written]
+        fields = struct_fields(dtype)
+        present = [f for f, (field_dtype, at) in fields.items() if at + field_dtype.itemsize <= written]
         written_dtype = np.dtype({"names": present, "formats": [fields[f][0] for f in present],
                                   "offsets": [fields[f][1] for f in present],
                                   "itemsize": written})
@@ -170,7 +173,7 @@ class Snapshot:
         for f in present:
             copy[f] = entries[f]
         copy.flags.writeable = False
-        self.absent[name] = tuple(f for f in dtype.names if f not in present)
+        self.absent[name] = tuple(f for f in fields if f not in present)
         return copy
 
     def _array(self, kind: int, head: int, dtype: np.dtype, count: int, entry_size: int = 0
@@ -189,8 +192,9 @@ class Snapshot:
                                 f"for {count} entries of {stride}")
         if stride < dtype.itemsize:
             return self._older(kind, dtype, offset + head, count, stride)
-        return np.ndarray((count,), dtype, buffer=self.data, offset=offset + head,
-                          strides=(stride,))
+        entries: np.ndarray = np.ndarray((count,), dtype, buffer=self.data, offset=offset + head,
+                                         strides=(stride,))
+        return entries
 
     def _summary(self) -> np.void:
         summary = self._fixed(SECTION_SUMMARY, SUMMARY_DTYPE)
@@ -267,7 +271,8 @@ class Snapshot:
             kept = min(kept, max(0, newest))
         # Record i of the ring sits at i % capacity.
         order = np.arange(self.trace_written - kept, self.trace_written, dtype=np.uint64)
-        return ring[(order % np.uint64(max(capacity, 1))).astype(np.intp)]
+        records: np.ndarray = ring[(order % np.uint64(max(capacity, 1))).astype(np.intp)]
+        return records
 
     @functools.cached_property
     def trace(self) -> np.ndarray | None:
@@ -358,7 +363,7 @@ class Snapshot:
 
     def to_dict(self, *, trace: bool = False) -> dict[str, Any]:
         """Everything in the snapshot as JSON-ready Python values (``kvalloc dump --json``)."""
-        summary = {name: int(self.summary[name]) for name in SUMMARY_COUNTERS}
+        summary: dict[str, Any] = {name: int(self.summary[name]) for name in SUMMARY_COUNTERS}
         summary.update(page_kind=int(self.summary["page_kind"]), num_orders=self.num_orders,
                        fragmentation=self.fragmentation,
                        free_blocks=[int(n) for n in self.free_blocks],
@@ -404,11 +409,12 @@ class Snapshot:
         if trace:
             result["trace_written"] = self.trace_written
             result["trace"] = list(self.trace_records())
-        return json_ready(result)
+        ready: dict[str, Any] = json_ready(result)
+        return ready
 
 
 def _records(array: np.ndarray, absent: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    names = [name for name in array.dtype.names if name != "reserved"]
+    names = [name for name in struct_fields(array.dtype) if name != "reserved"]
     return [{name: None if name in absent else _plain(entry[name]) for name in names}
             for entry in array]
 

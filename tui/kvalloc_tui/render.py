@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from rich.text import Text
@@ -101,7 +102,8 @@ def resample(values: np.ndarray, width: int) -> np.ndarray:
     starts = np.minimum(edges[:-1].astype(np.int64), len(values) - 1)
     stops = np.maximum(np.ceil(edges[1:]).astype(np.int64), starts + 1)
     sums = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
-    return (sums[stops] - sums[starts]) // (stops - starts)
+    means: np.ndarray = (sums[stops] - sums[starts]) // (stops - starts)
+    return means
 
 
 def format_ns(ns: float) -> str:
@@ -309,7 +311,7 @@ def kv_lines(snap: Snapshot, width: int) -> list[Text]:
     ]
 
 
-def op_line(record: dict) -> Text:
+def op_line(record: dict[str, Any]) -> Text:
     """One trace record: wall-clock time, operation, size, offset, status (failures in red)."""
     stamp = time.strftime("%H:%M:%S", time.localtime(record["time_ns"] / 1e9))
     millis = record["time_ns"] // 1_000_000 % 1000
@@ -324,7 +326,7 @@ def op_line(record: dict) -> Text:
     return line
 
 
-def recent_ops(snap: Snapshot, limit: int) -> list[dict]:
+def recent_ops(snap: Snapshot, limit: int) -> list[dict[str, Any]]:
     """The newest ``limit`` trace records, newest first (only those are read from the ring)."""
     return list(snap.trace_records(newest=max(0, limit)))[::-1]
 

@@ -32,7 +32,7 @@ from .widgets import (
 )
 
 
-class PoolScreen(Screen):
+class PoolScreen(Screen[None]):
     """Every panel of one pool. The rows share the height 5:6:6:5, which at 24 lines leaves each
     panel its title and the lines it needs; taller terminals give all of them more."""
 
