@@ -9,18 +9,16 @@
  * gathers the children's reports, and prints one table with libkvalloc's targets judged
  * against the peers measured in the same run, plus a JSON file with every figure.
  */
-#include <dlfcn.h>
 #include <errno.h>
 #include <limits.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/utsname.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench_clock.h"
 #include "bench_host.h"
 #include "bench_protocol.h"
 #include "kvalloc.h"
@@ -61,22 +59,8 @@ struct machine {
     char kernel[128];
 };
 
-static char g_self[PATH_MAX];
 static struct allocator_state g_alloc[BENCH_ALLOCATOR_COUNT];
 static struct reports g_reports[BENCH_ALLOCATOR_COUNT][BENCH_METRIC_COUNT];
-
-static void fatal(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void fatal(const char *fmt, ...)
-{
-    va_list ap;
-    fputs("bench_alloc: ", stderr);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    exit(1);
-}
 
 /* ---- options ---------------------------------------------------------------------------- */
 
@@ -86,24 +70,6 @@ static void usage(FILE *to)
           "       bench_alloc --syscall-check [--quick]\n"
           "allocators: glibc jemalloc mimalloc tcmalloc kvalloc\n",
           to);
-}
-
-static void select_allocators(struct settings *s, const char *list)
-{
-    char copy[256];
-    if (strlen(list) >= sizeof copy)
-        fatal("--only list too long");
-    strcpy(copy, list);
-    memset(s->selected, 0, sizeof s->selected);
-    for (char *save = NULL, *name = strtok_r(copy, ",", &save); name != NULL;
-         name = strtok_r(NULL, ",", &save)) {
-        int found = 0;
-        for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
-            if (strcmp(name, bench_allocators[a].name) == 0)
-                s->selected[a] = found = 1;
-        if (!found)
-            fatal("unknown allocator '%s' (glibc jemalloc mimalloc tcmalloc kvalloc)", name);
-    }
 }
 
 static void parse_options(int argc, char **argv, struct settings *s)
@@ -120,14 +86,14 @@ static void parse_options(int argc, char **argv, struct settings *s)
         } else if (strcmp(arg, "--syscall-check") == 0) {
             s->syscall_check_only = 1;
         } else if (strcmp(arg, "--only") == 0 && has_value) {
-            select_allocators(s, argv[++i]);
+            bench_select_allocators(argv[++i], s->selected);
         } else if (strcmp(arg, "--json") == 0 && has_value) {
             s->json_path = argv[++i];
         } else if (strcmp(arg, "--rounds") == 0 && has_value) {
             char *end;
             rounds = strtol(argv[++i], &end, 10);
             if (*end != '\0' || rounds < 1 || rounds > 1000000)
-                fatal("--rounds wants a count between 1 and 1000000");
+                bench_die("--rounds wants a count between 1 and 1000000");
         } else if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
             usage(stdout);
             exit(0);
@@ -152,13 +118,6 @@ static void describe_machine(struct machine *m)
     bench_describe_host(m->cpu, sizeof m->cpu, &m->cores, m->kernel, sizeof m->kernel);
 }
 
-static void discover_allocators(const struct settings *s)
-{
-    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
-        if (s->selected[a])
-            bench_discover_allocator((enum bench_allocator)a, &g_alloc[a]);
-}
-
 /* ---- children --------------------------------------------------------------------------- */
 
 struct child_spec {
@@ -170,27 +129,20 @@ struct child_spec {
     unsigned samples;       /* --samples for the child; 0: the settings' large-block count */
 };
 
-static void store_report(enum bench_allocator allocator, const char *line)
+/* A child's report (bench_report_fn), kept under its allocator and metric. */
+static void store_report(void *ctx, const char *key, double value)
 {
-    char name[32], key[48];
-    double value;
-    if (line[0] != '{')
-        return;
-    if (sscanf(line, "{\"allocator\":\"%31[^\"]\",\"metric\":\"%47[^\"]\",\"value\":%lf}", name,
-               key, &value) != 3)
-        fatal("unreadable report from a child: %s", line);
-    if (strcmp(name, bench_allocators[allocator].name) != 0)
-        fatal("a child for %s reported as %s", bench_allocators[allocator].name, name);
+    enum bench_allocator allocator = *(const enum bench_allocator *)ctx;
     for (int m = 0; m < BENCH_METRIC_COUNT; m++) {
         if (strcmp(key, bench_metric_keys[m]) == 0) {
             struct reports *r = &g_reports[allocator][m];
             if (r->count == MAX_REPORTS)
-                fatal("too many reports of %s", key);
+                bench_die("too many reports of %s", key);
             r->value[r->count++] = value;
             return;
         }
     }
-    fatal("a child reported an unknown metric '%s'", key);
+    bench_die("a child reported an unknown metric '%s'", key);
 }
 
 /* Runs one child to completion, storing what it reports. Returns its wait status. */
@@ -206,37 +158,23 @@ static int run_child(const struct settings *s, const struct child_spec *c)
         for (size_t i = 0; i < sizeof trace / sizeof trace[0]; i++)
             argv[n++] = trace[i];
     }
-    const char *child[] = {g_self, "--child", bench_allocators[c->allocator].name,
+    const char *child[] = {bench_self_path(), "--child", bench_allocators[c->allocator].name,
                            "--pattern", c->pattern, "--rounds", rounds, "--reps", "1",
                            "--samples", samples, "--prefault", c->prefault ? "1" : "0"};
     for (size_t i = 0; i < sizeof child / sizeof child[0]; i++)
         argv[n++] = child[i];
     argv[n] = NULL;
-
-    FILE *in;
-    pid_t pid = bench_spawn_child("bench_alloc", c->allocator, &g_alloc[c->allocator], argv, &in);
-    if (pid < 0)
-        fatal("starting a child: %s", strerror(errno));
-    char line[512];
-    while (fgets(line, sizeof line, in) != NULL)
-        if (!c->discard)
-            store_report(c->allocator, line);
-    fclose(in);
-    int status;
-    while (waitpid(pid, &status, 0) < 0)
-        if (errno != EINTR)
-            fatal("waitpid: %s", strerror(errno));
-    return status;
+    enum bench_allocator allocator = c->allocator;
+    return bench_run_child(allocator, &g_alloc[allocator], argv, c->discard ? NULL : store_report, &allocator, NULL);
 }
 
 static void run_measured(const struct settings *s, const struct child_spec *c)
 {
-    if (isatty(STDERR_FILENO))
-        fprintf(stderr, "\r  running %-8s %-8s%s   ", bench_allocators[c->allocator].name,
-                c->pattern, c->prefault ? " prefault=1" : "           ");
+    bench_progress("  running %-8s %-8s%s   ", bench_allocators[c->allocator].name, c->pattern,
+                   c->prefault ? " prefault=1" : "           ");
     int status = run_child(s, c);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        fatal("the %s child for pattern %s failed (status 0x%x); see its message above",
+        bench_die("the %s child for pattern %s failed (status 0x%x); see its message above",
               bench_allocators[c->allocator].name, c->pattern, (unsigned)status);
 }
 
@@ -270,7 +208,7 @@ static void run_syscall_check(const struct settings *s, struct syscall_check *ou
              tmp != NULL && *tmp != '\0' ? tmp : "/tmp");
     int fd = mkstemp(log_path);
     if (fd < 0)
-        fatal("mkstemp: %s", strerror(errno));
+        bench_die("mkstemp: %s", strerror(errno));
     close(fd);
     struct child_spec c = {BENCH_KVALLOC, "syscalls", 0, log_path, 0, 0};
     int status = run_child(s, &c);
@@ -311,12 +249,6 @@ static void run_syscall_check(const struct settings *s, struct syscall_check *ou
 
 /* ---- aggregation ------------------------------------------------------------------------ */
 
-static int compare_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* One figure per (allocator, metric): the worst report for figures that are a peak or a
  * count (a fault count is the most any one process took), the median of the reports otherwise
  * (first-touch figures come from several fresh processes). NAN when nothing was reported. */
@@ -325,7 +257,7 @@ static double figure(enum bench_allocator a, enum bench_metric m)
     struct reports r = g_reports[a][m];
     if (r.count == 0)
         return NAN;
-    qsort(r.value, r.count, sizeof r.value[0], compare_double);
+    qsort(r.value, r.count, sizeof r.value[0], bench_cmp_double);
     switch (m) {
     case BENCH_METADATA_BYTES:
     case BENCH_METADATA_FRACTION:
@@ -344,8 +276,7 @@ static double figure(enum bench_allocator a, enum bench_metric m)
     case BENCH_TOUCH_PREFAULT_FAULTS:
         return r.value[r.count - 1];
     default:
-        return r.count % 2 ? r.value[r.count / 2]
-                           : (r.value[r.count / 2 - 1] + r.value[r.count / 2]) / 2;
+        return bench_median_mean_sorted(r.value, r.count);
     }
 }
 
@@ -410,19 +341,6 @@ static const char *page_kind_name(double kind)
     }
 }
 
-/* Fits a figure in a table cell: more digits for small values. */
-static void format_value(char *out, size_t size, double v)
-{
-    if (isnan(v))
-        snprintf(out, size, "-");
-    else if (v >= 100)
-        snprintf(out, size, "%.0f", v);
-    else if (v >= 10)
-        snprintf(out, size, "%.1f", v);
-    else
-        snprintf(out, size, "%.2f", v);
-}
-
 static void judge_ratio(struct target *t, double kva, double ref, double limit,
                         const char *ref_name)
 {
@@ -436,8 +354,8 @@ static void judge_ratio(struct target *t, double kva, double ref, double limit,
     t->ratio = kva / ref;
     t->state = t->ratio <= limit ? TARGET_PASS : TARGET_FAIL;
     char a[32], b[32];
-    format_value(a, sizeof a, kva);
-    format_value(b, sizeof b, ref);
+    bench_format_figure(a, sizeof a, kva);
+    bench_format_figure(b, sizeof b, ref);
     snprintf(t->detail, sizeof t->detail, "%.2fx %s (%s vs %s)", t->ratio, ref_name, a, b);
 }
 
@@ -567,7 +485,7 @@ static void print_table(const struct settings *s, const struct machine *m,
                 continue;
             char cell[48], value[32];
             double v = figure(a, row->metric);
-            format_value(value, sizeof value, v);
+            bench_format_figure(value, sizeof value, v);
             if (!g_alloc[a].measured)
                 snprintf(cell, sizeof cell, "skipped");
             else if (a != BENCH_KVALLOC && !row->fault_count && !isnan(v) && !isnan(kva) && v > 0)
@@ -609,11 +527,9 @@ static void write_json(const struct settings *s, const struct machine *m,
 {
     FILE *f = fopen(s->json_path, "w");
     if (f == NULL)
-        fatal("cannot write %s: %s", s->json_path, strerror(errno));
-    fputs("{\n  \"machine\": {\"cpu\": ", f);
-    bench_json_string(f, m->cpu);
-    fprintf(f, ", \"cores\": %ld, \"kernel\": ", m->cores);
-    bench_json_string(f, m->kernel);
+        bench_die("cannot write %s: %s", s->json_path, strerror(errno));
+    fputs("{\n  ", f);
+    bench_json_machine(f, m->cpu, m->cores, -1, m->kernel);
     fprintf(f, "},\n  \"settings\": {\"quick\": %s, \"rounds\": %u, \"processes\": %u, "
                "\"large_samples\": %u, \"fresh_samples\": %u, \"touch_processes\": %u},\n  \"allocators\": {",
             s->quick ? "true" : "false", s->rounds, s->processes, s->samples, s->fresh_samples,
@@ -680,7 +596,7 @@ static void write_json(const struct settings *s, const struct machine *m,
     }
     fputs("\n  ]\n}\n", f);
     if (fclose(f) != 0)
-        fatal("cannot write %s", s->json_path);
+        bench_die("cannot write %s", s->json_path);
 }
 
 /* ---- main ------------------------------------------------------------------------------- */
@@ -717,8 +633,7 @@ static void run_all(const struct settings *s)
                     struct child_spec c = {a, "touch", prefault, NULL, rep == 0, 0};
                     run_measured(s, &c);
                 }
-    if (isatty(STDERR_FILENO))
-        fprintf(stderr, "\r%50s\r", "");
+    bench_progress_done();
 }
 
 int main(int argc, char **argv)
@@ -726,12 +641,9 @@ int main(int argc, char **argv)
     if (argc > 1 && strcmp(argv[1], "--child") == 0)
         return bench_child_main(argc, argv);
 
+    bench_set_identity("bench_alloc", 1);
     struct settings s;
     parse_options(argc, argv, &s);
-    ssize_t len = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
-    if (len <= 0)
-        fatal("cannot find this executable: %s", strerror(errno));
-    g_self[len] = '\0';
 
     struct syscall_check sc = {CHECK_NOT_RUN, 0, "", ""};
     if (s.syscall_check_only) {
@@ -749,7 +661,7 @@ int main(int argc, char **argv)
 
     struct machine m;
     describe_machine(&m);
-    discover_allocators(&s);
+    bench_discover_allocators(s.selected, g_alloc);
     run_all(&s);
     if (g_alloc[BENCH_KVALLOC].measured)
         run_syscall_check(&s, &sc);

@@ -6,8 +6,6 @@
  * Peers are measured through plain malloc/free, the way they are used; libkvalloc through
  * kva_alloc/kva_free on a pool of its own.
  */
-#include <dlfcn.h>
-#include <stdarg.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +14,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench_clock.h"
 #include "bench_host.h"
 #include "bench_protocol.h"
 #include "kvalloc.h"
@@ -54,24 +53,7 @@ struct child_options {
 
 static const char *g_name = "?";
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    fprintf(stderr, "bench_alloc --child %s: ", g_name);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    exit(2);
-}
-
-static void report(enum bench_metric metric, double value)
-{
-    printf("{\"allocator\":\"%s\",\"metric\":\"%s\",\"value\":%.15g}\n", g_name,
-           bench_metric_keys[metric], value);
-}
+static void report(enum bench_metric metric, double value) { bench_report(g_name, bench_metric_keys[metric], value); }
 
 /* ---- the two backends ------------------------------------------------------------------ */
 
@@ -90,7 +72,7 @@ static void create_pool(size_t capacity, int prefault, unsigned publish_ms)
         cfg.publish_interval_ms = publish_ms;
     kva_status st = kva_pool_create(&cfg, &bench_pool);
     if (st != KVA_OK)
-        die("kva_pool_create(%zu MiB, prefault=%d): %s: %s", capacity / MIB, prefault,
+        bench_die("kva_pool_create(%zu MiB, prefault=%d): %s: %s", capacity / MIB, prefault,
             kva_strerror(st), kva_last_error());
 }
 
@@ -101,7 +83,7 @@ static void report_pool_peak(void)
     kva_stats st;
     kva_status status = kva_get_stats(bench_pool, &st);
     if (status != KVA_OK)
-        die("kva_get_stats: %s: %s", kva_strerror(status), kva_last_error());
+        bench_die("kva_get_stats: %s: %s", kva_strerror(status), kva_last_error());
     report(BENCH_METADATA_BYTES, (double)st.metadata_bytes);
     report(BENCH_CAPACITY, (double)st.capacity);
     report(BENCH_METADATA_FRACTION, (double)st.metadata_bytes / (double)st.capacity);
@@ -121,17 +103,8 @@ static void report_full_pool(size_t size)
     kva_stats st;
     kva_status status = kva_get_stats(bench_pool, &st);
     if (status != KVA_OK)
-        die("kva_get_stats: %s: %s", kva_strerror(status), kva_last_error());
+        bench_die("kva_get_stats: %s: %s", kva_strerror(status), kva_last_error());
     report(BENCH_METADATA_FULL_FRACTION, (double)st.metadata_bytes / (double)st.capacity);
-}
-
-/* The preload must have taken effect (bench_host.h says why that is checked). */
-static void verify_allocator(enum bench_allocator want)
-{
-    char why[4096 + 160];
-    const char *problem = bench_preload_problem(want, why, sizeof why);
-    if (problem != NULL)
-        die("%s", problem);
 }
 
 /* ---- measurement helpers ---------------------------------------------------------------- */
@@ -154,17 +127,11 @@ static double minor_faults(void)
     return getrusage(RUSAGE_SELF, &u) == 0 ? (double)u.ru_minflt : 0;
 }
 
-static int compare_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
 /* Sorts v. The middle value, or the mean of the two middle ones. */
 static double median(double *v, size_t n)
 {
-    qsort(v, n, sizeof *v, compare_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    qsort(v, n, sizeof *v, bench_cmp_double);
+    return bench_median_mean_sorted(v, n);
 }
 
 /* Nearest-rank percentile of a sorted array: the smallest sample that at least q of all
@@ -189,20 +156,12 @@ static double timer_overhead_ns(void)
     return median(v, N);
 }
 
-static void *xmalloc(size_t size)
-{
-    void *p = malloc(size);
-    if (p == NULL)
-        die("out of memory for %zu bytes of bookkeeping", size);
-    return p;
-}
-
 /* Bookkeeping written in a timed loop, its pages faulted in now: a first touch in the loop would
  * count as the allocator's page fault. A volatile store per page, since a compiler may turn
  * malloc and a memset of zero into calloc, which leaves memory fresh from the kernel untouched. */
 static void *xmalloc_touched(size_t count, size_t size)
 {
-    volatile unsigned char *p = xmalloc(count * size);
+    volatile unsigned char *p = bench_xmalloc(count * size);
     size_t page = (size_t)sysconf(_SC_PAGESIZE);
     for (size_t off = 0; off < count * size; off += page)
         p[off] = 0;
@@ -266,7 +225,7 @@ static void plan_batch(const struct batch_shape *shape, struct batch_plan *plan)
         for (int i = 0; i < BATCH_OBJECTS; i++) {                                                  \
             size_t size = plan->size[i];                                                           \
             if (ALLOC(size, &slots[i]))                                                            \
-                die("allocation of %zu bytes failed", size);                                       \
+                bench_die("allocation of %zu bytes failed", size);                                 \
         }                                                                                          \
         uint64_t t1 = now_ns();                                                                    \
         int refused = 0;                                                                           \
@@ -278,7 +237,7 @@ static void plan_batch(const struct batch_shape *shape, struct batch_plan *plan)
                 refused |= RELEASE(slots[plan->order[i]]);                                         \
         uint64_t t2 = now_ns();                                                                    \
         if (refused)                                                                               \
-            die("a free of a batch object was refused");                                           \
+            bench_die("a free of a batch object was refused");                                     \
         t->alloc_ns += t1 - t0;                                                                    \
         t->free_ns += t2 - t1;                                                                     \
     } while (0)
@@ -324,8 +283,8 @@ struct batch_metrics {
 static void run_batch(const struct backend *b, const struct child_options *o, const struct batch_shape *shape,
                       const struct batch_metrics *m)
 {
-    void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
-    struct batch_plan *plan = xmalloc(sizeof *plan);
+    void **slots = bench_xmalloc(BATCH_OBJECTS * sizeof *slots);
+    struct batch_plan *plan = bench_xmalloc(sizeof *plan);
     plan_batch(shape, plan);
     double *per_op = xmalloc_touched(o->reps, sizeof *per_op);
     double *per_alloc = xmalloc_touched(o->reps, sizeof *per_alloc);
@@ -338,11 +297,11 @@ static void run_batch(const struct backend *b, const struct child_options *o, co
     if (bench_pool != NULL) {
         for (int i = 0; i < BATCH_OBJECTS; i++)
             if (bench_alloc_into(b, plan->size[i], &slots[i]))
-                die("allocation failed");
+                bench_die("allocation failed");
         report_pool_peak();
         for (int i = 0; i < BATCH_OBJECTS; i++)
             if (bench_release(b, slots[i]))
-                die("a free of a batch object was refused");
+                bench_die("a free of a batch object was refused");
     }
     for (unsigned r = 0; r < o->rounds; r++)
         batch_round(b, plan, slots, &warm);
@@ -394,7 +353,7 @@ struct live_set {
 static void live_release(const struct backend *b, struct live_set *live, size_t i)
 {
     if (bench_release(b, live->ptr[i]))
-        die("a free of a %zu MiB block was refused", live->size[i] / MIB);
+        bench_die("a free of a %zu MiB block was refused", live->size[i] / MIB);
     live->bytes -= live->size[i];
     live->count--;
     live->ptr[i] = live->ptr[live->count];
@@ -436,7 +395,7 @@ static uint64_t large_alloc(const struct backend *b, struct live_set *live, size
             return t1 - t0;
         }
         if (bench_pool == NULL || live->count == 0)
-            die("allocation of %zu MiB failed", size / MIB);
+            bench_die("allocation of %zu MiB failed", size / MIB);
         (*failures)++;
         live_release_random(b, live, rng);
     }
@@ -445,10 +404,10 @@ static uint64_t large_alloc(const struct backend *b, struct live_set *live, size
 static void run_large(const struct backend *b, const struct child_options *o)
 {
     static struct live_set live;
-    double *lat = xmalloc(o->samples * sizeof *lat);
-    double *p50 = xmalloc(o->reps * sizeof *p50);
-    double *p99 = xmalloc(o->reps * sizeof *p99);
-    double *p999 = xmalloc(o->reps * sizeof *p999);
+    double *lat = bench_xmalloc(o->samples * sizeof *lat);
+    double *p50 = bench_xmalloc(o->reps * sizeof *p50);
+    double *p99 = bench_xmalloc(o->reps * sizeof *p99);
+    double *p999 = bench_xmalloc(o->reps * sizeof *p999);
     double worst = 0;
     uint64_t rng = 0x9E3779B97F4A7C15ULL, failures = 0;
     double faults = 0; /* in the timed allocation loops only: not the frees, not the sorting */
@@ -469,7 +428,7 @@ static void run_large(const struct backend *b, const struct child_options *o)
             live_release(b, &live, live.count - 1);
         if (rep == 0)
             continue;
-        qsort(lat, o->samples, sizeof *lat, compare_double);
+        qsort(lat, o->samples, sizeof *lat, bench_cmp_double);
         p50[rep - 1] = percentile_sorted(lat, o->samples, 0.50);
         p99[rep - 1] = percentile_sorted(lat, o->samples, 0.99);
         p999[rep - 1] = percentile_sorted(lat, o->samples, 0.999);
@@ -519,7 +478,7 @@ static void run_fresh(const struct backend *b, const struct child_options *o)
     double faults = minor_faults() - faults_before;
     while (live.count > 0)
         live_release(b, &live, live.count - 1);
-    qsort(lat, o->samples, sizeof *lat, compare_double);
+    qsort(lat, o->samples, sizeof *lat, bench_cmp_double);
     report(BENCH_FRESH_P50_NS, percentile_sorted(lat, o->samples, 0.50));
     report(BENCH_FRESH_P99_NS, percentile_sorted(lat, o->samples, 0.99));
     report(BENCH_FRESH_P999_NS, percentile_sorted(lat, o->samples, 0.999));
@@ -550,14 +509,14 @@ static void run_touch(const struct backend *b, const struct child_options *o)
     uint64_t t0 = now_ns();
     for (int i = 0; i < TOUCH_BLOCKS; i++) {
         if (bench_alloc_into(b, TOUCH_BLOCK, &blocks[i]))
-            die("allocation of %zu MiB failed", TOUCH_BLOCK / MIB);
+            bench_die("allocation of %zu MiB failed", TOUCH_BLOCK / MIB);
         volatile unsigned char *bytes = blocks[i];
         for (size_t off = 0; off < TOUCH_BLOCK; off += TOUCH_STRIDE)
             bytes[off] = 1;
     }
     for (int i = 0; i < TOUCH_BLOCKS; i++)
         if (bench_release(b, blocks[i]))
-            die("a free of a %zu MiB block was refused", TOUCH_BLOCK / MIB);
+            bench_die("a free of a %zu MiB block was refused", TOUCH_BLOCK / MIB);
     uint64_t t1 = now_ns();
     double faults = minor_faults() - faults_before;
     /* bytes per ns is GB/s (10^9 bytes per second). */
@@ -580,7 +539,7 @@ static void mark(const char *line)
 {
     size_t len = strlen(line);
     if (write(STDOUT_FILENO, line, len) != (ssize_t)len)
-        die("cannot write the marker %s", line);
+        bench_die("cannot write the marker %s", line);
 }
 
 /* The allocation paths of patterns 1-3, untimed (a clock read could itself be a system call
@@ -591,7 +550,7 @@ static void mark(const char *line)
 static void run_syscall_check(const struct backend *b, const struct child_options *o)
 {
     static struct live_set live;
-    void **slots = xmalloc(BATCH_OBJECTS * sizeof *slots);
+    void **slots = bench_xmalloc(BATCH_OBJECTS * sizeof *slots);
     uint64_t rng = 0x9E3779B97F4A7C15ULL, failures = 0, calls = 0;
     /* The calls of every timed batch pattern: 64 B, 4 KiB, the mixed sizes, and 64 B freed in
      * the shuffled order. */
@@ -607,10 +566,10 @@ static void run_syscall_check(const struct backend *b, const struct child_option
         for (unsigned r = 0; r < o->rounds; r++) {
             for (int i = 0; i < BATCH_OBJECTS; i++)
                 if (bench_alloc_into(b, shape->sizes[(size_t)i % shape->nsizes], &slots[i]))
-                    die("allocation of %zu bytes failed", shape->sizes[(size_t)i % shape->nsizes]);
+                    bench_die("allocation of %zu bytes failed", shape->sizes[(size_t)i % shape->nsizes]);
             for (int i = 0; i < BATCH_OBJECTS; i++)
                 if (bench_release(b, slots[shape->order ? shape->order[i] : (unsigned)i]))
-                    die("a free was refused");
+                    bench_die("a free was refused");
             calls += 2 * BATCH_OBJECTS;
         }
     }
@@ -629,53 +588,48 @@ static void run_syscall_check(const struct backend *b, const struct child_option
 
 /* ---- entry ------------------------------------------------------------------------------ */
 
-static unsigned parse_count(const char *flag, const char *text)
-{
-    char *end;
-    unsigned long v = strtoul(text, &end, 10);
-    if (*text == '\0' || *end != '\0' || v == 0 || v > 100000000ul)
-        die("%s wants a positive count, not '%s'", flag, text);
-    return (unsigned)v;
-}
-
 static void parse_child_options(int argc, char **argv, struct child_options *o)
 {
     *o = (struct child_options){BENCH_ALLOCATOR_COUNT, NULL, 100, 3, 1000, 0};
     for (int i = 1; i < argc; i++) {
         const char *flag = argv[i];
         if (i + 1 >= argc)
-            die("%s wants a value", flag);
+            bench_die("%s wants a value", flag);
         const char *value = argv[++i];
         if (strcmp(flag, "--child") == 0) {
+            static char identity[64];
             g_name = value;
+            snprintf(identity, sizeof identity, "bench_alloc --child %s", value);
+            bench_set_identity(identity, 2);
             for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
                 if (strcmp(value, bench_allocators[a].name) == 0)
                     o->allocator = (enum bench_allocator)a;
         } else if (strcmp(flag, "--pattern") == 0) {
             o->pattern = value;
         } else if (strcmp(flag, "--rounds") == 0) {
-            o->rounds = parse_count(flag, value);
+            o->rounds = bench_parse_count(flag, value, 100000000);
         } else if (strcmp(flag, "--reps") == 0) {
-            o->reps = parse_count(flag, value);
+            o->reps = bench_parse_count(flag, value, 100000000);
         } else if (strcmp(flag, "--samples") == 0) {
-            o->samples = parse_count(flag, value);
+            o->samples = bench_parse_count(flag, value, 100000000);
         } else if (strcmp(flag, "--prefault") == 0) {
             o->prefault = strcmp(value, "0") != 0;
         } else {
-            die("unknown option %s", flag);
+            bench_die("unknown option %s", flag);
         }
     }
     if (o->allocator == BENCH_ALLOCATOR_COUNT)
-        die("unknown allocator");
+        bench_die("unknown allocator");
     if (o->pattern == NULL)
-        die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, fresh, touch, syscalls)");
+        bench_die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, fresh, touch, syscalls)");
 }
 
 int bench_child_main(int argc, char **argv)
 {
     struct child_options o;
+    bench_set_identity("bench_alloc --child ?", 2);
     parse_child_options(argc, argv, &o);
-    verify_allocator(o.allocator);
+    bench_verify_allocator(o.allocator);
 
     int is_kvalloc = o.allocator == BENCH_KVALLOC;
     const struct backend *b = is_kvalloc ? &bench_kvalloc_backend : &bench_malloc_backend;
@@ -712,7 +666,7 @@ int bench_child_main(int argc, char **argv)
     else if (strcmp(o.pattern, "syscalls") == 0)
         run_syscall_check(b, &o);
     else
-        die("unknown pattern '%s'", o.pattern);
+        bench_die("unknown pattern '%s'", o.pattern);
     /* After the timed part, the metadata of the pool full of the pattern's smallest size. */
     if (bench_pool != NULL && strcmp(o.pattern, "batch64") == 0)
         report_full_pool(64);

@@ -1,7 +1,7 @@
 /*
- * bench_clock.h — the clock and the median the benchmark tools share: wall time in nanoseconds
- * from CLOCK_MONOTONIC, the median of repeated measurements (sorted in place), and a flush of
- * the processor's caches for measurements that start cold.
+ * bench_clock.h — the clock and the medians the benchmark tools share: wall time in nanoseconds
+ * from CLOCK_MONOTONIC, the median of repeated measurements, and a flush of the processor's
+ * caches for measurements that start cold.
  */
 #ifndef KVA_BENCH_CLOCK_H
 #define KVA_BENCH_CLOCK_H
@@ -20,9 +20,15 @@ static inline int bench_cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* The median of n values, sorted in place: the upper middle one for an even count. */
 static inline double bench_median(double *values, size_t n) {
     qsort(values, n, sizeof *values, bench_cmp_double);
     return values[n / 2];
+}
+
+/* The median of n sorted values, the mean of the two middle ones for an even count. */
+static inline double bench_median_mean_sorted(const double *values, size_t n) {
+    return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
 /* Evicts everything the processor caches hold, as a scheduler step's other work would: a 1 GiB

@@ -1,16 +1,38 @@
 /*
- * bench_host.h — what bench_alloc and bench_threads both need from the machine around them:
- * finding a peer allocator's library and its package version, checking in a child that the
- * preload took effect, and writing JSON values.
+ * bench_host.h — the harness bench_alloc and bench_threads share, so that each tool is its own
+ * patterns, tables and targets: dying with a tool's name, the child's side of bench_protocol.h
+ * (the preload check, report lines), the parent's (choosing and finding the allocators, running
+ * a child and reading its reports, progress on a terminal), the machine and the other load on
+ * it while children run, and JSON.
  */
 #ifndef KVA_BENCH_HOST_H
 #define KVA_BENCH_HOST_H
 
 #include <stddef.h>
 #include <stdio.h>
+#include <sys/resource.h>
 
 #include "bench_protocol.h"
 #include "kvalloc.h"
+
+/* ---- dying, and what every tool needs first -------------------------------------------- */
+
+/* The name a tool's messages start with ("bench_alloc", "bench_threads --child kvalloc") and the
+ * status it exits with when it dies: 1 for a parent, 2 for a child (whose parent then stops and
+ * says which child failed). Until set: "bench" and 2. */
+void bench_set_identity(const char *name, int die_status);
+
+/* Prints "name: message" on stderr and exits with that status at once: _exit, since a child may
+ * die on a worker thread while others are inside the allocator (standard output is flushed
+ * first). */
+void bench_die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
+
+/* Host memory for bookkeeping, or death. */
+void *bench_xmalloc(size_t size);
+void *bench_xcalloc(size_t n, size_t size);
+
+/* An option's count, 1 .. max, or death naming the flag. */
+unsigned bench_parse_count(const char *flag, const char *text, unsigned long max);
 
 /* The allocator under test, behind function pointers chosen at run time, so that the compiler
  * can neither elide nor merge malloc/free pairs it can see through. They are the allocator's own
@@ -58,17 +80,72 @@ struct allocator_state {
     char version[64];
 };
 
+/* ---- the child's side of bench_protocol.h ---------------------------------------------- */
+
+/* Dies unless the preload took effect (bench_preload_problem). */
+void bench_verify_allocator(enum bench_allocator want);
+
+/* One report on stdout, in bench_protocol.h's line format. */
+void bench_report(const char *allocator, const char *metric, double value);
+
+/* ---- the parent's side ----------------------------------------------------------------- */
+
+/* The allocators a comma-separated list names (--only) in selected[], the others 0; dies on a
+ * name it does not know. */
+void bench_select_allocators(const char *list, int selected[BENCH_ALLOCATOR_COUNT]);
+
 /* Fills st for allocator a, and says on stdout when it must be skipped. */
 void bench_discover_allocator(enum bench_allocator a, struct allocator_state *st);
+
+/* The same for every selected allocator. */
+void bench_discover_allocators(const int selected[BENCH_ALLOCATOR_COUNT],
+                               struct allocator_state st[BENCH_ALLOCATOR_COUNT]);
+
+/* This executable's path, which a parent starts its children from (/proc/self/exe); death if
+ * it cannot be read. */
+const char *bench_self_path(void);
+
+/* What a parent does with one report of a child: metric and value. */
+typedef void bench_report_fn(void *ctx, const char *metric, double value);
+
+/* Runs argv as allocator a's child (bench_spawn_child) and hands each of its reports to fn (to
+ * none when fn is NULL); a line that does not start with '{' is not a report, and a report that
+ * cannot be read or names another allocator is fatal. Returns the child's wait status, its
+ * resource usage in *usage when not NULL. Any failure to run it is fatal too: a partial
+ * comparison would read as a complete one. */
+int bench_run_child(enum bench_allocator a, const struct allocator_state *st, const char *const *argv,
+                    bench_report_fn *fn, void *ctx, struct rusage *usage);
+
+/* What is running, on a terminal's stderr, on one line the next call overwrites; nothing when
+ * stderr is not a terminal. bench_progress_done clears the line. */
+void bench_progress(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void bench_progress_done(void);
+
+/* A figure for a table's cell: "-" for NaN, more digits for small values. */
+void bench_format_figure(char *out, size_t size, double v);
+
+/* ---- the machine ----------------------------------------------------------------------- */
 
 /* The CPU model (from /proc/cpuinfo), the online CPUs and the kernel release. */
 void bench_describe_host(char *cpu, size_t cpu_size, long *cores, char *kernel, size_t kernel_size);
 
-/* Starts argv (argv[0] a path, or a program found on PATH) with allocator a preloaded (st->library; none for
- * glibc and kvalloc), its standard output into a pipe: returns the child's pid and the pipe's
- * read end in *out, or -1 with errno. The caller must be single-threaded (setenv after fork). */
-int bench_spawn_child(const char *tool, enum bench_allocator a, const struct allocator_state *st,
-                      const char *const *argv, FILE **out);
+/* The CPUs this process may run on (what nproc prints). */
+long bench_usable_cpus(void);
+
+/* The machine's CPU time (/proc/stat) and this process's, at the start of a run. */
+struct bench_load {
+    int sampled;
+    double busy_s, steal_s, wall_ns, self_s;
+};
+void bench_load_begin(struct bench_load *at);
+
+/* User and system time of a process's resource usage, in seconds. */
+double bench_cpu_seconds(const struct rusage *usage);
+
+/* CPU time others took since bench_load_begin, as average cores: other processes (less the
+ * children's time, children_cpu_s, and this process's own) and the hypervisor (steal). NAN where
+ * /proc/stat cannot be read. Whatever else runs takes cores from the threads measured. */
+void bench_load_end(const struct bench_load *at, double children_cpu_s, double *others_cores, double *steal_cores);
 
 /* Cuts text at its first newline. */
 void bench_trim_newline(char *text);
@@ -85,9 +162,18 @@ int bench_find_library(const char *soname, char *path, size_t size);
  * the expected object. NULL if so, else why not (a static string or one written to why). */
 const char *bench_preload_problem(enum bench_allocator want, char *why, size_t size);
 
+/* ---- JSON ------------------------------------------------------------------------------ */
+
 /* JSON: a string with its escapes; a number, or null for NaN and infinities. */
 void bench_json_string(FILE *f, const char *text);
 void bench_json_number(FILE *f, double v);
+
+/* The command line as a string a shell would take back: arguments quoted where they need it. */
+void bench_json_command(FILE *f, int argc, char **argv);
+
+/* "machine": {"cpu": ..., "cores": ..., "usable_cpus": ... (when usable >= 0), "kernel": ...,
+ * its closing brace left to the caller (which may add fields). */
+void bench_json_machine(FILE *f, const char *cpu, long cores, long usable, const char *kernel);
 
 /* One allocator of the "allocators" object, its closing brace left to the caller (which adds
  * its figures): "name": {"status": ..., "library": ..., "version": ... */

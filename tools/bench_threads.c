@@ -28,20 +28,15 @@
  * all threads wait on one barrier, the main thread sleeps D ms after the release and raises a
  * stop flag, which the threads read once per round (batches) or per 64 objects (producers).
  */
-#include <dlfcn.h>
 #include <errno.h>
-#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <sched.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
-#include <sys/utsname.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -79,24 +74,6 @@ static const struct {
 #define METRIC_OPS "ops"
 #define METRIC_ELAPSED_NS "elapsed_ns"
 
-static const char *g_tool = "bench_threads";
-
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
-
-/* Also called from worker threads of a child: _exit, so no atexit handler runs while other
- * threads are still inside the allocator. */
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    fprintf(stderr, "%s: ", g_tool);
-    va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
-    va_end(ap);
-    fputc('\n', stderr);
-    fflush(stderr);
-    _exit(2);
-}
-
 static int find_pattern(const char *key)
 {
     for (int p = 0; p < PAT_COUNT; p++)
@@ -105,22 +82,9 @@ static int find_pattern(const char *key)
     return -1;
 }
 
-static unsigned parse_count(const char *flag, const char *text, unsigned long max)
-{
-    char *end;
-    errno = 0;
-    unsigned long v = strtoul(text, &end, 10);
-    if (*text == '\0' || *end != '\0' || errno != 0 || v == 0 || v > max)
-        die("%s wants a count between 1 and %lu, not '%s'", flag, max, text);
-    return (unsigned)v;
-}
-
 /* ======================================================================================== */
 /* The child: one allocator, one pattern, one thread count, in a process of its own          */
 /* ======================================================================================== */
-
-/* The allocator under test behind two function pointers, as in bench_child.c: every allocator
- * pays the same indirect call and the compiler cannot pair up mallocs and frees. */
 
 /* The single-producer/single-consumer ring of one pair. head is written by the consumer only,
  * tail by the producer only, each on a line of its own. Each side publishes its index every
@@ -187,12 +151,12 @@ static void batch_phase(struct worker *w, size_t size)
     do {
         for (int i = 0; i < BATCH_OBJECTS; i++)
             if (bench_alloc_into(w->b, size, &w->slots[i]))
-                die("allocation of %zu bytes failed", size);
+                bench_die("allocation of %zu bytes failed", size);
         int refused = 0;
         for (int i = 0; i < BATCH_OBJECTS; i++)
             refused |= bench_release(w->b, w->slots[i]);
         if (refused)
-            die("a free of a %zu-byte object was refused", size);
+            bench_die("a free of a %zu-byte object was refused", size);
         rounds++;
     } while (!stop_requested());
     w->end_ns = bench_now_ns();
@@ -216,7 +180,7 @@ static void producer_phase(struct worker *w)
     while ((made & 63) != 0 || !stop_requested()) {
         void *p;
         if (bench_alloc_into(w->b, PC_OBJECT, &p))
-            die("allocation of %d bytes failed", PC_OBJECT);
+            bench_die("allocation of %d bytes failed", PC_OBJECT);
         if (w->index - w->other == RING_SLOTS) {
             unsigned spins = 0;
             publish(w, &r->tail);
@@ -259,7 +223,7 @@ static void consumer_phase(struct worker *w)
         void *p;
         if (ring_pop(w, &p)) {
             if (bench_release(w->b, p))
-                die("a free of a %d-byte object from another thread was refused", PC_OBJECT);
+                bench_die("a free of a %d-byte object from another thread was refused", PC_OBJECT);
             freed++;
             spins = 0;
         } else if (atomic_load_explicit(&w->ring->done, memory_order_acquire)) {
@@ -293,33 +257,11 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-/* The preload must have taken effect (bench_host.h says why that is checked). */
-static void verify_allocator(enum bench_allocator want)
-{
-    char why[4096 + 160];
-    const char *problem = bench_preload_problem(want, why, sizeof why);
-    if (problem != NULL)
-        die("%s", problem);
-}
-
-static void *xcalloc(size_t n, size_t size)
-{
-    void *p = calloc(n, size);
-    if (p == NULL)
-        die("out of memory for %zu bytes of bookkeeping", n * size);
-    return p;
-}
-
 static void sleep_ms(unsigned ms)
 {
     struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
         ;
-}
-
-static void report(const char *allocator, const char *metric, double value)
-{
-    printf("{\"allocator\":\"%s\",\"metric\":\"%s\",\"value\":%.15g}\n", allocator, metric, value);
 }
 
 static int child_main(int argc, char **argv)
@@ -331,33 +273,33 @@ static int child_main(int argc, char **argv)
     for (int i = 1; i < argc; i += 2) {
         const char *flag = argv[i], *value = i + 1 < argc ? argv[i + 1] : NULL;
         if (value == NULL)
-            die("%s wants a value", flag);
+            bench_die("%s wants a value", flag);
         if (strcmp(flag, "--child") == 0) {
             for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
                 if (strcmp(value, bench_allocators[a].name) == 0)
                     allocator = (enum bench_allocator)a;
             if (allocator == BENCH_ALLOCATOR_COUNT)
-                die("unknown allocator '%s'", value);
+                bench_die("unknown allocator '%s'", value);
             snprintf(tool, sizeof tool, "bench_threads --child %s", value);
-            g_tool = tool;
+            bench_set_identity(tool, 2);
         } else if (strcmp(flag, "--pattern") == 0) {
             if ((pattern = find_pattern(value)) < 0)
-                die("unknown pattern '%s' (batch64, batch4k, prodcons)", value);
+                bench_die("unknown pattern '%s' (batch64, batch4k, prodcons)", value);
         } else if (strcmp(flag, "--threads") == 0) {
-            threads = parse_count(flag, value, MAX_THREADS);
+            threads = bench_parse_count(flag, value, MAX_THREADS);
         } else if (strcmp(flag, "--ms") == 0) {
-            ms = parse_count(flag, value, 600000);
+            ms = bench_parse_count(flag, value, 600000);
         } else if (strcmp(flag, "--warmup-ms") == 0) {
-            warmup_ms = parse_count(flag, value, 600000);
+            warmup_ms = bench_parse_count(flag, value, 600000);
         } else {
-            die("unknown option %s", flag);
+            bench_die("unknown option %s", flag);
         }
     }
     if (allocator == BENCH_ALLOCATOR_COUNT || pattern < 0 || threads == 0)
-        die("--child, --pattern and --threads are required");
+        bench_die("--child, --pattern and --threads are required");
     if (pattern == PAT_PRODCONS && threads % 2 != 0)
-        die("prodcons runs threads in pairs: %u threads is odd", threads);
-    verify_allocator(allocator);
+        bench_die("prodcons runs threads in pairs: %u threads is odd", threads);
+    bench_verify_allocator(allocator);
 
     const struct backend *b = &bench_malloc_backend;
     if (allocator == BENCH_KVALLOC) {
@@ -369,18 +311,18 @@ static int child_main(int argc, char **argv)
         cfg.name = "bench_threads";
         kva_status st = kva_pool_create(&cfg, &bench_pool);
         if (st != KVA_OK)
-            die("kva_pool_create(%zu MiB): %s: %s", POOL_CAPACITY / MIB, kva_strerror(st),
+            bench_die("kva_pool_create(%zu MiB): %s: %s", POOL_CAPACITY / MIB, kva_strerror(st),
                 kva_last_error());
         b = &bench_kvalloc_backend;
     }
 
     /* Bookkeeping comes from the allocator under test too (malloc is preloaded), but before
      * the first barrier. */
-    struct worker *workers = xcalloc(threads, sizeof *workers);
+    struct worker *workers = bench_xcalloc(threads, sizeof *workers);
     size_t pairs = pattern == PAT_PRODCONS ? threads / 2 : 0;
     struct ring *rings = NULL;
     if (pairs > 0 && posix_memalign((void **)&rings, 64, pairs * sizeof *rings) != 0)
-        die("out of memory for the rings");
+        bench_die("out of memory for the rings");
     for (size_t p = 0; p < pairs; p++) {
         atomic_init(&rings[p].head, 0);
         atomic_init(&rings[p].tail, 0);
@@ -390,7 +332,7 @@ static int child_main(int argc, char **argv)
     atomic_init(&g_run.stop, 0);
     if (pthread_barrier_init(&g_run.start, NULL, threads + 1) != 0 ||
         pthread_barrier_init(&g_run.end, NULL, threads + 1) != 0)
-        die("pthread_barrier_init failed");
+        bench_die("pthread_barrier_init failed");
     for (unsigned t = 0; t < threads; t++) {
         struct worker *w = &workers[t];
         w->b = b;
@@ -399,11 +341,11 @@ static int child_main(int argc, char **argv)
             w->ring = &rings[t / 2];
             w->producer = t % 2 == 0;
         } else {
-            w->slots = xcalloc(BATCH_OBJECTS, sizeof *w->slots);
+            w->slots = bench_xcalloc(BATCH_OBJECTS, sizeof *w->slots);
         }
         int err = pthread_create(&w->thread, NULL, worker_main, w);
         if (err != 0)
-            die("pthread_create: %s", strerror(err));
+            bench_die("pthread_create: %s", strerror(err));
     }
 
     double ops = 0, elapsed = 0;
@@ -428,7 +370,7 @@ static int child_main(int argc, char **argv)
         elapsed = last - first;
         for (size_t p = 0; p < pairs; p++)
             if (workers[2 * p].ops != workers[2 * p + 1].ops)
-                die("pair %zu: %llu objects produced but %llu freed", p,
+                bench_die("pair %zu: %llu objects produced but %llu freed", p,
                     (unsigned long long)workers[2 * p].ops,
                     (unsigned long long)workers[2 * p + 1].ops);
     }
@@ -440,13 +382,13 @@ static int child_main(int argc, char **argv)
         /* Every object was freed and every thread has exited: the pool must be whole. */
         kva_status st = kva_check(bench_pool);
         if (st != KVA_OK)
-            die("kva_check after the run: %s: %s", kva_strerror(st), kva_last_error());
+            bench_die("kva_check after the run: %s: %s", kva_strerror(st), kva_last_error());
         kva_pool_destroy(bench_pool);
     }
     const char *name = bench_allocators[allocator].name;
-    report(name, METRIC_OPS_PER_S, ops / elapsed * 1e9);
-    report(name, METRIC_OPS, ops);
-    report(name, METRIC_ELAPSED_NS, elapsed);
+    bench_report(name, METRIC_OPS_PER_S, ops / elapsed * 1e9);
+    bench_report(name, METRIC_OPS, ops);
+    bench_report(name, METRIC_ELAPSED_NS, elapsed);
     free(rings);
     free(workers);
     pthread_barrier_destroy(&g_run.start);
@@ -486,7 +428,6 @@ struct reports {
     unsigned count;
 };
 
-static char g_self[PATH_MAX];
 static struct allocator_state g_alloc[BENCH_ALLOCATOR_COUNT];
 static struct reports g_ops[BENCH_ALLOCATOR_COUNT][PAT_COUNT][MAX_THREAD_COUNTS];
 
@@ -503,7 +444,7 @@ static void usage(FILE *to)
 static char *list_copy(const char *list, char *copy, size_t size)
 {
     if (strlen(list) >= size)
-        die("list too long: %s", list);
+        bench_die("list too long: %s", list);
     return strcpy(copy, list);
 }
 
@@ -513,20 +454,11 @@ static void add_thread_count(struct settings *s, unsigned t)
         if (s->threads[i] == t)
             return;
     if (s->thread_counts == MAX_THREAD_COUNTS)
-        die("at most %d thread counts", MAX_THREAD_COUNTS);
+        bench_die("at most %d thread counts", MAX_THREAD_COUNTS);
     unsigned i = s->thread_counts++;
     for (; i > 0 && s->threads[i - 1] > t; i--)
         s->threads[i] = s->threads[i - 1];
     s->threads[i] = t;
-}
-
-static long usable_cpus(void)
-{
-    cpu_set_t set;
-    if (sched_getaffinity(0, sizeof set, &set) == 0 && CPU_COUNT(&set) > 0)
-        return CPU_COUNT(&set);
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    return n > 0 ? n : 1;
 }
 
 static void parse_options(int argc, char **argv, struct settings *s)
@@ -545,17 +477,7 @@ static void parse_options(int argc, char **argv, struct settings *s)
         if (strcmp(arg, "--quick") == 0) {
             s->quick = 1;
         } else if (strcmp(arg, "--only") == 0 && has_value) {
-            memset(s->selected, 0, sizeof s->selected);
-            char *save = NULL, *list = list_copy(argv[++i], copy, sizeof copy);
-            for (char *name = strtok_r(list, ",", &save); name != NULL;
-                 name = strtok_r(NULL, ",", &save)) {
-                int found = 0;
-                for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
-                    if (strcmp(name, bench_allocators[a].name) == 0)
-                        s->selected[a] = found = 1;
-                if (!found)
-                    die("unknown allocator '%s' (glibc jemalloc mimalloc tcmalloc kvalloc)", name);
-            }
+            bench_select_allocators(argv[++i], s->selected);
         } else if (strcmp(arg, "--patterns") == 0 && has_value) {
             memset(s->pattern_on, 0, sizeof s->pattern_on);
             char *save = NULL, *list = list_copy(argv[++i], copy, sizeof copy);
@@ -563,15 +485,15 @@ static void parse_options(int argc, char **argv, struct settings *s)
                  name = strtok_r(NULL, ",", &save)) {
                 int p = find_pattern(name);
                 if (p < 0)
-                    die("unknown pattern '%s' (batch64 batch4k prodcons)", name);
+                    bench_die("unknown pattern '%s' (batch64 batch4k prodcons)", name);
                 s->pattern_on[p] = 1;
             }
         } else if (strcmp(arg, "--threads") == 0 && has_value) {
             threads = argv[++i];
         } else if (strcmp(arg, "--processes") == 0 && has_value) {
-            processes = parse_count(arg, argv[++i], MAX_PROCESSES);
+            processes = bench_parse_count(arg, argv[++i], MAX_PROCESSES);
         } else if (strcmp(arg, "--ms") == 0 && has_value) {
-            ms = parse_count(arg, argv[++i], 600000);
+            ms = bench_parse_count(arg, argv[++i], 600000);
         } else if (strcmp(arg, "--json") == 0 && has_value) {
             s->json_path = argv[++i];
         } else if (strcmp(arg, "--help") == 0 || strcmp(arg, "-h") == 0) {
@@ -585,9 +507,9 @@ static void parse_options(int argc, char **argv, struct settings *s)
     if (threads != NULL) {
         for (char *save = NULL, *t = strtok_r(list_copy(threads, copy, sizeof copy), ",", &save);
              t != NULL; t = strtok_r(NULL, ",", &save))
-            add_thread_count(s, parse_count("--threads", t, MAX_THREADS));
+            add_thread_count(s, bench_parse_count("--threads", t, MAX_THREADS));
     } else {
-        long n = usable_cpus();
+        long n = bench_usable_cpus();
         add_thread_count(s, 1);
         add_thread_count(s, 2);
         add_thread_count(s, (unsigned)(4 * (n < MAX_THREADS / 4 ? n : MAX_THREADS / 4)));
@@ -599,52 +521,20 @@ static void parse_options(int argc, char **argv, struct settings *s)
     s->warmup_ms = s->quick ? 10 : 50;
 }
 
-/* Machine-wide CPU time from /proc/stat, in seconds: busy (user, nice, system, irq, softirq)
- * and steal. 0 if it cannot be read. */
-struct cpu_sample {
-    double busy_s, steal_s, wall_ns, self_s;
-};
-
-static double rusage_seconds(const struct rusage *u)
-{
-    return (double)u->ru_utime.tv_sec + (double)u->ru_utime.tv_usec / 1e6 +
-           (double)u->ru_stime.tv_sec + (double)u->ru_stime.tv_usec / 1e6;
-}
-
-static int sample_cpu(struct cpu_sample *c)
-{
-    unsigned long long v[8];
-    FILE *f = fopen("/proc/stat", "r");
-    if (f == NULL)
-        return 0;
-    int n = fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
-                   &v[4], &v[5], &v[6], &v[7]);
-    fclose(f);
-    double tick = (double)sysconf(_SC_CLK_TCK);
-    struct rusage self;
-    if (n != 8 || tick <= 0 || getrusage(RUSAGE_SELF, &self) != 0)
-        return 0;
-    c->busy_s = (double)(v[0] + v[1] + v[2] + v[5] + v[6]) / tick;
-    c->steal_s = (double)v[7] / tick;
-    c->wall_ns = bench_now_ns();
-    c->self_s = rusage_seconds(&self);
-    return 1;
-}
-
 static double g_children_cpu_s; /* user + system time of every child, from wait4 */
 
 static void describe_machine(struct machine *m)
 {
     bench_describe_host(m->cpu, sizeof m->cpu, &m->cores, m->kernel, sizeof m->kernel);
-    m->usable = usable_cpus();
+    m->usable = bench_usable_cpus();
     m->others_cores = m->steal_cores = NAN;
 }
 
-static void discover_allocators(const struct settings *s)
+/* A child's report (bench_report_fn): its ops/s is the figure, the rest is for a reader. */
+static void keep_ops_per_s(void *ctx, const char *metric, double value)
 {
-    for (int a = 0; a < BENCH_ALLOCATOR_COUNT; a++)
-        if (s->selected[a])
-            bench_discover_allocator((enum bench_allocator)a, &g_alloc[a]);
+    if (strcmp(metric, METRIC_OPS_PER_S) == 0)
+        *(double *)ctx = value;
 }
 
 /* Runs one child to completion and stores its ops/s; any failure ends the run, since a partial
@@ -656,49 +546,26 @@ static void run_child(const struct settings *s, enum bench_allocator a, int patt
     snprintf(threads, sizeof threads, "%u", s->threads[tidx]);
     snprintf(ms, sizeof ms, "%u", s->ms);
     snprintf(warmup, sizeof warmup, "%u", s->warmup_ms);
-    const char *argv[] = {g_self, "--child", bench_allocators[a].name, "--pattern",
+    const char *argv[] = {bench_self_path(), "--child", bench_allocators[a].name, "--pattern",
                           patterns[pattern].key, "--threads", threads, "--ms", ms,
                           "--warmup-ms", warmup, NULL};
-    if (isatty(STDERR_FILENO))
-        fprintf(stderr, "\r  running %-8s %-8s %4s threads   ", bench_allocators[a].name,
-                patterns[pattern].key, threads);
-    FILE *in;
-    pid_t pid = bench_spawn_child("bench_threads", a, &g_alloc[a], argv, &in);
-    if (pid < 0)
-        die("starting a child: %s", strerror(errno));
-    char line[512];
+    bench_progress("  running %-8s %-8s %4s threads   ", bench_allocators[a].name, patterns[pattern].key,
+                   threads);
     double ops_per_s = NAN;
-    while (fgets(line, sizeof line, in) != NULL) {
-        char name[32], key[48];
-        double value;
-        if (line[0] != '{')
-            continue;
-        if (sscanf(line, "{\"allocator\":\"%31[^\"]\",\"metric\":\"%47[^\"]\",\"value\":%lf}",
-                   name, key, &value) != 3)
-            die("unreadable report from a child: %s", line);
-        if (strcmp(name, bench_allocators[a].name) != 0)
-            die("a child for %s reported as %s", bench_allocators[a].name, name);
-        if (strcmp(key, METRIC_OPS_PER_S) == 0)
-            ops_per_s = value;
-    }
-    fclose(in);
-    int status;
     struct rusage usage;
-    while (wait4(pid, &status, 0, &usage) < 0)
-        if (errno != EINTR)
-            die("wait4: %s", strerror(errno));
-    g_children_cpu_s += rusage_seconds(&usage);
+    int status = bench_run_child(a, &g_alloc[a], argv, keep_ops_per_s, &ops_per_s, &usage);
+    g_children_cpu_s += bench_cpu_seconds(&usage);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
         char how[48];
         if (WIFSIGNALED(status))
             snprintf(how, sizeof how, "killed by signal %d", WTERMSIG(status));
         else
             snprintf(how, sizeof how, "exit status %d", WEXITSTATUS(status));
-        die("the %s child for %s at %s threads failed (%s); see its message above",
+        bench_die("the %s child for %s at %s threads failed (%s); see its message above",
             bench_allocators[a].name, patterns[pattern].key, threads, how);
     }
     if (isnan(ops_per_s) || ops_per_s <= 0)
-        die("the %s child for %s at %s threads reported no throughput", bench_allocators[a].name,
+        bench_die("the %s child for %s at %s threads reported no throughput", bench_allocators[a].name,
             patterns[pattern].key, threads);
     struct reports *r = &g_ops[a][pattern][tidx];
     r->value[r->count++] = ops_per_s;
@@ -726,10 +593,9 @@ static void run_all(const struct settings *s)
                     }
                 }
     if (children == 0)
-        die("nothing to run: no allocator found, or producer/consumer alone at odd thread "
+        bench_die("nothing to run: no allocator found, or producer/consumer alone at odd thread "
             "counts");
-    if (isatty(STDERR_FILENO))
-        fprintf(stderr, "\r%60s\r", "");
+    bench_progress_done();
 }
 
 /* The median of the processes' ops/s (the upper middle one for an even count); NAN if none. */
@@ -829,20 +695,6 @@ static const char *target_word(enum target_state st)
 
 /* ---- the table -------------------------------------------------------------------------- */
 
-/* Millions of ops per second, with more digits for small values. */
-static void format_mops(char *out, size_t size, double ops_per_s)
-{
-    double v = ops_per_s / 1e6;
-    if (isnan(v))
-        snprintf(out, size, "-");
-    else if (v >= 100)
-        snprintf(out, size, "%.0f", v);
-    else if (v >= 10)
-        snprintf(out, size, "%.1f", v);
-    else
-        snprintf(out, size, "%.2f", v);
-}
-
 #define COLUMN 17
 
 static void print_header(const struct settings *s, const char *title)
@@ -891,7 +743,7 @@ static void print_table(const struct settings *s, const struct machine *m, const
                     continue;
                 char cell[48], value[32];
                 double v = figure(a, p, i);
-                format_mops(value, sizeof value, v);
+                bench_format_figure(value, sizeof value, v / 1e6); /* millions of ops/s */
                 if (!g_alloc[a].measured)
                     snprintf(cell, sizeof cell, "skipped");
                 else if (a != BENCH_KVALLOC && !isnan(v) && !isnan(kva))
@@ -937,51 +789,16 @@ static void print_table(const struct settings *s, const struct machine *m, const
 
 /* ---- JSON ------------------------------------------------------------------------------- */
 
-/* Appends text to out (size bytes, used so far); text that does not fit is cut. */
-static void append(char *out, size_t size, size_t *used, const char *text)
-{
-    size_t room = size - 1 - *used, len = strlen(text);
-    len = len < room ? len : room;
-    memcpy(out + *used, text, len);
-    *used += len;
-    out[*used] = '\0';
-}
-
-/* The command line as a shell would take it back: arguments quoted where they need it. */
-static void command_line(int argc, char **argv, char *out, size_t size)
-{
-    static const char plain_chars[] = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-                                      "0123456789_./,=:+-@%";
-    size_t used = 0;
-    out[0] = '\0';
-    for (int i = 0; i < argc; i++) {
-        const char *arg = argv[i];
-        append(out, size, &used, i ? " " : "");
-        if (*arg != '\0' && strspn(arg, plain_chars) == strlen(arg)) {
-            append(out, size, &used, arg);
-            continue;
-        }
-        append(out, size, &used, "'");
-        for (const char *c = arg; *c != '\0'; c++) {
-            char one[2] = {*c, '\0'};
-            append(out, size, &used, *c == '\'' ? "'\\''" : one);
-        }
-        append(out, size, &used, "'");
-    }
-}
-
-static void write_json(const struct settings *s, const struct machine *m, const char *command,
+static void write_json(const struct settings *s, const struct machine *m, int argc, char **argv,
                        const struct target *t, unsigned targets)
 {
     FILE *f = fopen(s->json_path, "w");
     if (f == NULL)
-        die("cannot write %s: %s", s->json_path, strerror(errno));
+        bench_die("cannot write %s: %s", s->json_path, strerror(errno));
     fputs("{\n  \"tool\": \"bench_threads\",\n  \"command\": ", f);
-    bench_json_string(f, command);
-    fputs(",\n  \"machine\": {\"cpu\": ", f);
-    bench_json_string(f, m->cpu);
-    fprintf(f, ", \"cores\": %ld, \"usable_cpus\": %ld, \"kernel\": ", m->cores, m->usable);
-    bench_json_string(f, m->kernel);
+    bench_json_command(f, argc, argv);
+    fputs(",\n  ", f);
+    bench_json_machine(f, m->cpu, m->cores, m->usable, m->kernel);
     fputs(", \"other_busy_cores_during_run\": ", f);
     bench_json_number(f, m->others_cores);
     fputs(", \"steal_cores_during_run\": ", f);
@@ -1054,42 +871,31 @@ static void write_json(const struct settings *s, const struct machine *m, const 
     }
     fputs("\n  ]\n}\n", f);
     if (fclose(f) != 0)
-        die("cannot write %s", s->json_path);
+        bench_die("cannot write %s", s->json_path);
 }
 
 int main(int argc, char **argv)
 {
     if (argc > 1 && strcmp(argv[1], "--child") == 0)
         return child_main(argc, argv);
+    bench_set_identity("bench_threads", 2);
 
     struct settings s;
     parse_options(argc, argv, &s);
-    ssize_t len = readlink("/proc/self/exe", g_self, sizeof g_self - 1);
-    if (len <= 0)
-        die("cannot find this executable: %s", strerror(errno));
-    g_self[len] = '\0';
-    static char command[4096];
-    command_line(argc, argv, command, sizeof command);
 
     struct machine m;
     describe_machine(&m);
-    discover_allocators(&s);
-    struct cpu_sample before, after;
-    int sampled = sample_cpu(&before);
+    bench_discover_allocators(s.selected, g_alloc);
+    struct bench_load load;
+    bench_load_begin(&load);
     run_all(&s);
-    if (sampled && sample_cpu(&after) && after.wall_ns > before.wall_ns) {
-        double wall_s = (after.wall_ns - before.wall_ns) / 1e9;
-        double others = after.busy_s - before.busy_s - g_children_cpu_s -
-                        (after.self_s - before.self_s);
-        m.others_cores = (others > 0 ? others : 0) / wall_s;
-        m.steal_cores = (after.steal_s - before.steal_s) / wall_s;
-    }
+    bench_load_end(&load, g_children_cpu_s, &m.others_cores, &m.steal_cores);
 
     struct target t[MAX_TARGETS];
     unsigned targets = judge_targets(&s, &m, t);
     print_table(&s, &m, t, targets);
     if (s.json_path != NULL) {
-        write_json(&s, &m, command, t, targets);
+        write_json(&s, &m, argc, argv, t, targets);
         printf("\nwrote %s\n", s.json_path);
     }
     return 0;
