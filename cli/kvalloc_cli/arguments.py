@@ -1,6 +1,6 @@
-"""Types of the kvalloc commands' arguments: argparse calls them on the text given, so a bad value
-is a usage error naming the option (exit status 2) before anything runs, never a traceback or a
-hang half way through a replay."""
+"""The kvalloc commands' parsers and the types of their arguments: argparse calls a type on the
+text given, so a bad value is a usage error naming the option (exit status 2) before anything
+runs, never a traceback or a hang half way through a replay."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import reprlib
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from pykvalloc.errors import InvalidArgument
 from pykvalloc.kvcache import dtype_bytes
@@ -111,7 +111,16 @@ def usage_error(command: str, message: str) -> int:
     return 2
 
 
-def help_text(doc: str) -> str:
-    """A module docstring as a command's --help description: its ``literal`` markup read as
-    plain text, as a terminal shows it."""
-    return doc.replace("``", "")
+def add_command(subparsers: Any, name: str, summary: str, doc: str | None, *,
+                after_usage: bool = True) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name``: ``summary`` is its line in ``kvalloc --help``, and its
+    module docstring ``doc`` its own --help, from the second paragraph on when the first is its
+    usage line (``after_usage``), with ``literal`` markup read as plain text, as a terminal
+    shows it."""
+    text = doc or ""
+    if after_usage:
+        text = text.split("\n\n", 1)[-1].strip()
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        name, help=summary, description=text.replace("``", ""),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    return parser

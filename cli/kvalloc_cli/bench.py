@@ -35,7 +35,7 @@ from typing import Any
 
 import pykvalloc
 
-from .arguments import help_text
+from .arguments import add_command
 from .output import add_report_options, emit_json, wants_table
 
 # name on the command line -> (executable, takes --only and writes its figures as JSON)
@@ -102,10 +102,8 @@ def benchmark_name(text: str) -> str:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "bench", help="run the allocator benchmarks against glibc, jemalloc, mimalloc, tcmalloc",
-        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = add_command(subparsers, "bench", "run the allocator benchmarks against glibc, jemalloc, mimalloc, "
+                         "tcmalloc", __doc__)
     parser.add_argument("benchmarks", nargs="*", metavar="BENCHMARK", type=benchmark_name,
                         default=[],
                         help="alloc, threads, kv, varpool or all (default: alloc)")

@@ -28,7 +28,7 @@ from pykvalloc.sizes import format_size
 from pykvalloc.stats import find_segment
 
 from . import extras
-from .arguments import help_text, positive_number, positive_size, usage_error, whole_number
+from .arguments import add_command, positive_number, positive_size, usage_error, whole_number
 from .replay import capacity_tokens
 from .report import print_report
 
@@ -37,8 +37,8 @@ PUBLISH_WITHIN_S = 60
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("demo", help="replay the embedded workload, watching it live",
-                                   description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = add_command(subparsers, "demo", "replay the embedded workload, watching it live", __doc__,
+                         after_usage=False)
     parser.add_argument("--requests", type=whole_number(MAX_REQUESTS), default=2000,
                         help=f"requests to replay, at most {MAX_REQUESTS:,} (default 2000)")
     parser.add_argument("--kv-size", type=positive_size, default=2 << 30, help="KV capacity (default 2G)")

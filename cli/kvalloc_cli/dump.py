@@ -26,7 +26,7 @@ from pykvalloc.pool import PageKind
 from pykvalloc.sizes import format_size
 from pykvalloc.stats import Snapshot, format_age, open_segment, process_name
 
-from .arguments import help_text
+from .arguments import add_command
 from .output import add_report_options, emit_json, wants_table
 
 HEAP_MAP_ROWS = 8  # at most; a small pool fills fewer
@@ -35,10 +35,7 @@ STRIP_WIDTH = 24
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "dump", help="print one snapshot of a live pool's statistics",
-        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = add_command(subparsers, "dump", "print one snapshot of a live pool's statistics", __doc__)
     parser.add_argument("target", metavar="PID|NAME",
                         help="the writer's pid, the pool name, or the segment file")
     add_report_options(parser, "every figure")

@@ -38,7 +38,7 @@ from pykvalloc.stats import (
     writer_lives,
 )
 
-from .arguments import help_text
+from .arguments import add_command
 from .output import add_report_options, emit_json, wants_table
 
 
@@ -91,10 +91,7 @@ def describe(found: SegmentFile) -> Entry | None:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "ls", help="list the pools publishing statistics, and prune dead ones",
-        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = add_command(subparsers, "ls", "list the pools publishing statistics, and prune dead ones", __doc__)
     parser.add_argument("--prune", action="store_true",
                         help="remove the segments whose process is gone")
     add_report_options(parser, "the list")

@@ -38,7 +38,7 @@ from pykvalloc.replay.traces import Trace, load_trace
 from pykvalloc.replay.workload import MAX_REQUESTS, default_workload
 from pykvalloc.sizes import format_size
 
-from .arguments import (COUNT_MAX, U32_MAX, help_text, kv_dtype, output_file, positive_int, positive_int32,
+from .arguments import (COUNT_MAX, U32_MAX, add_command, kv_dtype, output_file, positive_int, positive_int32,
                         positive_number, positive_size, usage_error)
 from .output import add_report_options, emit_json, wants_table, wrote
 from .report import failed, print_report, report_json, write_plot
@@ -47,8 +47,8 @@ MODES = ("paged", "contiguous", "malloc-glibc", "malloc-jemalloc")
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser("replay", help="replay LLM-serving traffic through the allocator",
-                                   description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = add_command(subparsers, "replay", "replay LLM-serving traffic through the allocator", __doc__,
+                         after_usage=False)
     add_arguments(parser)
     parser.set_defaults(run=run)
 

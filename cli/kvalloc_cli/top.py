@@ -15,7 +15,7 @@ from typing import Any
 from pykvalloc.stats import SegmentFile, find_segment, list_segments
 
 from . import extras
-from .arguments import help_text
+from .arguments import add_command
 
 
 def _interval(text: str) -> float:
@@ -29,10 +29,7 @@ def _interval(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "top", help="watch live pools in the terminal",
-        description=help_text(__doc__.split("\n\n", 1)[1].strip()),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = add_command(subparsers, "top", "watch live pools in the terminal", __doc__)
     parser.add_argument("target", nargs="?", metavar="PID|NAME",
                         help="the pool to watch first: its writer's pid, its name or its "
                              "segment file (default: the only live pool, or a picker)")
