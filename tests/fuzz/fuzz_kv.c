@@ -655,9 +655,14 @@ static void op_admit(harness *h, input *in) {
         ORACLE(st == KVA_OK || st == KVA_ERR_NOMEM);
         done = st == KVA_OK;
     } else {
-        uint32_t num_tokens[2] = {p[0].tokens, p[1].tokens};
-        uint64_t namespaces[2] = {space_ns(p[0].space), space_ns(p[1].space)};
-        uint8_t priorities[2] = {(uint8_t)p[0].priority, (uint8_t)p[1].priority};
+        uint32_t num_tokens[2];
+        uint64_t namespaces[2];
+        uint8_t priorities[2];
+        for (uint32_t r = 0; r < count; r++) {
+            num_tokens[r] = p[r].tokens;
+            namespaces[r] = space_ns(p[r].space);
+            priorities[r] = (uint8_t)p[r].priority;
+        }
         ORACLE(kva_kv_seq_admit_many(h->kv, count, num_tokens, namespaces, priorities, &c, offsets, seqs, cached,
                                      &done) == KVA_OK);
     }
