@@ -32,6 +32,7 @@ from ctypes import (
     c_size_t,
     c_uint,
     c_uint32,
+    c_uint8,
     c_uint64,
     c_void_p,
 )
@@ -48,6 +49,8 @@ KVA_NUM_SIZE_CLASSES = 49
 KVA_NAME_MAX = 63
 KVA_SLAB_MIN_SIZE = 16
 KVA_SLAB_MAX_SIZE = 65536
+# And of kvalloc_kv.h.
+KVA_KV_MAX_KEY_BYTES = 32
 
 # The C enums are plain ints on every ABI the library targets (System V x86-64 and AArch64).
 c_enum = c_int
@@ -139,10 +142,13 @@ class KvaKvConfig(Structure):
         ("mode", c_enum),
         ("layout", c_enum),
         ("max_context", c_uint32),
+        ("max_key_bytes", c_uint32),
         ("hash_seed", c_uint64),
         ("pages", c_enum),
+        ("event_capacity", c_uint32),
         ("name", c_char_p),
         ("trace", c_int),
+        ("event_medium", c_uint32),
     ]
 
 
@@ -196,6 +202,7 @@ class KvaKvSeqInfo(Structure):
         ("priority", c_uint32),
         ("is_pin", c_uint32),
         ("bucket_tokens", c_uint32),
+        ("namespace_hi", c_uint32),
         ("buffer", c_void_p),
     ]
 
@@ -230,6 +237,49 @@ class KvaKvStats(Structure):
         ("timed_calls", c_uint64),
         ("timed_ns", c_uint64),
         ("call_ns_log2", c_uint64 * 40),
+    ]
+
+
+class KvaKvContent(Structure):
+    """struct kva_kv_content: how a request's blocks are named. The arrays are numpy buffers,
+    passed by address."""
+
+    _fields_ = [
+        ("kind", c_uint32),
+        ("key_len", c_uint32),
+        ("tokens", c_void_p),
+        ("keys", c_void_p),
+        ("key_bytes", c_void_p),
+    ]
+
+
+class KvaKvBlockCopy(Structure):
+    """struct kva_kv_block_copy (read as a numpy uint32 array of shape (n, 4))."""
+
+    _fields_ = [
+        ("request", c_uint32),
+        ("src_block", c_uint32),
+        ("dst_block", c_uint32),
+        ("tokens", c_uint32),
+    ]
+
+
+class KvaKvEvent(Structure):
+    """struct kva_kv_event (read as a numpy array of EVENT_DTYPE)."""
+
+    _fields_ = [
+        ("kind", c_uint32),
+        ("block", c_uint32),
+        ("namespace_id", c_uint64),
+        ("first_token", c_uint32),
+        ("num_tokens", c_uint32),
+        ("medium", c_uint32),
+        ("key_len", c_uint8),
+        ("parent_len", c_uint8),
+        ("library_key", c_uint8),
+        ("reserved", c_uint8),
+        ("key", c_uint8 * KVA_KV_MAX_KEY_BYTES),
+        ("parent", c_uint8 * KVA_KV_MAX_KEY_BYTES),
     ]
 
 
@@ -272,7 +322,9 @@ class KvaVarStats(Structure):
 # kva_var_struct_size: ids from 1 in header order), by C name.
 POOL_STRUCTS = {"kva_config": KvaConfig, "kva_stats": KvaStats, "kva_class_stats": KvaClassStats}
 KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_copy": KvaKvCopy,
-              "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats}
+              "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats,
+              "kva_kv_content": KvaKvContent, "kva_kv_block_copy": KvaKvBlockCopy,
+              "kva_kv_event": KvaKvEvent}
 VAR_STRUCTS = {"kva_var_config": KvaVarConfig, "kva_var_stats": KvaVarStats}
 # Every mirrored struct, for the ABI test that compiles a probe against the header.
 STRUCTS = {**POOL_STRUCTS, **KV_STRUCTS, **VAR_STRUCTS}
@@ -389,6 +441,47 @@ class KvaLib:
         _kv, POINTER(c_uint64), c_uint32, POINTER(c_uint32), c_uint32, c_uint32, POINTER(_seq),
         POINTER(c_uint32))
     kva_kv_unpin: Callable[[Handle, int], int] = _status(_kv, _seq)
+    # The content calls: a kva_kv_content by reference, whose arrays are numpy buffers given by
+    # address, as are the arrays of every call below (Address: a numpy array's ctypes.data).
+    kva_kv_seq_admit: Callable[[Handle, int, int, int, OptRef, int, Ref, OptRef], int] = _status(
+        _kv, c_uint32, c_uint64, c_uint32, POINTER(KvaKvContent), c_uint32, POINTER(_seq),
+        POINTER(c_uint32))
+    kva_kv_seq_extend: Callable[[Handle, int, int, OptRef, int, Ref], int] = _status(
+        _kv, _seq, c_uint32, POINTER(KvaKvContent), c_uint32, POINTER(KvaKvCopy))
+    kva_kv_pin_content: Callable[[Handle, int, OptRef, int, Ref, OptRef], int] = _status(
+        _kv, c_uint64, POINTER(KvaKvContent), c_uint32, POINTER(_seq), POINTER(c_uint32))
+    kva_kv_lookup: Callable[[Handle, int, OptRef, int, Address, Ref], int] = _status(
+        _kv, c_uint64, POINTER(KvaKvContent), c_uint32, c_void_p, POINTER(c_uint32))
+    # Batches: per-request arrays (u32 num_tokens, u64 namespaces, u8 priorities, u64 handles,
+    # u64 offsets, kva_kv_block_copy rows) by address.
+    kva_kv_seq_admit_many: Callable[[Handle, int, Address, Address, Address, OptRef, Address,
+                                     Address, Address, Ref], int] = _status(
+        _kv, c_uint32, c_void_p, c_void_p, c_void_p, POINTER(KvaKvContent), c_void_p, c_void_p,
+        c_void_p, POINTER(c_uint32))
+    kva_kv_seq_extend_many: Callable[[Handle, int, Address, Address, OptRef, Address, Address,
+                                      Ref, Ref], int] = _status(
+        _kv, c_uint32, c_void_p, c_void_p, POINTER(KvaKvContent), c_void_p, c_void_p,
+        POINTER(c_uint32), POINTER(c_uint32))
+    kva_kv_seq_free_many: Callable[[Handle, int, Address], int] = _status(_kv, c_uint32, c_void_p)
+    kva_kv_lookup_many: Callable[[Handle, int, Address, OptRef, Address, Address, Address],
+                                 int] = _status(
+        _kv, c_uint32, c_void_p, POINTER(KvaKvContent), c_void_p, c_void_p, c_void_p)
+    # The block calls: u32 block ids and engine keys (key_len bytes each) by address.
+    kva_kv_block_take: Callable[[Handle, int, int, Address], int] = _status(
+        _kv, c_uint32, c_uint32, c_void_p)
+    kva_kv_block_unref: Callable[[Handle, Address, int], int] = _status(_kv, c_void_p, c_uint32)
+    kva_kv_block_ref: Callable[[Handle, Address, int], int] = _status(_kv, c_void_p, c_uint32)
+    kva_kv_block_commit: Callable[[Handle, int, Address, int, Address, int, bytes | None, int,
+                                   Address], int] = _status(
+        _kv, c_uint64, c_void_p, c_uint32, c_void_p, c_uint32, c_void_p, c_uint32, c_void_p)
+    kva_kv_evict_blocks: Callable[[Handle, Address, int, Ref], int] = _status(
+        _kv, c_void_p, c_uint32, POINTER(c_uint32))
+    kva_kv_evict_keys: Callable[[Handle, int, Address, int, int, Ref], int] = _status(
+        _kv, c_uint64, c_void_p, c_uint32, c_uint32, POINTER(c_uint32))
+    kva_kv_reset_prefix_cache: Callable[[Handle], int] = _status(_kv)
+    # kva_kv_event rows: a numpy array of EVENT_DTYPE, by address.
+    kva_kv_take_events: Callable[[Handle, Address, int, Ref, Ref], int] = _status(
+        _kv, c_void_p, c_uint32, POINTER(c_uint32), POINTER(c_uint64))
     kva_kv_evict: Callable[[Handle, int, OptRef], int] = _status(_kv, c_uint32, POINTER(c_uint32))
     # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
     kva_kv_compact: Callable[[Handle, Address, int, Ref], int] = _status(

@@ -35,23 +35,34 @@ from __future__ import annotations
 
 import enum
 import operator
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from ctypes import POINTER, byref, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    NamedTuple,
+    NoReturn,
+    SupportsIndex,
+    TypeVar,
+    Union,
+    cast,
+)
 
 import numpy as np
 
 if TYPE_CHECKING:
     from ctypes import _Pointer
-    from typing import Union
 
     import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
 
     # What the key and token arguments take: any iterable of integers, or a numpy integer array.
     IntegerArray = Union[Iterable[int], npt.NDArray[np.integer[Any]]]
+    # Engine keys: bytes objects of one length, or a 2-D uint8 array, one key per row.
+    KeyArray = Union[Iterable[bytes], npt.NDArray[np.uint8]]
 
 from . import _ffi, _locks
 from ._owner import HandleOwner, refuse_copy
@@ -68,14 +79,20 @@ from .pool import (
 )
 
 __all__ = ["KVCache", "KVStats", "KVInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
-           "KVMode", "TableInUseError", "dtype_bytes", "DEFAULT_BLOCK_TOKENS"]
+           "KVMode", "TableInUseError", "dtype_bytes", "DEFAULT_BLOCK_TOKENS", "Blocks",
+           "Admitted", "Extended", "Lookup", "LookupMany", "BlockStored", "BlockRemoved",
+           "AllBlocksCleared", "KVEvent", "KVEvents", "EVENT_DTYPE", "MEDIA",
+           "DEFAULT_EVENT_CAPACITY"]
 
 #: Tokens per block when none is given: the default of the library's ``kva_kv_config_init``
 #: (test_kv checks that the two agree). A constant, so that importing the package never needs
 #: the library.
 DEFAULT_BLOCK_TOKENS = 16
+#: The event ring of ``KVCache(events=True)``.
+DEFAULT_EVENT_CAPACITY = 1 << 16
 
 _U32_MAX = 0xFFFFFFFF
+_U64_MAX = (1 << 64) - 1
 _NO_BLOCK = _U32_MAX
 PRIORITIES = 8
 
@@ -191,9 +208,179 @@ def _array_arg(name: str, values: IntegerArray | None, dtype: type[np.uint32] | 
         raise InvalidArgument(f"{name} must be one-dimensional, not of shape {array.shape}")
     if array.size and array.dtype.kind not in "iu":
         raise InvalidArgument(f"{name} must hold integers, not {array.dtype}")
-    if array.size and (array.min() < 0 or array.max() > np.iinfo(dtype).max):
+    # A dtype that holds only values of dtype (uint32 for uint32, uint8 for uint64) needs no
+    # look at the values.
+    if (array.size and not np.can_cast(array.dtype, dtype, "safe")
+            and (array.min() < 0 or array.max() > np.iinfo(dtype).max)):
         raise InvalidArgument(f"{name} holds values outside {np.dtype(dtype)}")
     return np.ascontiguousarray(array, dtype=dtype)
+
+
+def _u64(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise InvalidArgument(f"{name} must be an integer, not {type(value).__name__}")
+    number = int(value)
+    if not 0 <= number <= _U64_MAX:
+        raise InvalidArgument(f"{name} {number} is outside 0 .. 2^64-1")
+    return number
+
+
+_U8, _U32, _U64 = np.dtype(np.uint8), np.dtype(np.uint32), np.dtype(np.uint64)
+
+
+def _batch_array(name: str, values: object, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
+    """A C-contiguous array of exactly dtype for a batch call, with no work per element when
+    it is one already (the engine's own arrays): what each value means is checked in C.
+
+    An array of another integer dtype is taken when every value fits (uint8 for uint32), and
+    refused otherwise, not checked value by value: a cast would wrap a negative token id into a
+    valid one. A list (or any other sequence) of integers is converted by numpy, which refuses
+    integers that do not fit; one numpy reads as something else (floats, booleans, or ints on
+    both sides of 2**63, which it makes float64) is read item by item (_array_arg)."""
+    if type(values) is np.ndarray:
+        array: npt.NDArray[Any] = values
+        if array.dtype is dtype and array.ndim == 1 and array.flags.c_contiguous:
+            return array  # the engine's own array, as it is: nothing to look at
+    elif isinstance(values, np.ndarray):
+        array = np.asarray(values)
+    else:
+        try:
+            inferred = np.asarray(values)
+        except (TypeError, ValueError, OverflowError):
+            inferred = None
+        if inferred is None or (inferred.size and inferred.dtype.kind not in "iu"):
+            checked = _array_arg(name, cast("IntegerArray", values),
+                                 np.uint64 if dtype is _U64 else np.uint32)
+            assert checked is not None
+            if dtype is _U8 and checked.size and int(checked.max()) > 0xFF:
+                raise InvalidArgument(f"{name} holds values outside uint8")
+            return np.ascontiguousarray(checked, dtype=dtype)
+        try:
+            with warnings.catch_warnings():  # numpy < 2 wraps out-of-range ints with a warning
+                warnings.simplefilter("error")
+                array = np.array(values, dtype=dtype)
+        except (TypeError, ValueError, OverflowError, DeprecationWarning) as exc:
+            raise InvalidArgument(f"{name} must hold integers of {dtype} ({exc})"
+                                  ) from None
+    if array.dtype != dtype:
+        if array.size and (array.dtype.kind not in "iu"
+                           or not np.can_cast(array.dtype, dtype, "safe")):
+            raise InvalidArgument(
+                f"{name} must be a {dtype} array (or a dtype it holds safely), not "
+                f"{array.dtype}: convert it with .astype(np.{dtype}) if every value "
+                "fits")
+        array = array.astype(dtype)
+    if array.ndim != 1:
+        raise InvalidArgument(f"{name} must be one-dimensional, not of shape {array.shape}")
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array
+
+
+def _key_rows(name: str, keys: object, empty_len: int) -> npt.NDArray[np.uint8]:
+    """Engine keys as a C-contiguous uint8 array of shape (n, key_len): from such an array, or
+    from a sequence of bytes-like objects of one length (joined once, by bytes.join); an empty
+    sequence is keys of ``empty_len`` bytes (the cache's max_key_bytes: a (0, n) array says
+    another length). The key length itself is checked in C (1 .. max_key_bytes)."""
+    if isinstance(keys, np.ndarray):
+        if keys.ndim != 2 or keys.dtype != np.uint8:
+            raise InvalidArgument(f"{name} must be a 2-D uint8 array (one key per row), not "
+                                  f"{keys.dtype} of shape {keys.shape}")
+        return np.ascontiguousarray(keys)
+    if isinstance(keys, (bytes, bytearray, memoryview, str)):
+        raise InvalidArgument(f"{name} must be a sequence of keys (bytes objects), not one "
+                              f"{type(keys).__name__}")
+    try:
+        items = keys if isinstance(keys, (list, tuple)) else list(keys)  # type: ignore[call-overload]
+        lengths = set(map(len, items))
+        joined = b"".join(items)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be a sequence of bytes objects of one length"
+                              ) from None
+    if len(lengths) > 1:
+        raise InvalidArgument(f"{name} must all have one length, not {sorted(lengths)}")
+    length = lengths.pop() if lengths else empty_len
+    rows = np.frombuffer(joined, dtype=np.uint8) if joined else np.zeros(0, np.uint8)
+    return rows.reshape(len(items), length)
+
+
+class _Content:
+    """One request's content (or a batch's, flattened) as kva_kv_content: the struct and the
+    arrays it points into, kept alive together for the call."""
+
+    __slots__ = ("struct", "count", "array", "kind")
+
+    def __init__(self, kind: int, array: npt.NDArray[Any], count: int, key_len: int = 0) -> None:
+        self.kind = kind
+        self.array = array
+        self.count = count
+        struct = _ffi.KvaKvContent()
+        struct.kind = kind
+        struct.key_len = key_len
+        address = array.ctypes.data
+        if kind == _KEY_TOKENS:
+            struct.tokens = address
+        elif kind == _KEY_U64:
+            struct.keys = address
+        else:
+            struct.key_bytes = address
+        self.struct = struct
+
+
+_KEY_NONE, _KEY_TOKENS, _KEY_U64, _KEY_BYTES = 0, 1, 2, 3
+
+
+def _one_kind(tokens: object, block_keys: object, keys: object) -> None:
+    if (tokens is not None) + (block_keys is not None) + (keys is not None) > 1:
+        raise InvalidArgument("give one of tokens, block_keys and keys")
+
+
+def _content(tokens: IntegerArray | None, block_keys: IntegerArray | None,
+             keys: KeyArray | None, key_len: int) -> _Content | None:
+    """One request's content, checked item by item (the single calls)."""
+    _one_kind(tokens, block_keys, keys)
+    if tokens is not None:
+        array = _array_arg("tokens", tokens, np.uint32)
+        assert array is not None
+        return _Content(_KEY_TOKENS, array, array.size)
+    if block_keys is not None:
+        array = _array_arg("block_keys", block_keys, np.uint64)
+        assert array is not None
+        return _Content(_KEY_U64, array, array.size)
+    if keys is not None:
+        rows = _key_rows("keys", keys, key_len)
+        if rows.shape[0] > _U32_MAX:
+            raise InvalidArgument(f"keys holds {rows.shape[0]} keys; at most {_U32_MAX}")
+        return _Content(_KEY_BYTES, rows, rows.shape[0], rows.shape[1])
+    return None
+
+
+def _batch_content(tokens: object, block_keys: object, keys: object,
+                   key_len: int) -> _Content | None:
+    """A batch's content, every request's items one after the other: arrays taken as they are."""
+    _one_kind(tokens, block_keys, keys)
+    if tokens is not None:
+        array = _batch_array("tokens", tokens, _U32)
+        return _Content(_KEY_TOKENS, array, array.size)
+    if block_keys is not None:
+        array = _batch_array("block_keys", block_keys, _U64)
+        return _Content(_KEY_U64, array, array.size)
+    if keys is not None:
+        rows = _key_rows("keys", keys, key_len)
+        return _Content(_KEY_BYTES, rows, rows.shape[0], rows.shape[1])
+    return None
+
+
+def _content_ref(content: _Content | None) -> Any:
+    return None if content is None else byref(content.struct)
+
+
+def _within(offsets: npt.NDArray[np.uint64], content: _Content) -> None:
+    """The library checks a batch's offsets but cannot see how many items the content holds:
+    the last offset must not pass them (one look, at the last entry)."""
+    if offsets.size and int(offsets[-1]) > content.count:
+        raise InvalidArgument(f"offsets end at {int(offsets[-1])}, beyond the {content.count} "
+                              "items given")
 
 
 _CType = TypeVar("_CType", c_uint32, c_uint64)
@@ -288,6 +475,228 @@ class KVStats:
         return _snapshot(cls, raw, call_ns_log2=tuple(raw.call_ns_log2))
 
 
+# -- KV events -------------------------------------------------------------------------------
+
+#: One ``kva_kv_event`` as numpy reads it: 96 bytes, the C fields in order.
+EVENT_DTYPE = np.dtype(_ffi.KvaKvEvent)
+
+_EVENT_STORED, _EVENT_REMOVED, _EVENT_CLEARED = 1, 2, 3
+#: The tiers as vLLM names them (``kva_kv_config.event_medium`` 0, 1, 2; any other value is
+#: an engine's own tier, reported as its number).
+MEDIA = ("GPU", "CPU", "STORAGE")
+# Events moved out of the library per call: a bounded buffer however large the ring is.
+_EVENT_CHUNK = 4096
+
+BlockHash = Union[bytes, int]
+
+
+@dataclass(frozen=True)
+class BlockStored:
+    """Blocks registered in the prefix cache, one chain of them: vLLM's ``BlockStored`` fields
+    (``distributed/kv_events.py``), then pykvalloc's own. Consecutive registrations that extend
+    one chain (a prompt's blocks, a commit) form one event, as vLLM's ``cache_full_blocks``
+    makes one.
+
+    ``block_hashes``: the blocks' keys, each an engine key as the engine gave it or the
+    library's 128-bit key (16 bytes, low 64 bits first, each little-endian); with
+    ``hashes="int"``, vLLM's default event form of a hash, its last 8 bytes as a big-endian
+    unsigned int. ``parent_block_hash``: the key of the block before the first (None: the chain
+    starts at block 0). ``token_ids`` is empty: the library keeps no token ids (the blocks hold
+    tokens ``[first_token, first_token + len(block_hashes) * block_size)`` of their request).
+    ``lora_id`` is None: adapters are namespaces here (``namespace``)."""
+
+    block_hashes: tuple[BlockHash, ...]
+    parent_block_hash: BlockHash | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    block_ids: tuple[int, ...]
+    namespace: int
+    first_token: int
+
+
+@dataclass(frozen=True)
+class BlockRemoved:
+    """A block's registration dropped (eviction, ``evict*``): vLLM's ``BlockRemoved`` fields,
+    then the block's id and namespace. One key per event."""
+
+    block_hashes: tuple[BlockHash, ...]
+    medium: str | None
+    block_ids: tuple[int, ...]
+    namespace: int
+
+
+@dataclass(frozen=True)
+class AllBlocksCleared:
+    """Every registration dropped (``reset_prefix_cache``): vLLM's ``AllBlocksCleared``."""
+
+
+KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEvents(NamedTuple):
+    """What ``take_events`` drained: the events in order, and how many the library dropped
+    since the previous take because its ring was full (nonzero: a router's view misses some and
+    should be rebuilt)."""
+
+    events: list[KVEvent]
+    dropped: int
+
+
+def _medium_name(medium: int) -> str:
+    return MEDIA[medium] if medium < len(MEDIA) else str(medium)
+
+
+def _hash_of(raw: bytes, as_int: bool) -> BlockHash:
+    return int.from_bytes(raw[-8:], "big") if as_int else raw
+
+
+def _events_from_records(records: npt.NDArray[Any], as_int: bool) -> list[KVEvent]:
+    """The dataclasses of drained records, stored registrations that extend one chain merged."""
+    events: list[KVEvent] = []
+    run: list[tuple[bytes, int]] = []  # the (key, block) of the stored chain being merged
+    start: Any = None  # its first record
+
+    def close_run() -> None:
+        if run:
+            parent_len = int(start["parent_len"])
+            parent = bytes(start["parent"][:parent_len]) if parent_len else None
+            events.append(BlockStored(
+                block_hashes=tuple(_hash_of(key, as_int) for key, _ in run),
+                parent_block_hash=None if parent is None else _hash_of(parent, as_int),
+                token_ids=(), block_size=int(start["num_tokens"]), lora_id=None,
+                medium=_medium_name(int(start["medium"])),
+                block_ids=tuple(block for _, block in run), namespace=int(start["namespace_id"]),
+                first_token=int(start["first_token"])))
+            run.clear()
+
+    for record in records:
+        kind = int(record["kind"])
+        if kind == _EVENT_STORED:
+            key = bytes(record["key"][:int(record["key_len"])])
+            parent_len = int(record["parent_len"])
+            if (run and parent_len and bytes(record["parent"][:parent_len]) == run[-1][0]
+                    and record["namespace_id"] == start["namespace_id"]
+                    and record["medium"] == start["medium"]
+                    and int(record["first_token"]) == int(start["first_token"])
+                    + len(run) * int(start["num_tokens"])):
+                run.append((key, int(record["block"])))
+                continue
+            close_run()
+            start = record
+            run.append((key, int(record["block"])))
+            continue
+        close_run()
+        if kind == _EVENT_REMOVED:
+            key = bytes(record["key"][:int(record["key_len"])])
+            events.append(BlockRemoved(block_hashes=(_hash_of(key, as_int),),
+                                       medium=_medium_name(int(record["medium"])),
+                                       block_ids=(int(record["block"]),),
+                                       namespace=int(record["namespace_id"])))
+        else:
+            events.append(AllBlocksCleared())
+    close_run()
+    return events
+
+
+# -- results of the batch calls ----------------------------------------------------------------
+
+class Admitted(NamedTuple):
+    """What ``allocate_many`` did: requests ``[0, done)`` were admitted, ``handles[i]`` naming
+    request i's sequence and ``cached_tokens[i]`` its prefix hit; the others were not (the first
+    of them did not fit) and changed nothing."""
+
+    handles: npt.NDArray[np.uint64]
+    cached_tokens: npt.NDArray[np.uint32]
+    done: int
+
+
+class Extended(NamedTuple):
+    """What ``append_many`` did: requests ``[0, done)`` were extended; ``copies`` holds a row
+    (request, src_block, dst_block, tokens) for each copy on write the engine must do first, in
+    request order. Requests from ``done`` on did not fit and changed nothing."""
+
+    copies: npt.NDArray[np.uint32]
+    done: int
+
+
+class Lookup(NamedTuple):
+    """A chain looked up: ``hits`` blocks matched from its first, ``ids`` their block ids."""
+
+    hits: int
+    ids: npt.NDArray[np.uint32]
+
+
+class LookupMany(NamedTuple):
+    """Chains looked up: ``hits[i]`` blocks of request i matched; with ids, request i's hit
+    blocks are ``ids[offsets[i] : offsets[i] + hits[i]]`` (ids has one entry per item given,
+    0xFFFFFFFF where nothing matched)."""
+
+    hits: npt.NDArray[np.uint32]
+    ids: npt.NDArray[np.uint32] | None
+
+
+class _StepBuffers:
+    """What append_many, the call of every decode step, reuses from one call to the next under
+    its cache's lock: the per-request token counts of a step where every request grows by n,
+    their offsets into the step's token ids, the rows for copies on write and the out-counts,
+    each with its address, so that a step costs the addresses of the caller's own arrays and
+    one C call."""
+
+    __slots__ = ("count_value", "counts", "counts_address", "offsets_value", "offsets",
+                 "offsets_address", "copies", "copies_address", "content", "num_copies",
+                 "done", "num_copies_ref", "done_ref")
+
+    def __init__(self) -> None:
+        self.count_value = -1
+        self.counts = np.empty(0, dtype=np.uint32)
+        self.counts_address = 0
+        self.offsets_value = -1
+        self.offsets = np.empty(0, dtype=np.uint64)
+        self.offsets_address = 0
+        self.copies = np.empty((0, 4), dtype=np.uint32)
+        self.copies_address = 0
+        self.content = _ffi.KvaKvContent()
+        self.num_copies = c_uint32()
+        self.done = c_uint32()
+        self.num_copies_ref = byref(self.num_copies)
+        self.done_ref = byref(self.done)
+
+    def uniform_counts(self, count: int, n: int) -> int:
+        """The address of count entries of n."""
+        if n != self.count_value or count > self.counts.size:
+            self.counts = np.full(_room(count, self.counts.size), n, dtype=np.uint32)
+            self.counts_address = self.counts.ctypes.data
+            self.count_value = n
+        return self.counts_address
+
+    def uniform_offsets(self, count: int, n: int) -> int:
+        """The address of count + 1 offsets 0, n, 2n, ...: n token ids a request."""
+        if n != self.offsets_value or count + 1 > self.offsets.size:
+            size = _room(count + 1, self.offsets.size)
+            self.offsets = np.arange(size, dtype=np.uint64) * np.uint64(n)
+            self.offsets_address = self.offsets.ctypes.data
+            self.offsets_value = n
+        return self.offsets_address
+
+    def copy_rows(self, count: int) -> int:
+        if count > self.copies.shape[0]:
+            self.copies = np.empty((_room(count, self.copies.shape[0]), 4), dtype=np.uint32)
+            self.copies_address = self.copies.ctypes.data
+        return self.copies_address
+
+
+def _room(needed: int, size: int) -> int:
+    """The entries of a reused buffer that must hold needed: its size while that is enough,
+    else doubled (at least 64), so that growing batches reallocate O(log n) times."""
+    return size if needed <= size else max(needed, 2 * size, 64)
+
+
+_NO_COPIES = np.empty((0, 4), dtype=np.uint32)
+_NO_COPIES.flags.writeable = False
+
+
 class KVCache(HandleOwner):
     """A KV cache of ``num_blocks`` blocks of ``block_tokens`` tokens (or ``capacity_bytes``
     bytes' worth), for a model with ``layers`` layers of ``kv_heads`` KV heads of ``head_dim``
@@ -303,9 +712,15 @@ class KVCache(HandleOwner):
     destroys it once the cache is gone. ``name`` names the pool the cache creates,
     which then publishes the pool's and the cache's statistics for ``kvalloc top`` (``trace``
     also times every call); a given ``pool`` brings its own name.
+
+    For engines: ``max_key_bytes`` (1 .. 32) lets the cache take the engine's own block keys
+    (``keys=``: vLLM's block hashes, SGLang's digests), stored exactly, that many host bytes per
+    block. ``events`` keeps KV events (``take_events``) in a ring of that many (True: 65,536;
+    96 host bytes each), each naming ``event_medium`` ("GPU", "CPU", "STORAGE" or a tier
+    number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_info", "_pool_handle")
+    __slots__ = ("_lib", "_pool_lock", "_info", "_pool_handle", "_max_key_bytes", "_step")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
@@ -313,7 +728,8 @@ class KVCache(HandleOwner):
                  layout: str | KVLayout = "layers", mode: str | KVMode = "paged",
                  max_context: int | None = None, hash_seed: int = 0, pool: Pool | None = None,
                  pages: str | PageMode = "thp", name: str | None = None,
-                 trace: bool = False) -> None:
+                 trace: bool = False, max_key_bytes: int = 0, events: int | bool = 0,
+                 event_medium: str | int = "GPU") -> None:
         lib = _ffi.load()
         config = _ffi.KvaKvConfig()
         lib.kva_kv_config_init(byref(config))
@@ -338,6 +754,18 @@ class KVCache(HandleOwner):
         config.pages = _pages_arg(pages)
         config.name = _name_arg(name)  # C copies the name at creation
         config.trace = 1 if trace else 0
+        config.max_key_bytes = _u32("max_key_bytes", max_key_bytes)
+        if events is True:
+            config.event_capacity = DEFAULT_EVENT_CAPACITY
+        else:
+            config.event_capacity = _u32("events", events or 0)
+        if isinstance(event_medium, str):
+            if event_medium.upper() not in MEDIA:
+                raise InvalidArgument(f"event_medium {event_medium!r} is not one of {MEDIA} "
+                                      "(or a tier number)")
+            config.event_medium = MEDIA.index(event_medium.upper())
+        else:
+            config.event_medium = _u32("event_medium", event_medium)
         if pool is not None and not isinstance(pool, Pool):
             raise InvalidArgument(f"pool must be a pykvalloc.Pool, not {type(pool).__name__}")
 
@@ -357,6 +785,8 @@ class KVCache(HandleOwner):
         self._info = KVInfo._from_c(info)
         # The C pool the memory comes from (a caller's, or the one C made for the cache).
         self._pool_handle: int = info.pool
+        self._max_key_bytes = int(config.max_key_bytes)
+        self._step = _StepBuffers()
 
     def _describe(self) -> str:
         info = self._info
@@ -389,42 +819,316 @@ class KVCache(HandleOwner):
 
     def allocate(self, num_tokens: int, block_keys: IntegerArray | None = None,
                  tokens: IntegerArray | None = None, namespace: int = 0,
-                 priority: int = 0) -> Sequence:
-        """A sequence of ``num_tokens`` tokens. The content of its first full blocks is given as
-        ``block_keys`` (one 64-bit key per block, such as a trace's hash ids) or as ``tokens``
-        (token ids; their whole blocks are hashed); the longest cached prefix is reused
-        (``num_cached_tokens``) and the other given blocks are cached for later requests.
-        Blocks are shared only within one ``namespace``. ``priority`` (0..7): lower priorities'
-        blocks are evicted first. ``OutOfMemory`` if the blocks are not there, with nothing
-        changed."""
+                 priority: int = 0, *, keys: KeyArray | None = None) -> Sequence:
+        """A sequence of ``num_tokens`` tokens. The content of its first blocks is given as
+        ``tokens`` (token ids; their whole blocks are hashed and chained here), ``block_keys``
+        (one 64-bit key per full block, such as a trace's hash ids, chained here) or ``keys``
+        (the engine's own keys, already chained, one per full block: bytes objects of one length
+        or a 2-D uint8 array; a cache created with ``max_key_bytes``). The longest cached prefix
+        is reused (``num_cached_tokens``) and the other given blocks are cached for later
+        requests. A sequence given the content of all of it (every token id, or a key for each
+        full block) keeps its chain: ``append`` commits the blocks its decoding fills. Blocks
+        are shared only within one ``namespace`` (64 bits: a tenant, an adapter, a salt).
+        ``priority`` (0..7): lower priorities' blocks are evicted first. ``OutOfMemory`` if the
+        blocks are not there, with nothing changed."""
         n = _u32("num_tokens", num_tokens)
-        keys = _array_arg("block_keys", block_keys, np.uint64)
-        ids = _array_arg("tokens", tokens, np.uint32)
-        ns = _u32("namespace", namespace)
+        content = _content(tokens, block_keys, keys, self._max_key_bytes)
+        ns = _u64("namespace", namespace)
         prio = _u32("priority", priority)
         seq = c_uint64()
         cached = c_uint32()
         with self._lock, self._pool_guard():
-            self._lib.kva_kv_seq_allocate(
-                self._open_handle(), n, _pointer(keys, c_uint64), 0 if keys is None else keys.size,
-                _pointer(ids, c_uint32), 0 if ids is None else ids.size, ns, prio, byref(seq),
-                byref(cached))
+            self._lib.kva_kv_seq_admit(self._open_handle(), n, ns, prio, _content_ref(content),
+                                       0 if content is None else content.count, byref(seq),
+                                       byref(cached))
         return Sequence._new(self, seq.value, cached.value)
 
     def pin(self, block_keys: IntegerArray | None = None,
-            tokens: IntegerArray | None = None, namespace: int = 0) -> Pin:
-        """Pins the longest cached prefix of the given blocks: it is not evicted until
-        ``unpin()``. ``Pin.num_tokens`` says how much was cached and is pinned now."""
-        keys = _array_arg("block_keys", block_keys, np.uint64)
-        ids = _array_arg("tokens", tokens, np.uint32)
-        ns = _u32("namespace", namespace)
+            tokens: IntegerArray | None = None, namespace: int = 0, *,
+            keys: KeyArray | None = None) -> Pin:
+        """Pins the longest cached prefix of the given blocks (content as for ``allocate``): it
+        is not evicted until ``unpin()``. ``Pin.num_tokens`` says how much was cached and is
+        pinned now."""
+        content = _content(tokens, block_keys, keys, self._max_key_bytes)
+        ns = _u64("namespace", namespace)
         handle = c_uint64()
         pinned = c_uint32()
         with self._lock:
-            self._lib.kva_kv_pin(self._open_handle(), _pointer(keys, c_uint64),
-                                 0 if keys is None else keys.size, _pointer(ids, c_uint32),
-                                 0 if ids is None else ids.size, ns, byref(handle), byref(pinned))
+            self._lib.kva_kv_pin_content(self._open_handle(), ns, _content_ref(content),
+                                         0 if content is None else content.count, byref(handle),
+                                         byref(pinned))
         return Pin._new(self, handle.value, pinned.value)
+
+    def lookup(self, keys: KeyArray | None = None, *, tokens: IntegerArray | None = None,
+               block_keys: IntegerArray | None = None, namespace: int = 0) -> Lookup:
+        """Looks a chain of blocks up (content as for ``allocate``) without changing anything:
+        no reference, no LRU order, no statistic. Returns (hits, ids): the blocks matched from
+        the first, stopping at the first miss, and their ids."""
+        content = _content(tokens, block_keys, keys, self._max_key_bytes)
+        ns = _u64("namespace", namespace)
+        count = 0 if content is None else content.count
+        ids = np.empty(count, dtype=np.uint32)
+        hits = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_lookup(self._open_handle(), ns, _content_ref(content), count,
+                                    ids.ctypes.data, byref(hits))
+        return Lookup(hits.value, ids[:hits.value])
+
+    # -- batches: one call per scheduler step -----------------------------------------------
+    #
+    # Every per-request figure is a numpy array taken as it is (uint32 token counts and ids,
+    # uint64 handles, namespaces, keys and offsets, uint8 priorities; a list is converted once),
+    # and content is one array of every request's items one after the other, request i's being
+    # items [offsets[i], offsets[i + 1]). The library checks every argument of every request
+    # before it changes anything: a bad one raises with nothing changed. Sequences are named by
+    # their handles (uint64): they are the caller's to free (free_many), and closing the cache
+    # frees the rest.
+
+    def _refuse_table_views(self, what: str) -> None:
+        if self._users:  # the block-table views are the cache's users
+            raise TableInUseError(
+                f"cannot {what}: {self._users} block_table view(s) of this cache alive, and this "
+                "call may move the tables they show; copy them (np.array(seq.block_table)) or "
+                "drop the views first")
+
+    def allocate_many(self, num_tokens: object, *, tokens: object = None,
+                      block_keys: object = None, keys: object = None, offsets: object = None,
+                      namespaces: object = None, priorities: object = None) -> Admitted:
+        """Admits len(num_tokens) sequences in one call, request i of ``num_tokens[i]`` tokens
+        with its content items ``[offsets[i], offsets[i+1])`` of ``tokens``, ``block_keys`` or
+        ``keys`` (as for ``allocate``), in ``namespaces[i]`` with ``priorities[i]`` (default 0
+        for all). Without ``offsets``, token ids are every token of every request and keys one
+        per full block. A request hits the blocks an earlier one registered. Running out of
+        blocks stops at the first request that does not fit (``Admitted.done``); a bad argument
+        raises with nothing changed."""
+        counts = _batch_array("num_tokens", num_tokens, _U32)
+        count = counts.size
+        content = _batch_content(tokens, block_keys, keys, self._max_key_bytes)
+        offs = self._offsets(offsets, content, counts, full_blocks=True)
+        ns = None if namespaces is None else _batch_array("namespaces", namespaces, _U64)
+        prios = None if priorities is None else _batch_array("priorities", priorities, _U8)
+        if (ns is not None and ns.size != count) or (prios is not None and prios.size != count):
+            raise InvalidArgument(f"namespaces and priorities need {count} entries, one per "
+                                  "request")
+        handles = np.empty(count, dtype=np.uint64)
+        cached = np.empty(count, dtype=np.uint32)
+        done = c_uint32()
+        with self._lock, self._pool_guard():
+            self._lib.kva_kv_seq_admit_many(
+                self._open_handle(), count, counts.ctypes.data,
+                None if ns is None else ns.ctypes.data,
+                None if prios is None else prios.ctypes.data, _content_ref(content),
+                None if offs is None else offs.ctypes.data, handles.ctypes.data,
+                cached.ctypes.data, byref(done))
+        n = done.value
+        return Admitted(handles[:n], cached[:n], n)
+
+    def append_many(self, handles: object, num_tokens: object = 1, *, tokens: object = None,
+                    block_keys: object = None, keys: object = None,
+                    offsets: object = None) -> Extended:
+        """One decode step for many sequences in one call: sequence ``handles[i]`` grows by
+        ``num_tokens[i]`` tokens (an int: the same for all), with its content items
+        ``[offsets[i], offsets[i+1])`` (as for ``Sequence.append``). Without ``offsets``, token
+        ids are every token appended (request i's ``num_tokens[i]`` of them in turn); keys, one
+        per block filled, need offsets. Returns the copies on write to do first and how many
+        requests were done (the first that does not fit stops the batch); a bad handle or
+        argument raises with nothing changed. Refused (``TableInUseError``) while a block-table
+        view of this cache is alive."""
+        seqs = _batch_array("handles", handles, _U64)
+        count = seqs.size
+        uniform = -1
+        if isinstance(num_tokens, (int, np.integer)) and not isinstance(num_tokens, bool):
+            uniform = _u32("num_tokens", num_tokens)
+            counts = None
+        else:
+            counts = _batch_array("num_tokens", num_tokens, _U32)
+            if counts.size != count:
+                raise InvalidArgument(f"num_tokens has {counts.size} entries for {count} handles")
+        content = None
+        if tokens is not None or block_keys is not None or keys is not None:
+            content = _batch_content(tokens, block_keys, keys, self._max_key_bytes)
+        step = self._step
+        with self._lock, self._pool_guard():
+            self._refuse_table_views("append to sequences")
+            handle = self._open_handle()
+            if counts is None:
+                counts_address = step.uniform_counts(count, uniform)
+            else:
+                counts_address = counts.ctypes.data
+            offsets_address = None
+            if content is not None:
+                if offsets is None and uniform >= 0 and content.kind == _KEY_TOKENS:
+                    if content.count < count * uniform:
+                        raise InvalidArgument(f"{content.count} token ids for {count} requests "
+                                              f"of {uniform}")
+                    offsets_address = step.uniform_offsets(count, uniform)
+                else:
+                    if counts is None:
+                        counts = step.counts[:count]
+                    offs = self._offsets(offsets, content, counts, full_blocks=False)
+                    assert offs is not None
+                    offsets_address = offs.ctypes.data
+            elif offsets is not None:
+                raise InvalidArgument("offsets without content (tokens, block_keys or keys)")
+            self._lib.kva_kv_seq_extend_many(
+                handle, count, seqs.ctypes.data, counts_address, _content_ref(content),
+                offsets_address, step.copy_rows(count), step.num_copies_ref, step.done_ref)
+            copied = step.num_copies.value
+            copies = step.copies[:copied].copy() if copied else _NO_COPIES
+            return Extended(copies, step.done.value)
+
+    def free_many(self, handles: object) -> None:
+        """Frees the sequences ``handles`` names, in order, in one call (as ``Sequence.free``).
+        All or nothing: a handle freed before or listed twice raises ``DoubleFree``, one this
+        cache never gave ``InvalidArgument``, and nothing is freed. Refused
+        (``TableInUseError``) while a block-table view of this cache is alive."""
+        seqs = _batch_array("handles", handles, _U64)
+        with self._lock, self._pool_guard():
+            self._refuse_table_views("free sequences")
+            self._lib.kva_kv_seq_free_many(self._open_handle(), seqs.size, seqs.ctypes.data)
+
+    def lookup_many(self, *, tokens: object = None, block_keys: object = None,
+                    keys: object = None, offsets: object = None, namespaces: object = None,
+                    ids: bool = True) -> LookupMany:
+        """Looks up many chains in one call, changing nothing: request i's content is items
+        ``[offsets[i], offsets[i+1])`` in ``namespaces[i]`` (default 0). Returns each request's
+        hit in blocks and, with ``ids``, the hit blocks' ids (see ``LookupMany``)."""
+        content = _batch_content(tokens, block_keys, keys, self._max_key_bytes)
+        if content is None or offsets is None:
+            raise InvalidArgument("lookup_many needs content (tokens, block_keys or keys) and "
+                                  "offsets")
+        offs = _batch_array("offsets", offsets, _U64)
+        if offs.size == 0:
+            raise InvalidArgument("offsets needs count + 1 entries (at least [0])")
+        count = offs.size - 1
+        ns = None if namespaces is None else _batch_array("namespaces", namespaces, _U64)
+        if ns is not None and ns.size != count:
+            raise InvalidArgument(f"namespaces needs {count} entries, one per request")
+        _within(offs, content)
+        hits = np.empty(count, dtype=np.uint32)
+        found = np.full(content.count, _NO_BLOCK, dtype=np.uint32) if ids else None
+        with self._lock:
+            self._lib.kva_kv_lookup_many(
+                self._open_handle(), count, None if ns is None else ns.ctypes.data,
+                _content_ref(content), offs.ctypes.data, hits.ctypes.data,
+                None if found is None else found.ctypes.data)
+        return LookupMany(hits, found)
+
+    def _offsets(self, offsets: object, content: _Content | None,
+                 counts: npt.NDArray[np.uint32], full_blocks: bool
+                 ) -> npt.NDArray[np.uint64] | None:
+        """A batch's offsets: given, or by default every token id of each request (token ids)
+        or, at admission, a key per full block. The library checks them; here only that they
+        end within the content given, which it cannot see."""
+        if content is None:
+            if offsets is not None:
+                raise InvalidArgument("offsets without content (tokens, block_keys or keys)")
+            return None
+        if offsets is not None:
+            offs = _batch_array("offsets", offsets, _U64)
+            if offs.size != counts.size + 1:
+                raise InvalidArgument(f"offsets needs {counts.size + 1} entries (count + 1), "
+                                      f"not {offs.size}")
+        elif content.kind == _KEY_TOKENS or full_blocks:
+            per = counts if content.kind == _KEY_TOKENS else counts // self._info.block_tokens
+            offs = np.zeros(counts.size + 1, dtype=np.uint64)
+            np.cumsum(per, out=offs[1:])
+        else:
+            raise InvalidArgument("keys of a decode step need offsets: which requests fill a "
+                                  "block is the caller's to say")
+        _within(offs, content)
+        return offs
+
+    def block_table(self, handle: int) -> npt.NDArray[np.uint32]:
+        """A copy of the block table of the sequence ``handle`` names (a batch's handle, or
+        ``Sequence.handle``)."""
+        table = POINTER(c_uint32)()
+        length = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_seq_block_table(self._open_handle(), _u64("handle", handle),
+                                              byref(table), byref(length))
+            if not length.value:
+                return np.empty(0, dtype=np.uint32)
+            copied: npt.NDArray[np.uint32] = np.ctypeslib.as_array(
+                table, shape=(length.value,)).copy()
+            return copied
+
+    # -- the block calls: an engine that keeps its own prefix structure -----------------------
+
+    @property
+    def blocks(self) -> Blocks:
+        """The block calls (``take``, ``ref``, ``unref``, ``commit``): the engine holds
+        references to blocks directly, as vLLM's BlockPool does."""
+        return Blocks(self)
+
+    def evict_blocks(self, ids: object) -> int:
+        """Drops the registration of each listed block that has one (vLLM's ``evict_blocks``):
+        a cached block becomes free, a used one stays with its holders, unregistered. Returns
+        how many registrations were dropped (each a BlockRemoved event)."""
+        blocks = _batch_array("ids", ids, _U32)
+        evicted = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_evict_blocks(self._open_handle(), blocks.ctypes.data, blocks.size,
+                                          byref(evicted))
+        return evicted.value
+
+    def evict_keys(self, keys: KeyArray, namespace: int = 0) -> int:
+        """``evict_blocks`` by engine key: each key registered in ``namespace`` has its block's
+        registration dropped; keys not registered are passed over. Returns how many were."""
+        rows = _key_rows("keys", keys, self._max_key_bytes)
+        ns = _u64("namespace", namespace)
+        evicted = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_evict_keys(self._open_handle(), ns, rows.ctypes.data, rows.shape[1],
+                                        rows.shape[0], byref(evicted))
+        return evicted.value
+
+    def reset_prefix_cache(self) -> None:
+        """Empties the prefix cache: every registration dropped, cached blocks free, used ones
+        kept by their holders, unregistered; one AllBlocksCleared event. Sequences keep their
+        chains: what they fill later is registered afresh."""
+        with self._lock:
+            self._lib.kva_kv_reset_prefix_cache(self._open_handle())
+
+    # -- events -------------------------------------------------------------------------------
+
+    def take_event_records(self, max_events: int | None = None
+                           ) -> tuple[npt.NDArray[Any], int]:
+        """The oldest events, at most ``max_events`` (default: all), as a numpy array of
+        EVENT_DTYPE (the C ``kva_kv_event``), and the number dropped since the previous take.
+        Events beyond ``max_events`` stay for the next take."""
+        limit = None if max_events is None else _u32("max_events", max_events)
+        parts: list[npt.NDArray[Any]] = []
+        dropped_total = 0
+        count = c_uint32()
+        dropped = c_uint64()
+        with self._lock:
+            handle = self._open_handle()
+            while True:
+                # 0 goes to C as it is: refused there, as a buffer with no room.
+                room = _EVENT_CHUNK if limit is None else min(_EVENT_CHUNK, limit)
+                buf = np.empty(max(room, 1), dtype=EVENT_DTYPE)
+                self._lib.kva_kv_take_events(handle, buf.ctypes.data, room, byref(count),
+                                             byref(dropped))
+                dropped_total += dropped.value
+                parts.append(buf[:count.value])
+                if limit is not None:
+                    limit -= count.value
+                if count.value < room or limit == 0:
+                    break
+        records = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return records, dropped_total
+
+    def take_events(self, max_events: int | None = None, *, hashes: str = "bytes") -> KVEvents:
+        """Drains the KV events (a cache created with ``events``): BlockStored, BlockRemoved and
+        AllBlocksCleared with vLLM's field names, in order, and the number dropped. At most
+        ``max_events`` records are taken (a stored chain of n blocks is n records); the rest
+        stay for the next take. ``hashes="int"``: each hash in vLLM's default event form (its
+        last 8 bytes, big-endian, unsigned) instead of its bytes."""
+        if hashes not in ("bytes", "int"):
+            raise InvalidArgument(f"hashes must be 'bytes' or 'int', not {hashes!r}")
+        records, dropped = self.take_event_records(max_events)
+        return KVEvents(_events_from_records(records, hashes == "int"), dropped)
 
     def evict(self, max_blocks: int | None = None) -> int:
         """Evicts up to ``max_blocks`` cached blocks now (all of them by default), least
@@ -531,6 +1235,72 @@ class KVCache(HandleOwner):
         return self._info.block_bytes
 
 
+class Blocks:
+    """The block calls of a cache (``KVCache.blocks``), for an engine that keeps its own prefix
+    structure (a vLLM BlockPool, a radix tree): it takes blocks, holds and drops references to
+    them itself, and commits them under its own keys. Ids go in and out as numpy uint32 arrays;
+    every call checks all its ids in C before it changes anything."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self, cache: KVCache) -> None:
+        self._cache = cache
+
+    def take(self, count: int, priority: int = 0) -> npt.NDArray[np.uint32]:
+        """``count`` blocks, free ones first, then cached ones evicted (lowest priority, least
+        recently released first), each used and unregistered with one reference the engine
+        holds. All or nothing: ``OutOfMemory`` when fewer are free and evictable."""
+        n = _u32("count", count)
+        prio = _u32("priority", priority)
+        ids = np.empty(n, dtype=np.uint32)
+        cache = self._cache
+        with cache._lock:
+            cache._lib.kva_kv_block_take(cache._open_handle(), n, prio, ids.ctypes.data)
+        return ids
+
+    def unref(self, ids: object) -> None:
+        """Drops one of the engine's references to each listed block, in order (an id listed n
+        times drops n): a block left with none is cached at the newest end of the LRU if
+        registered (so the order given is the order of eviction), else free. ``DoubleFree`` for
+        a block no one holds; nothing changed on an error."""
+        blocks = _batch_array("ids", ids, _U32)
+        cache = self._cache
+        with cache._lock:
+            cache._lib.kva_kv_block_unref(cache._open_handle(), blocks.ctypes.data, blocks.size)
+
+    def ref(self, ids: object) -> None:
+        """Adds a reference the engine holds to each listed block (vLLM's ``touch``): a cached
+        block leaves the LRU and is used again. ``InvalidArgument`` for a free block."""
+        blocks = _batch_array("ids", ids, _U32)
+        cache = self._cache
+        with cache._lock:
+            cache._lib.kva_kv_block_ref(cache._open_handle(), blocks.ctypes.data, blocks.size)
+
+    def commit(self, ids: object, keys: KeyArray, namespace: int = 0, *,
+               parent: bytes | None = None, first_token: int = 0) -> npt.NDArray[np.uint32]:
+        """Registers full blocks the engine filled under its own keys, a chain (vLLM's
+        ``cache_full_blocks``): ``ids[j]`` under ``keys[j]`` in ``namespace``. A key registered
+        already leaves its block unregistered (a duplicate, freed when released). Returns, for
+        each key, the block registered under it: ``ids[j]`` or the one that held it before.
+        ``parent`` (the key before the first) and ``first_token`` only shape the stored
+        events."""
+        blocks = _batch_array("ids", ids, _U32)
+        rows = _key_rows("keys", keys, self._cache._max_key_bytes)
+        if rows.shape[0] != blocks.size:
+            raise InvalidArgument(f"{blocks.size} blocks but {rows.shape[0]} keys")
+        ns = _u64("namespace", namespace)
+        start = _u32("first_token", first_token)
+        if parent is not None and (not isinstance(parent, bytes) or len(parent) != rows.shape[1]):
+            raise InvalidArgument(f"parent must be a key of {rows.shape[1]} bytes, as keys are")
+        registered = np.empty(blocks.size, dtype=np.uint32)
+        cache = self._cache
+        with cache._lock:
+            cache._lib.kva_kv_block_commit(
+                cache._open_handle(), ns, blocks.ctypes.data, blocks.size, rows.ctypes.data,
+                rows.shape[1], parent, start, registered.ctypes.data)
+        return registered
+
+
 _NO_LOCK = nullcontext()
 
 
@@ -608,7 +1378,8 @@ class Sequence:
 
     @property
     def namespace(self) -> int:
-        return int(self._seq_info().namespace_id)
+        raw = self._seq_info()
+        return int(raw.namespace_hi) << 32 | int(raw.namespace_id)
 
     @property
     def priority(self) -> int:
@@ -650,16 +1421,28 @@ class Sequence:
                 f"cannot {what} {self!r}: {self._views} block_table view(s) alive; copy the table "
                 "(np.array(seq.block_table)) or drop the views first")
 
-    def append(self, num_tokens: int = 1) -> CopyOnWrite | Move | None:
+    def append(self, num_tokens: int = 1, *, tokens: IntegerArray | None = None,
+               block_keys: IntegerArray | None = None,
+               keys: KeyArray | None = None) -> CopyOnWrite | Move | None:
         """Grows the sequence by ``num_tokens`` (decoding). Returns what the engine must copy
         first (a ``CopyOnWrite`` of the shared last block, or in contiguous mode a ``Move``),
-        else None. ``OutOfMemory`` with nothing changed if the blocks are not there."""
+        else None. ``OutOfMemory`` with nothing changed if the blocks are not there.
+
+        A sequence that keeps its chain (``allocate`` was given all of its content) commits the
+        blocks this call fills to the prefix cache when told what they hold, in the sequence's
+        own kind: ``tokens`` (the ``num_tokens`` token ids appended), or ``block_keys`` /
+        ``keys`` (one per block this call fills). A later request (the next turn of a
+        conversation) then hits them. Without content, a call that fills a block (or, keyed by
+        token ids, appends any token) ends the chain: no later block is registered."""
         n = _u32("num_tokens", num_tokens)
+        content = _content(tokens, block_keys, keys, self._cache._max_key_bytes)
         copy = _ffi.KvaKvCopy()
         cache = self._cache
         with cache._lock, cache._pool_guard():
             self._refuse_with_views("append to")
-            cache._lib.kva_kv_seq_append(cache._open_handle(), self._handle, n, byref(copy))
+            cache._lib.kva_kv_seq_extend(cache._open_handle(), self._handle, n,
+                                         _content_ref(content),
+                                         0 if content is None else content.count, byref(copy))
         if copy.src_block != _NO_BLOCK:
             return CopyOnWrite(copy.src_block, copy.dst_block, copy.tokens)
         if copy.src:
@@ -720,7 +1503,9 @@ class Pin(Sequence):
     def _release_call(self, cache: KVCache) -> Callable[[int, int], int]:
         return cache._lib.kva_kv_unpin
 
-    def append(self, num_tokens: int = 1) -> NoReturn:
+    def append(self, num_tokens: int = 1, *, tokens: IntegerArray | None = None,
+               block_keys: IntegerArray | None = None,
+               keys: KeyArray | None = None) -> NoReturn:
         raise InvalidArgument("a pin does not grow")
 
     def fork(self) -> Sequence:
