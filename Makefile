@@ -8,7 +8,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 30
 FUZZ_HARNESSES = pool pool_config kv kv_contig var
 
-.PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz fuzz venv demo bench clean
+.PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz test-vllm fuzz venv demo bench clean
 
 all: build
 
@@ -55,6 +55,20 @@ venv: $(VENV)/.installed
 test-py: venv
 	$(VENV)/bin/mypy
 	$(VENV)/bin/python -m pytest -q tests/python
+
+# Opt-in, never part of make test: the tests against vLLM itself (tests/vllm, which make test's
+# pytest does not collect), in .venv-vllm, which holds vLLM and torch (gigabytes) apart from
+# .venv, and this package installed editable (its own build of the library), rebuilt when the C
+# changes.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard libkvalloc/src/* libkvalloc/include/*) | deps
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -c 'import vllm' 2>/dev/null || $(VLLM_VENV)/bin/pip install vllm
+	$(VLLM_VENV)/bin/pip install --quiet pytest -e .
+	touch $@
+
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
 
 # libFuzzer on the pool (one configuration; all of them), the KV manager (paged; contiguous) and the variable-size
 # pools, FUZZ_SECONDS each, starting from the seed corpora
