@@ -39,7 +39,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from ctypes import POINTER, byref, c_uint32, c_uint64, c_void_p
+from ctypes import POINTER, addressof, byref, c_char, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass
 from typing import (
     TYPE_CHECKING,
@@ -282,6 +282,9 @@ def _key_rows(name: str, keys: object, empty_len: int) -> npt.NDArray[np.uint8]:
     from a sequence of bytes-like objects of one length (joined once, by bytes.join); an empty
     sequence is keys of ``empty_len`` bytes (the cache's max_key_bytes: a (0, n) array says
     another length). The key length itself is checked in C (1 .. max_key_bytes)."""
+    if type(keys) is np.ndarray and keys.dtype is _U8 and keys.ndim == 2 \
+            and keys.flags.c_contiguous:
+        return keys  # the engine's own rows, as they are
     if isinstance(keys, np.ndarray):
         if keys.ndim != 2 or keys.dtype != np.uint8:
             raise InvalidArgument(f"{name} must be a 2-D uint8 array (one key per row), not "
@@ -310,20 +313,19 @@ class _Content:
 
     __slots__ = ("struct", "count", "array", "kind")
 
-    def __init__(self, kind: int, array: npt.NDArray[Any], count: int, key_len: int = 0) -> None:
+    def __init__(self, kind: int, array: npt.NDArray[Any], count: int, key_len: int = 0,
+                 struct: _ffi.KvaKvContent | None = None) -> None:
         self.kind = kind
         self.array = array
         self.count = count
-        struct = _ffi.KvaKvContent()
+        if struct is None:
+            struct = _ffi.KvaKvContent()
         struct.kind = kind
         struct.key_len = key_len
-        address = array.ctypes.data
-        if kind == _KEY_TOKENS:
-            struct.tokens = address
-        elif kind == _KEY_U64:
-            struct.keys = address
-        else:
-            struct.key_bytes = address
+        address = _address(array)
+        struct.tokens = address if kind == _KEY_TOKENS else None
+        struct.keys = address if kind == _KEY_U64 else None
+        struct.key_bytes = address if kind == _KEY_BYTES else None
         self.struct = struct
 
 
@@ -355,19 +357,20 @@ def _content(tokens: IntegerArray | None, block_keys: IntegerArray | None,
     return None
 
 
-def _batch_content(tokens: object, block_keys: object, keys: object,
-                   key_len: int) -> _Content | None:
-    """A batch's content, every request's items one after the other: arrays taken as they are."""
+def _batch_content(tokens: object, block_keys: object, keys: object, key_len: int,
+                   struct: _ffi.KvaKvContent | None = None) -> _Content | None:
+    """A batch's content, every request's items one after the other: arrays taken as they are
+    (in ``struct`` when given: a caller's reused one)."""
     _one_kind(tokens, block_keys, keys)
     if tokens is not None:
         array = _batch_array("tokens", tokens, _U32)
-        return _Content(_KEY_TOKENS, array, array.size)
+        return _Content(_KEY_TOKENS, array, array.size, struct=struct)
     if block_keys is not None:
         array = _batch_array("block_keys", block_keys, _U64)
-        return _Content(_KEY_U64, array, array.size)
+        return _Content(_KEY_U64, array, array.size, struct=struct)
     if keys is not None:
         rows = _key_rows("keys", keys, key_len)
-        return _Content(_KEY_BYTES, rows, rows.shape[0], rows.shape[1])
+        return _Content(_KEY_BYTES, rows, rows.shape[0], rows.shape[1], struct=struct)
     return None
 
 
@@ -381,6 +384,19 @@ def _within(offsets: npt.NDArray[np.uint64], content: _Content) -> None:
     if offsets.size and int(offsets[-1]) > content.count:
         raise InvalidArgument(f"offsets end at {int(offsets[-1])}, beyond the {content.count} "
                               "items given")
+
+
+def _address(array: npt.NDArray[Any]) -> int:
+    """The address of an array's data, for a pointer argument: through ctypes' buffer protocol
+    (a few hundred ns) where the array is writable, else numpy's ctypes view (several times
+    that); NULL for an empty array, which the library never reads (every call takes NULL for a
+    count of 0)."""
+    if not array.size:
+        return 0
+    try:
+        return addressof(c_char.from_buffer(cast(Any, array)))
+    except (TypeError, ValueError):  # read-only, or no byte to point at
+        return int(array.ctypes.data)
 
 
 _CType = TypeVar("_CType", c_uint32, c_uint64)
@@ -667,7 +683,7 @@ class _StepBuffers:
         """The address of count entries of n."""
         if n != self.count_value or count > self.counts.size:
             self.counts = np.full(_room(count, self.counts.size), n, dtype=np.uint32)
-            self.counts_address = self.counts.ctypes.data
+            self.counts_address = _address(self.counts)
             self.count_value = n
         return self.counts_address
 
@@ -676,14 +692,14 @@ class _StepBuffers:
         if n != self.offsets_value or count + 1 > self.offsets.size:
             size = _room(count + 1, self.offsets.size)
             self.offsets = np.arange(size, dtype=np.uint64) * np.uint64(n)
-            self.offsets_address = self.offsets.ctypes.data
+            self.offsets_address = _address(self.offsets)
             self.offsets_value = n
         return self.offsets_address
 
     def copy_rows(self, count: int) -> int:
         if count > self.copies.shape[0]:
             self.copies = np.empty((_room(count, self.copies.shape[0]), 4), dtype=np.uint32)
-            self.copies_address = self.copies.ctypes.data
+            self.copies_address = _address(self.copies)
         return self.copies_address
 
 
@@ -871,7 +887,7 @@ class KVCache(HandleOwner):
         hits = c_uint32()
         with self._lock:
             self._lib.kva_kv_lookup(self._open_handle(), ns, _content_ref(content), count,
-                                    ids.ctypes.data, byref(hits))
+                                    _address(ids), byref(hits))
         return Lookup(hits.value, ids[:hits.value])
 
     # -- batches: one call per scheduler step -----------------------------------------------
@@ -915,11 +931,11 @@ class KVCache(HandleOwner):
         done = c_uint32()
         with self._lock, self._pool_guard():
             self._lib.kva_kv_seq_admit_many(
-                self._open_handle(), count, counts.ctypes.data,
-                None if ns is None else ns.ctypes.data,
-                None if prios is None else prios.ctypes.data, _content_ref(content),
-                None if offs is None else offs.ctypes.data, handles.ctypes.data,
-                cached.ctypes.data, byref(done))
+                self._open_handle(), count, _address(counts),
+                None if ns is None else _address(ns),
+                None if prios is None else _address(prios), _content_ref(content),
+                None if offs is None else _address(offs), _address(handles),
+                _address(cached), byref(done))
         n = done.value
         return Admitted(handles[:n], cached[:n], n)
 
@@ -944,17 +960,18 @@ class KVCache(HandleOwner):
             counts = _batch_array("num_tokens", num_tokens, _U32)
             if counts.size != count:
                 raise InvalidArgument(f"num_tokens has {counts.size} entries for {count} handles")
-        content = None
-        if tokens is not None or block_keys is not None or keys is not None:
-            content = _batch_content(tokens, block_keys, keys, self._max_key_bytes)
         step = self._step
         with self._lock, self._pool_guard():
+            content = None
+            if tokens is not None or block_keys is not None or keys is not None:
+                content = _batch_content(tokens, block_keys, keys, self._max_key_bytes,
+                                         step.content)
             self._refuse_table_views("append to sequences")
             handle = self._open_handle()
             if counts is None:
                 counts_address = step.uniform_counts(count, uniform)
             else:
-                counts_address = counts.ctypes.data
+                counts_address = _address(counts)
             offsets_address = None
             if content is not None:
                 if offsets is None and uniform >= 0 and content.kind == _KEY_TOKENS:
@@ -967,11 +984,11 @@ class KVCache(HandleOwner):
                         counts = step.counts[:count]
                     offs = self._offsets(offsets, content, counts, full_blocks=False)
                     assert offs is not None
-                    offsets_address = offs.ctypes.data
+                    offsets_address = _address(offs)
             elif offsets is not None:
                 raise InvalidArgument("offsets without content (tokens, block_keys or keys)")
             self._lib.kva_kv_seq_extend_many(
-                handle, count, seqs.ctypes.data, counts_address, _content_ref(content),
+                handle, count, _address(seqs), counts_address, _content_ref(content),
                 offsets_address, step.copy_rows(count), step.num_copies_ref, step.done_ref)
             copied = step.num_copies.value
             copies = step.copies[:copied].copy() if copied else _NO_COPIES
@@ -985,7 +1002,7 @@ class KVCache(HandleOwner):
         seqs = _batch_array("handles", handles, _U64)
         with self._lock, self._pool_guard():
             self._refuse_table_views("free sequences")
-            self._lib.kva_kv_seq_free_many(self._open_handle(), seqs.size, seqs.ctypes.data)
+            self._lib.kva_kv_seq_free_many(self._open_handle(), seqs.size, _address(seqs))
 
     def lookup_many(self, *, tokens: object = None, block_keys: object = None,
                     keys: object = None, offsets: object = None, namespaces: object = None,
@@ -1009,9 +1026,9 @@ class KVCache(HandleOwner):
         found = np.full(content.count, _NO_BLOCK, dtype=np.uint32) if ids else None
         with self._lock:
             self._lib.kva_kv_lookup_many(
-                self._open_handle(), count, None if ns is None else ns.ctypes.data,
-                _content_ref(content), offs.ctypes.data, hits.ctypes.data,
-                None if found is None else found.ctypes.data)
+                self._open_handle(), count, None if ns is None else _address(ns),
+                _content_ref(content), _address(offs), _address(hits),
+                None if found is None else _address(found))
         return LookupMany(hits, found)
 
     def _offsets(self, offsets: object, content: _Content | None,
@@ -1068,7 +1085,7 @@ class KVCache(HandleOwner):
         blocks = _batch_array("ids", ids, _U32)
         evicted = c_uint32()
         with self._lock:
-            self._lib.kva_kv_evict_blocks(self._open_handle(), blocks.ctypes.data, blocks.size,
+            self._lib.kva_kv_evict_blocks(self._open_handle(), _address(blocks), blocks.size,
                                           byref(evicted))
         return evicted.value
 
@@ -1079,7 +1096,7 @@ class KVCache(HandleOwner):
         ns = _u64("namespace", namespace)
         evicted = c_uint32()
         with self._lock:
-            self._lib.kva_kv_evict_keys(self._open_handle(), ns, rows.ctypes.data, rows.shape[1],
+            self._lib.kva_kv_evict_keys(self._open_handle(), ns, _address(rows), rows.shape[1],
                                         rows.shape[0], byref(evicted))
         return evicted.value
 
@@ -1108,7 +1125,7 @@ class KVCache(HandleOwner):
                 # 0 goes to C as it is: refused there, as a buffer with no room.
                 room = _EVENT_CHUNK if limit is None else min(_EVENT_CHUNK, limit)
                 buf = np.empty(max(room, 1), dtype=EVENT_DTYPE)
-                self._lib.kva_kv_take_events(handle, buf.ctypes.data, room, byref(count),
+                self._lib.kva_kv_take_events(handle, _address(buf), room, byref(count),
                                              byref(dropped))
                 dropped_total += dropped.value
                 parts.append(buf[:count.value])
@@ -1163,7 +1180,7 @@ class KVCache(HandleOwner):
             while True:
                 moves = np.empty((capacity, 2), dtype=np.uint32)
                 try:
-                    self._lib.kva_kv_compact(handle, moves.ctypes.data if capacity else None,
+                    self._lib.kva_kv_compact(handle, _address(moves) if capacity else None,
                                              capacity, byref(count))
                 except OutOfMemory:
                     capacity = count.value  # the size the library asked for; nothing changed
@@ -1255,7 +1272,7 @@ class Blocks:
         ids = np.empty(n, dtype=np.uint32)
         cache = self._cache
         with cache._lock:
-            cache._lib.kva_kv_block_take(cache._open_handle(), n, prio, ids.ctypes.data)
+            cache._lib.kva_kv_block_take(cache._open_handle(), n, prio, _address(ids))
         return ids
 
     def unref(self, ids: object) -> None:
@@ -1266,7 +1283,7 @@ class Blocks:
         blocks = _batch_array("ids", ids, _U32)
         cache = self._cache
         with cache._lock:
-            cache._lib.kva_kv_block_unref(cache._open_handle(), blocks.ctypes.data, blocks.size)
+            cache._lib.kva_kv_block_unref(cache._open_handle(), _address(blocks), blocks.size)
 
     def ref(self, ids: object) -> None:
         """Adds a reference the engine holds to each listed block (vLLM's ``touch``): a cached
@@ -1274,7 +1291,7 @@ class Blocks:
         blocks = _batch_array("ids", ids, _U32)
         cache = self._cache
         with cache._lock:
-            cache._lib.kva_kv_block_ref(cache._open_handle(), blocks.ctypes.data, blocks.size)
+            cache._lib.kva_kv_block_ref(cache._open_handle(), _address(blocks), blocks.size)
 
     def commit(self, ids: object, keys: KeyArray, namespace: int = 0, *,
                parent: bytes | None = None, first_token: int = 0) -> npt.NDArray[np.uint32]:
@@ -1296,8 +1313,8 @@ class Blocks:
         cache = self._cache
         with cache._lock:
             cache._lib.kva_kv_block_commit(
-                cache._open_handle(), ns, blocks.ctypes.data, blocks.size, rows.ctypes.data,
-                rows.shape[1], parent, start, registered.ctypes.data)
+                cache._open_handle(), ns, _address(blocks), blocks.size, _address(rows),
+                rows.shape[1], parent, start, _address(registered))
         return registered
 
 
