@@ -221,9 +221,11 @@ typedef struct kva_pool kva_pool;
 
 /* Validates cfg, maps the region and builds the metadata. The metadata is faulted in at
  * creation, so that no call on the pool takes a page fault in it: the block records, then the
- * slab bitmaps, each while the pool's metadata fits in 1/16 of the machine's physical memory,
- * all of it with prefault; beyond that share it is committed as it is first used, so that a pool
- * larger than memory can still be made. At the defaults that is 2.26 % of the capacity resident
+ * slab bitmaps, each while it fits in what is left of one share of the process's pools
+ * together: 1/16 of the memory the process could still commit (the least of the kernel's
+ * MemAvailable, the room under its memory cgroup's limit and physical memory); all of it with
+ * prefault. Beyond that share metadata is committed as it is first used, so that a pool larger
+ * than memory, or many pools, can still be made. At the defaults that is 2.26 % of the capacity resident
  * from creation (kva_stats.metadata_bytes), and 7-9 ms of the creation per GiB of capacity.
  * Without prefault, metadata the kernel (or a memory cgroup) will not commit now stays lazy and
  * the pool is made all the same. On failure *out is untouched and nothing is left mapped,

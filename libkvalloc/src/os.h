@@ -66,8 +66,12 @@ void kva_os_unmap(void *addr, size_t length);
 /* The system's base page size. */
 size_t kva_os_page_size(void);
 
-/* Bytes of physical memory the machine has (sysconf _SC_PHYS_PAGES); 0 if it cannot tell. */
-size_t kva_os_physical_memory(void);
+/* Bytes of memory this process could still commit: the least of the kernel's MemAvailable
+ * (/proc/meminfo), the room left under its memory cgroup's limit (v2 memory.max less
+ * memory.current, or v1 memory.limit_in_bytes less memory.usage_in_bytes) and the machine's
+ * physical memory; what cannot be read is left out. 0 if none can. Reads files: for creation
+ * paths only. */
+size_t kva_os_available_memory(void);
 
 /* Gives the pages of [addr, addr+length) back to the kernel (madvise MADV_DONTNEED): the range
  * stays mapped and reads zero when touched again. addr and length page aligned. */

@@ -63,9 +63,70 @@ size_t kva_os_page_size(void) {
     return size > 0 ? (size_t)size : 4096;
 }
 
-size_t kva_os_physical_memory(void) {
+/* The first unsigned number in the file after `key` (the whole file when key is ""), times
+ * unit; SIZE_MAX where the file, the key or the number is missing ("max" included). */
+static size_t read_number(const char *path, const char *key, size_t unit) {
+    char text[4096];
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return SIZE_MAX;
+    ssize_t n = read(fd, text, sizeof text - 1);
+    close(fd);
+    if (n <= 0) return SIZE_MAX;
+    text[n] = '\0';
+    const char *at = key[0] ? strstr(text, key) : text;
+    if (!at) return SIZE_MAX;
+    at += strlen(key);
+    while (*at == ' ' || *at == '\t') at++;
+    if (*at < '0' || *at > '9') return SIZE_MAX;
+    errno = 0;
+    unsigned long long value = strtoull(at, NULL, 10);
+    if (errno || value > SIZE_MAX / unit) return SIZE_MAX;
+    return (size_t)value * unit;
+}
+
+/* Room left under the memory cgroup of this process: limit less usage; SIZE_MAX when it has
+ * no limit or it cannot be read. */
+static size_t cgroup_room(void) {
+    char cgroups[4096], path[4352];
+    int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return SIZE_MAX;
+    ssize_t n = read(fd, cgroups, sizeof cgroups - 1);
+    close(fd);
+    if (n <= 0) return SIZE_MAX;
+    cgroups[n] = '\0';
+    size_t room = SIZE_MAX;
+    char *save = NULL;
+    for (char *line = strtok_r(cgroups, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
+        char *rest = strchr(line, ':'), *dir;
+        if (!rest || !(dir = strchr(rest + 1, ':'))) continue;
+        *dir++ = '\0';
+        const char *controllers = rest + 1;
+        size_t limit = SIZE_MAX, usage = SIZE_MAX;
+        if (controllers[0] == '\0') { /* v2: 0::/path */
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.max", dir);
+            limit = read_number(path, "", 1);
+            snprintf(path, sizeof path, "/sys/fs/cgroup%s/memory.current", dir);
+            usage = read_number(path, "", 1);
+        } else if (strstr(controllers, "memory")) { /* v1: N:memory:/path */
+            snprintf(path, sizeof path, "/sys/fs/cgroup/memory%s/memory.limit_in_bytes", dir);
+            limit = read_number(path, "", 1);
+            snprintf(path, sizeof path, "/sys/fs/cgroup/memory%s/memory.usage_in_bytes", dir);
+            usage = read_number(path, "", 1);
+        }
+        if (limit == SIZE_MAX) continue;
+        size_t left = usage == SIZE_MAX ? limit : (usage < limit ? limit - usage : 0);
+        if (left < room) room = left;
+    }
+    return room;
+}
+
+size_t kva_os_available_memory(void) {
+    size_t least = read_number("/proc/meminfo", "MemAvailable:", 1024);
     long pages = sysconf(_SC_PHYS_PAGES);
-    return pages > 0 ? (size_t)pages * kva_os_page_size() : 0;
+    if (pages > 0 && (size_t)pages * kva_os_page_size() < least) least = (size_t)pages * kva_os_page_size();
+    size_t room = cgroup_room();
+    if (room < least) least = room;
+    return least == SIZE_MAX ? 0 : least;
 }
 
 kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {

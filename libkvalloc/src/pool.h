@@ -73,6 +73,8 @@ struct kva_pool {
      * never saw, so the totals take both out again) */
     uint64_t retracted_allocs;
     size_t max_alloc_size;
+    size_t populated_bytes;          /* metadata faulted in at creation within the process's
+                                        share (pool_make.c); 0 with prefault */
     kva_region region;
     int trace;                       /* a named pool's kva_config.trace: every call is timed and recorded */
     uint64_t uid;                    /* unique in the process: a thread's countdown (kva_pool_tick) */

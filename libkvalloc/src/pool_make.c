@@ -42,6 +42,9 @@ static void unlist_live(kva_pool *pool) {
 
 __thread kva_pool_ticker kva_pool_tickers[KVA_POOL_TICK_SLOTS]; /* uids start at 1 */
 static uint64_t next_uid;
+/* Bytes of metadata the live pools of this process faulted in at creation within their share
+ * (populate_metadata), taken back when they are destroyed. */
+static size_t populated_total;
 
 /* Under the live pools' lock: the pool is listed already, and the fork handlers read its
  * observer under that lock. */
@@ -54,6 +57,7 @@ void kva_pool_observe(kva_pool *pool, const kva_pool_observer *observer) {
 void kva_pool_destroy(kva_pool *pool) {
     if (!pool) return;
     unlist_live(pool);
+    __atomic_sub_fetch(&populated_total, pool->populated_bytes, __ATOMIC_RELAXED);
     kva_tc_registry_fini(&pool->caches);
     free(pool->quarantine);
     if (pool->observer.close) pool->observer.close(pool->observer.ctx);
@@ -80,8 +84,10 @@ static void place_arenas(kva_pool *pool, const kva_config *cfg) {
     }
 }
 
-/* A pool's metadata may fault in at creation up to this share of the machine's memory. */
+/* The metadata of all of this process's pools may fault in at creation up to this share of
+ * the memory it could still commit. */
 #define METADATA_POPULATE_SHARE 16
+
 
 /* The kernel commits the metadata mappings as they are first touched, and a first touch on an
  * allocation or free path is a page fault there (a microsecond or more; several in a virtual
@@ -91,19 +97,31 @@ static void place_arenas(kva_pool *pool, const kva_config *cfg) {
  * memory, so that a pool whose metadata is of the order of memory (lazy commitment is what lets
  * one be made at all) does not meet the OOM killer here: first the records every block
  * allocation reaches (12 bytes per minimum block: 0.3% of the capacity at 4 KiB blocks), then
- * the slab bitmaps (2% at 2 MiB chunks), each only if it fits; beyond that they stay lazy. With
+ * the slab bitmaps (2% at 2 MiB chunks), each only if it fits; beyond that they stay lazy. The
+ * share is of the memory this process could still commit (a memory cgroup's limit counts: in
+ * a container the OOM killer acts inside the populate, before any error could come back) and
+ * covers all its pools together, so that many pools do not add up to memory. With
  * prefault, which promises no faults at all, all of it whatever its size. The slab descriptors
  * need nothing: kva_slabs_init has written every one. After the region, whose refusal when it
  * is more than memory can back comes before any of this is touched. */
 static kva_status populate_metadata(kva_pool *pool, int prefault) {
-    size_t budget = prefault ? SIZE_MAX : kva_os_physical_memory() / METADATA_POPULATE_SHARE;
+    size_t budget = SIZE_MAX;
+    if (!prefault) {
+        size_t share = kva_os_available_memory() / METADATA_POPULATE_SHARE;
+        size_t taken = __atomic_load_n(&populated_total, __ATOMIC_RELAXED);
+        budget = share > taken ? share - taken : 0;
+    }
     size_t records = pool->buddy.pages_bytes + pool->slabs.slabs_bytes;
     if (records > budget) return KVA_OK;
     kva_status st = kva_os_populate(pool->buddy.pages, pool->buddy.pages_bytes);
+    if (st == KVA_OK) pool->populated_bytes = pool->buddy.pages_bytes;
     if (st == KVA_OK && pool->slabs.bitmaps_bytes <= budget - records) {
         st = kva_os_populate(pool->slabs.bitmaps, pool->slabs.bitmaps_bytes);
         pool->slabs.bitmaps_resident = st == KVA_OK;
+        if (st == KVA_OK) pool->populated_bytes += pool->slabs.bitmaps_bytes;
     }
+    if (prefault) pool->populated_bytes = 0; /* asked for whatever its size: not in the share */
+    __atomic_add_fetch(&populated_total, pool->populated_bytes, __ATOMIC_RELAXED);
     /* Without prefault, populating is an optimisation: where the kernel (or a memory cgroup
      * below the machine's memory) will not commit the metadata now, the pages the populate
      * did not reach stay lazy, as they would be beyond the share, and the pool is made. */

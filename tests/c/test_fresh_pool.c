@@ -17,12 +17,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <inttypes.h>
 
 #include "check.h"
 #include "child.h"
 #include "kvalloc.h"
+#include "os.h"
 #include "size_class.h"
 
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
@@ -230,6 +232,43 @@ static int cuda_pool(void) {
     return count_first_calls("CUDA pool (fake driver)", &cfg, map_every_granule, LARGE_CALLS);
 }
 
+static size_t resident_bytes(void) {
+    FILE *statm = fopen("/proc/self/statm", "r");
+    REQUIRE(statm != NULL);
+    unsigned long pages = 0, resident = 0;
+    REQUIRE(fscanf(statm, "%lu %lu", &pages, &resident) == 2);
+    fclose(statm);
+    return (size_t)resident * (size_t)sysconf(_SC_PAGESIZE);
+}
+
+/* What creation faults in is one share of the memory the process could still commit for all
+ * its pools together: pools made one after another, each within the share alone, stop being
+ * populated once the share is spent, and start again when their memory is given back. */
+static int pools_share_one_budget(void) {
+    size_t share = kva_os_available_memory() / 16;
+    REQUIRE(share > 0);
+    enum { POOLS = 12 };
+    kva_pool *pools[POOLS];
+    kva_config cfg = host_config(8 * GiB); /* about 194 MiB of metadata, records and bitmaps */
+    size_t before = resident_bytes();
+    for (int i = 0; i < POOLS; i++) CHECK_STATUS(kva_pool_create(&cfg, &pools[i]), KVA_OK);
+    size_t grown = resident_bytes() - before;
+    if (FAULTS_ARE_COUNTABLE && grown > share + 64 * MiB) {
+        fprintf(stderr, "test_fresh_pool: %d pools faulted in %zu MiB at creation, over the share of %zu MiB\n",
+                POOLS, grown / MiB, share / MiB);
+        check_failures++;
+    }
+    for (int i = 0; i < POOLS; i++) kva_pool_destroy(pools[i]);
+    kva_pool *again;
+    CHECK_STATUS(kva_pool_create(&cfg, &again), KVA_OK);
+    kva_stats stats;
+    CHECK_STATUS(kva_get_stats(again, &stats), KVA_OK);
+    /* The share is free again: the new pool's bitmaps are resident, counted whole. */
+    CHECK(!FAULTS_ARE_COUNTABLE || 194 * MiB > share || stats.metadata_bytes > 150 * MiB);
+    kva_pool_destroy(again);
+    return check_failures ? 1 : 0;
+}
+
 int main(int argc, char **argv) {
     fake_cuda = argc > 1 ? argv[1] : NULL;
     if (!FAULTS_ARE_COUNTABLE)
@@ -239,6 +278,7 @@ int main(int argc, char **argv) {
     in_child(host_named, "host_named");
     in_child(host_prefault, "host_prefault");
     in_child(host_checked, "host_checked");
+    in_child(pools_share_one_budget, "pools_share_one_budget");
     if (fake_cuda)
         in_child(cuda_pool, "cuda_pool");
     else
