@@ -92,7 +92,6 @@ DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_EVENT_CAPACITY = 1 << 16
 
 _U32_MAX = 0xFFFFFFFF
-_U64_MAX = (1 << 64) - 1
 _NO_BLOCK = _U32_MAX
 PRIORITIES = 8
 
@@ -169,13 +168,21 @@ def dtype_bytes(dtype: object) -> int:
     return _DTYPE_BYTES[name]
 
 
-def _u32(name: str, value: object) -> int:
+def _unsigned(name: str, value: object, bits: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise InvalidArgument(f"{name} must be an integer, not {type(value).__name__}")
     number = int(value)
-    if not 0 <= number <= _U32_MAX:
-        raise InvalidArgument(f"{name} {number} is outside 0 .. 2^32-1")
+    if not 0 <= number < 1 << bits:
+        raise InvalidArgument(f"{name} {number} is outside 0 .. 2^{bits}-1")
     return number
+
+
+def _u32(name: str, value: object) -> int:
+    return _unsigned(name, value, 32)
+
+
+def _u64(name: str, value: object) -> int:
+    return _unsigned(name, value, 64)
 
 
 def _array_arg(name: str, values: IntegerArray | None, dtype: type[np.uint32] | type[np.uint64]
@@ -214,15 +221,6 @@ def _array_arg(name: str, values: IntegerArray | None, dtype: type[np.uint32] | 
             and (array.min() < 0 or array.max() > np.iinfo(dtype).max)):
         raise InvalidArgument(f"{name} holds values outside {np.dtype(dtype)}")
     return np.ascontiguousarray(array, dtype=dtype)
-
-
-def _u64(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise InvalidArgument(f"{name} must be an integer, not {type(value).__name__}")
-    number = int(value)
-    if not 0 <= number <= _U64_MAX:
-        raise InvalidArgument(f"{name} {number} is outside 0 .. 2^64-1")
-    return number
 
 
 _U8, _U32, _U64 = np.dtype(np.uint8), np.dtype(np.uint32), np.dtype(np.uint64)
