@@ -15,6 +15,11 @@ ABI_MINOR = 3
 MAX_SECTIONS = 16
 LATENCY_BUCKETS = 40
 STRIP_CELLS = 64
+# The most of each a writer makes (segment.c, kvalloc_stats.h): a count above is corruption,
+# and a reader must not expand it.
+HEAPMAP_CELLS_MAX = 16384
+SLABS_MAX = 65536             # KVA_SHM_SLABS_MAX
+TRACE_RECORDS_MAX = 1 << 16   # the writer's ring holds 1,024; later layouts may hold more
 
 SECTION_SUMMARY, SECTION_HEAPMAP, SECTION_CLASSES, SECTION_SLABS = 1, 2, 3, 4
 SECTION_ARENAS, SECTION_LATENCY, SECTION_KV, SECTION_TRACE = 5, 6, 7, 8

@@ -52,17 +52,22 @@ from .layout import (
 from .liveness import writer_alive, writer_lives
 from .snapshot import Snapshot
 
-# The most bytes of a segment this reader copies. A segment's size is all but its slab
-# table (80 bytes per slab chunk): 1 GiB holds 13 million chunks, a 26 TiB pool at the default
-# 2 MiB chunk (800 GiB at the smallest, 64 KiB). A larger file, or a header that states more, is
-# not a segment a snapshot should copy several times a second.
-MAX_SEGMENT_BYTES = 1 << 30
+# The most bytes of a segment this reader copies. A writer's largest is about 5.3 MB, nearly
+# all of it its slab table (80 bytes a slab, at most KVA_SHM_SLABS_MAX = 65,536 of them; the
+# heap map at most 16,384 cells, the trace ring 1,024 records): a header that states more
+# than this, which a planted file may, is not a segment, and a copy of it would cost every
+# reader its size in memory and time at each refresh.
+MAX_SEGMENT_BYTES = 16 << 20
 
 # How hard snapshot() tries before InconsistentSnapshot: a publish takes microseconds, a large
 # pool's about a millisecond, so this rides out a writer publishing back to back yet gives up on
 # a stuck one in about 0.1 s.
 SNAPSHOT_ATTEMPTS = 64
 _MAX_BACKOFF_S = 0.002
+# Reads of a header whose magic is zero before it is given up on: a writer stores the magic
+# within microseconds of making the file, so a zero that outlasts these is no segment being set
+# up (a planted file would otherwise cost every reader the whole backoff, 0.1 s each).
+_ZERO_MAGIC_ATTEMPTS = 3
 
 
 def open_segment(target: str, directory: Path = SHM_DIR) -> Segment:
@@ -182,7 +187,10 @@ class Segment:
         after it (None without a ring): the ring is outside the lock since layout 1.3."""
         failure: type[SegmentError] = InconsistentSnapshot
         reason = "the writer was publishing at every attempt"
+        zero_magic = 0
         for attempt in range(max(1, attempts)):
+            if zero_magic == _ZERO_MAGIC_ATTEMPTS:
+                break
             if attempt:
                 time.sleep(min(_MAX_BACKOFF_S, 1e-5 * (1 << min(attempt, 16))))
             head = os.pread(fd, HEADER_DTYPE.itemsize, 0)
@@ -191,7 +199,8 @@ class Segment:
                                       f"{IDENTITY.size} of the magic and version")
             magic, major, minor = IDENTITY.unpack_from(head, 0)
             if magic == 0:
-                # The writer stores the magic last when it creates the segment: wait for it.
+                # The writer stores the magic last when it creates the segment: wait a little.
+                zero_magic += 1
                 failure = BadMagic
                 reason = "its magic stayed zero (not yet set up, or not a segment)"
                 continue

@@ -25,6 +25,7 @@ from .layout import (
     CLASS_DTYPE,
     COUNTED_DTYPE,
     HEADER_DTYPE,
+    HEAPMAP_CELLS_MAX,
     HEAPMAP_DTYPE,
     KV_COUNTERS,
     KV_DTYPE,
@@ -45,11 +46,13 @@ from .layout import (
     SECTION_TRACE,
     SLAB_DTYPE,
     SLABS_DTYPE,
+    SLABS_MAX,
     STATUS_NAMES,
     SUMMARY_ADDED_1_1,
     SUMMARY_COUNTERS,
     SUMMARY_DTYPE,
     TRACE_DTYPE,
+    TRACE_RECORDS_MAX,
     struct_fields,
 )
 
@@ -210,6 +213,9 @@ class Snapshot:
             return
         offset, size = self._sections[SECTION_HEAPMAP]
         cells = int(head["cells"])
+        if cells > HEAPMAP_CELLS_MAX:
+            raise self._corrupt(f"the heap map has {cells} cells, more than the "
+                                f"{HEAPMAP_CELLS_MAX} a writer makes")
         start = size - 2 * cells if self._newer else HEAPMAP_DTYPE.itemsize
         if start < HEAPMAP_DTYPE.itemsize or start + 2 * cells > size:
             raise self._corrupt(f"the heap map section has {size} bytes, too few for "
@@ -229,6 +235,9 @@ class Snapshot:
         if head is None:
             return None
         count, capacity = int(head["count"]), int(head["capacity"])
+        if capacity > SLABS_MAX:
+            raise self._corrupt(f"the slabs section has room for {capacity} slabs, more than "
+                                f"the {SLABS_MAX} a writer makes")
         if count > capacity:
             raise self._corrupt(f"the slabs section counts {count} slabs in room for {capacity}")
         return self._array(SECTION_SLABS, SLABS_DTYPE.itemsize, SLAB_DTYPE, capacity)[:count]
@@ -240,6 +249,9 @@ class Snapshot:
         if head is None:
             return None
         capacity, written = int(head["capacity"]), int(head["written"])
+        if capacity > TRACE_RECORDS_MAX:
+            raise self._corrupt(f"the trace ring has room for {capacity} records, more than "
+                                f"the {TRACE_RECORDS_MAX} a writer makes")
         ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity,
                            int(head["entry_size"]))
         # The records whole in the copy (kvalloc_stats.h, "The trace ring"): below the count

@@ -77,6 +77,25 @@ def test_a_magic_that_stays_zero_is_given_up_on(original):
         read(damaged(original, change))
 
 
+def test_a_zero_magic_costs_a_reader_a_few_reads_not_the_whole_backoff(original, monkeypatch):
+    # A file planted with a zero magic looks like a segment being set up; every `kvalloc ls`
+    # meets it, so giving up on it must not take the full backoff of a busy writer.
+    reads = []
+    real_pread = os.pread
+
+    def counting_pread(fd, length, offset):
+        reads.append(offset)
+        return real_pread(fd, length, offset)
+
+    def change(data):
+        header_of(data)["magic"] = 0
+    with crafted_segment(damaged(original, change)) as path, stats.Segment(path) as segment:
+        monkeypatch.setattr(os, "pread", counting_pread)
+        with pytest.raises(BadMagic, match="magic stayed zero"):
+            segment.snapshot()
+    assert 0 < len(reads) <= 4
+
+
 def test_unknown_major_version(original):
     def change(data):
         header_of(data)["abi_major"] = 2
@@ -140,6 +159,10 @@ def counts(kind: int, dtype: np.dtype, field: str, value: int):
     (counts(stats.SECTION_SLABS, stats.SLABS_DTYPE, "capacity", 1 << 31), "slabs"),
     (counts(stats.SECTION_TRACE, stats.TRACE_DTYPE, "capacity", 1 << 31), "trace"),
     (counts(stats.SECTION_SUMMARY, stats.SUMMARY_DTYPE, "num_orders", 49), "num_orders 49"),
+    # Counts no writer makes are refused before anything is sized by them.
+    (counts(stats.SECTION_HEAPMAP, stats.HEAPMAP_DTYPE, "cells", 16385), "more than the 16384"),
+    (counts(stats.SECTION_SLABS, stats.SLABS_DTYPE, "capacity", 65537), "more than the 65536"),
+    (counts(stats.SECTION_TRACE, stats.TRACE_DTYPE, "capacity", 65537), "more than the 65536"),
 ])
 def test_counts_larger_than_their_section(original, change, message):
     with pytest.raises(CorruptSegment, match=message):
