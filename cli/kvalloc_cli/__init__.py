@@ -98,7 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return 1
     except OSError as exc:
-        # Output that cannot be written (a full disk, `> /dev/full`, a --json file the system
+        # Output that cannot be written (a full disk, `> /dev/full`, an -o file the system
         # refuses): one line, not a traceback.
         _silence_stdout()
         print(f"kvalloc {args.command}: {exc}", file=sys.stderr)
