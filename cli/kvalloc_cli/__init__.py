@@ -72,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=CONVENTIONS, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action=_VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    # Imported here, not with the package: they import rich, which main() checks for first.
     from . import bench, demo, dump, ls, replay, top
 
     for command in (demo, replay, bench, ls, dump, top):
