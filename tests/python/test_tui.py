@@ -19,6 +19,7 @@ from stats_writer import Writer, crafted_segment, prune_lock, unique_name, write
 import pykvalloc
 from pykvalloc import stats
 from pykvalloc.sizes import format_size
+from pykvalloc.stats.layout import TRACE_RECORDS_MAX
 from kvalloc_tui import render, watch
 from kvalloc_tui.app import INTERVALS, KvallocTop
 from kvalloc_tui.screens import HelpScreen, PickerScreen, PoolScreen
@@ -573,10 +574,11 @@ def test_an_ended_pool_is_unmapped_and_its_last_figures_stay():
 
 
 def test_a_redraw_copies_a_screenful_of_a_large_trace_ring(monkeypatch):
-    # A valid segment may hold a ring of a million records; a screen shows a few of them, and
-    # only those are copied out of it (turning the whole ring into dicts took seconds a redraw).
+    # A valid segment may hold a ring of as many records as a reader takes (TRACE_RECORDS_MAX);
+    # a screen shows a few of them, and only those are copied out of it (turning the whole ring
+    # into dicts took seconds a redraw).
     data = real_segment(trace=True)
-    end, records = len(data), 1_000_000
+    end, records = len(data), TRACE_RECORDS_MAX
     ring = np.zeros(records, stats.RECORD_DTYPE)
     ring["time_ns"], ring["op"], ring["size"] = 1, 1, np.arange(records)
     head = np.zeros(1, stats.TRACE_DTYPE)
@@ -610,7 +612,7 @@ def test_a_redraw_copies_a_screenful_of_a_large_trace_ring(monkeypatch):
             await pilot.press("space")  # a redraw of every panel
             await until(pilot, lambda: copied)
             assert app.paused
-            assert max(copied) <= 100  # a screenful, never the million
+            assert max(copied) <= 100  # a screenful, never the whole ring
 
     with crafted_segment(bytes(data)) as path:
         asyncio.run(scenario(path))
