@@ -4,9 +4,10 @@
  * single call does for each in order (kv_seq.c), so a batch costs one lock and one call's
  * overhead however many requests it holds.
  *
- * A request's content is its slice of the batch's flattened content (kv_content_part). A handle
- * listed twice is found with the slot's mark, set while the list is checked and cleared before
- * the call returns, whatever it returns. A batch that runs out of blocks stops at the request
+ * A request's content is its slice of the batch's flattened content (kv_content_slice). A handle
+ * listed twice is found by the slot's `listed`, set to the call's number as the list is checked:
+ * a slot that already holds it was listed before in the same call. Nothing needs clearing after,
+ * refused call or not, since the next call has another number. A batch that runs out of blocks stops at the request
  * that does not fit: the requests before it are done exactly as single calls would have done
  * them, the ones from it on are untouched (kv_admit and kv_extend change nothing when they
  * fail), and the call says how many were done.
@@ -29,17 +30,20 @@ static kva_status batch_content(kva_kv *kv, uint32_t count, const kva_kv_content
 /* Request i's part of the batch's content, in namespace ns. */
 static kv_content request_content(const kva_kv *kv, const kv_content *all, const uint64_t *offsets, uint32_t i,
                                   uint64_t ns) {
-    if (all->kind == KVA_KV_KEY_NONE) return kv_content_part(kv, all, 0, 0, ns);
-    return kv_content_part(kv, all, offsets[i], (uint32_t)(offsets[i + 1] - offsets[i]), ns);
+    kv_content c = *all;
+    c.ns = ns;
+    if (c.kind != KVA_KV_KEY_NONE) kv_content_slice(kv, &c, offsets[i], (uint32_t)(offsets[i + 1] - offsets[i]));
+    return c;
 }
 
-/* Clears the marks of the first n listed sequences that are live. */
-static void unmark(kva_kv *kv, const kva_kv_seq *seqs, uint32_t n) {
-    for (uint32_t i = 0; i < n; i++) {
-        kva_status ignored;
-        kva_kv_seqrec *rec = kv_seq_lookup(kv, seqs[i], &ignored);
-        if (rec) rec->mark = 0;
+/* A number for this batch call's listings, never 0 (what a fresh slot holds) and, after the
+ * count wraps, never one a slot holds from before. */
+static uint32_t new_batch(kva_kv *kv) {
+    if (++kv->batch == 0) {
+        for (uint32_t s = 0; s < kv->seq_capacity; s++) kv->seqs[s].listed = 0;
+        kv->batch = 1;
     }
+    return kv->batch;
 }
 
 /* ---- admit --------------------------------------------------------------------------------- */
@@ -84,22 +88,19 @@ kva_status kva_kv_seq_admit_many(kva_kv *kv, uint32_t count, const uint32_t *num
 /* Every listed sequence is live, listed once, and may be extended as asked. */
 static kva_status extend_many_check(kva_kv *kv, uint32_t count, const kva_kv_seq *seqs, const uint32_t *num_tokens,
                                     const kv_content *all, const uint64_t *offsets) {
-    kva_status st = KVA_OK;
-    uint32_t i = 0;
-    for (; i < count; i++) {
+    kva_status st;
+    uint32_t batch = new_batch(kv);
+    for (uint32_t i = 0; i < count; i++) {
         kva_kv_seqrec *rec = kv_live_seq(kv, seqs[i], &st);
-        if (!rec) break;
-        if (rec->mark) {
-            st = INVALID("sequence %#llx is listed twice (entry %u)", (unsigned long long)seqs[i], i);
-            break;
-        }
+        if (!rec) return st;
+        if (rec->listed == batch)
+            return INVALID("sequence %#llx is listed twice (entry %u)", (unsigned long long)seqs[i], i);
+        rec->listed = batch;
         kv_content c = request_content(kv, all, offsets, i, rec->ns);
         st = kv_extend_check(kv, rec, seqs[i], num_tokens[i], &c);
-        if (st != KVA_OK) break;
-        rec->mark = 1;
+        if (st != KVA_OK) return st;
     }
-    unmark(kv, seqs, i);
-    return st;
+    return KVA_OK;
 }
 
 static kva_status extend_many_locked(kva_kv *kv, uint32_t count, const kva_kv_seq *seqs, const uint32_t *num_tokens,
@@ -140,28 +141,18 @@ kva_status kva_kv_seq_extend_many(kva_kv *kv, uint32_t count, const kva_kv_seq *
 
 static kva_status free_many_locked(kva_kv *kv, uint32_t count, const kva_kv_seq *seqs) {
     if (count && !seqs) return INVALID("seqs is NULL but count is %u", count);
-    kva_status st = KVA_OK;
-    uint32_t i = 0;
-    for (; i < count; i++) {
+    kva_status st;
+    uint32_t batch = new_batch(kv);
+    for (uint32_t i = 0; i < count; i++) {
         kva_kv_seqrec *rec = kv_seq_lookup(kv, seqs[i], &st);
-        if (!rec) {
-            st = kv_reject(kv, st);
-            break;
-        }
-        if (rec->is_pin) {
-            st = INVALID("%#llx is a pin; use kva_kv_unpin", (unsigned long long)seqs[i]);
-            break;
-        }
-        if (rec->mark) {
-            st = kv_reject(kv, kva_fail(KVA_ERR_DOUBLE_FREE, "sequence %#llx is listed twice (entry %u)",
-                                        (unsigned long long)seqs[i], i));
-            break;
-        }
-        rec->mark = 1;
+        if (!rec) return kv_reject(kv, st);
+        if (rec->is_pin) return INVALID("%#llx is a pin; use kva_kv_unpin", (unsigned long long)seqs[i]);
+        if (rec->listed == batch)
+            return kv_reject(kv, kva_fail(KVA_ERR_DOUBLE_FREE, "sequence %#llx is listed twice (entry %u)",
+                                          (unsigned long long)seqs[i], i));
+        rec->listed = batch;
     }
-    unmark(kv, seqs, i);
-    if (st != KVA_OK) return st;
-    for (i = 0; i < count; i++) kv_seq_release(kv, kv_seq_lookup(kv, seqs[i], &st));
+    for (uint32_t i = 0; i < count; i++) kv_seq_release(kv, kv_seq_lookup(kv, seqs[i], &st));
     return KVA_OK;
 }
 

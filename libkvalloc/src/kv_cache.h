@@ -151,11 +151,12 @@ typedef struct kva_kv_seqrec {
     uint32_t generation;      /* of the handle that names this slot now (never 0) */
     uint32_t bucket_tokens;
     uint32_t next_free;       /* free-slot list link */
+    uint32_t listed;          /* the batch call (kv->batch) that last listed it: one listing it
+                                 again is listing it twice; any value outside batch calls */
     uint64_t ns;
     kva_kv_key chain;         /* keyed by tokens or u64 keys: its last full block's key (root
                                  before the first) */
     uint8_t live, priority, is_pin;
-    uint8_t mark;             /* set only while one batch call checks its arguments */
     uint8_t key_kind;         /* kva_kv_key_kind of the content of its next blocks: NONE when
                                  it keeps no chain (none given, or it broke) */
     uint8_t key_len;          /* keyed by engine keys: their length */
@@ -225,6 +226,7 @@ struct kva_kv {
 
     /* Sequences. */
     kva_kv_seqrec *seqs;
+    uint32_t batch;           /* numbers the batch calls that list sequences (kv_batch.c) from 1 */
     uint32_t handle_key;      /* XORed into a handle's slot bits: kv_slots.c */
     uint32_t seq_slots;       /* slots in use or on the free-slot list */
     uint32_t seq_capacity;    /* slots allocated */
@@ -252,9 +254,20 @@ KVA_INLINE uint32_t kv_handle_key(uint32_t n) { return n * 0x9e3779b9u; }
 /* A key for a new cache's handles: kv_handle_key of the next n. */
 uint32_t kv_new_handle_key(void);
 
-/* The live sequence a handle names, or NULL with the reason recorded: KVA_ERR_DOUBLE_FREE in
- * *why for a handle of a sequence that was freed, KVA_ERR_INVALID for one never given. */
-kva_kv_seqrec *kv_seq_lookup(kva_kv *kv, kva_kv_seq seq, kva_status *why);
+/* Why a handle names no live sequence: KVA_ERR_DOUBLE_FREE in *why for a handle of a sequence
+ * that was freed, KVA_ERR_INVALID for one never given (recorded); returns NULL. */
+kva_kv_seqrec *kv_seq_refused(const kva_kv *kv, kva_kv_seq seq, kva_status *why);
+
+/* The live sequence a handle names, or NULL with the reason (kv_seq_refused). Inline: every
+ * sequence call, and a batch's twice per entry, start here. */
+KVA_INLINE kva_kv_seqrec *kv_seq_lookup(kva_kv *kv, kva_kv_seq seq, kva_status *why) {
+    uint32_t slot = (uint32_t)seq ^ kv->handle_key, generation = (uint32_t)(seq >> 32);
+    if (kva_likely(slot < kv->seq_slots)) {
+        kva_kv_seqrec *rec = &kv->seqs[slot];
+        if (kva_likely(rec->live && rec->generation == generation && generation != 0)) return rec;
+    }
+    return kv_seq_refused(kv, seq, why);
+}
 
 /* Counts a refused call and returns its status. */
 kva_status kv_reject(kva_kv *kv, kva_status status);
@@ -451,20 +464,34 @@ typedef struct kv_content {
  * when refused. */
 kva_status kv_content_check(kva_kv *kv, const kva_kv_content *content, uint64_t items, uint64_t ns, kv_content *out);
 
-/* The part of checked content `all` that is items [first, first + items), in namespace ns. */
-kv_content kv_content_part(const kva_kv *kv, const kv_content *all, uint64_t first, uint32_t items, uint64_t ns);
+/* Narrows checked content (its arrays at item 0) to items [first, first + items). In place, field
+ * by field: a copy of the whole struct just written field by field would wait on the stores. */
+KVA_INLINE void kv_content_slice(const kva_kv *kv, kv_content *c, uint64_t first, uint32_t items) {
+    if (c->kind == KVA_KV_KEY_NONE) return;
+    c->items = items;
+    c->blocks = c->kind == KVA_KV_KEY_TOKENS ? items / kv->block_tokens : items;
+    if (first == 0) return; /* the array may be NULL then (no items at all) */
+    if (c->kind == KVA_KV_KEY_TOKENS) c->tokens += first;
+    else if (c->kind == KVA_KV_KEY_U64) c->keys += first;
+    else c->bytes += first * c->key_len;
+}
 
 /* Checks a batch's offsets: count + 1 non-decreasing entries from 0, each request's items
  * fitting a u32, the last `total`. KVA_ERR_INVALID, counted, when refused. */
 kva_status kv_offsets_check(kva_kv *kv, const uint64_t *offsets, uint32_t count, uint64_t *total);
 
-/* The key of given block i, whose parent's chained key is `parent` (unused by engine keys). */
-KVA_INLINE kv_ident kv_content_ident(const kva_kv *kv, const kv_content *c, uint32_t i, kva_kv_key parent) {
-    if (c->kind == KVA_KV_KEY_BYTES)
-        return kv_ident_engine(kv, c->ns, c->bytes + (size_t)i * c->key_len, c->key_len);
-    kva_kv_key digest = c->kind == KVA_KV_KEY_U64 ? kv_digest_caller(c->keys[i])
-                                                   : kv_digest_tokens(c->tokens + (size_t)i * kv->block_tokens, kv->block_tokens);
+/* The key of given block i of content of this kind (c->kind; a constant where a caller makes one
+ * loop per kind), whose parent's chained key is `parent` (unused by engine keys). */
+KVA_INLINE kv_ident kv_content_key(const kva_kv *kv, const kv_content *c, uint32_t i, kva_kv_key parent,
+                                   uint32_t kind) {
+    if (kind == KVA_KV_KEY_BYTES) return kv_ident_engine(kv, c->ns, c->bytes + (size_t)i * c->key_len, c->key_len);
+    kva_kv_key digest = kind == KVA_KV_KEY_U64 ? kv_digest_caller(c->keys[i])
+                                               : kv_digest_tokens(c->tokens + (size_t)i * kv->block_tokens, kv->block_tokens);
     return kv_ident_library(kv_key_chain(parent, digest, c->ns), c->ns);
+}
+
+KVA_INLINE kv_ident kv_content_ident(const kva_kv *kv, const kv_content *c, uint32_t i, kva_kv_key parent) {
+    return kv_content_key(kv, c, i, parent, c->kind);
 }
 
 /* Looks the given blocks up in order, stopping at the first miss. The hits go to

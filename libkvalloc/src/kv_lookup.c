@@ -31,21 +31,11 @@ kva_status kv_content_check(kva_kv *kv, const kva_kv_content *content, uint64_t 
     }
     out->kind = content->kind;
     out->key_len = content->kind == KVA_KV_KEY_BYTES ? content->key_len : 0;
-    out->tokens = content->tokens;
-    out->keys = content->keys;
-    out->bytes = content->key_bytes;
+    /* Only the kind's array is read (and moved by kv_content_slice). */
+    out->tokens = content->kind == KVA_KV_KEY_TOKENS ? content->tokens : NULL;
+    out->keys = content->kind == KVA_KV_KEY_U64 ? content->keys : NULL;
+    out->bytes = content->kind == KVA_KV_KEY_BYTES ? content->key_bytes : NULL;
     return KVA_OK;
-}
-
-kv_content kv_content_part(const kva_kv *kv, const kv_content *all, uint64_t first, uint32_t items, uint64_t ns) {
-    kv_content c = *all;
-    c.ns = ns;
-    c.items = c.kind == KVA_KV_KEY_NONE ? 0 : items;
-    if (c.tokens) c.tokens += first;
-    if (c.keys) c.keys += first;
-    if (c.bytes) c.bytes += first * c.key_len;
-    c.blocks = c.kind == KVA_KV_KEY_TOKENS ? c.items / kv->block_tokens : c.items;
-    return c;
 }
 
 kva_status kv_offsets_check(kva_kv *kv, const uint64_t *offsets, uint32_t count, uint64_t *total) {
@@ -62,31 +52,44 @@ kva_status kv_offsets_check(kva_kv *kv, const uint64_t *offsets, uint32_t count,
 /* Blocks looked up per round. */
 #define KV_PROBE_BATCH 16
 
-uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last, uint32_t *cached_hits) {
-    kv_ident at = kv_ident_library(kv->root, c->ns);
+/* Given block i's key, as the probe matches it: its 128 bits and, for engine keys, its bytes in
+ * the content. */
+KVA_INLINE kv_ident given_key(const kv_content *c, kva_kv_key key, uint32_t i, const int engine) {
+    return (kv_ident){key, c->ns, engine ? c->bytes + (size_t)i * c->key_len : NULL, engine ? c->key_len : 0};
+}
+
+/* The probe for one kind of content, a constant, so that each kind compiles to its own loop with
+ * nothing of the others'. Each round keeps only the 128-bit keys: a block's key as the table
+ * matches it is rebuilt from them and the content where it is needed. */
+KVA_INLINE uint32_t probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last,
+                          uint32_t *cached_hits, const uint32_t kind) {
+    const int engine = kind == KVA_KV_KEY_BYTES;
+    kva_kv_key at = kv->root; /* the last hit's key, what the next block chains on */
     uint32_t hits = 0, cached = 0;
     while (hits < c->blocks) {
-        kv_ident ids[KV_PROBE_BATCH];
+        kva_kv_key keys[KV_PROBE_BATCH];
         uint32_t heads[KV_PROBE_BATCH];
         uint32_t n = c->blocks - hits < KV_PROBE_BATCH ? c->blocks - hits : KV_PROBE_BATCH;
-        kva_kv_key k = at.key;
+        kva_kv_key k = at;
         for (uint32_t j = 0; j < n; j++) {
-            ids[j] = kv_content_ident(kv, c, hits + j, k);
-            k = ids[j].key;
+            k = kv_content_key(kv, c, hits + j, k, kind).key;
+            keys[j] = k;
             __builtin_prefetch(&kv->buckets[k.lo & kv->bucket_mask]);
         }
         for (uint32_t j = 0; j < n; j++) {
-            heads[j] = kv->buckets[ids[j].key.lo & kv->bucket_mask];
+            heads[j] = kv->buckets[keys[j].lo & kv->bucket_mask];
             if (heads[j] != KVA_NIL) {
                 __builtin_prefetch(&kv->blocks[heads[j]]);
                 __builtin_prefetch((const char *)&kv->blocks[heads[j]] + sizeof(kva_kv_block) - 1);
-                if (c->kind == KVA_KV_KEY_BYTES) __builtin_prefetch(kv_key_store(kv, heads[j])); /* the compare reads it */
+                if (engine) __builtin_prefetch(kv_key_store(kv, heads[j])); /* the compare reads it */
             }
         }
         for (uint32_t j = 0; j < n; j++) {
-            uint32_t b = kv_prefix_find_from(kv, heads[j], &ids[j]);
+            kv_ident id = given_key(c, keys[j], hits, engine);
+            uint32_t b = kv_prefix_find_from(kv, heads[j], &id);
             if (b == KVA_NIL) goto done;
             if (table) table[hits] = b;
+            at = keys[j];
             hits++;
             if (kv->blocks[b].state == KV_CACHED) {
                 /* A hit that references it takes it off its LRU list (kv_block_ref): its entry
@@ -96,13 +99,23 @@ uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table,
                 __builtin_prefetch(&kv->lru_segs[slot / KV_LRU_SEG], 1);
                 cached++;
             }
-            at = ids[j];
         }
     }
 done:
-    *last = at;
+    *last = hits ? given_key(c, at, hits - 1, engine) : kv_ident_library(kv->root, c->ns);
     *cached_hits = cached;
     return hits;
+}
+
+uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last, uint32_t *cached_hits) {
+    switch (c->kind) {
+    case KVA_KV_KEY_U64: return probe(kv, c, table, last, cached_hits, KVA_KV_KEY_U64);
+    case KVA_KV_KEY_TOKENS: return probe(kv, c, table, last, cached_hits, KVA_KV_KEY_TOKENS);
+    case KVA_KV_KEY_BYTES: return probe(kv, c, table, last, cached_hits, KVA_KV_KEY_BYTES);
+    }
+    *last = kv_ident_library(kv->root, c->ns); /* no content: no block given */
+    *cached_hits = 0;
+    return 0;
 }
 
 static kva_status lookup_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *content, uint32_t count, uint32_t *ids,
@@ -112,7 +125,7 @@ static kva_status lookup_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *c
     if (st != KVA_OK) return st;
     if (!hits) return INVALID("hits is NULL");
     if (kv->info.mode != KVA_KV_PAGED) return INVALID("lookups need paged mode; this cache is contiguous");
-    c = kv_content_part(kv, &c, 0, count, ns);
+    kv_content_slice(kv, &c, 0, count);
     kv_ident last;
     uint32_t cached;
     *hits = kv_prefix_probe(kv, &c, ids, &last, &cached);
@@ -140,8 +153,9 @@ static kva_status lookup_many_locked(kva_kv *kv, uint32_t count, const uint64_t 
     if (st == KVA_OK) st = kv_content_check(kv, content, total, 0, &all);
     if (st != KVA_OK) return st;
     for (uint32_t i = 0; i < count; i++) {
-        kv_content c = kv_content_part(kv, &all, offsets[i], (uint32_t)(offsets[i + 1] - offsets[i]),
-                                       namespaces ? namespaces[i] : 0);
+        kv_content c = all;
+        c.ns = namespaces ? namespaces[i] : 0;
+        kv_content_slice(kv, &c, offsets[i], (uint32_t)(offsets[i + 1] - offsets[i]));
         kv_ident last;
         uint32_t cached;
         hits[i] = kv_prefix_probe(kv, &c, ids ? ids + offsets[i] : NULL, &last, &cached);

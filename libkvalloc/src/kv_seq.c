@@ -32,10 +32,11 @@ static kva_status no_room(kva_kv *kv, uint32_t need, uint32_t available, const c
                     available, kv->num_blocks);
 }
 
-/* Whether content given at admission covers the whole sequence, so that it keeps its chain. */
-static int keeps_chain(const kva_kv *kv, const kv_content *c, uint32_t num_tokens) {
+/* Whether content given at admission of num_tokens tokens, full blocks of them, covers the
+ * whole sequence, so that it keeps its chain. */
+static int keeps_chain(const kv_content *c, uint32_t num_tokens, uint32_t full) {
     if (c->kind == KVA_KV_KEY_TOKENS) return c->items == num_tokens;
-    if (c->kind == KVA_KV_KEY_U64 || c->kind == KVA_KV_KEY_BYTES) return c->items == num_tokens / kv->block_tokens;
+    if (c->kind == KVA_KV_KEY_U64 || c->kind == KVA_KV_KEY_BYTES) return c->items == full;
     return 0;
 }
 
@@ -65,35 +66,36 @@ static void chain_advance(kva_kv_seqrec *rec, const kv_ident *id) {
     }
 }
 
-kva_status kv_admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c) {
-    uint32_t full = num_tokens / kv->block_tokens;
+/* The implementations below are inlined into the single calls (a call boundary is a tenth of an
+ * append) and wrapped for the batches (kv_batch.c). */
+
+KVA_INLINE kva_status admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c) {
     if (priority >= KVA_KV_PRIORITIES) return INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
     if (c->kind == KVA_KV_KEY_TOKENS && c->items > num_tokens)
         return INVALID("%u token ids for a sequence of %u tokens", c->items, num_tokens);
-    if (c->kind != KVA_KV_KEY_TOKENS && c->items > full)
-        return INVALID("%u block keys but %u tokens fill only %u blocks of %u", c->items, num_tokens, full,
-                       kv->block_tokens);
+    /* A division only for keys: a request without content pays none. */
+    if (c->kind != KVA_KV_KEY_TOKENS && c->items && c->items > num_tokens / kv->block_tokens)
+        return INVALID("%u block keys but %u tokens fill only %u blocks of %u", c->items, num_tokens,
+                       num_tokens / kv->block_tokens, kv->block_tokens);
     return KVA_OK;
 }
 
-kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
-                    uint32_t *cached_tokens) {
-    uint32_t bt = kv->block_tokens, full = num_tokens / bt;
-    uint64_t blocks = ((uint64_t)num_tokens + bt - 1) / bt;
-    if (blocks > kv->num_blocks) return no_room(kv, (uint32_t)blocks, kv->num_blocks, "the sequence");
-    int keyed = keeps_chain(kv, c, num_tokens);
+KVA_INLINE kva_status admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
+                            uint32_t *cached_tokens) {
+    uint32_t bt = kv->block_tokens, full = num_tokens / bt, blocks = full + (num_tokens % bt != 0); /* one division */
+    if (blocks > kv->num_blocks) return no_room(kv, blocks, kv->num_blocks, "the sequence");
+    int keyed = keeps_chain(c, num_tokens, full);
 
-    kva_kv_seqrec *rec = kv_seq_reserve(kv, (uint32_t)blocks);
+    kva_kv_seqrec *rec = kv_seq_reserve(kv, blocks);
     if (!rec) {
         kv->counters.alloc_failures++;
         return KVA_ERR_NOMEM;
     }
     if (keyed && c->kind == KVA_KV_KEY_TOKENS && !partial_reserve(kv, rec)) return KVA_ERR_NOMEM;
     uint32_t *table = rec->table;
-    kv_ident last;
-    uint32_t cached_hits;
-    uint32_t hits = kv_prefix_probe(kv, c, table, &last, &cached_hits);
-    uint32_t need = (uint32_t)blocks - hits, available = kv_blocks_available(kv) - cached_hits;
+    kv_ident last = kv_ident_library(kv->root, c->ns);
+    uint32_t cached_hits = 0, hits = c->blocks ? kv_prefix_probe(kv, c, table, &last, &cached_hits) : 0;
+    uint32_t need = blocks - hits, available = kv_blocks_available(kv) - cached_hits;
     if (need > available) return no_room(kv, need, available, "the sequence");
     kva_status backed = kv_ensure_backed(kv, need, kv->cached_count - cached_hits);
     if (backed != KVA_OK) return backed;
@@ -103,12 +105,16 @@ kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_
     kv_take(kv, table + hits, need, priority);
     if (c->kind == KVA_KV_KEY_BYTES) /* the commits below write the new blocks' keys */
         for (uint32_t i = hits; i < c->blocks; i++) __builtin_prefetch(kv_key_store(kv, table[i]), 1);
+    /* Two keys in turn, the block's and its parent's, each written once: no copy of a key just
+     * written field by field, which would wait on those stores. */
+    kv_ident keys[2], *parent = hits ? &last : NULL;
     for (uint32_t i = hits; i < c->blocks; i++) {
-        kv_ident id = kv_content_ident(kv, c, i, last.key);
-        kv_commit(kv, table[i], &id, i ? &last : NULL, i * bt);
-        last = id;
+        kv_ident *id = &keys[i & 1];
+        *id = kv_content_ident(kv, c, i, parent ? parent->key : kv->root);
+        kv_commit(kv, table[i], id, parent, i * bt);
+        parent = id;
     }
-    rec->len = (uint32_t)blocks;
+    rec->len = blocks;
     rec->num_tokens = num_tokens;
     rec->cached_tokens = hits * bt;
     rec->ns = c->ns;
@@ -116,9 +122,9 @@ kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_
     rec->is_pin = 0;
     rec->key_kind = (uint8_t)(keyed ? c->kind : KVA_KV_KEY_NONE);
     rec->key_len = (uint8_t)c->key_len;
-    rec->chain = last.key;
+    rec->chain = parent ? parent->key : kv->root;
     rec->has_last = 0;
-    if (keyed && c->kind == KVA_KV_KEY_BYTES && full) chain_advance(rec, &last);
+    if (keyed && c->kind == KVA_KV_KEY_BYTES && full) chain_advance(rec, parent);
     if (keyed && c->kind == KVA_KV_KEY_TOKENS)
         memcpy(rec->partial, c->tokens + (size_t)full * bt, (num_tokens - full * bt) * sizeof *rec->partial);
     *seq = kv_seq_publish(kv, rec);
@@ -129,8 +135,19 @@ kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_
     return KVA_OK;
 }
 
-static kva_status admit_locked(kva_kv *kv, uint32_t num_tokens, uint64_t ns, uint32_t priority,
-                               const kva_kv_content *content, uint32_t count, kva_kv_seq *seq, uint32_t *cached_tokens) {
+kva_status kv_admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c) {
+    return admit_check(kv, num_tokens, priority, c);
+}
+
+kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
+                    uint32_t *cached_tokens) {
+    return admit(kv, num_tokens, c, priority, seq, cached_tokens);
+}
+
+/* Inlined into both entry points that admit (kva_kv_seq_admit and the older kva_kv_seq_allocate). */
+KVA_INLINE kva_status admit_locked(kva_kv *kv, uint32_t num_tokens, uint64_t ns, uint32_t priority,
+                                   const kva_kv_content *content, uint32_t count, kva_kv_seq *seq,
+                                   uint32_t *cached_tokens) {
     kv_content c;
     kva_status st = kv_content_check(kv, content, count, ns, &c);
     if (st != KVA_OK) return st;
@@ -141,10 +158,10 @@ static kva_status admit_locked(kva_kv *kv, uint32_t num_tokens, uint64_t ns, uin
         if (st == KVA_OK && cached_tokens) *cached_tokens = 0;
         return st;
     }
-    c = kv_content_part(kv, &c, 0, count, ns);
-    st = kv_admit_check(kv, num_tokens, priority, &c);
+    kv_content_slice(kv, &c, 0, count);
+    st = admit_check(kv, num_tokens, priority, &c);
     if (st != KVA_OK) return st;
-    return kv_admit(kv, num_tokens, &c, (uint8_t)priority, seq, cached_tokens);
+    return admit(kv, num_tokens, &c, (uint8_t)priority, seq, cached_tokens);
 }
 
 kva_status kva_kv_seq_admit(kva_kv *kv, uint32_t num_tokens, uint64_t namespace_id, uint32_t priority,
@@ -187,7 +204,8 @@ static uint32_t blocks_filled(const kva_kv *kv, const kva_kv_seqrec *rec, uint32
     return (uint32_t)(((uint64_t)rec->num_tokens + n) / kv->block_tokens - rec->num_tokens / kv->block_tokens);
 }
 
-kva_status kv_extend_check(kva_kv *kv, const kva_kv_seqrec *rec, kva_kv_seq seq, uint32_t n, const kv_content *c) {
+KVA_INLINE kva_status extend_check(kva_kv *kv, const kva_kv_seqrec *rec, kva_kv_seq seq, uint32_t n,
+                                   const kv_content *c) {
     if (rec->is_pin) return INVALID("sequence %#llx is a pin; pins do not grow", (unsigned long long)seq);
     if ((uint64_t)rec->num_tokens + n > UINT32_MAX)
         return INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, n);
@@ -234,11 +252,13 @@ static void commit_filled(kva_kv *kv, kva_kv_seqrec *rec, uint32_t old_tokens, u
     memcpy(rec->partial + fill, src, (size_t)(stop - src) * sizeof *src);
 }
 
-kva_status kv_extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, const kv_content *c, kva_kv_copy *copy) {
+KVA_INLINE kva_status extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, const kv_content *c,
+                             kva_kv_copy *copy) {
     uint32_t bt = kv->block_tokens;
     uint32_t old_tokens = rec->num_tokens, new_tokens = old_tokens + num_tokens;
-    uint32_t new_len = (uint32_t)(((uint64_t)new_tokens + bt - 1) / bt);
-    uint32_t fill = old_tokens % bt;
+    uint32_t new_len = new_tokens / bt + (new_tokens % bt != 0); /* one division */
+    uint32_t fill = rec->len ? old_tokens - (rec->len - 1) * bt : 0; /* len = ceil(old_tokens / bt) */
+    if (fill == bt) fill = 0;
     int cow = num_tokens != 0 && fill != 0 && kv->blocks[rec->table[rec->len - 1]].refs > 1;
     uint32_t need = new_len - rec->len + (uint32_t)cow, available = kv_blocks_available(kv);
     if (need > available) return no_room(kv, need, available, "the append");
@@ -273,20 +293,32 @@ kva_status kv_extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, const 
     return KVA_OK;
 }
 
-static kva_status extend_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, const kva_kv_content *content,
-                                uint32_t count, kva_kv_copy *copy) {
+kva_status kv_extend_check(kva_kv *kv, const kva_kv_seqrec *rec, kva_kv_seq seq, uint32_t n, const kv_content *c) {
+    return extend_check(kv, rec, seq, n, c);
+}
+
+kva_status kv_extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, const kv_content *c, kva_kv_copy *copy) {
+    return extend(kv, rec, num_tokens, c, copy);
+}
+
+/* Inlined into both entry points that extend (kva_kv_seq_extend and kva_kv_seq_append). */
+KVA_INLINE kva_status extend_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, const kva_kv_content *content,
+                                    uint32_t count, kva_kv_copy *copy) {
     kva_status st;
     kva_kv_seqrec *rec = kv_live_seq(kv, seq, &st);
     if (!rec) return st;
     if (!copy) return INVALID("copy is NULL");
-    kv_content c;
-    st = kv_content_check(kv, content, count, rec->ns, &c);
-    if (st != KVA_OK) return st;
-    c = kv_content_part(kv, &c, 0, count, rec->ns);
-    st = kv_extend_check(kv, rec, seq, num_tokens, &c);
+    kv_content c, *given = NULL; /* none: the decode step of an engine that keys nothing */
+    if (content || count) {
+        st = kv_content_check(kv, content, count, rec->ns, &c);
+        if (st != KVA_OK) return st;
+        kv_content_slice(kv, &c, 0, count);
+        given = &c;
+    }
+    st = extend_check(kv, rec, seq, num_tokens, given);
     if (st != KVA_OK) return st;
     st = kv->info.mode == KVA_KV_CONTIGUOUS ? kv_contig_append(kv, rec, num_tokens, copy)
-                                           : kv_extend(kv, rec, num_tokens, &c, copy);
+                                           : extend(kv, rec, num_tokens, given, copy);
     if (st == KVA_OK) kv->counters.appends++;
     return st;
 }
@@ -301,7 +333,11 @@ kva_status kva_kv_seq_extend(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, co
 }
 
 kva_status kva_kv_seq_append(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
-    return kva_kv_seq_extend(kv, seq, num_tokens, NULL, 0, copy);
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    kv_lock(kv);
+    kva_status st = extend_locked(kv, seq, num_tokens, NULL, 0, copy);
+    kv_unlock(kv);
+    return st;
 }
 
 /* ---- fork, free, pins --------------------------------------------------------------------- */
@@ -388,7 +424,7 @@ static kva_status pin_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *cont
     if (st != KVA_OK) return st;
     if (!pin) return INVALID("pin is NULL");
     if (kv->info.mode != KVA_KV_PAGED) return INVALID("pins need paged mode");
-    c = kv_content_part(kv, &c, 0, count, ns);
+    kv_content_slice(kv, &c, 0, count);
     kva_kv_seqrec *rec = kv_seq_reserve(kv, c.blocks);
     if (!rec) {
         kv->counters.alloc_failures++;

@@ -30,14 +30,13 @@ uint32_t kv_new_handle_key(void) {
     return kv_handle_key(__atomic_add_fetch(&caches, 1, __ATOMIC_RELAXED));
 }
 
-kva_kv_seqrec *kv_seq_lookup(kva_kv *kv, kva_kv_seq seq, kva_status *why) {
+kva_kv_seqrec *kv_seq_refused(const kva_kv *kv, kva_kv_seq seq, kva_status *why) {
     uint32_t slot = (uint32_t)seq ^ kv->handle_key, generation = (uint32_t)(seq >> 32);
-    if (kva_unlikely(slot >= kv->seq_slots || generation == 0)) {
+    if (slot >= kv->seq_slots || generation == 0) {
         *why = kva_fail(KVA_ERR_INVALID, "sequence handle %#llx was never given by this cache", (unsigned long long)seq);
         return NULL;
     }
-    kva_kv_seqrec *rec = &kv->seqs[slot];
-    if (kva_likely(rec->live && rec->generation == generation)) return rec;
+    const kva_kv_seqrec *rec = &kv->seqs[slot];
     /* Generations only grow (modulo 2^32), so an older one is a freed sequence. */
     if ((int32_t)(rec->generation - generation) > 0) {
         *why = kva_fail(KVA_ERR_DOUBLE_FREE, "sequence %#llx was already freed", (unsigned long long)seq);

@@ -103,7 +103,7 @@ static inline uint64_t kv_hash_bytes(uint64_t h, const void *p, size_t n) {
  * the prefix table, the engine's references and key bytes, the free stack and LRU lists, every
  * sequence slot's visible state and table, the event ring, the counters (less the two that
  * count refusals). A refused call leaves it equal. It skips what a refused call may keep for
- * later: a grown slot array, a table's or a partial buffer's capacity. */
+ * later: a grown slot array, a table's or a partial buffer's capacity, a batch's listing stamps. */
 static inline uint64_t kv_state_hash(const kva_kv *kv) {
     uint64_t h = 0xcbf29ce484222325ull;
     if (kv->info.mode == KVA_KV_PAGED) {
@@ -130,8 +130,8 @@ static inline uint64_t kv_state_hash(const kva_kv *kv) {
         h = kv_hash_bytes(h, &kv->events[(kv->event_head + i) % kv->event_capacity], sizeof(kva_kv_event));
     for (uint32_t s = 0; s < kv->seq_slots; s++) {
         const kva_kv_seqrec *r = &kv->seqs[s];
-        uint32_t words[] = {r->live, r->generation, r->next_free, r->is_pin, r->priority, r->mark, r->key_kind,
-                            r->key_len, r->has_last};
+        uint32_t words[] = {r->live, r->generation, r->next_free, r->is_pin, r->priority, r->key_kind, r->key_len,
+                            r->has_last};
         h = kv_hash_bytes(h, words, sizeof words);
         if (!r->live) continue;
         uint32_t figures[] = {r->len, r->num_tokens, r->cached_tokens, r->bucket_tokens};
