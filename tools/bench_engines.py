@@ -1,24 +1,34 @@
 #!/usr/bin/env python3
 """vLLM's KV-cache manager against pykvalloc's on the Mooncake conversation trace.
 
-Both sides serve one stream of requests with one scheduler: requests are admitted in trace
-order while they fit and at most --running run at once (a prefill each), then every running
-request decodes one token a step (vLLM: one allocate_slots per request; pykvalloc: one
-append_many call for all of them), and a request that has produced its output_length tokens is
-freed. Both caches have the same blocks of 16 tokens: --blocks 0 is enough for every request of
-the run at once (no eviction), else that many (vLLM's pool holds one more: its null block).
+Both sides serve one stream of requests with one scheduler (run): a request arrives in trace
+order, a conversation's next turn once its previous turn is done; arrived requests are admitted
+in order while at most --running run (a prefill each) and, with a limited cache, while the
+blocks the running requests will still fill stay free or evictable; then every running request decodes one
+token a step (vLLM: one allocate_slots per request; pykvalloc: one append_many call for all of
+them), and a request that has produced its output_length tokens is freed. Both caches have the
+same blocks of 16 tokens: --blocks 0 is enough for every request of the run at once (no
+eviction), else that many (vLLM's pool holds one more: its null block).
 
 The tokens: a block of the trace (512 tokens, a hash id) becomes 512 token ids of its own. A
 request whose next turn (the first later request whose prompt starts with all of its full
 blocks and reaches past its output) exists decodes the tokens that next turn's prompt holds
 there, so the next turn hits the blocks decoding filled; others decode tokens of their own.
+No prompt is whole blocks (one token moves from its output): a prompt of whole blocks that is
+all cached is where vLLM computes its last block again in a new block under the same hash and
+keeps both, where pykvalloc reuses the cached one, and from there the two caches hold
+different blocks (tests/vllm/test_kv_cache_manager.py::test_a_fully_cached_prompt).
 
 Timed: vLLM's get_computed_blocks + allocate_slots per prefill and allocate_slots per decoded
 token (the Request, its block hashes included, is built and grown outside the timed region);
-pykvalloc's allocate per prefill (token ids given, hashed and chained in C: the hashing is
-timed) and one append_many per step (the step's tokens given, blocks filled committed). Hit
-tokens are asserted identical request by request, vLLM's capped at num_tokens - 1 (it
-recomputes a fully cached prompt's last token), and so are the evictions.
+pykvalloc's allocate per prefill and one append_many per step (blocks filled committed). With
+--keys engine (the default) pykvalloc is given the engine's block keys, computed outside the
+timed region as vLLM's hashes are; with --keys tokens it is given the token ids, which it
+hashes and chains inside the timed calls. A pykvalloc cache has every block registered once and
+evicted before the run, untimed, so that its host metadata is in memory as vLLM's block
+objects are. Hit tokens are asserted identical request by request, vLLM's capped at
+num_tokens - 1 (it recomputes a fully cached prompt's last token), and so are the
+preemptions; tests/vllm/test_kv_cache_manager.py holds evictions and events to vLLM's too.
 
 Run with a Python that has pykvalloc (and vLLM, for the comparison; without it only pykvalloc
 runs, said in one line): .venv-vllm/bin/python tools/bench_engines.py
@@ -30,6 +40,7 @@ import argparse
 import bisect
 import gc
 import hashlib
+import heapq
 import json
 import os
 import platform
@@ -55,7 +66,7 @@ class Request:
     prompt: np.ndarray  # uint32 token ids
     output: np.ndarray  # uint32: the tokens it decodes, one a step
     keys: np.ndarray | None = None  # engine keys of its full blocks, prompt and output: (n, 32)
-    after: int | None = None  # the previous turn of its conversation: it comes once that is done
+    after: tuple[int, ...] = ()  # earlier requests it comes after, once they are done
 
 
 def engine_keys(tokens: np.ndarray) -> np.ndarray:
@@ -67,7 +78,7 @@ def engine_keys(tokens: np.ndarray) -> np.ndarray:
     for start in range(0, len(tokens) // BLOCK * BLOCK * 4, BLOCK * 4):
         digest = hashlib.sha256(digest + raw[start:start + BLOCK * 4]).digest()
         rows.append(digest)
-    return np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), 32)
+    return np.frombuffer(bytearray(b"".join(rows)), dtype=np.uint8).reshape(len(rows), 32)
 
 
 def trace_tokens(block_id: int) -> np.ndarray:
@@ -91,7 +102,8 @@ def load_stream(path: Path, count: int) -> list[Request]:
         return tokens[:record["input_length"]]
 
     stream: list[Request] = []
-    turns: dict[int, int] = {}  # next turn -> the request it follows
+    claimed: set[int] = set()  # next turns that continue an earlier request already
+    waits: dict[int, set[int]] = {}  # request -> the earlier ones whose decoding its prompt holds
     for i, record in enumerate(records[:count]):
         full = record["input_length"] // TRACE_BLOCK
         need = record["input_length"] + record["output_length"]
@@ -99,7 +111,7 @@ def load_stream(path: Path, count: int) -> list[Request]:
         if full:
             candidates = holders[record["hash_ids"][full - 1]]
             nxt = next((j for j in candidates[bisect.bisect_right(candidates, i):]
-                        if records[j]["input_length"] >= need), None)
+                        if records[j]["input_length"] >= need and j not in claimed), None)
         if nxt is None:  # tokens of its own, beyond every trace block's
             prompt = prompt_of(record)
             output = (np.arange(record["output_length"], dtype=np.uint64)
@@ -108,8 +120,18 @@ def load_stream(path: Path, count: int) -> list[Request]:
             following = prompt_of(records[nxt])
             prompt = following[:record["input_length"]]
             output = following[record["input_length"]:need]
-            turns.setdefault(nxt, i)
-        stream.append(Request(i, prompt, output, after=turns.get(i)))
+            claimed.add(nxt)
+            # Every later request whose prompt holds the blocks this one's decoding fills (the
+            # next turn among them) comes once this one is done, as a next turn would: two
+            # requests filling one block at once are where vLLM keeps both blocks under one
+            # hash and pykvalloc one.
+            for k in holders[records[nxt]["hash_ids"][full]]:
+                if k > i:
+                    waits.setdefault(k, set()).add(i)
+        if len(prompt) % BLOCK == 0:  # whole blocks: one token moves from the output (or goes)
+            prompt, output = ((np.concatenate([prompt, output[:1]]), output[1:]) if len(output)
+                              else (prompt[:-1], output))
+        stream.append(Request(i, prompt, output, after=tuple(sorted(waits.get(i, ())))))
     return stream
 
 
@@ -130,7 +152,7 @@ class Outcome:
 
     hits: dict[int, int] = field(default_factory=dict)
     preempted: list[int] = field(default_factory=list)
-    evictions: int = 0
+    evictions: int | None = 0
     timings: Timings = field(default_factory=Timings)
 
 
@@ -216,6 +238,10 @@ class PykvallocSide:
     def evictions(self) -> int:
         return self.cache.stats().evictions - self._evicted_before
 
+    def room(self) -> int:
+        stats = self.cache.stats()
+        return stats.free_blocks + stats.cached_blocks
+
     def close(self) -> None:
         for seq in self.seqs.values():
             seq.free()
@@ -245,8 +271,6 @@ class VllmSide:
                                       scheduler_block_size=BLOCK, hash_block_size=BLOCK,
                                       enable_caching=True, enable_kv_cache_events=events)
         self.requests: dict[int, Any] = {}
-        self._evicted = 0
-        self._events = events
 
     def make(self, request: Request) -> Any:
         params = self._SamplingParams(max_tokens=max(1, len(request.output)))
@@ -291,45 +315,62 @@ class VllmSide:
     def free(self, index: int) -> None:
         self.manager.free(self.requests.pop(index))
 
-    def evictions(self) -> int:
-        return self._evicted
+    def evictions(self) -> int | None:
+        return None  # vLLM counts none without events (the differential test compares them)
+
+    def room(self) -> int:
+        return int(self.manager.block_pool.get_num_free_blocks())
 
     def close(self) -> None:
         for req in self.requests.values():
             self.manager.free(req)
 
 
-def run(side: Any, stream: list[Request], running_max: int, capacity: int | None = None,
+def run(side: Any, stream: list[Request], running_max: int, reserve: bool = False,
         watch: Any = None) -> Outcome:
-    """The scheduler: admit in order while fewer than running_max run, then a decode step for
-    all running; finished requests are freed. A request whose previous turn is not done waits.
-    With a capacity (blocks), a request is admitted only while the blocks of the running
-    requests and its own, counted as if none were shared, leave one block for each of them to
-    decode into, so that a step never runs out (vLLM's scheduler keeps such room by preempting;
-    here the room is kept up front, and both caches see the same stream). A request that does
-    not fit in the cache, or a decode step that runs out anyway, stops at that request: a
-    prefill that fails waits for running ones to finish, a decode that fails preempts (frees)
-    the requests from the first that did not fit on, which start again later. watch(what,
-    index, value) sees every decision (the differential tests compare them)."""
+    """The scheduler. A request arrives in trace order, once the requests it comes after are
+    done (a next turn after its previous turn); arrived requests are admitted in order while fewer than running_max run, then every
+    running request decodes one token (one step) and those done are freed. With reserve, a
+    request is admitted only if the cache keeps, beyond all the blocks it will hold, the free or
+    evictable blocks every running request will still fill (the trace says how long each
+    output is), so that no step runs out: vLLM's scheduler makes room by preempting, and a
+    preempted request's prompt, whole blocks and all cached, is where vLLM computes a block
+    again (a duplicate) and the two caches part; here the room is kept up front. Both caches hold the same blocks after every call (the
+    differential test checks it), so they see the same decisions. A prefill that does not fit
+    waits for running requests to finish; a decode step that runs out stops at a request, and
+    that one and the rest are preempted (freed) and arrive again. watch(what, index, value)
+    sees every decision (the differential tests compare them)."""
     outcome = Outcome()
     side._t = outcome.timings
     side.produced = produced = {}
-    waiting = list(range(len(stream)))
-    waiting.reverse()
+    arrived = [r.index for r in stream if not r.after]  # a heap of indices
+    heapq.heapify(arrived)
+    waiting_for = {r.index: len(r.after) for r in stream if r.after}
+    next_turns: dict[int, list[int]] = {}
+    for r in stream:
+        for before in r.after:
+            next_turns.setdefault(before, []).append(r.index)
     running: list[int] = []
-    finished: set[int] = set()
+    left = len(stream)
 
-    def blocks(i: int) -> int:  # what running request i holds after its next decode step
-        return (len(stream[i].prompt) + produced[i]) // BLOCK + 1
+    def blocks(i: int, tokens: int) -> int:  # request i's blocks once it has decoded tokens
+        return -(-(len(stream[i].prompt) + tokens) // BLOCK)
 
-    while waiting or running:
-        while waiting and len(running) < running_max:
-            request = stream[waiting[-1]]
-            if request.after is not None and request.after not in finished:
-                break
-            if capacity is not None and running and (
-                    sum(blocks(i) for i in running) + len(request.prompt) // BLOCK + 1
-                    > capacity):
+    def done_with(i: int) -> None:
+        nonlocal left
+        side.free(i)
+        left -= 1
+        for j in next_turns.pop(i, ()):
+            waiting_for[j] -= 1
+            if not waiting_for[j]:
+                heapq.heappush(arrived, j)
+
+    while left:
+        while arrived and len(running) < running_max:
+            request = stream[arrived[0]]
+            if reserve and running and (side.room() - blocks(request.index, len(request.output))
+                                        < sum(blocks(i, len(stream[i].output)) - blocks(
+                                            i, produced[i]) for i in running)):
                 break
             hit = side.admit(request)
             if watch:
@@ -339,25 +380,26 @@ def run(side: Any, stream: list[Request], running_max: int, capacity: int | None
                     raise RuntimeError(f"request {request.index} of {len(request.prompt)} tokens "
                                        "does not fit in an empty cache")
                 break
-            waiting.pop()
+            heapq.heappop(arrived)
             outcome.hits.setdefault(request.index, hit)
             produced[request.index] = 0
             if len(stream[request.index].output) == 0:
-                side.free(request.index)
-                finished.add(request.index)
+                done_with(request.index)
                 continue
             running.append(request.index)
         if not running:
-            continue
+            if arrived:
+                continue
+            raise RuntimeError("no request can run: a turn waits for one that never ends")
         tokens = np.fromiter((stream[i].output[produced[i]] for i in running), dtype=np.uint32,
                              count=len(running))
         done = side.decode(running, tokens)
         if watch:
             watch("decode", len(running), done)
-        for i in running[done:]:  # preempted: freed, to start again
+        for i in running[done:]:  # preempted: freed, to arrive again
             side.free(i)
             outcome.preempted.append(i)
-            waiting.append(i)
+            heapq.heappush(arrived, i)
             stream[i] = Request(i, np.concatenate([stream[i].prompt,
                                                    stream[i].output[:produced[i]]]),
                                 stream[i].output[produced[i]:], stream[i].keys, stream[i].after)
@@ -365,8 +407,7 @@ def run(side: Any, stream: list[Request], running_max: int, capacity: int | None
         for i in running[:done]:
             produced[i] += 1
             if produced[i] == len(stream[i].output):
-                side.free(i)
-                finished.add(i)
+                done_with(i)
             else:
                 still.append(i)
         running = still
@@ -390,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", type=Path, default=TRACE)
     parser.add_argument("--requests", type=int, default=2000,
                         help="the first N requests of the trace (default 2000)")
-    parser.add_argument("--running", type=int, default=64,
-                        help="requests decoding at once (default 64)")
+    parser.add_argument("--running", type=int, default=256,
+                        help="requests decoding at once, at most (default 256: vLLM's "
+                        "max_num_seqs on most GPUs; 1024 on H100 and H200)")
     parser.add_argument("--blocks", type=int, nargs="*", default=[0, 16000],
                         help="cache sizes in blocks of 16 tokens; 0: every request's blocks "
                         "(default 0 16000)")
@@ -440,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             side = make()
             stream = [Request(r.index, r.prompt, r.output, r.keys, r.after) for r in base]
             gc.collect()
-            outcome = run(side, stream, args.running, capacity=blocks or None)
+            outcome = run(side, stream, args.running, reserve=blocks != 0)
             side.close()
             results[name] = outcome
         ours = results["pykvalloc"]
@@ -449,8 +491,10 @@ def main(argv: list[str] | None = None) -> int:
                "pykvalloc_decode_us_per_token": per(ours.timings.decode_ns, ours.timings.decoded),
                "hit_tokens": sum(ours.hits.values()), "evictions": ours.evictions,
                "preempted": len(ours.preempted)}
+        row["running_per_step"] = ours.timings.decoded / max(ours.timings.steps, 1)
         print(f"\n{label}: {row['hit_tokens']:,} hit tokens, {ours.evictions:,} evictions, "
-              f"{len(ours.preempted)} preemptions")
+              f"{len(ours.preempted)} preemptions, {row['running_per_step']:.1f} requests "
+              "decoding a step on average")
         if have_vllm:
             theirs = results["vLLM"]
             mismatched = [i for i in theirs.hits if theirs.hits[i] != capped(
