@@ -565,3 +565,36 @@ class EventNames:
                 else:
                     raw = bytes(record["parent"][:int(record["parent_len"])])
                     self._same(parent, namespace, raw, bool(record["library_key"]), where)
+
+
+STAT_NAMES = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "registered_blocks",
+              "sequences", "pins", "hit_tokens", "query_tokens", "evictions", "cow_copies", "forks")
+
+
+class SideBySide:
+    """A cache and the model driven with the same calls: the checks every random stream makes
+    after its operations, and a count of what it did."""
+
+    def __init__(self, cache, model: KVModel) -> None:
+        self.cache = cache
+        self.model = model
+        self.names = EventNames(model)
+        self.counts: dict[str, int] = {}
+
+    def count(self, what: str) -> None:
+        self.counts[what] = self.counts.get(what, 0) + 1
+
+    def same_state(self, where: str) -> None:
+        """Every statistic the model keeps, and the cache's own invariants."""
+        stats = self.cache.stats()
+        assert {name: getattr(stats, name) for name in STAT_NAMES} == self.model.stats(), where
+        self.cache.check()
+
+    def drain(self, max_events: int | None = None) -> None:
+        """Takes the oldest events (all by default) from both and compares them."""
+        records, dropped = self.cache.take_event_records(max_events)
+        expected, model_dropped = self.model.take_events(
+            len(self.model.events) if max_events is None else max_events)
+        assert dropped == model_dropped
+        self.names.check(records, expected)
+        self.count("events")

@@ -12,15 +12,13 @@ import random
 
 import numpy as np
 import pytest
-from kv_model import EventNames, KVModel, NoRoom, Refused
+from kv_model import STAT_NAMES, KVModel, NoRoom, Refused, SideBySide
 
 import pykvalloc
 
 OPERATIONS = int(os.environ.get("KV_BLOCKS_OPERATIONS", "12000"))
 BT = 4
 KEY_LEN = 32
-STAT_NAMES = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "registered_blocks",
-              "sequences", "pins", "hit_tokens", "query_tokens", "evictions", "cow_copies", "forks")
 ERRORS = {"invalid": pykvalloc.InvalidArgument, "double_free": pykvalloc.DoubleFree}
 
 
@@ -33,32 +31,22 @@ def chain(parent: bytes, seeds: list[int]) -> list[bytes]:
     return keys
 
 
-class Engine:
-    """A cache, the model, and what the engine holds: its references (a multiset of block ids)
-    and the chains it committed."""
+class Engine(SideBySide):
+    """A cache and the model side by side, and what the engine holds: its references (a
+    multiset of block ids) and the chains it committed."""
 
     def __init__(self, seed: int, num_blocks: int, event_capacity: int) -> None:
         self.rng = random.Random(seed)
-        self.cache = pykvalloc.KVCache(num_blocks=num_blocks, block_tokens=BT, layers=1,
-                                       kv_heads=1, head_dim=1, dtype="uint8",
-                                       max_key_bytes=KEY_LEN, events=event_capacity)
-        self.model = KVModel(num_blocks, BT, event_capacity=event_capacity,
-                             max_key_bytes=KEY_LEN)
-        self.names = EventNames(self.model)
+        super().__init__(
+            pykvalloc.KVCache(num_blocks=num_blocks, block_tokens=BT, layers=1, kv_heads=1,
+                              head_dim=1, dtype="uint8", max_key_bytes=KEY_LEN,
+                              events=event_capacity),
+            KVModel(num_blocks, BT, event_capacity=event_capacity, max_key_bytes=KEY_LEN))
         self.held: list[int] = []  # the engine's references, one entry each
         self.chains = [chain(b"", [self.rng.randrange(1 << 40) for _ in range(6)])
                        for _ in range(5)]
         self.namespaces = (0, 7, (1 << 64) - 1)
         self.seqs: dict[int, pykvalloc.Sequence] = {}
-        self.counts: dict[str, int] = {}
-
-    def count(self, what: str) -> None:
-        self.counts[what] = self.counts.get(what, 0) + 1
-
-    def same(self, where: str) -> None:
-        stats = self.cache.stats()
-        assert {n: getattr(stats, n) for n in STAT_NAMES} == self.model.stats(), where
-        self.cache.check()
 
     def refused(self, error: str, call, *args, **kwargs) -> None:
         """A call the model refuses: the library raises that error and nothing changes."""
@@ -68,7 +56,7 @@ class Engine:
         assert str(info.value)
         after = self.cache.stats()
         assert after.rejected_calls == before.rejected_calls + 1
-        self.same("after a refused call")
+        self.same_state("after a refused call")
         self.count("refused_" + error)
 
     def keys(self) -> tuple[list[bytes], int]:
@@ -86,7 +74,7 @@ class Engine:
         except NoRoom:
             with pytest.raises(pykvalloc.OutOfMemory):
                 self.cache.blocks.take(n, prio)
-            self.same("take refused")
+            self.same_state("take refused")
             self.count("nomem")
             return
         ids = self.cache.blocks.take(n, prio)
@@ -193,15 +181,6 @@ class Engine:
             len(keys), KEY_LEN), ns) == self.model.evict_keys(keys, KEY_LEN, ns)
         self.count("evict_keys")
 
-    def drain(self) -> None:
-        limit = self.rng.choice((None, 1, 3))
-        records, dropped = self.cache.take_event_records(limit)
-        expected, model_dropped = self.model.take_events(
-            len(self.model.events) if limit is None else limit)
-        assert dropped == model_dropped
-        self.names.check(records, expected)
-        self.count("events")
-
     def step(self, op: int) -> None:
         roll = self.rng.random()
         if roll < 0.18:
@@ -233,8 +212,8 @@ class Engine:
             self.held = [where.get(b, b) for b in self.held]  # the engine renames its ids
             self.count("compact")
         else:
-            self.drain()
-        self.same(f"operation {op}")
+            self.drain(self.rng.choice((None, 1, 3)))
+        self.same_state(f"operation {op}")
 
     def close(self) -> None:
         for handle in list(self.seqs):
@@ -243,7 +222,7 @@ class Engine:
         self.cache.blocks.unref(self.held)
         self.model.block_unref(self.held)
         self.held = []
-        self.same("all released")
+        self.same_state("all released")
         assert self.cache.stats().used_blocks == 0
         self.drain()
         self.cache.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from kv_model import EventNames, KVModel, NoRoom, Refused
+from kv_model import KVModel, NoRoom, SideBySide
 
 import pykvalloc
 
@@ -27,8 +27,6 @@ BT = 4
 KEY_LEN = 20
 NAMESPACES = (0, 1, 1 << 40, (1 << 64) - 1)
 KINDS = ("tokens", "key", "bytes")
-STAT_NAMES = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "registered_blocks",
-              "sequences", "pins", "hit_tokens", "query_tokens", "evictions", "cow_copies", "forks")
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
@@ -95,25 +93,21 @@ def flat(kind: str, per_request: list[list]):
             if everything else np.zeros((0, KEY_LEN), dtype=np.uint8)), offsets
 
 
-class Harness:
-    """A cache and the model driven side by side."""
+class Harness(SideBySide):
+    """The sequence calls on a cache and the model, side by side."""
 
     def __init__(self, seed: int, num_blocks: int, event_capacity: int) -> None:
         self.rng = random.Random(seed)
-        self.cache = pykvalloc.KVCache(num_blocks=num_blocks, block_tokens=BT, layers=1,
-                                       kv_heads=1, head_dim=4, dtype="uint8", max_key_bytes=32,
-                                       events=event_capacity)
-        self.model = KVModel(num_blocks, BT, event_capacity=event_capacity, max_key_bytes=32)
-        self.names = EventNames(self.model)
+        super().__init__(
+            pykvalloc.KVCache(num_blocks=num_blocks, block_tokens=BT, layers=1, kv_heads=1,
+                              head_dim=4, dtype="uint8", max_key_bytes=32,
+                              events=event_capacity),
+            KVModel(num_blocks, BT, event_capacity=event_capacity, max_key_bytes=32))
         self.objects: dict[int, pykvalloc.Sequence | None] = {}  # None: a batch's handle
         self.held: dict[int, Content | None] = {}  # None: a pin, or content not followed
         self.turns: list[Content] = []  # finished conversations' content, for next turns
         self.families = {kind: [[self.rng.randrange(1, 1 << 40) for _ in range(
             self.rng.randint(1, 8))] for _ in range(4)] for kind in KINDS}
-        self.counts: dict[str, int] = {}
-
-    def count(self, what: str) -> None:
-        self.counts[what] = self.counts.get(what, 0) + 1
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -166,27 +160,6 @@ class Harness:
 
     def same_table(self, handle: int) -> None:
         assert self.cache.block_table(handle).tolist() == self.model.seqs[handle].table
-
-    def same_state(self, where: str) -> None:
-        stats = self.cache.stats()
-        assert {name: getattr(stats, name) for name in STAT_NAMES} == self.model.stats(), where
-        self.cache.check()
-
-    def drain(self, max_events: int | None = None) -> None:
-        records, dropped = self.cache.take_event_records(max_events)
-        expected, model_dropped = self.model.take_events(
-            len(self.model.events) if max_events is None else max_events)
-        assert dropped == model_dropped
-        self.names.check(records, expected)
-        self.count("events")
-
-    def refused(self, error: type[Exception], call, *args, **kwargs) -> None:
-        before = self.cache.stats()
-        with pytest.raises(error):
-            call(*args, **kwargs)
-        after = self.cache.stats()
-        assert after.rejected_calls in (before.rejected_calls, before.rejected_calls + 1)
-        self.same_state("after a refused call")
 
     # -- operations -------------------------------------------------------------------------
 
