@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar, NoReturn, Protocol, SupportsIndex, TypeVar
 
@@ -48,7 +49,7 @@ def refuse_copy(obj: object) -> NoReturn:
                     "share the C resource without sharing its bookkeeping")
 
 
-class HandleOwner:
+class HandleOwner(ABC):
     """Owns one C handle; see the module docstring. A subclass creates its C object through
     ``_create_over`` (when it is built over a pool), hands the handle to ``_own`` at once, and
     calls ``_open_handle()`` under ``_lock`` in every method that reaches C."""
@@ -127,9 +128,9 @@ class HandleOwner:
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         refuse_copy(self)
 
+    @abstractmethod
     def _describe(self) -> str:
         """What the repr says between the class name and the state."""
-        raise NotImplementedError
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"

@@ -44,6 +44,7 @@ import math
 import operator
 import re
 import weakref
+from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from ctypes import Structure, byref, c_size_t, c_void_p, sizeof
 from dataclasses import dataclass, fields
@@ -424,12 +425,12 @@ class _Allocator(HandleOwner):
     _c_usable_size: Callable[[int, int | None], int]
 
     @property
-    def _mapping(self) -> Pool:
-        raise NotImplementedError
+    @abstractmethod
+    def _mapping(self) -> Pool: ...
 
     @property
-    def base(self) -> int:
-        raise NotImplementedError
+    @abstractmethod
+    def base(self) -> int: ...
 
     def _owned_live(self, allocation: Allocation,
                     freed_error: type[KvallocError] = AllocationFreedError) -> None:
