@@ -213,9 +213,7 @@ class Snapshot:
             return
         offset, size = self._sections[SECTION_HEAPMAP]
         cells = int(head["cells"])
-        if cells > HEAPMAP_CELLS_MAX:
-            raise self._corrupt(f"the heap map has {cells} cells, more than the "
-                                f"{HEAPMAP_CELLS_MAX} a writer makes")
+        self._at_most("heap map cells", cells, HEAPMAP_CELLS_MAX)
         start = size - 2 * cells if self._newer else HEAPMAP_DTYPE.itemsize
         if start < HEAPMAP_DTYPE.itemsize or start + 2 * cells > size:
             raise self._corrupt(f"the heap map section has {size} bytes, too few for "
@@ -223,6 +221,11 @@ class Snapshot:
         self.heapmap = head
         self.cell_state = np.frombuffer(self.data, np.uint8, cells, offset + start)
         self.cell_fill = np.frombuffer(self.data, np.uint8, cells, offset + start + cells)
+
+    def _at_most(self, what: str, count: int, limit: int) -> None:
+        """A count no writer makes is corruption, refused before anything is sized by it."""
+        if count > limit:
+            raise self._corrupt(f"{what}: {count}, more than the {limit} a writer makes")
 
     def _counted(self, kind: int, dtype: np.dtype) -> np.ndarray | None:
         head = self._fixed(kind, COUNTED_DTYPE)
@@ -235,9 +238,7 @@ class Snapshot:
         if head is None:
             return None
         count, capacity = int(head["count"]), int(head["capacity"])
-        if capacity > SLABS_MAX:
-            raise self._corrupt(f"the slabs section has room for {capacity} slabs, more than "
-                                f"the {SLABS_MAX} a writer makes")
+        self._at_most("room for slabs", capacity, SLABS_MAX)
         if count > capacity:
             raise self._corrupt(f"the slabs section counts {count} slabs in room for {capacity}")
         return self._array(SECTION_SLABS, SLABS_DTYPE.itemsize, SLAB_DTYPE, capacity)[:count]
@@ -249,9 +250,7 @@ class Snapshot:
         if head is None:
             return None
         capacity, written = int(head["capacity"]), int(head["written"])
-        if capacity > TRACE_RECORDS_MAX:
-            raise self._corrupt(f"the trace ring has room for {capacity} records, more than "
-                                f"the {TRACE_RECORDS_MAX} a writer makes")
+        self._at_most("room for trace records", capacity, TRACE_RECORDS_MAX)
         ring = self._array(SECTION_TRACE, TRACE_DTYPE.itemsize, RECORD_DTYPE, capacity,
                            int(head["entry_size"]))
         # The records whole in the copy (kvalloc_stats.h, "The trace ring"): below the count
