@@ -63,16 +63,22 @@ size_t kva_os_page_size(void) {
     return size > 0 ? (size_t)size : 4096;
 }
 
+/* The start of a small kernel file, NUL-terminated in text; 0 if it cannot be read or is empty. */
+static int read_text(const char *path, char *text, size_t size) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) return 0;
+    ssize_t n = read(fd, text, size - 1);
+    close(fd);
+    if (n <= 0) return 0;
+    text[n] = '\0';
+    return 1;
+}
+
 /* The first unsigned number in the file after `key` (the whole file when key is ""), times
  * unit; SIZE_MAX where the file, the key or the number is missing ("max" included). */
 static size_t read_number(const char *path, const char *key, size_t unit) {
     char text[4096];
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-    if (fd < 0) return SIZE_MAX;
-    ssize_t n = read(fd, text, sizeof text - 1);
-    close(fd);
-    if (n <= 0) return SIZE_MAX;
-    text[n] = '\0';
+    if (!read_text(path, text, sizeof text)) return SIZE_MAX;
     const char *at = key[0] ? strstr(text, key) : text;
     if (!at) return SIZE_MAX;
     at += strlen(key);
@@ -88,12 +94,7 @@ static size_t read_number(const char *path, const char *key, size_t unit) {
  * no limit or it cannot be read. */
 static size_t cgroup_room(void) {
     char cgroups[4096], path[4352];
-    int fd = open("/proc/self/cgroup", O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return SIZE_MAX;
-    ssize_t n = read(fd, cgroups, sizeof cgroups - 1);
-    close(fd);
-    if (n <= 0) return SIZE_MAX;
-    cgroups[n] = '\0';
+    if (!read_text("/proc/self/cgroup", cgroups, sizeof cgroups)) return SIZE_MAX;
     size_t room = SIZE_MAX;
     char *save = NULL;
     for (char *line = strtok_r(cgroups, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
