@@ -19,13 +19,15 @@ build: deps
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release
 	cmake --build $(BUILD) -j $(JOBS)
 
+# The C sources must be formatted as .clang-format says (scripts/format.sh rewrites them).
 test-c: build
+	scripts/format.sh --check
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 # Every C test again under AddressSanitizer and UndefinedBehaviorSanitizer, in a Debug build: its
 # assertions are on (KVA_DEBUG 3, internal.h), and some tests run a second time with the
-# expensive ones on too (ctest label expensive, tests/c/CMakeLists.txt). Left out: the benchmark smoke run (it maps gigabytes, slow under
-# ASan), the install test (packaging) and the strace test (LeakSanitizer cannot run under
+# expensive ones on too (ctest label expensive, tests/c/CMakeLists.txt). Left out: the benchmark
+# smoke run (it maps gigabytes, slow under ASan), the install test (packaging) and the strace test (LeakSanitizer cannot run under
 # ptrace); all three run in test-c.
 test-sanitize: deps
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DKVA_SANITIZE=address,undefined

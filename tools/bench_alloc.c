@@ -29,10 +29,10 @@
 
 struct settings {
     int quick;
-    unsigned rounds;       /* batch rounds per child, after as many to warm up */
-    unsigned processes;    /* fresh child processes per figure, median taken here */
-    unsigned samples;      /* large-block allocations per child, after as many to warm up */
-    unsigned fresh_samples; /* the first allocations of a new pool measured per child */
+    unsigned rounds;          /* batch rounds per child, after as many to warm up */
+    unsigned processes;       /* fresh child processes per figure, median taken here */
+    unsigned samples;         /* large-block allocations per child, after as many to warm up */
+    unsigned fresh_samples;   /* the first allocations of a new pool measured per child */
     unsigned touch_processes; /* the same for the first-touch figures */
     int selected[BENCH_ALLOCATOR_COUNT];
     const char *json_path;
@@ -158,14 +158,25 @@ static int run_child(const struct settings *s, const struct child_spec *c)
         for (size_t i = 0; i < sizeof trace / sizeof trace[0]; i++)
             argv[n++] = trace[i];
     }
-    const char *child[] = {bench_self_path(), "--child", bench_allocators[c->allocator].name,
-                           "--pattern", c->pattern, "--rounds", rounds, "--reps", "1",
-                           "--samples", samples, "--prefault", c->prefault ? "1" : "0"};
+    const char *child[] = {bench_self_path(),
+                           "--child",
+                           bench_allocators[c->allocator].name,
+                           "--pattern",
+                           c->pattern,
+                           "--rounds",
+                           rounds,
+                           "--reps",
+                           "1",
+                           "--samples",
+                           samples,
+                           "--prefault",
+                           c->prefault ? "1" : "0"};
     for (size_t i = 0; i < sizeof child / sizeof child[0]; i++)
         argv[n++] = child[i];
     argv[n] = NULL;
     enum bench_allocator allocator = c->allocator;
-    return bench_run_child(allocator, &g_alloc[allocator], argv, c->discard ? NULL : store_report, &allocator, NULL);
+    return bench_run_child(allocator, &g_alloc[allocator], argv, c->discard ? NULL : store_report,
+                           &allocator, NULL);
 }
 
 static void run_measured(const struct settings *s, const struct child_spec *c)
@@ -175,7 +186,7 @@ static void run_measured(const struct settings *s, const struct child_spec *c)
     int status = run_child(s, c);
     if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
         bench_die("the %s child for pattern %s failed (status 0x%x); see its message above",
-              bench_allocators[c->allocator].name, c->pattern, (unsigned)status);
+                  bench_allocators[c->allocator].name, c->pattern, (unsigned)status);
 }
 
 static int on_path(const char *program)
@@ -402,9 +413,11 @@ static void judge_targets(const struct syscall_check *sc, struct target *t)
     t[4].value = figure(BENCH_KVALLOC, BENCH_METADATA_FULL_FRACTION);
     if (!isnan(t[4].value)) {
         t[4].state = t[4].value <= 0.005 ? TARGET_PASS : TARGET_FAIL;
-        snprintf(t[4].detail, sizeof t[4].detail, "%.3f%% with the pool full; %.3f%% at the patterns' peaks (%.0f B of %.0f MiB)",
+        snprintf(t[4].detail, sizeof t[4].detail,
+                 "%.3f%% with the pool full; %.3f%% at the patterns' peaks (%.0f B of %.0f MiB)",
                  100 * t[4].value, 100 * figure(BENCH_KVALLOC, BENCH_METADATA_FRACTION),
-                 figure(BENCH_KVALLOC, BENCH_METADATA_BYTES), figure(BENCH_KVALLOC, BENCH_CAPACITY) / 1048576);
+                 figure(BENCH_KVALLOC, BENCH_METADATA_BYTES),
+                 figure(BENCH_KVALLOC, BENCH_CAPACITY) / 1048576);
     } else {
         snprintf(t[4].detail, sizeof t[4].detail, "n/a (kvalloc not measured)");
     }
@@ -416,7 +429,7 @@ static void judge_targets(const struct syscall_check *sc, struct target *t)
 
     /* Every timed loop of the allocation patterns, fresh pool included; not the first-touch
      * pass, whose faults at prefault=0 are the managed memory's own first use. */
-    static const enum bench_metric timed_faults[] = {BENCH_BATCH64_FAULTS, BENCH_BATCH4K_FAULTS,
+    static const enum bench_metric timed_faults[] = {BENCH_BATCH64_FAULTS,    BENCH_BATCH4K_FAULTS,
                                                      BENCH_SHUFFLED64_FAULTS, BENCH_MIXED_FAULTS,
                                                      BENCH_LARGE_FAULT_COUNT, BENCH_FRESH_FAULTS};
     t[7].name = "0 minor faults in kvalloc's timed loops";
@@ -433,7 +446,8 @@ static void judge_targets(const struct syscall_check *sc, struct target *t)
     if (loops > 0) {
         t[7].value = faults;
         t[7].state = faults == 0 ? TARGET_PASS : TARGET_FAIL;
-        snprintf(t[7].detail, sizeof t[7].detail, "%.0f in %u patterns' worst processes", faults, loops);
+        snprintf(t[7].detail, sizeof t[7].detail, "%.0f in %u patterns' worst processes", faults,
+                 loops);
     } else {
         snprintf(t[7].detail, sizeof t[7].detail, "n/a (kvalloc not measured)");
     }
@@ -456,14 +470,14 @@ static const char *target_word(enum target_state s)
     return s == TARGET_PASS ? "PASS" : s == TARGET_FAIL ? "FAIL" : "-";
 }
 
-static void print_table(const struct settings *s, const struct machine *m,
-                        const struct target *t)
+static void print_table(const struct settings *s, const struct machine *m, const struct target *t)
 {
     printf("\nbench_alloc: %s, %ld cores, Linux %s\n", m->cpu, m->cores, m->kernel);
     printf("median of %u processes per figure, each measuring after a warm-up (first touch: "
            "%u); batch: %u rounds of 1000 allocs + 1000 frees; large blocks: %u allocations\n",
            s->processes, s->touch_processes, s->rounds, s->samples);
-    printf("fresh pool: the first %u allocations of a new pool (kvalloc: 2 GiB), 16 blocks of 1-64 MiB "
+    printf("fresh pool: the first %u allocations of a new pool (kvalloc: 2 GiB), 16 blocks of 1-64 "
+           "MiB "
            "live, no warm-up;\nminor faults: in the timed loops, the most any one process took\n",
            s->fresh_samples);
     printf("peers measured through malloc/free (LD_PRELOAD; tcmalloc = gperftools "
@@ -530,8 +544,10 @@ static void write_json(const struct settings *s, const struct machine *m,
         bench_die("cannot write %s: %s", s->json_path, strerror(errno));
     fputs("{\n  ", f);
     bench_json_machine(f, m->cpu, m->cores, -1, m->kernel);
-    fprintf(f, "},\n  \"settings\": {\"quick\": %s, \"rounds\": %u, \"processes\": %u, "
-               "\"large_samples\": %u, \"fresh_samples\": %u, \"touch_processes\": %u},\n  \"allocators\": {",
+    fprintf(f,
+            "},\n  \"settings\": {\"quick\": %s, \"rounds\": %u, \"processes\": %u, "
+            "\"large_samples\": %u, \"fresh_samples\": %u, \"touch_processes\": %u},\n  "
+            "\"allocators\": {",
             s->quick ? "true" : "false", s->rounds, s->processes, s->samples, s->fresh_samples,
             s->touch_processes);
     int first = 1;
@@ -580,9 +596,9 @@ static void write_json(const struct settings *s, const struct machine *m,
         fputs("}", f);
     }
     fputs("\n  },\n  \"syscall_check\": {\"status\": ", f);
-    bench_json_string(f, sc->outcome == CHECK_DONE ? "done"
-                   : sc->outcome == CHECK_SKIPPED ? sc->why_skipped
-                                                  : "not run");
+    bench_json_string(f, sc->outcome == CHECK_DONE      ? "done"
+                         : sc->outcome == CHECK_SKIPPED ? sc->why_skipped
+                                                        : "not run");
     fputs(", \"syscalls_between_markers\": ", f);
     bench_json_number(f, sc->outcome == CHECK_DONE ? (double)sc->syscalls : NAN);
     fputs(", \"allocator_calls\": ", f);
@@ -590,7 +606,9 @@ static void write_json(const struct settings *s, const struct machine *m,
     fputs("},\n  \"targets\": [", f);
     for (int i = 0; i < TARGET_COUNT; i++) {
         bench_json_target(f, i == 0, t[i].key, t[i].name,
-                          t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_FAIL ? "fail" : "n/a",
+                          t[i].state == TARGET_PASS   ? "pass"
+                          : t[i].state == TARGET_FAIL ? "fail"
+                                                      : "n/a",
                           t[i].value, t[i].reference, t[i].ratio);
         fputs("}", f);
     }
@@ -607,15 +625,19 @@ static void write_json(const struct settings *s, const struct machine *m,
  * one repetition to the next, so that no allocator always follows the same one. */
 static void run_all(const struct settings *s)
 {
-    static const char *const in_process_patterns[] = {"batch64", "batch4k", "shuffled64", "mixed", "large",
-                                                      "fresh"};
+    static const char *const in_process_patterns[] = {"batch64", "batch4k", "shuffled64",
+                                                      "mixed",   "large",   "fresh"};
     for (unsigned rep = 0; rep < s->processes; rep++)
         for (size_t p = 0; p < sizeof in_process_patterns / sizeof in_process_patterns[0]; p++)
             for (int k = 0; k < BENCH_ALLOCATOR_COUNT; k++) {
                 int a = (int)((k + rep) % BENCH_ALLOCATOR_COUNT);
                 if (g_alloc[a].measured) {
                     const char *pattern = in_process_patterns[p];
-                    struct child_spec c = {(enum bench_allocator)a, pattern, 0, NULL, 0,
+                    struct child_spec c = {(enum bench_allocator)a,
+                                           pattern,
+                                           0,
+                                           NULL,
+                                           0,
                                            strcmp(pattern, "fresh") == 0 ? s->fresh_samples : 0};
                     run_measured(s, &c);
                 }
@@ -654,8 +676,8 @@ int main(int argc, char **argv)
         }
         printf("%ld system calls in %.0f kva_alloc/kva_free calls between pool creation and "
                "destruction%s%s\n",
-               sc.syscalls, figure(BENCH_KVALLOC, BENCH_SYSCALL_CHECK_OPS),
-               sc.syscalls ? ": " : "", sc.first_calls);
+               sc.syscalls, figure(BENCH_KVALLOC, BENCH_SYSCALL_CHECK_OPS), sc.syscalls ? ": " : "",
+               sc.first_calls);
         return sc.syscalls == 0 ? 0 : 1;
     }
 

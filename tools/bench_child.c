@@ -53,7 +53,10 @@ struct child_options {
 
 static const char *g_name = "?";
 
-static void report(enum bench_metric metric, double value) { bench_report(g_name, bench_metric_keys[metric], value); }
+static void report(enum bench_metric metric, double value)
+{
+    bench_report(g_name, bench_metric_keys[metric], value);
+}
 
 /* ---- the two backends ------------------------------------------------------------------ */
 
@@ -73,7 +76,7 @@ static void create_pool(size_t capacity, int prefault, unsigned publish_ms)
     kva_status st = kva_pool_create(&cfg, &bench_pool);
     if (st != KVA_OK)
         bench_die("kva_pool_create(%zu MiB, prefault=%d): %s: %s", capacity / MIB, prefault,
-            kva_strerror(st), kva_last_error());
+                  kva_strerror(st), kva_last_error());
 }
 
 /* Reads the pool's statistics at a moment the caller knows to be its largest live set, so the
@@ -254,8 +257,8 @@ static void batch_round_malloc(const struct backend *b, const struct batch_plan 
 #undef FREE_OK
 }
 
-static void batch_round_kvalloc(const struct backend *b, const struct batch_plan *plan, void **slots,
-                                struct batch_time *t)
+static void batch_round_kvalloc(const struct backend *b, const struct batch_plan *plan,
+                                void **slots, struct batch_time *t)
 {
     kva_pool *pool = bench_pool;
     kva_status (*alloc)(kva_pool *, size_t, void **) = b->kva_alloc_fn;
@@ -267,7 +270,8 @@ static void batch_round_kvalloc(const struct backend *b, const struct batch_plan
 #undef KVA_RELEASE
 }
 
-static void batch_round(const struct backend *b, const struct batch_plan *plan, void **slots, struct batch_time *t)
+static void batch_round(const struct backend *b, const struct batch_plan *plan, void **slots,
+                        struct batch_time *t)
 {
     if (b->kva_alloc_fn != NULL)
         batch_round_kvalloc(b, plan, slots, t);
@@ -280,8 +284,8 @@ struct batch_metrics {
     enum bench_metric op, alloc, free, faults;
 };
 
-static void run_batch(const struct backend *b, const struct child_options *o, const struct batch_shape *shape,
-                      const struct batch_metrics *m)
+static void run_batch(const struct backend *b, const struct child_options *o,
+                      const struct batch_shape *shape, const struct batch_metrics *m)
 {
     void **slots = bench_xmalloc(BATCH_OBJECTS * sizeof *slots);
     struct batch_plan *plan = bench_xmalloc(sizeof *plan);
@@ -566,7 +570,8 @@ static void run_syscall_check(const struct backend *b, const struct child_option
         for (unsigned r = 0; r < o->rounds; r++) {
             for (int i = 0; i < BATCH_OBJECTS; i++)
                 if (bench_alloc_into(b, shape->sizes[(size_t)i % shape->nsizes], &slots[i]))
-                    bench_die("allocation of %zu bytes failed", shape->sizes[(size_t)i % shape->nsizes]);
+                    bench_die("allocation of %zu bytes failed",
+                              shape->sizes[(size_t)i % shape->nsizes]);
             for (int i = 0; i < BATCH_OBJECTS; i++)
                 if (bench_release(b, slots[shape->order ? shape->order[i] : (unsigned)i]))
                     bench_die("a free was refused");
@@ -621,7 +626,8 @@ static void parse_child_options(int argc, char **argv, struct child_options *o)
     if (o->allocator == BENCH_ALLOCATOR_COUNT)
         bench_die("unknown allocator");
     if (o->pattern == NULL)
-        bench_die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, fresh, touch, syscalls)");
+        bench_die("--pattern is required (batch64, batch4k, shuffled64, mixed, large, fresh, "
+                  "touch, syscalls)");
 }
 
 int bench_child_main(int argc, char **argv)
@@ -643,12 +649,12 @@ int bench_child_main(int argc, char **argv)
     static const size_t size64[] = {64}, size4k[] = {4096};
     if (strcmp(o.pattern, "batch64") == 0)
         run_batch(b, &o, &(struct batch_shape){size64, 1, NULL},
-                  &(struct batch_metrics){BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS, BENCH_BATCH64_FREE_NS,
-                                          BENCH_BATCH64_FAULTS});
+                  &(struct batch_metrics){BENCH_BATCH64_NS, BENCH_BATCH64_ALLOC_NS,
+                                          BENCH_BATCH64_FREE_NS, BENCH_BATCH64_FAULTS});
     else if (strcmp(o.pattern, "batch4k") == 0)
         run_batch(b, &o, &(struct batch_shape){size4k, 1, NULL},
-                  &(struct batch_metrics){BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS, BENCH_BATCH4K_FREE_NS,
-                                          BENCH_BATCH4K_FAULTS});
+                  &(struct batch_metrics){BENCH_BATCH4K_NS, BENCH_BATCH4K_ALLOC_NS,
+                                          BENCH_BATCH4K_FREE_NS, BENCH_BATCH4K_FAULTS});
     else if (strcmp(o.pattern, "shuffled64") == 0)
         run_batch(b, &o, &(struct batch_shape){size64, 1, shuffled_order()},
                   &(struct batch_metrics){BENCH_SHUFFLED64_NS, BENCH_SHUFFLED64_ALLOC_NS,

@@ -103,7 +103,8 @@ int bench_find_library(const char *soname, char *path, size_t size)
     snprintf(usr_libc_dir, sizeof usr_libc_dir, "/usr%s", libc_dir);
     const char *dirs[] = {libc_dir, usr_libc_dir, "/usr/local/lib", "/usr/lib64", "/usr/lib"};
     for (size_t i = 0; i < sizeof dirs / sizeof dirs[0]; i++)
-        if ((size_t)snprintf(path, size, "%s/%s", dirs[i], soname) < size && access(path, R_OK) == 0)
+        if ((size_t)snprintf(path, size, "%s/%s", dirs[i], soname) < size &&
+            access(path, R_OK) == 0)
             return 1;
     return 0;
 }
@@ -116,7 +117,8 @@ const char *bench_preload_problem(enum bench_allocator want, char *why, size_t s
             continue;
         int present = dlsym(RTLD_DEFAULT, marker) != NULL;
         if (a == (int)want && !present) {
-            snprintf(why, size, "%s is not in this process (no symbol %s): LD_PRELOAD did not take effect",
+            snprintf(why, size,
+                     "%s is not in this process (no symbol %s): LD_PRELOAD did not take effect",
                      bench_allocators[a].name, marker);
             return why;
         }
@@ -131,7 +133,8 @@ const char *bench_preload_problem(enum bench_allocator want, char *why, size_t s
     if (malloc_sym == NULL || dladdr(malloc_sym, &info) == 0 || info.dli_fname == NULL)
         return "cannot tell which object defines malloc";
     if (strstr(info.dli_fname, bench_allocators[want].malloc_owner) == NULL) {
-        snprintf(why, size, "malloc comes from %s, expected %s", info.dli_fname, bench_allocators[want].malloc_owner);
+        snprintf(why, size, "malloc comes from %s, expected %s", info.dli_fname,
+                 bench_allocators[want].malloc_owner);
         return why;
     }
     return NULL;
@@ -172,8 +175,8 @@ void bench_json_number(FILE *f, double v)
         fprintf(f, "%.15g", v);
 }
 
-void bench_json_target(FILE *f, int first, const char *key, const char *description, const char *result,
-                       double value, double reference, double ratio)
+void bench_json_target(FILE *f, int first, const char *key, const char *description,
+                       const char *result, double value, double reference, double ratio)
 {
     fprintf(f, "%s\n    {\"name\": ", first ? "" : ",");
     bench_json_string(f, key);
@@ -217,18 +220,19 @@ void bench_discover_allocator(enum bench_allocator a, struct allocator_state *st
 {
     const struct bench_allocator_info *info = &bench_allocators[a];
     if (a == BENCH_KVALLOC)
-        snprintf(st->version, sizeof st->version, "%d.%d.%d (this tree)", KVA_VERSION_MAJOR, KVA_VERSION_MINOR,
-                 KVA_VERSION_PATCH);
+        snprintf(st->version, sizeof st->version, "%d.%d.%d (this tree)", KVA_VERSION_MAJOR,
+                 KVA_VERSION_MINOR, KVA_VERSION_PATCH);
     else
         bench_package_version(info->package, st->version, sizeof st->version);
     if (info->soname == NULL) {
-        snprintf(st->library, sizeof st->library, "%s", a == BENCH_KVALLOC ? "libkvalloc (linked)" : "libc (no preload)");
+        snprintf(st->library, sizeof st->library, "%s",
+                 a == BENCH_KVALLOC ? "libkvalloc (linked)" : "libc (no preload)");
         st->measured = 1;
     } else if (bench_find_library(info->soname, st->library, sizeof st->library)) {
         st->measured = 1;
     } else {
-        snprintf(st->skip_reason, sizeof st->skip_reason, "%s not found (Debian package %s)", info->soname,
-                 info->package);
+        snprintf(st->skip_reason, sizeof st->skip_reason, "%s not found (Debian package %s)",
+                 info->soname, info->package);
         printf("skipping %s: %s\n", info->name, st->skip_reason);
     }
 }
@@ -253,7 +257,8 @@ void bench_describe_host(char *cpu, size_t cpu_size, long *cores, char *kernel, 
     snprintf(kernel, kernel_size, "%s", uname(&u) == 0 ? u.release : "unknown");
 }
 
-void bench_json_allocator(FILE *f, int first, enum bench_allocator a, const struct allocator_state *st)
+void bench_json_allocator(FILE *f, int first, enum bench_allocator a,
+                          const struct allocator_state *st)
 {
     fprintf(f, "%s\n    ", first ? "" : ",");
     bench_json_string(f, bench_allocators[a].name);
@@ -276,8 +281,8 @@ long bench_usable_cpus(void)
 
 double bench_cpu_seconds(const struct rusage *u)
 {
-    return (double)u->ru_utime.tv_sec + (double)u->ru_utime.tv_usec / 1e6 + (double)u->ru_stime.tv_sec +
-           (double)u->ru_stime.tv_usec / 1e6;
+    return (double)u->ru_utime.tv_sec + (double)u->ru_utime.tv_usec / 1e6 +
+           (double)u->ru_stime.tv_sec + (double)u->ru_stime.tv_usec / 1e6;
 }
 
 /* Machine-wide busy (user, nice, system, irq, softirq) and steal time from /proc/stat, in
@@ -288,8 +293,8 @@ static int sample_load(struct bench_load *l)
     FILE *f = fopen("/proc/stat", "r");
     if (f == NULL)
         return 0;
-    int n = fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3], &v[4], &v[5],
-                   &v[6], &v[7]);
+    int n = fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2], &v[3],
+                   &v[4], &v[5], &v[6], &v[7]);
     fclose(f);
     double tick = (double)sysconf(_SC_CLK_TCK);
     struct rusage self;
@@ -304,7 +309,8 @@ static int sample_load(struct bench_load *l)
 
 void bench_load_begin(struct bench_load *at) { at->sampled = sample_load(at); }
 
-void bench_load_end(const struct bench_load *at, double children_cpu_s, double *others_cores, double *steal_cores)
+void bench_load_end(const struct bench_load *at, double children_cpu_s, double *others_cores,
+                    double *steal_cores)
 {
     struct bench_load now;
     *others_cores = *steal_cores = NAN;
@@ -320,7 +326,8 @@ void bench_load_end(const struct bench_load *at, double children_cpu_s, double *
  * (st->library; none for glibc and kvalloc), its standard output into a pipe: returns the
  * child's pid and the pipe's read end in *out, or -1 with errno. The caller must be
  * single-threaded (setenv after fork). */
-static int spawn_child(enum bench_allocator a, const struct allocator_state *st, const char *const *argv, FILE **out)
+static int spawn_child(enum bench_allocator a, const struct allocator_state *st,
+                       const char *const *argv, FILE **out)
 {
     int fds[2];
     if (pipe(fds) != 0)
@@ -371,8 +378,8 @@ const char *bench_self_path(void)
     return path;
 }
 
-int bench_run_child(enum bench_allocator a, const struct allocator_state *st, const char *const *argv,
-                    bench_report_fn *fn, void *ctx, struct rusage *usage)
+int bench_run_child(enum bench_allocator a, const struct allocator_state *st,
+                    const char *const *argv, bench_report_fn *fn, void *ctx, struct rusage *usage)
 {
     FILE *in;
     pid_t pid = spawn_child(a, st, argv, &in);
@@ -384,8 +391,8 @@ int bench_run_child(enum bench_allocator a, const struct allocator_state *st, co
         double value;
         if (line[0] != '{')
             continue;
-        if (sscanf(line, "{\"allocator\":\"%31[^\"]\",\"metric\":\"%47[^\"]\",\"value\":%lf}", name, key,
-                   &value) != 3)
+        if (sscanf(line, "{\"allocator\":\"%31[^\"]\",\"metric\":\"%47[^\"]\",\"value\":%lf}", name,
+                   key, &value) != 3)
             bench_die("unreadable report from a child: %s", line);
         if (strcmp(name, bench_allocators[a].name) != 0)
             bench_die("a child for %s reported as %s", bench_allocators[a].name, name);

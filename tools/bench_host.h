@@ -113,8 +113,8 @@ typedef void bench_report_fn(void *ctx, const char *metric, double value);
  * cannot be read or names another allocator is fatal. Returns the child's wait status, its
  * resource usage in *usage when not NULL. Any failure to run it is fatal too: a partial
  * comparison would read as a complete one. */
-int bench_run_child(enum bench_allocator a, const struct allocator_state *st, const char *const *argv,
-                    bench_report_fn *fn, void *ctx, struct rusage *usage);
+int bench_run_child(enum bench_allocator a, const struct allocator_state *st,
+                    const char *const *argv, bench_report_fn *fn, void *ctx, struct rusage *usage);
 
 /* What is running, on a terminal's stderr, on one line the next call overwrites; nothing when
  * stderr is not a terminal. bench_progress_done clears the line. */
@@ -145,7 +145,8 @@ double bench_cpu_seconds(const struct rusage *usage);
 /* CPU time others took since bench_load_begin, as average cores: other processes (less the
  * children's time, children_cpu_s, and this process's own) and the hypervisor (steal). NAN where
  * /proc/stat cannot be read. Whatever else runs takes cores from the threads measured. */
-void bench_load_end(const struct bench_load *at, double children_cpu_s, double *others_cores, double *steal_cores);
+void bench_load_end(const struct bench_load *at, double children_cpu_s, double *others_cores,
+                    double *steal_cores);
 
 /* Cuts text at its first newline. */
 void bench_trim_newline(char *text);
@@ -177,12 +178,13 @@ void bench_json_machine(FILE *f, const char *cpu, long cores, long usable, const
 
 /* One allocator of the "allocators" object, its closing brace left to the caller (which adds
  * its figures): "name": {"status": ..., "library": ..., "version": ... */
-void bench_json_allocator(FILE *f, int first, enum bench_allocator a, const struct allocator_state *st);
+void bench_json_allocator(FILE *f, int first, enum bench_allocator a,
+                          const struct allocator_state *st);
 
 /* One target of the "targets" array, its closing brace left to the caller (which may add
  * fields): {"name": key, "description": ..., "result": ..., "value": ..., "reference": ...,
  * "ratio": ... */
-void bench_json_target(FILE *f, int first, const char *key, const char *description, const char *result,
-                       double value, double reference, double ratio);
+void bench_json_target(FILE *f, int first, const char *key, const char *description,
+                       const char *result, double value, double reference, double ratio);
 
 #endif

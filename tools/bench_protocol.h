@@ -51,23 +51,23 @@ static const struct bench_allocator_info bench_allocators[BENCH_ALLOCATOR_COUNT]
 };
 
 enum bench_metric {
-    BENCH_BATCH64_NS,        /* 64 B: 1,000 allocs then 1,000 frees, ns per op (either kind) */
-    BENCH_BATCH64_ALLOC_NS,  /* the same rounds, ns per alloc only */
-    BENCH_BATCH64_FREE_NS,   /* the same rounds, ns per free only */
-    BENCH_BATCH64_FAULTS,    /* minor page faults in the measured rounds, all of them */
-    BENCH_BATCH4K_NS,        /* as above with 4096 B */
+    BENCH_BATCH64_NS,       /* 64 B: 1,000 allocs then 1,000 frees, ns per op (either kind) */
+    BENCH_BATCH64_ALLOC_NS, /* the same rounds, ns per alloc only */
+    BENCH_BATCH64_FREE_NS,  /* the same rounds, ns per free only */
+    BENCH_BATCH64_FAULTS,   /* minor page faults in the measured rounds, all of them */
+    BENCH_BATCH4K_NS,       /* as above with 4096 B */
     BENCH_BATCH4K_ALLOC_NS,
     BENCH_BATCH4K_FREE_NS,
     BENCH_BATCH4K_FAULTS,
-    BENCH_SHUFFLED64_NS,     /* the 64 B batch freed in a fixed random order */
+    BENCH_SHUFFLED64_NS, /* the 64 B batch freed in a fixed random order */
     BENCH_SHUFFLED64_ALLOC_NS,
     BENCH_SHUFFLED64_FREE_NS,
     BENCH_SHUFFLED64_FAULTS,
-    BENCH_MIXED_NS,          /* 1,000 allocs cycling through 8 sizes 16 B .. 1 KiB, freed in order */
+    BENCH_MIXED_NS, /* 1,000 allocs cycling through 8 sizes 16 B .. 1 KiB, freed in order */
     BENCH_MIXED_ALLOC_NS,
     BENCH_MIXED_FREE_NS,
     BENCH_MIXED_FAULTS,
-    BENCH_LARGE_P50_NS,      /* one 1..64 MiB allocation, memory never touched */
+    BENCH_LARGE_P50_NS, /* one 1..64 MiB allocation, memory never touched */
     BENCH_LARGE_P99_NS,
     BENCH_LARGE_P999_NS,
     BENCH_LARGE_MAX_NS,
@@ -78,20 +78,20 @@ enum bench_metric {
     BENCH_FRESH_P99_NS,
     BENCH_FRESH_P999_NS,
     BENCH_FRESH_MAX_NS,
-    BENCH_FRESH_FAULTS,      /* minor page faults in those allocations and their frees */
-    BENCH_FRESH_FAILURES,    /* kvalloc only: NOMEM answers caused by buddy fragmentation */
-    BENCH_TOUCH_GBPS,        /* allocate 64 MiB blocks, store once per 4 KiB page, free */
-    BENCH_TOUCH_PREFAULT_GBPS, /* kvalloc only: the same on a pool created with prefault=1 */
-    BENCH_TOUCH_FAULTS,      /* minor page faults in the timed pass (its first touches) */
+    BENCH_FRESH_FAULTS,          /* minor page faults in those allocations and their frees */
+    BENCH_FRESH_FAILURES,        /* kvalloc only: NOMEM answers caused by buddy fragmentation */
+    BENCH_TOUCH_GBPS,            /* allocate 64 MiB blocks, store once per 4 KiB page, free */
+    BENCH_TOUCH_PREFAULT_GBPS,   /* kvalloc only: the same on a pool created with prefault=1 */
+    BENCH_TOUCH_FAULTS,          /* minor page faults in the timed pass (its first touches) */
     BENCH_TOUCH_PREFAULT_FAULTS, /* kvalloc only: the same on the prefault=1 pool */
-    BENCH_CREATE_MS,         /* kvalloc only: kva_pool_create of the touch pattern's pool */
+    BENCH_CREATE_MS,             /* kvalloc only: kva_pool_create of the touch pattern's pool */
     BENCH_CREATE_PREFAULT_MS,
-    BENCH_TIMER_NS,          /* cost of one clock read, included in every large-block sample */
-    BENCH_METADATA_BYTES,    /* kvalloc only, read at the largest live set of a pattern */
+    BENCH_TIMER_NS,       /* cost of one clock read, included in every large-block sample */
+    BENCH_METADATA_BYTES, /* kvalloc only, read at the largest live set of a pattern */
     BENCH_CAPACITY,
     BENCH_METADATA_FRACTION,
     BENCH_METADATA_FULL_FRACTION, /* kvalloc only: the same with the pool full of one size */
-    BENCH_PAGE_KIND,         /* a kva_page_kind value */
+    BENCH_PAGE_KIND,              /* a kva_page_kind value */
     BENCH_PAGE_SIZE,
     BENCH_SYSCALL_CHECK_OPS, /* allocator calls made between the syscall-check markers */
     BENCH_METRIC_COUNT

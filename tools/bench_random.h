@@ -8,7 +8,8 @@
 
 #include <stdint.h>
 
-static inline uint64_t bench_xorshift64(uint64_t *state) {
+static inline uint64_t bench_xorshift64(uint64_t *state)
+{
     uint64_t x = *state;
     x ^= x << 13;
     x ^= x >> 7;

@@ -105,12 +105,12 @@ struct worker {
     pthread_t thread;
     const struct backend *b;
     enum pattern pattern;
-    int producer;        /* prodcons: producer (1) or consumer (0) of ring */
+    int producer; /* prodcons: producer (1) or consumer (0) of ring */
     struct ring *ring;
-    uint64_t index;      /* prodcons: this side's own index (tail or head) */
-    uint64_t published;  /* prodcons: the value of index last stored to the ring */
-    uint64_t other;      /* prodcons: its last reading of the other side's index */
-    void **slots;        /* batches: the live objects of a round */
+    uint64_t index;     /* prodcons: this side's own index (tail or head) */
+    uint64_t published; /* prodcons: the value of index last stored to the ring */
+    uint64_t other;     /* prodcons: its last reading of the other side's index */
+    void **slots;       /* batches: the live objects of a round */
     /* Results of the current phase, read by the main thread after the end barrier. */
     uint64_t ops;
     double start_ns, end_ns;
@@ -312,7 +312,7 @@ static int child_main(int argc, char **argv)
         kva_status st = kva_pool_create(&cfg, &bench_pool);
         if (st != KVA_OK)
             bench_die("kva_pool_create(%zu MiB): %s: %s", POOL_CAPACITY / MIB, kva_strerror(st),
-                kva_last_error());
+                      kva_last_error());
         b = &bench_kvalloc_backend;
     }
 
@@ -371,8 +371,8 @@ static int child_main(int argc, char **argv)
         for (size_t p = 0; p < pairs; p++)
             if (workers[2 * p].ops != workers[2 * p + 1].ops)
                 bench_die("pair %zu: %llu objects produced but %llu freed", p,
-                    (unsigned long long)workers[2 * p].ops,
-                    (unsigned long long)workers[2 * p + 1].ops);
+                          (unsigned long long)workers[2 * p].ops,
+                          (unsigned long long)workers[2 * p + 1].ops);
     }
     for (unsigned t = 0; t < threads; t++) {
         pthread_join(workers[t].thread, NULL);
@@ -414,8 +414,8 @@ struct settings {
 
 struct machine {
     char cpu[128];
-    long cores;      /* online */
-    long usable;     /* in this process's affinity mask: what nproc prints */
+    long cores;  /* online */
+    long usable; /* in this process's affinity mask: what nproc prints */
     char kernel[128];
     /* CPU time others took while the children ran, as average cores (NAN if unknown): other
      * processes (user, system, interrupts, less the children's and this process's own time)
@@ -539,18 +539,26 @@ static void keep_ops_per_s(void *ctx, const char *metric, double value)
 
 /* Runs one child to completion and stores its ops/s; any failure ends the run, since a partial
  * comparison would read as a complete one. */
-static void run_child(const struct settings *s, enum bench_allocator a, int pattern,
-                      unsigned tidx)
+static void run_child(const struct settings *s, enum bench_allocator a, int pattern, unsigned tidx)
 {
     char threads[16], ms[16], warmup[16];
     snprintf(threads, sizeof threads, "%u", s->threads[tidx]);
     snprintf(ms, sizeof ms, "%u", s->ms);
     snprintf(warmup, sizeof warmup, "%u", s->warmup_ms);
-    const char *argv[] = {bench_self_path(), "--child", bench_allocators[a].name, "--pattern",
-                          patterns[pattern].key, "--threads", threads, "--ms", ms,
-                          "--warmup-ms", warmup, NULL};
-    bench_progress("  running %-8s %-8s %4s threads   ", bench_allocators[a].name, patterns[pattern].key,
-                   threads);
+    const char *argv[] = {bench_self_path(),
+                          "--child",
+                          bench_allocators[a].name,
+                          "--pattern",
+                          patterns[pattern].key,
+                          "--threads",
+                          threads,
+                          "--ms",
+                          ms,
+                          "--warmup-ms",
+                          warmup,
+                          NULL};
+    bench_progress("  running %-8s %-8s %4s threads   ", bench_allocators[a].name,
+                   patterns[pattern].key, threads);
     double ops_per_s = NAN;
     struct rusage usage;
     int status = bench_run_child(a, &g_alloc[a], argv, keep_ops_per_s, &ops_per_s, &usage);
@@ -562,11 +570,11 @@ static void run_child(const struct settings *s, enum bench_allocator a, int patt
         else
             snprintf(how, sizeof how, "exit status %d", WEXITSTATUS(status));
         bench_die("the %s child for %s at %s threads failed (%s); see its message above",
-            bench_allocators[a].name, patterns[pattern].key, threads, how);
+                  bench_allocators[a].name, patterns[pattern].key, threads, how);
     }
     if (isnan(ops_per_s) || ops_per_s <= 0)
-        bench_die("the %s child for %s at %s threads reported no throughput", bench_allocators[a].name,
-            patterns[pattern].key, threads);
+        bench_die("the %s child for %s at %s threads reported no throughput",
+                  bench_allocators[a].name, patterns[pattern].key, threads);
     struct reports *r = &g_ops[a][pattern][tidx];
     r->value[r->count++] = ops_per_s;
 }
@@ -594,7 +602,7 @@ static void run_all(const struct settings *s)
                 }
     if (children == 0)
         bench_die("nothing to run: no allocator found, or producer/consumer alone at odd thread "
-            "counts");
+                  "counts");
     bench_progress_done();
 }
 
@@ -681,8 +689,8 @@ static unsigned judge_targets(const struct settings *s, const struct machine *m,
         } else {
             x->ratio = x->value / x->reference;
             x->state = x->ratio >= 1.0 ? TARGET_PASS : TARGET_MISS;
-            snprintf(x->detail, sizeof x->detail, "%.2fx tcmalloc (%.1f vs %.1f M ops/s)",
-                     x->ratio, x->value / 1e6, x->reference / 1e6);
+            snprintf(x->detail, sizeof x->detail, "%.2fx tcmalloc (%.1f vs %.1f M ops/s)", x->ratio,
+                     x->value / 1e6, x->reference / 1e6);
         }
     }
     return n;
@@ -713,7 +721,8 @@ static void print_table(const struct settings *s, const struct machine *m, const
            m->kernel);
     if (!isnan(m->others_cores))
         printf("other load during the run: %.2f cores busy with other processes, %.2f stolen by "
-               "the hypervisor%s\n", m->others_cores, m->steal_cores,
+               "the hypervisor%s\n",
+               m->others_cores, m->steal_cores,
                m->others_cores + m->steal_cores >= 0.2 ? " (figures, scaling most, suffer)" : "");
     printf("median of %u processes per figure; in each, a %u ms warm-up, then %u ms from one "
            "barrier's release to the last thread's end\n",
@@ -803,10 +812,11 @@ static void write_json(const struct settings *s, const struct machine *m, int ar
     bench_json_number(f, m->others_cores);
     fputs(", \"steal_cores_during_run\": ", f);
     bench_json_number(f, m->steal_cores);
-    fprintf(f, "},\n  \"settings\": {\"quick\": %s, \"processes\": %u, \"measured_ms\": %u, "
-               "\"warmup_ms\": %u, \"batch_objects\": %d, \"prodcons_object_bytes\": %d, "
-               "\"ring_slots\": %d, \"ring_publish\": %d, \"kvalloc_pool_bytes\": %zu, "
-               "\"threads\": [",
+    fprintf(f,
+            "},\n  \"settings\": {\"quick\": %s, \"processes\": %u, \"measured_ms\": %u, "
+            "\"warmup_ms\": %u, \"batch_objects\": %d, \"prodcons_object_bytes\": %d, "
+            "\"ring_slots\": %d, \"ring_publish\": %d, \"kvalloc_pool_bytes\": %zu, "
+            "\"threads\": [",
             s->quick ? "true" : "false", s->processes, s->ms, s->warmup_ms, BATCH_OBJECTS,
             PC_OBJECT, RING_SLOTS, RING_PUBLISH, POOL_CAPACITY);
     for (unsigned i = 0; i < s->thread_counts; i++)
@@ -863,7 +873,9 @@ static void write_json(const struct settings *s, const struct machine *m, int ar
     fputs("\n  },\n  \"targets\": [", f);
     for (unsigned i = 0; i < targets; i++) {
         bench_json_target(f, i == 0, t[i].key, t[i].name,
-                          t[i].state == TARGET_PASS ? "pass" : t[i].state == TARGET_MISS ? "miss" : "n/a",
+                          t[i].state == TARGET_PASS   ? "pass"
+                          : t[i].state == TARGET_MISS ? "miss"
+                                                      : "n/a",
                           t[i].value, t[i].reference, t[i].ratio);
         fputs(", \"detail\": ", f);
         bench_json_string(f, t[i].detail);

@@ -62,14 +62,16 @@ extern "C" {
 
 typedef enum kva_status {
     KVA_OK = 0,
-    KVA_ERR_NOMEM = 1,       /* not enough free memory in the pool right now */
-    KVA_ERR_INVALID = 2,     /* bad argument or config: NULL pool, size 0, size the pool can
-                                never hold, min_block not a power of two, ... */
+    KVA_ERR_NOMEM = 1, /* not enough free memory in the pool right now */
+    /* bad argument or config: NULL pool, size 0, size the pool can never hold, min_block not a
+     * power of two, ... */
+    KVA_ERR_INVALID = 2,
     KVA_ERR_DOUBLE_FREE = 3, /* the address lies in memory that is already free */
-    KVA_ERR_BAD_POINTER = 4, /* not an address this pool handed out: outside the pool, or
-                                inside a live allocation but not at its start */
-    KVA_ERR_BACKEND = 5,     /* the backing memory could not be obtained (mmap, hugetlb, ...) */
-    KVA_ERR_CORRUPT = 6      /* kva_check found a broken invariant; see kva_last_error() */
+    /* not an address this pool handed out: outside the pool, or inside a live allocation but not at
+     * its start */
+    KVA_ERR_BAD_POINTER = 4,
+    KVA_ERR_BACKEND = 5, /* the backing memory could not be obtained (mmap, hugetlb, ...) */
+    KVA_ERR_CORRUPT = 6  /* kva_check found a broken invariant; see kva_last_error() */
 } kva_status;
 
 /* A static, human-readable name for a status ("out of memory", ...). Never NULL. */
@@ -90,10 +92,10 @@ KVA_API const char *kva_last_error(void);
 typedef enum kva_page_mode {
     KVA_PAGES_AUTO = 0,    /* try 2 MiB hugetlb, then transparent huge pages, then 4 KiB */
     KVA_PAGES_HUGETLB = 1, /* hugetlb 2 MiB pages only; KVA_ERR_BACKEND if none are available */
-    KVA_PAGES_THP = 2,     /* normal mapping advised MADV_HUGEPAGE; KVA_ERR_BACKEND if this
-                              process gets no transparent huge pages (sysfs enabled "never",
-                              prctl PR_SET_THP_DISABLE) */
-    KVA_PAGES_SMALL = 3    /* normal pages, no advice */
+    /* normal mapping advised MADV_HUGEPAGE; KVA_ERR_BACKEND if this process gets no transparent
+     * huge pages (sysfs enabled "never", prctl PR_SET_THP_DISABLE) */
+    KVA_PAGES_THP = 2,
+    KVA_PAGES_SMALL = 3 /* normal pages, no advice */
 } kva_page_mode;
 
 /* Which page size actually backs a pool (reported in kva_stats.page_kind). */
@@ -107,14 +109,13 @@ typedef enum kva_page_kind {
 /* Where a pool's memory lives. */
 typedef enum kva_backend {
     KVA_BACKEND_HOST = 0, /* host memory, mapped at creation */
-    KVA_BACKEND_CUDA = 1  /* the memory of one GPU, through the CUDA driver's virtual memory
-                             management: the whole capacity is a reserved range of device
-                             addresses, and physical memory is mapped into it on demand in the
-                             device's allocation granularity (typically 2 MiB). The driver
-                             (libcuda.so.1, or the library named by $KVA_CUDA_DRIVER) is loaded
-                             at run time: nothing of CUDA is needed to build or for host pools.
-                             Addresses handed out are device addresses; the CPU must not touch
-                             them, and the library never does. */
+    /* the memory of one GPU, through the CUDA driver's virtual memory management: the whole
+     * capacity is a reserved range of device addresses, and physical memory is mapped into it on
+     * demand in the device's allocation granularity (typically 2 MiB). The driver (libcuda.so.1, or
+     * the library named by $KVA_CUDA_DRIVER) is loaded at run time: nothing of CUDA is needed to
+     * build or for host pools. Addresses handed out are device addresses; the CPU must not touch
+     * them, and the library never does. */
+    KVA_BACKEND_CUDA = 1
 } kva_backend;
 
 /* How a host region is bound to its NUMA node. */
@@ -126,68 +127,66 @@ typedef enum kva_numa_policy {
 #define KVA_NAME_MAX 63 /* longest pool name, bytes; names use [A-Za-z0-9_.-] */
 
 typedef struct kva_config {
-    size_t capacity;     /* bytes managed. Not rounded up; a tail smaller than min_block is
-                            left unused. Default 64 MiB. */
-    size_t min_block;    /* smallest buddy block, a power of two in [256 B, 64 MiB] (a slab
-                            is at least one block). Default 4 KiB. */
-    size_t slab_chunk;   /* bytes of one slab, taken from the buddy: a power of two in
-                            [64 KiB, 64 MiB] and at least min_block. Default 0: automatic,
-                            2 MiB, or less in a pool under 64 MiB (capacity / 32, at least
-                            64 KiB) so that a small pool still holds slabs of many classes.
-                            A slab holds at most 2^18 objects, so above 4 MiB the classes
-                            below slab_chunk / 2^18 bytes fill only part of their slabs (16 B
-                            objects use 4 MiB of a 64 MiB slab; the rest stays in slab_bytes,
-                            neither in use nor free). */
-    const char *name;    /* optional pool name (copied); NULL for an anonymous pool. A named
-                            pool publishes live statistics in shared memory (kvalloc_stats.h),
-                            so two live pools of one process cannot share a name: the second
-                            is refused (KVA_ERR_INVALID) */
+    /* bytes managed. Not rounded up; a tail smaller than min_block is left unused. Default 64 MiB. */
+    size_t capacity;
+    /* smallest buddy block, a power of two in [256 B, 64 MiB] (a slab is at least one block).
+     * Default 4 KiB. */
+    size_t min_block;
+    /* bytes of one slab, taken from the buddy: a power of two in [64 KiB, 64 MiB] and at least
+     * min_block. Default 0: automatic, 2 MiB, or less in a pool under 64 MiB (capacity / 32, at
+     * least 64 KiB) so that a small pool still holds slabs of many classes. A slab holds at most
+     * 2^18 objects, so above 4 MiB the classes below slab_chunk / 2^18 bytes fill only part of
+     * their slabs (16 B objects use 4 MiB of a 64 MiB slab; the rest stays in slab_bytes, neither
+     * in use nor free). */
+    size_t slab_chunk;
+    /* optional pool name (copied); NULL for an anonymous pool. A named pool publishes live
+     * statistics in shared memory (kvalloc_stats.h), so two live pools of one process cannot share
+     * a name: the second is refused (KVA_ERR_INVALID) */
+    const char *name;
     kva_page_mode pages; /* default KVA_PAGES_AUTO */
-    int prefault;        /* nonzero: take every first-touch page fault at creation, the managed
-                            memory's and all of the metadata's (kva_pool_create says how much
-                            of the metadata is faulted in without it) */
-    int trace;           /* nonzero (named pools): time every call and record it in the trace
-                            ring. Off by default: then only failed and rejected calls are
-                            recorded, and the fast paths cost nothing extra */
-    unsigned publish_interval_ms; /* named pools: the pool publishes its statistics on its own
-                                     from its slow paths, at most this often (default 200 ms);
-                                     calls that stay on the fast paths never publish, so an
-                                     engine also calls kva_stats_publish now and then */
+    /* nonzero: take every first-touch page fault at creation, the managed memory's and all of the
+     * metadata's (kva_pool_create says how much of the metadata is faulted in without it) */
+    int prefault;
+    /* nonzero (named pools): time every call and record it in the trace ring. Off by default: then
+     * only failed and rejected calls are recorded, and the fast paths cost nothing extra */
+    int trace;
+    /* named pools: the pool publishes its statistics on its own from its slow paths, at most this
+     * often (default 200 ms); calls that stay on the fast paths never publish, so an engine also
+     * calls kva_stats_publish now and then */
+    unsigned publish_interval_ms;
     /* The backing memory. A field that does not apply to the backend (numa_node, lock, pin or
      * pages other than AUTO for CUDA; trim_watermark for host) is refused with KVA_ERR_INVALID. */
     kva_backend backend; /* default KVA_BACKEND_HOST */
     int device;          /* CUDA pools and pin: the GPU ordinal. Default 0 */
-    int numa_node;       /* host: bind the region to this NUMA node before any page is touched;
-                            KVA_ERR_INVALID if this process cannot use the node. -1 (default):
-                            no policy, the kernel's first-touch placement */
+    /* host: bind the region to this NUMA node before any page is touched; KVA_ERR_INVALID if this
+     * process cannot use the node. -1 (default): no policy, the kernel's first-touch placement */
+    int numa_node;
     kva_numa_policy numa_policy; /* default KVA_NUMA_BIND */
-    int lock;            /* host: mlock the region, so every page is resident and never swapped
-                            (RLIMIT_MEMLOCK applies to the capacity rounded up to whole pages:
-                            4 KiB, or 2 MiB for hugetlb) */
-    int pin;             /* host: register the region with the CUDA driver (cuMemHostRegister) as
-                            page-locked memory that copies to and from the GPU at full speed, an
-                            offload tier; KVA_ERR_BACKEND saying why if no driver or GPU is there */
-    size_t trim_watermark; /* CUDA: when more than this many bytes are mapped but used by no
-                              block, the free that passed it unmaps the least recently idle
-                              granules down to it. 0 (default): only kva_trim unmaps. With
-                              prefault everything stays mapped: prefault maps the whole capacity
-                              at creation for the pool's life. Set, a kva_free may unmap device
-                              memory at once: free only what no queued kernel still uses (as
-                              for kva_trim and kva_kv_trim, synchronize first) */
-    int checked;         /* host, for debugging: every free byte of the pool holds a poison
-                            pattern (the whole region is written at creation); an allocation
-                            checks its memory is still poisoned and reports a write after free
-                            (KVA_ERR_CORRUPT, and hands out nothing: the block is withheld as
-                            it is, never handed out again, a free of it is a double free, and
-                            kva_check reports it from then on); every allocation is given
-                            a 16-byte red zone before it and one from its last requested byte to
-                            the end of its block, checked at free (KVA_ERR_CORRUPT naming the
-                            overrun; the memory is freed all the same). kva_check also
-                            verifies the poison. Every call takes the checked path; alignments
-                            above 16 are refused. Default 0 */
-    unsigned arenas;     /* per-CPU arenas the slabs are spread over, 1 .. KVA_MAX_ARENAS; a
-                            thread's slow paths use the arena of the CPU it runs on. Default 0:
-                            one per CPU this process may run on */
+    /* host: mlock the region, so every page is resident and never swapped (RLIMIT_MEMLOCK applies
+     * to the capacity rounded up to whole pages: 4 KiB, or 2 MiB for hugetlb) */
+    int lock;
+    /* host: register the region with the CUDA driver (cuMemHostRegister) as page-locked memory that
+     * copies to and from the GPU at full speed, an offload tier; KVA_ERR_BACKEND saying why if no
+     * driver or GPU is there */
+    int pin;
+    /* CUDA: when more than this many bytes are mapped but used by no block, the free that passed it
+     * unmaps the least recently idle granules down to it. 0 (default): only kva_trim unmaps. With
+     * prefault everything stays mapped: prefault maps the whole capacity at creation for the pool's
+     * life. Set, a kva_free may unmap device memory at once: free only what no queued kernel still
+     * uses (as for kva_trim and kva_kv_trim, synchronize first) */
+    size_t trim_watermark;
+    /* host, for debugging: every free byte of the pool holds a poison pattern (the whole region is
+     * written at creation); an allocation checks its memory is still poisoned and reports a write
+     * after free (KVA_ERR_CORRUPT, and hands out nothing: the block is withheld as it is, never
+     * handed out again, a free of it is a double free, and kva_check reports it from then on);
+     * every allocation is given a 16-byte red zone before it and one from its last requested byte
+     * to the end of its block, checked at free (KVA_ERR_CORRUPT naming the overrun; the memory is
+     * freed all the same). kva_check also verifies the poison. Every call takes the checked path;
+     * alignments above 16 are refused. Default 0 */
+    int checked;
+    /* per-CPU arenas the slabs are spread over, 1 .. KVA_MAX_ARENAS; a thread's slow paths use the
+     * arena of the CPU it runs on. Default 0: one per CPU this process may run on */
+    unsigned arenas;
 } kva_config;
 
 #define KVA_MAX_ARENAS 256
@@ -310,48 +309,49 @@ KVA_API kva_status kva_pool_base(kva_pool *pool, void **base);
 /* Statistics                                                                                 */
 /* ------------------------------------------------------------------------------------------ */
 
-#define KVA_MAX_ORDERS 48    /* buddy orders 0 .. KVA_MAX_ORDERS-1 (block = min_block << order) */
+#define KVA_MAX_ORDERS 48 /* buddy orders 0 .. KVA_MAX_ORDERS-1 (block = min_block << order) */
 #define KVA_NUM_SIZE_CLASSES 49
 #define KVA_SLAB_MIN_SIZE 16
 #define KVA_SLAB_MAX_SIZE 65536
 
 typedef struct kva_stats {
-    size_t capacity;           /* bytes managed (config capacity rounded down to min_block) */
+    size_t capacity; /* bytes managed (config capacity rounded down to min_block) */
     size_t min_block;
     size_t slab_chunk;
-    size_t max_alloc_size;     /* the largest request that can ever succeed */
-    size_t bytes_in_use;       /* usable bytes of live allocations (class or block sizes) */
-    size_t bytes_free;         /* bytes in free buddy blocks */
-    size_t slab_bytes;         /* bytes of buddy chunks currently held by slabs */
-    size_t slab_free_bytes;    /* free object space inside those slabs (the slack past a
-                                  slab's last object is in neither figure) */
-    size_t largest_free;       /* the largest free buddy block */
-    double fragmentation;      /* 1 - largest_free / bytes_free (0 when nothing is free) */
-    uint32_t num_orders;       /* orders in use: 0 .. num_orders-1 */
+    size_t max_alloc_size; /* the largest request that can ever succeed */
+    size_t bytes_in_use;   /* usable bytes of live allocations (class or block sizes) */
+    size_t bytes_free;     /* bytes in free buddy blocks */
+    size_t slab_bytes;     /* bytes of buddy chunks currently held by slabs */
+    /* free object space inside those slabs (the slack past a slab's last object is in neither
+     * figure) */
+    size_t slab_free_bytes;
+    size_t largest_free;                  /* the largest free buddy block */
+    double fragmentation;                 /* 1 - largest_free / bytes_free (0 when nothing is free) */
+    uint32_t num_orders;                  /* orders in use: 0 .. num_orders-1 */
     uint64_t free_blocks[KVA_MAX_ORDERS]; /* free buddy blocks per order */
     uint64_t live_allocations;
-    uint64_t alloc_count;      /* successful allocations since creation */
-    uint64_t free_count;       /* successful frees since creation */
-    uint64_t alloc_failures;   /* allocations that returned KVA_ERR_NOMEM */
-    uint64_t rejected_calls;   /* calls that returned INVALID, DOUBLE_FREE or BAD_POINTER */
-    uint64_t slab_count;       /* live slabs */
-    kva_page_kind page_kind;   /* what actually backs the region */
-    size_t page_size;          /* its page size in bytes */
-    size_t metadata_bytes;     /* host bytes of bookkeeping in use (resident part) */
-    int32_t numa_node;         /* the NUMA node the region is bound to; -1 if none */
-    uint32_t backend;          /* kva_backend */
-    size_t mapped_bytes;       /* bytes backed by memory now: in a CUDA pool the mapped granules
-                                  (live blocks plus idle granules not yet trimmed), in a host
-                                  pool the whole mapped region */
-    int pinned;                /* host: registered with the CUDA driver (config pin) */
-    int locked;                /* host: mlocked (config lock) */
-    uint32_t arenas;           /* per-CPU arenas */
-    uint32_t thread_caches;    /* threads that hold a cache of this pool now */
-    size_t cached_bytes;       /* free object bytes held in threads' caches (part of
-                                  slab_free_bytes: usable by those threads only until they
-                                  flush, exit or trim) */
-    uint64_t remote_frees;     /* frees of objects whose word another thread's cache held, passed
-                                  to that thread without a lock */
+    uint64_t alloc_count;    /* successful allocations since creation */
+    uint64_t free_count;     /* successful frees since creation */
+    uint64_t alloc_failures; /* allocations that returned KVA_ERR_NOMEM */
+    uint64_t rejected_calls; /* calls that returned INVALID, DOUBLE_FREE or BAD_POINTER */
+    uint64_t slab_count;     /* live slabs */
+    kva_page_kind page_kind; /* what actually backs the region */
+    size_t page_size;        /* its page size in bytes */
+    size_t metadata_bytes;   /* host bytes of bookkeeping in use (resident part) */
+    int32_t numa_node;       /* the NUMA node the region is bound to; -1 if none */
+    uint32_t backend;        /* kva_backend */
+    /* bytes backed by memory now: in a CUDA pool the mapped granules (live blocks plus idle
+     * granules not yet trimmed), in a host pool the whole mapped region */
+    size_t mapped_bytes;
+    int pinned;             /* host: registered with the CUDA driver (config pin) */
+    int locked;             /* host: mlocked (config lock) */
+    uint32_t arenas;        /* per-CPU arenas */
+    uint32_t thread_caches; /* threads that hold a cache of this pool now */
+    /* free object bytes held in threads' caches (part of slab_free_bytes: usable by those threads
+     * only until they flush, exit or trim) */
+    size_t cached_bytes;
+    /* frees of objects whose word another thread's cache held, passed to that thread without a lock */
+    uint64_t remote_frees;
 } kva_stats;
 
 /* KVA_ERR_INVALID for a NULL pool or out. */
@@ -438,24 +438,27 @@ KVA_API kva_status kva_walk(kva_pool *pool, kva_walk_fn fn, void *ctx);
 typedef struct kva_var kva_var;
 
 typedef enum kva_var_policy {
-    KVA_VAR_TLSF = 0,      /* two-level segregated fit: O(1) alloc and free, a good fit */
-    KVA_VAR_FIRST_FIT = 1, /* lowest address that fits: O(free ranges) alloc; a free with no
-                              free neighbour walks back over the ranges before it */
-    KVA_VAR_BEST_FIT = 2,  /* smallest free range that fits (lowest address among equals):
-                              O(free ranges) alloc and free */
-    KVA_VAR_WORST_FIT = 3  /* largest free range: O(free ranges) alloc and free (a split's
-                              remainder is reinserted in length order) */
+    KVA_VAR_TLSF = 0, /* two-level segregated fit: O(1) alloc and free, a good fit */
+    /* lowest address that fits: O(free ranges) alloc; a free with no free neighbour walks back over
+     * the ranges before it */
+    KVA_VAR_FIRST_FIT = 1,
+    /* smallest free range that fits (lowest address among equals): O(free ranges) alloc and free */
+    KVA_VAR_BEST_FIT = 2,
+    /* largest free range: O(free ranges) alloc and free (a split's remainder is reinserted in
+     * length order) */
+    KVA_VAR_WORST_FIT = 3
 } kva_var_policy;
 
 typedef struct kva_var_config {
-    size_t capacity;       /* bytes managed, rounded down to alignment. Default 64 MiB */
-    size_t alignment;      /* every range's start and size are multiples of it: a power of two
-                              in [16 B, 1 GiB]. Default 256. capacity / alignment < 2^31 */
+    size_t capacity; /* bytes managed, rounded down to alignment. Default 64 MiB */
+    /* every range's start and size are multiples of it: a power of two in [16 B, 1 GiB]. Default
+     * 256. capacity / alignment < 2^31 */
+    size_t alignment;
     kva_var_policy policy; /* default KVA_VAR_TLSF */
-    kva_page_mode pages;   /* pages of the pool created when none is given. Default THP;
-                              where this process gets no transparent huge pages, THP means
-                              base pages here. That pool's blocks are 4 KiB, or larger from
-                              16 TiB up (a pool holds fewer than 2^32 blocks) */
+    /* pages of the pool created when none is given. Default THP; where this process gets no
+     * transparent huge pages, THP means base pages here. That pool's blocks are 4 KiB, or larger
+     * from 16 TiB up (a pool holds fewer than 2^32 blocks) */
+    kva_page_mode pages;
 } kva_var_config;
 
 /* Fills every field of *cfg with its default. */
@@ -504,23 +507,23 @@ KVA_API size_t kva_var_usable_size(kva_var *var, const void *ptr);
 KVA_API kva_status kva_var_base(kva_var *var, void **base);
 
 typedef struct kva_var_stats {
-    size_t capacity;          /* bytes managed */
+    size_t capacity; /* bytes managed */
     size_t alignment;
-    uint32_t policy;          /* kva_var_policy */
+    uint32_t policy; /* kva_var_policy */
     uint32_t reserved;
-    size_t bytes_used;        /* rounded sizes of the live ranges */
-    size_t bytes_requested;   /* sizes asked for by the live ranges */
-    size_t internal_waste;    /* bytes_used - bytes_requested: the alignment rounding */
+    size_t bytes_used;      /* rounded sizes of the live ranges */
+    size_t bytes_requested; /* sizes asked for by the live ranges */
+    size_t internal_waste;  /* bytes_used - bytes_requested: the alignment rounding */
     size_t bytes_free;
-    size_t largest_free;      /* the largest free range */
-    double fragmentation;     /* 1 - largest_free / bytes_free (0 when nothing is free) */
+    size_t largest_free;  /* the largest free range */
+    double fragmentation; /* 1 - largest_free / bytes_free (0 when nothing is free) */
     uint64_t free_ranges;
     uint64_t live_allocations;
-    uint64_t alloc_count;     /* successful allocations since creation */
-    uint64_t free_count;      /* successful frees since creation */
-    uint64_t alloc_failures;  /* allocations that returned KVA_ERR_NOMEM */
-    uint64_t rejected_calls;  /* calls that returned INVALID, DOUBLE_FREE or BAD_POINTER */
-    size_t metadata_bytes;    /* host bytes of bookkeeping reserved (committed lazily) */
+    uint64_t alloc_count;    /* successful allocations since creation */
+    uint64_t free_count;     /* successful frees since creation */
+    uint64_t alloc_failures; /* allocations that returned KVA_ERR_NOMEM */
+    uint64_t rejected_calls; /* calls that returned INVALID, DOUBLE_FREE or BAD_POINTER */
+    size_t metadata_bytes;   /* host bytes of bookkeeping reserved (committed lazily) */
 } kva_var_stats;
 
 /* A snapshot of the statistics. O(1) for best and worst fit; first fit walks its free list,

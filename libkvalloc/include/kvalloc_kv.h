@@ -68,9 +68,9 @@ typedef struct kva_kv kva_kv;
 typedef uint64_t kva_kv_seq; /* 0 is never a valid handle */
 
 #define KVA_KV_NO_BLOCK UINT32_MAX
-#define KVA_KV_PRIORITIES 8      /* sequence priorities 0 (evicted first) .. 7 */
-#define KVA_KV_MIN_BUCKET 64     /* contiguous mode: the smallest bucket, in tokens */
-#define KVA_KV_MAX_KEY_BYTES 32  /* the longest engine key */
+#define KVA_KV_PRIORITIES 8     /* sequence priorities 0 (evicted first) .. 7 */
+#define KVA_KV_MIN_BUCKET 64    /* contiguous mode: the smallest bucket, in tokens */
+#define KVA_KV_MAX_KEY_BYTES 32 /* the longest engine key */
 
 typedef enum kva_kv_mode {
     KVA_KV_PAGED = 0,     /* blocks, block tables, prefix caching, fork */
@@ -87,39 +87,46 @@ typedef enum kva_kv_layout {
     KVA_KV_LAYOUT_LAYERS = 1  /* one region per layer, a block id indexes each: [layer][block][K|V] */
 } kva_kv_layout;
 
-typedef enum kva_kv_part { KVA_KV_K = 0, KVA_KV_V = 1 } kva_kv_part;
+typedef enum kva_kv_part {
+    KVA_KV_K = 0,
+    KVA_KV_V = 1
+} kva_kv_part;
 
 typedef struct kva_kv_config {
     uint32_t layers, kv_heads, head_dim; /* no defaults: 0 is refused */
-    uint32_t dtype_bytes;    /* bytes per element: 1, 2, 4 or 8. Default 2 */
-    uint32_t block_tokens;   /* tokens per block (paged mode). Default 16 */
-    uint32_t num_blocks;     /* capacity in blocks; 0: capacity_bytes decides */
-    size_t capacity_bytes;   /* capacity in bytes when num_blocks is 0: paged mode keeps the
-                                whole blocks that fit; contiguous mode sizes its own pool */
-    kva_kv_mode mode;        /* default KVA_KV_PAGED */
-    kva_kv_layout layout;    /* default KVA_KV_LAYOUT_LAYERS */
-    uint32_t max_context;    /* contiguous mode: the largest bucket, tokens, a power of two
-                                >= KVA_KV_MIN_BUCKET; 0 (default): the largest the pool holds */
-    uint32_t max_key_bytes;  /* paged mode: the longest engine key the cache takes, 1 ..
-                                KVA_KV_MAX_KEY_BYTES; that many host bytes per block hold the
-                                keys. 0 (default): no engine keys, and no bytes */
-    uint64_t hash_seed;      /* mixed into every prefix key; a secret random value keeps
-                                clients from precomputing keys. Default 0 */
-    kva_page_mode pages;     /* pages of the pool the cache creates when given none.
-                                Default KVA_PAGES_THP (see kva_kv_create); where this process
-                                gets no transparent huge pages, THP means base pages here */
-    uint32_t event_capacity; /* paged mode: KV events (kva_kv_take_events) kept until the engine
-                                drains them, at most 2^20; 96 host bytes each. 0 (default):
-                                events off, at no cost */
-    const char *name;        /* the name of the pool the cache creates (NULL: anonymous). A
-                                named cache publishes its pool's statistics and its own (block
-                                states, hits, evictions) for kvalloc top; with a pool given, that
-                                pool's name counts and this must be NULL. A segment has one KV
-                                section: of several caches on one named pool, the first created
-                                publishes there until it is destroyed, the others do not */
-    int trace;               /* the created pool's trace setting (kva_config.trace) */
-    uint32_t event_medium;   /* copied into every event: where these blocks live, as the engine
-                                names tiers (KVA_KV_MEDIUM_GPU, the default, 0; or another) */
+    uint32_t dtype_bytes;                /* bytes per element: 1, 2, 4 or 8. Default 2 */
+    uint32_t block_tokens;               /* tokens per block (paged mode). Default 16 */
+    uint32_t num_blocks;                 /* capacity in blocks; 0: capacity_bytes decides */
+    /* capacity in bytes when num_blocks is 0: paged mode keeps the whole blocks that fit;
+     * contiguous mode sizes its own pool */
+    size_t capacity_bytes;
+    kva_kv_mode mode;     /* default KVA_KV_PAGED */
+    kva_kv_layout layout; /* default KVA_KV_LAYOUT_LAYERS */
+    /* contiguous mode: the largest bucket, tokens, a power of two >= KVA_KV_MIN_BUCKET; 0
+     * (default): the largest the pool holds */
+    uint32_t max_context;
+    /* paged mode: the longest engine key the cache takes, 1 .. KVA_KV_MAX_KEY_BYTES; that many host
+     * bytes per block hold the keys. 0 (default): no engine keys, and no bytes */
+    uint32_t max_key_bytes;
+    /* mixed into every prefix key; a secret random value keeps clients from precomputing keys.
+     * Default 0 */
+    uint64_t hash_seed;
+    /* pages of the pool the cache creates when given none. Default KVA_PAGES_THP (see
+     * kva_kv_create); where this process gets no transparent huge pages, THP means base pages here */
+    kva_page_mode pages;
+    /* paged mode: KV events (kva_kv_take_events) kept until the engine drains them, at most 2^20;
+     * 96 host bytes each. 0 (default): events off, at no cost */
+    uint32_t event_capacity;
+    /* the name of the pool the cache creates (NULL: anonymous). A named cache publishes its pool's
+     * statistics and its own (block states, hits, evictions) for kvalloc top; with a pool given,
+     * that pool's name counts and this must be NULL. A segment has one KV section: of several
+     * caches on one named pool, the first created publishes there until it is destroyed, the others
+     * do not */
+    const char *name;
+    int trace; /* the created pool's trace setting (kva_config.trace) */
+    /* copied into every event: where these blocks live, as the engine names tiers
+     * (KVA_KV_MEDIUM_GPU, the default, 0; or another) */
+    uint32_t event_medium;
 } kva_kv_config;
 /* max_key_bytes, event_capacity and event_medium sit where the fields before them left
  * alignment padding, so every other field has the offset it has without them. */
@@ -148,23 +155,22 @@ typedef struct kva_kv_info {
     kva_kv_mode mode;
     kva_kv_layout layout;
     uint32_t layers, kv_heads, head_dim, dtype_bytes, block_tokens;
-    uint32_t num_blocks;     /* paged mode; 0 in contiguous mode */
-    uint32_t max_context;    /* contiguous mode: the largest bucket; 0 in paged mode */
-    size_t block_bytes;      /* all layers, K and V, of one block */
-    size_t token_bytes;      /* all layers, K and V, of one token */
-    size_t slot_bytes;       /* K (or V) of one token in one layer: kv_heads*head_dim*dtype */
-    size_t part_bytes;       /* K (or V) of one block in one layer: slot_bytes*block_tokens */
+    uint32_t num_blocks;               /* paged mode; 0 in contiguous mode */
+    uint32_t max_context;              /* contiguous mode: the largest bucket; 0 in paged mode */
+    size_t block_bytes;                /* all layers, K and V, of one block */
+    size_t token_bytes;                /* all layers, K and V, of one token */
+    size_t slot_bytes;                 /* K (or V) of one token in one layer: kv_heads*head_dim*dtype */
+    size_t part_bytes;                 /* K (or V) of one block in one layer: slot_bytes*block_tokens */
     size_t block_stride, layer_stride; /* see kva_kv_layout */
-    void *base;              /* paged mode: the KV memory (address of block 0, layer 0, K) */
-    size_t kv_bytes;         /* paged: num_blocks * block_bytes; contiguous: pool capacity */
-    kva_pool *pool;          /* the pool the memory comes from */
+    void *base;                        /* paged mode: the KV memory (address of block 0, layer 0, K) */
+    size_t kv_bytes;                   /* paged: num_blocks * block_bytes; contiguous: pool capacity */
+    kva_pool *pool;                    /* the pool the memory comes from */
 } kva_kv_info;
 
 KVA_API kva_status kva_kv_get_info(kva_kv *kv, kva_kv_info *out);
 
 /* The address of one part (K or V) of one layer of one block (paged mode). O(1), no lock. */
-KVA_API kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_kv_part part,
-                                        void **out);
+KVA_API kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_kv_part part, void **out);
 
 /* What the engine must copy after a call that moved KV (kva_kv_seq_append).
  * Paged mode: copy on write. The sequence's last block was shared (after a fork) and partly
@@ -189,8 +195,9 @@ typedef enum kva_kv_key_kind {
     KVA_KV_KEY_NONE = 0,   /* nothing: no block is looked up or registered */
     KVA_KV_KEY_TOKENS = 1, /* token ids, hashed and chained here into 128-bit keys */
     KVA_KV_KEY_U64 = 2,    /* one u64 per block (a trace's hash id), chained here */
-    KVA_KV_KEY_BYTES = 3   /* one engine key per block, key_len bytes, already chained by the
-                              engine: taken and stored as given (max_key_bytes) */
+    /* one engine key per block, key_len bytes, already chained by the engine: taken and stored as
+     * given (max_key_bytes) */
+    KVA_KV_KEY_BYTES = 3
 } kva_kv_key_kind;
 
 /* Content, for one request or, with offsets, many. Only the array of `kind` is read; its items
@@ -232,10 +239,9 @@ KVA_API kva_status kva_kv_seq_admit(kva_kv *kv, uint32_t num_tokens, uint64_t na
 /* kva_kv_seq_admit with a 32-bit namespace and the content as block_keys (num_keys u64 keys,
  * kind U64) or token ids (num_token_ids, kind TOKENS), not both; neither: no content.
  * Errors: those of kva_kv_seq_admit, and KVA_ERR_INVALID for keys and tokens both. */
-KVA_API kva_status kva_kv_seq_allocate(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys,
-                                       uint32_t num_keys, const uint32_t *tokens, uint32_t num_token_ids,
-                                       uint32_t namespace_id, uint32_t priority, kva_kv_seq *seq,
-                                       uint32_t *cached_tokens);
+KVA_API kva_status kva_kv_seq_allocate(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys, uint32_t num_keys,
+                                       const uint32_t *tokens, uint32_t num_token_ids, uint32_t namespace_id,
+                                       uint32_t priority, kva_kv_seq *seq, uint32_t *cached_tokens);
 
 /* Grows a sequence by num_tokens tokens (decoding). Paged: a new block only when the last one
  * is full; if the last block is shared and partly filled, the writer first gets a private copy
@@ -284,14 +290,14 @@ KVA_API kva_status kva_kv_seq_block_table(kva_kv *kv, kva_kv_seq seq, const uint
 
 typedef struct kva_kv_seq_info {
     uint32_t num_tokens;
-    uint32_t num_blocks;     /* paged: entries in the block table */
-    uint32_t cached_tokens;  /* tokens found in the prefix cache at allocation */
-    uint32_t namespace_id;   /* the namespace's low 32 bits */
+    uint32_t num_blocks;    /* paged: entries in the block table */
+    uint32_t cached_tokens; /* tokens found in the prefix cache at allocation */
+    uint32_t namespace_id;  /* the namespace's low 32 bits */
     uint32_t priority;
     uint32_t is_pin;
-    uint32_t bucket_tokens;  /* contiguous: the buffer's capacity in tokens */
-    uint32_t namespace_hi;   /* the namespace's high 32 bits (in what is otherwise padding) */
-    void *buffer;            /* contiguous: the buffer; layer l part p at (2l+p)*bucket*slot_bytes */
+    uint32_t bucket_tokens; /* contiguous: the buffer's capacity in tokens */
+    uint32_t namespace_hi;  /* the namespace's high 32 bits (in what is otherwise padding) */
+    void *buffer;           /* contiguous: the buffer; layer l part p at (2l+p)*bucket*slot_bytes */
 } kva_kv_seq_info;
 
 KVA_API kva_status kva_kv_seq_get_info(kva_kv *kv, kva_kv_seq seq, kva_kv_seq_info *out);
@@ -302,8 +308,7 @@ KVA_API kva_status kva_kv_seq_get_info(kva_kv *kv, kva_kv_seq seq, kva_kv_seq_in
  * cached and is now pinned (0, an empty pin, when no key or token is given or nothing of them
  * is cached). Pins are not counted in the hit statistics. */
 KVA_API kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys, const uint32_t *tokens,
-                              uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin,
-                              uint32_t *pinned_tokens);
+                              uint32_t num_token_ids, uint32_t namespace_id, kva_kv_seq *pin, uint32_t *pinned_tokens);
 
 /* kva_kv_pin with a 64-bit namespace and the blocks given as content (count items, as for
  * kva_kv_seq_admit: token ids, of which the whole blocks count, or keys). Paged mode. Errors:
@@ -474,17 +479,17 @@ typedef enum kva_kv_event_kind {
 /* One event. 96 bytes, fixed-width fields, no padding: numpy reads an array of them with a
  * structured dtype of these fields in this order. */
 typedef struct kva_kv_event {
-    uint32_t kind;         /* kva_kv_event_kind */
-    uint32_t block;        /* the block's id then; KVA_KV_NO_BLOCK for CLEARED */
+    uint32_t kind;  /* kva_kv_event_kind */
+    uint32_t block; /* the block's id then; KVA_KV_NO_BLOCK for CLEARED */
     uint64_t namespace_id;
-    uint32_t first_token;  /* STORED: the block holds tokens [first_token, first_token + */
-    uint32_t num_tokens;   /*   num_tokens) of the request that filled it (block_tokens) */
-    uint32_t medium;       /* the cache's event_medium */
-    uint8_t key_len;       /* bytes of key: the engine key's length, or 16 for a library key */
-    uint8_t parent_len;    /* STORED: bytes of parent; 0 for the first block of a chain */
-    uint8_t library_key;   /* 1: key and parent are the library's 128-bit keys (token ids or u64
-                              keys chained here), low 64 bits first, each little-endian; 0: the
-                              engine's keys as it gave them */
+    uint32_t first_token; /* STORED: the block holds tokens [first_token, first_token + */
+    uint32_t num_tokens;  /*   num_tokens) of the request that filled it (block_tokens) */
+    uint32_t medium;      /* the cache's event_medium */
+    uint8_t key_len;      /* bytes of key: the engine key's length, or 16 for a library key */
+    uint8_t parent_len;   /* STORED: bytes of parent; 0 for the first block of a chain */
+    /* 1: key and parent are the library's 128-bit keys (token ids or u64 keys chained here), low 64
+     * bits first, each little-endian; 0: the engine's keys as it gave them */
+    uint8_t library_key;
     uint8_t reserved;
     uint8_t key[KVA_KV_MAX_KEY_BYTES];    /* key_len bytes; the rest 0 */
     uint8_t parent[KVA_KV_MAX_KEY_BYTES]; /* parent_len bytes; the rest 0 */
@@ -564,29 +569,30 @@ typedef struct kva_kv_stats {
     uint32_t registered_blocks; /* with a key in the prefix table (cached ones and used ones) */
     uint32_t sequences;         /* live sequences, pins excluded */
     uint32_t pins;
-    uint32_t trimmed_blocks;    /* free, their memory given back (kva_kv_trim) */
-    uint64_t hit_tokens;        /* cached_tokens summed over allocations */
-    uint64_t query_tokens;      /* num_tokens summed over allocations */
-    uint64_t evictions;         /* registrations dropped: eviction, kva_kv_evict*, reset */
+    uint32_t trimmed_blocks; /* free, their memory given back (kva_kv_trim) */
+    uint64_t hit_tokens;     /* cached_tokens summed over allocations */
+    uint64_t query_tokens;   /* num_tokens summed over allocations */
+    uint64_t evictions;      /* registrations dropped: eviction, kva_kv_evict*, reset */
     uint64_t cow_copies;
     uint64_t forks;
     uint64_t allocations, frees, appends;
-    uint64_t moves, moved_bytes; /* contiguous mode: bucket changes; paged mode: compaction
-                                    moves (kva_kv_compact); and the bytes to copy */
-    uint64_t alloc_failures;    /* calls that returned KVA_ERR_NOMEM for want of blocks or
-                                   memory (not kva_kv_compact's sizing answer, which is no
-                                   failure) */
-    uint64_t rejected_calls;    /* calls that returned KVA_ERR_INVALID or KVA_ERR_DOUBLE_FREE */
-    size_t bytes_in_use;        /* KV bytes held by sequences (paged: used blocks) */
-    size_t block_metadata_bytes; /* host bytes of per-block metadata: records, prefix table, LRU
-                                    segments in use, engine keys, the engine's references once
-                                    it has held one */
-    size_t metadata_bytes;      /* all host bytes of the cache's bookkeeping */
+    /* contiguous mode: bucket changes; paged mode: compaction moves (kva_kv_compact); and the bytes
+     * to copy */
+    uint64_t moves, moved_bytes;
+    /* calls that returned KVA_ERR_NOMEM for want of blocks or memory (not kva_kv_compact's sizing
+     * answer, which is no failure) */
+    uint64_t alloc_failures;
+    uint64_t rejected_calls; /* calls that returned KVA_ERR_INVALID or KVA_ERR_DOUBLE_FREE */
+    size_t bytes_in_use;     /* KV bytes held by sequences (paged: used blocks) */
+    /* host bytes of per-block metadata: records, prefix table, LRU segments in use, engine keys,
+     * the engine's references once it has held one */
+    size_t block_metadata_bytes;
+    size_t metadata_bytes; /* all host bytes of the cache's bookkeeping */
     /* A cache created with trace on times every call that takes its lock, from taking the lock
      * to giving it up: the time the engine spends in the KV manager. Zero otherwise. */
     uint64_t timed_calls;
     uint64_t timed_ns;
-    uint64_t call_ns_log2[40];  /* calls that took [2^i, 2^(i+1)) ns (bucket 0 also 0 ns) */
+    uint64_t call_ns_log2[40]; /* calls that took [2^i, 2^(i+1)) ns (bucket 0 also 0 ns) */
 } kva_kv_stats;
 
 KVA_API kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out);

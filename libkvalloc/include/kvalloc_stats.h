@@ -36,10 +36,11 @@ extern "C" {
 
 #define KVA_SHM_MAGIC 0x315441545341564bull /* "KVASTAT1" read as a little-endian u64 */
 #define KVA_SHM_ABI_MAJOR 1
-#define KVA_SHM_ABI_MINOR 3 /* 1.1: the summary's publish interval and backing fields, entry
-                                sizes of the array sections, the liveness lock. 1.2: one
-                                arenas entry per arena, with slab and claim figures. 1.3: the
-                                trace ring and the latency histogram outside the sequence lock */
+/* Minor versions add to the layout without moving what was there. 1.1: the summary's publish
+ * interval and backing fields, entry sizes of the array sections, the liveness lock. 1.2: one
+ * arenas entry per arena, with slab and claim figures. 1.3: the trace ring and the latency
+ * histogram outside the sequence lock. */
+#define KVA_SHM_ABI_MINOR 3
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
 
@@ -53,8 +54,8 @@ enum {
     KVA_SHM_CAP_LATENCY = 1u << 5,
     KVA_SHM_CAP_KV = 1u << 6,
     KVA_SHM_CAP_TRACE = 1u << 7,
-    KVA_SHM_CAP_TRACE_ALL = 1u << 8,     /* trace on: every call is recorded and timed */
-    KVA_SHM_CAP_LIVENESS_LOCK = 1u << 9  /* the writer holds a shared flock while alive */
+    KVA_SHM_CAP_TRACE_ALL = 1u << 8,    /* trace on: every call is recorded and timed */
+    KVA_SHM_CAP_LIVENESS_LOCK = 1u << 9 /* the writer holds a shared flock while alive */
 };
 
 /* Section kinds, in the section table. */
@@ -70,26 +71,26 @@ enum {
 };
 
 typedef struct kva_shm_section {
-    uint32_t kind;     /* KVA_SHM_SECTION_* ; 0 marks an unused entry */
+    uint32_t kind; /* KVA_SHM_SECTION_* ; 0 marks an unused entry */
     uint32_t reserved;
-    uint64_t offset;   /* bytes from the start of the segment */
-    uint64_t size;     /* bytes */
+    uint64_t offset; /* bytes from the start of the segment */
+    uint64_t size;   /* bytes */
 } kva_shm_section;
 
 typedef struct kva_shm_header {
-    uint64_t magic;           /* KVA_SHM_MAGIC */
+    uint64_t magic; /* KVA_SHM_MAGIC */
     uint16_t abi_major;
     uint16_t abi_minor;
-    uint32_t header_size;     /* sizeof(kva_shm_header) as written */
-    uint64_t capabilities;    /* KVA_SHM_CAP_* */
-    uint64_t sequence;        /* odd while the writer is publishing */
-    uint64_t segment_size;    /* bytes of the whole segment */
+    uint32_t header_size;  /* sizeof(kva_shm_header) as written */
+    uint64_t capabilities; /* KVA_SHM_CAP_* */
+    uint64_t sequence;     /* odd while the writer is publishing */
+    uint64_t segment_size; /* bytes of the whole segment */
     uint32_t writer_pid;
-    uint32_t section_count;   /* entries used in sections[] */
-    uint64_t start_time_ns;   /* CLOCK_REALTIME when the pool was created */
-    uint64_t heartbeat_ns;    /* CLOCK_REALTIME of the latest publish */
-    uint64_t publish_count;   /* publishes so far */
-    char pool_name[64];       /* NUL-terminated */
+    uint32_t section_count; /* entries used in sections[] */
+    uint64_t start_time_ns; /* CLOCK_REALTIME when the pool was created */
+    uint64_t heartbeat_ns;  /* CLOCK_REALTIME of the latest publish */
+    uint64_t publish_count; /* publishes so far */
+    char pool_name[64];     /* NUL-terminated */
     kva_shm_section sections[KVA_SHM_MAX_SECTIONS];
 } kva_shm_header;
 
@@ -99,7 +100,7 @@ typedef struct kva_shm_summary {
     uint64_t bytes_in_use, bytes_free, slab_bytes, slab_free_bytes, largest_free;
     uint64_t live_allocations, alloc_count, free_count, alloc_failures, rejected_calls;
     uint64_t slab_count, metadata_bytes, page_size;
-    uint32_t page_kind;       /* kva_page_kind */
+    uint32_t page_kind; /* kva_page_kind */
     uint32_t num_orders;
     double fragmentation;     /* 1 - largest free / total free */
     uint64_t free_blocks[48]; /* per buddy order */
@@ -107,12 +108,13 @@ typedef struct kva_shm_summary {
      * too small to serve an order-k request (0 = all usable, 1 = none). */
     double unusable_index[48];
     /* 1.1 */
-    uint32_t publish_interval_ms; /* the writer publishes on its own at most this often, and only
-                                     from its slow paths: a quiet heartbeat means idle, not dead */
-    uint32_t backend;             /* kva_backend */
-    int32_t numa_node;            /* the node the region is bound to, -1 if none */
-    uint32_t flags;               /* bit 0: memory locked (mlock), bit 1: pinned for CUDA */
-    uint64_t mapped_bytes;        /* CUDA: device memory mapped now; host: the region */
+    /* the writer publishes on its own at most this often, and only from its slow paths: a quiet
+     * heartbeat means idle, not dead */
+    uint32_t publish_interval_ms;
+    uint32_t backend;      /* kva_backend */
+    int32_t numa_node;     /* the node the region is bound to, -1 if none */
+    uint32_t flags;        /* bit 0: memory locked (mlock), bit 1: pinned for CUDA */
+    uint64_t mapped_bytes; /* CUDA: device memory mapped now; host: the region */
 } kva_shm_summary;
 
 /* KVA_SHM_SECTION_HEAPMAP: the pool as `cells` equal cells in address order, each
@@ -143,7 +145,7 @@ typedef struct kva_shm_class {
 } kva_shm_class;
 typedef struct kva_shm_classes {
     uint32_t count;
-    uint32_t entry_size;    /* sizeof(kva_shm_class) as written */
+    uint32_t entry_size; /* sizeof(kva_shm_class) as written */
     /* kva_shm_class classes[count]; */
 } kva_shm_classes;
 
@@ -156,7 +158,7 @@ typedef struct kva_shm_classes {
 #define KVA_SHM_SLABS_MAX 65536
 #define KVA_SHM_STRIP_CELLS 64
 typedef struct kva_shm_slab {
-    uint32_t chunk;           /* chunk index: offset = chunk * slab_chunk */
+    uint32_t chunk; /* chunk index: offset = chunk * slab_chunk */
     uint16_t size_class;
     uint16_t reserved;
     uint32_t inuse;
@@ -172,15 +174,15 @@ typedef struct kva_shm_slabs {
 /* KVA_SHM_SECTION_ARENAS: one entry per arena. Allocations and frees are counted per thread,
  * not per arena: what an arena has is slabs, and the words of objects it hands to threads. */
 typedef struct kva_shm_arena {
-    uint64_t slabs;         /* slabs of every class that belong to the arena */
+    uint64_t slabs; /* slabs of every class that belong to the arena */
     uint64_t slab_bytes;
-    uint64_t spare_slabs;   /* empty slabs it keeps, one per class at most */
-    uint64_t word_claims;   /* words of objects handed to thread caches since creation */
-    int64_t numa_node;      /* the node its slabs' memory is bound to, -1 for none */
+    uint64_t spare_slabs; /* empty slabs it keeps, one per class at most */
+    uint64_t word_claims; /* words of objects handed to thread caches since creation */
+    int64_t numa_node;    /* the node its slabs' memory is bound to, -1 for none */
 } kva_shm_arena;
 typedef struct kva_shm_arenas {
     uint32_t count;
-    uint32_t entry_size;    /* sizeof(kva_shm_arena) as written */
+    uint32_t entry_size; /* sizeof(kva_shm_arena) as written */
     /* kva_shm_arena arenas[count]; */
 } kva_shm_arenas;
 
@@ -196,7 +198,7 @@ typedef struct kva_shm_latency {
 
 /* KVA_SHM_SECTION_KV: the KV-cache manager attached to the pool, if any. */
 typedef struct kva_shm_kv {
-    uint32_t present;         /* 0: no KV cache attached; the rest is zero */
+    uint32_t present; /* 0: no KV cache attached; the rest is zero */
     uint32_t block_tokens;
     uint64_t total_blocks, free_blocks, used_blocks, cached_blocks;
     uint64_t hit_tokens, query_tokens, evictions, cow_copies, forks, live_sequences;
@@ -213,12 +215,12 @@ enum {
     KVA_SHM_OP_TRIM = 5
 };
 typedef struct kva_shm_trace_record {
-    uint64_t time_ns;   /* CLOCK_REALTIME */
-    uint64_t offset;    /* offset of the result or of the freed address; UINT64_MAX if none */
-    uint64_t size;      /* bytes asked for (0 for a free) */
-    uint32_t thread;    /* the kernel thread id */
-    uint8_t op;         /* KVA_SHM_OP_* */
-    uint8_t status;     /* kva_status */
+    uint64_t time_ns; /* CLOCK_REALTIME */
+    uint64_t offset;  /* offset of the result or of the freed address; UINT64_MAX if none */
+    uint64_t size;    /* bytes asked for (0 for a free) */
+    uint32_t thread;  /* the kernel thread id */
+    uint8_t op;       /* KVA_SHM_OP_* */
+    uint8_t status;   /* kva_status */
     uint16_t reserved;
 } kva_shm_trace_record;
 /* The trace ring: record i (counting from 0 since the pool was created) sits in slot
@@ -231,8 +233,8 @@ typedef struct kva_shm_trace_record {
  * pykvalloc's, is right there.) */
 typedef struct kva_shm_trace {
     uint32_t capacity;
-    uint32_t entry_size;    /* sizeof(kva_shm_trace_record) as written */
-    uint64_t written;       /* records written since creation */
+    uint32_t entry_size; /* sizeof(kva_shm_trace_record) as written */
+    uint64_t written;    /* records written since creation */
     /* kva_shm_trace_record records[capacity]; */
 } kva_shm_trace;
 

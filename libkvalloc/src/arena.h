@@ -22,17 +22,16 @@
 
 /* One size class in one arena. */
 typedef struct kva_arena_class {
-    uint32_t partial_head;  /* slabs with a free object in a word nobody owns; claims come from
-                               the head */
+    uint32_t partial_head; /* slabs with a free object in a word nobody owns; claims come from the head */
     uint32_t partial_tail;
-    uint32_t empty_slab;    /* the empty slab kept as a spare, or KVA_NIL */
-    uint32_t slabs;         /* slabs of this class in this arena */
+    uint32_t empty_slab; /* the empty slab kept as a spare, or KVA_NIL */
+    uint32_t slabs;      /* slabs of this class in this arena */
 } kva_arena_class;
 
 typedef struct kva_arena {
     pthread_mutex_t lock;
     kva_arena_class classes[KVA_NUM_SIZE_CLASSES];
-    uint64_t claims;        /* words handed to thread caches from this arena */
+    uint64_t claims; /* words handed to thread caches from this arena */
     /* The NUMA node whose memory the arena's slabs take (the node of its CPU), or -1. On a
      * machine with several nodes, a host pool without a numa_node of its own binds each new
      * slab's chunk to its arena's node (MPOL_PREFERRED: a full node lends memory rather than

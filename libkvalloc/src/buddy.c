@@ -25,10 +25,8 @@ static void list_unlink(kva_buddy *buddy, uint32_t index, unsigned order) {
     kva_assert_internal(page->prev == KVA_NIL ? buddy->free_head[order] == index
                                               : buddy->pages[page->prev].next == index);
     kva_assert_internal(page->next == KVA_NIL || buddy->pages[page->next].prev == index);
-    if (page->prev != KVA_NIL)
-        buddy->pages[page->prev].next = page->next;
-    else
-        buddy->free_head[order] = page->next;
+    if (page->prev != KVA_NIL) buddy->pages[page->prev].next = page->next;
+    else buddy->free_head[order] = page->next;
     if (page->next != KVA_NIL) buddy->pages[page->next].prev = page->prev;
     if (--buddy->free_count[order] == 0) buddy->nonempty &= ~((uint64_t)1 << order);
 }
@@ -140,8 +138,8 @@ static void free_any_block(kva_buddy *buddy, uint32_t index) {
 }
 
 void kva_buddy_free(kva_buddy *buddy, uint32_t index) {
-    kva_assert_internal(index < buddy->nblocks && (buddy->pages[index].state == KVA_BLOCK_USED ||
-                                                   buddy->pages[index].state == KVA_BLOCK_SLAB));
+    kva_assert_internal(index < buddy->nblocks &&
+                        (buddy->pages[index].state == KVA_BLOCK_USED || buddy->pages[index].state == KVA_BLOCK_SLAB));
     free_any_block(buddy, index);
     kva_assert_expensive(kva_buddy_check(buddy, NULL) == KVA_OK); /* after its merges */
 }

@@ -30,8 +30,8 @@ enum {
 };
 
 typedef struct kva_page {
-    uint32_t prev;       /* free-list link, meaningful while state == KVA_BLOCK_FREE */
-    uint32_t next;       /* FREE: free-list link; USED or SLAB: the length in minimum blocks */
+    uint32_t prev; /* free-list link, meaningful while state == KVA_BLOCK_FREE */
+    uint32_t next; /* FREE: free-list link; USED or SLAB: the length in minimum blocks */
     uint8_t state;
     uint8_t order;
     uint16_t reserved;
@@ -39,15 +39,15 @@ typedef struct kva_page {
 
 typedef struct kva_buddy {
     kva_page *pages;
-    uint32_t nblocks;      /* minimum blocks managed */
-    unsigned min_shift;    /* log2(min_block) */
-    unsigned num_orders;   /* orders 0 .. num_orders-1 exist */
-    uint64_t nonempty;     /* bit k: free list k is not empty */
+    uint32_t nblocks;    /* minimum blocks managed */
+    unsigned min_shift;  /* log2(min_block) */
+    unsigned num_orders; /* orders 0 .. num_orders-1 exist */
+    uint64_t nonempty;   /* bit k: free list k is not empty */
     uint32_t free_head[KVA_MAX_ORDERS];
     uint64_t free_count[KVA_MAX_ORDERS];
-    uint64_t free_units;   /* minimum blocks in free blocks */
-    uint64_t used_units;   /* minimum blocks in USED and SLAB blocks */
-    size_t pages_bytes;    /* size of the pages mapping */
+    uint64_t free_units; /* minimum blocks in free blocks */
+    uint64_t used_units; /* minimum blocks in USED and SLAB blocks */
+    size_t pages_bytes;  /* size of the pages mapping */
 } kva_buddy;
 
 /* Builds the metadata for nblocks minimum blocks (>= 1, < 2^32) and covers them with maximal

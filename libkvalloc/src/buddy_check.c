@@ -6,8 +6,8 @@
 
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
 
-static kva_status check_tiling(const kva_buddy *b, uint64_t *free_units, uint64_t *used_units,
-                               uint64_t *free_heads, uint64_t *used_blocks) {
+static kva_status check_tiling(const kva_buddy *b, uint64_t *free_units, uint64_t *used_units, uint64_t *free_heads,
+                               uint64_t *used_blocks) {
     uint32_t index = 0;
     while (index < b->nblocks) {
         const kva_page *page = &b->pages[index];
@@ -79,8 +79,8 @@ kva_status kva_buddy_check(const kva_buddy *b, uint64_t *used_blocks) {
     if (st != KVA_OK) return st;
     if (free_units != b->free_units || used_units != b->used_units)
         return BROKEN("B6: counted %llu free and %llu used minimum blocks, the counters say %llu and %llu",
-                      (unsigned long long)free_units, (unsigned long long)used_units,
-                      (unsigned long long)b->free_units, (unsigned long long)b->used_units);
+                      (unsigned long long)free_units, (unsigned long long)used_units, (unsigned long long)b->free_units,
+                      (unsigned long long)b->used_units);
     if (used_blocks) *used_blocks = used;
     return KVA_OK;
 }

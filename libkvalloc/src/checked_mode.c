@@ -75,8 +75,10 @@ kva_status kva_checked_alloc(kva_pool *pool, size_t size, void **out,
                              kva_status (*alloc)(kva_pool *, size_t, void **)) {
     if (!out || size == 0) return alloc(pool, size, out);
     if (size > pool->max_alloc_size - 2 * KVA_REDZONE)
-        return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "size %zu and its two red zones exceed the largest "
-                                                               "block (%zu)", size, pool->max_alloc_size));
+        return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID,
+                                              "size %zu and its two red zones exceed the largest "
+                                              "block (%zu)",
+                                              size, pool->max_alloc_size));
     void *got;
     kva_status st = alloc(pool, size + 2 * KVA_REDZONE, &got);
     if (st != KVA_OK) return st;
@@ -95,7 +97,8 @@ kva_status kva_checked_alloc(kva_pool *pool, size_t size, void **out,
         }
         return kva_fail(KVA_ERR_CORRUPT,
                         "write after free: byte %llu of the pool, in freed memory, was changed (the block at %llu is "
-                        "withheld)", (unsigned long long)at, (unsigned long long)(start - pool->base));
+                        "withheld)",
+                        (unsigned long long)at, (unsigned long long)(start - pool->base));
     }
     /* The front red zone keeps the requested size (inverted, so an overwrite shows), which puts
      * the back red zone right after the last requested byte: the block's slack is red zone too. */
@@ -124,13 +127,16 @@ kva_status kva_checked_free(kva_pool *pool, void *ptr) {
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (!ptr || offset >= pool->capacity) return kva_pool_free_plain(pool, ptr);
     if (offset < KVA_REDZONE) /* every allocation of a checked pool starts past a red zone */
-        return kva_pool_reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is not an allocation: in a checked pool "
-                                                                   "they start %d bytes into their block",
+        return kva_pool_reject(pool, kva_fail(KVA_ERR_BAD_POINTER,
+                                              "%p is not an allocation: in a checked pool "
+                                              "they start %d bytes into their block",
                                               ptr, KVA_REDZONE));
     unsigned char *start = guarded_start(ptr);
     if (quarantined(pool, start))
-        return kva_pool_reject(pool, kva_fail(KVA_ERR_DOUBLE_FREE, "%p was freed already, then written after that free "
-                                                                   "(the block is withheld)", ptr));
+        return kva_pool_reject(pool, kva_fail(KVA_ERR_DOUBLE_FREE,
+                                              "%p was freed already, then written after that free "
+                                              "(the block is withheld)",
+                                              ptr));
     size_t usable = kva_pool_usable(pool, start), bad;
     if (usable == 0) return kva_pool_reject(pool, classify_not_an_allocation(pool, ptr, offset));
     const char *overrun = NULL;

@@ -14,9 +14,9 @@
 
 #include "internal.h"
 
-#define KVA_REDZONE 16          /* bytes before each allocation (its first 8 keep the requested
-                                   size, inverted); the back red zone runs from the last requested
-                                   byte to the end of the block, at least as long */
+/* Bytes before each allocation (its first 8 keep the requested size, inverted); the back red
+ * zone runs from the last requested byte to the end of the block, at least as long. */
+#define KVA_REDZONE 16
 #define KVA_POISON_FREE 0xDD    /* in every free byte */
 #define KVA_POISON_REDZONE 0xFD /* in the red zones of live allocations */
 
@@ -30,8 +30,7 @@ int kva_holds(const unsigned char *p, size_t n, unsigned char pattern, size_t *b
  * for size and both red zones, which must still hold the free poison (else the block is
  * withheld and the call fails, KVA_ERR_CORRUPT); the size goes into the front red zone and *out
  * past it. */
-kva_status kva_checked_alloc(kva_pool *pool, size_t size, void **out,
-                             kva_status (*alloc)(kva_pool *, size_t, void **));
+kva_status kva_checked_alloc(kva_pool *pool, size_t size, void **out, kva_status (*alloc)(kva_pool *, size_t, void **));
 
 /* The checked pool's free: the red zones verified (KVA_ERR_CORRUPT, the memory freed all the
  * same, when a write ran into one), the block poisoned and freed. */

@@ -43,8 +43,8 @@ static int valid_name(const char *name) {
     if (len == 0 || len > KVA_NAME_MAX) return 0;
     for (size_t i = 0; i < len; i++) {
         char ch = name[i];
-        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') ||
-                 ch == '_' || ch == '-' || ch == '.';
+        int ok = (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_' ||
+                 ch == '-' || ch == '.';
         if (!ok) return 0;
     }
     return 1;
@@ -61,10 +61,10 @@ static kva_status validate_backing(const kva_config *cfg) {
     if (cfg->numa_policy != KVA_NUMA_BIND && cfg->numa_policy != KVA_NUMA_PREFERRED)
         return kva_fail(KVA_ERR_INVALID, "unknown numa_policy %d", (int)cfg->numa_policy);
     if (cfg->backend == KVA_BACKEND_CUDA) {
-        const char *host_only = cfg->numa_node >= 0 ? "numa_node"
-                                : cfg->lock          ? "lock"
-                                : cfg->checked       ? "checked"
-                                : cfg->pin           ? "pin"
+        const char *host_only = cfg->numa_node >= 0            ? "numa_node"
+                                : cfg->lock                    ? "lock"
+                                : cfg->checked                 ? "checked"
+                                : cfg->pin                     ? "pin"
                                 : cfg->pages != KVA_PAGES_AUTO ? "pages"
                                                                : NULL;
         if (host_only)
@@ -78,8 +78,8 @@ static kva_status validate_backing(const kva_config *cfg) {
 kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     if (!cfg) return kva_fail(KVA_ERR_INVALID, "config is NULL");
     if (!kva_is_pow2(cfg->min_block) || cfg->min_block < MIN_BLOCK_LOW || cfg->min_block > KVA_MIN_BLOCK_MAX)
-        return kva_fail(KVA_ERR_INVALID, "min_block %zu is not a power of two in [%zu, %zu]",
-                        cfg->min_block, MIN_BLOCK_LOW, KVA_MIN_BLOCK_MAX);
+        return kva_fail(KVA_ERR_INVALID, "min_block %zu is not a power of two in [%zu, %zu]", cfg->min_block,
+                        MIN_BLOCK_LOW, KVA_MIN_BLOCK_MAX);
     size_t chunk = cfg->slab_chunk ? cfg->slab_chunk : auto_chunk(cfg->capacity, cfg->min_block);
     if (!kva_is_pow2(chunk) || chunk < CHUNK_LOW || chunk > KVA_SLAB_CHUNK_MAX)
         return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is not a power of two in [%zu, %zu]", chunk, CHUNK_LOW,
@@ -87,14 +87,13 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     if (chunk < cfg->min_block)
         return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is smaller than min_block %zu", chunk, cfg->min_block);
     if (cfg->capacity < cfg->min_block)
-        return kva_fail(KVA_ERR_INVALID, "capacity %zu is below one block of %zu bytes", cfg->capacity,
-                        cfg->min_block);
+        return kva_fail(KVA_ERR_INVALID, "capacity %zu is below one block of %zu bytes", cfg->capacity, cfg->min_block);
     unsigned min_shift = kva_log2(cfg->min_block);
     size_t nblocks = cfg->capacity >> min_shift;
     /* Block indices are u32 with UINT32_MAX reserved as "none". */
     if (nblocks >= KVA_NIL)
-        return kva_fail(KVA_ERR_INVALID, "capacity %zu needs %zu blocks of %zu bytes; at most %u fit",
-                        cfg->capacity, nblocks, cfg->min_block, KVA_NIL - 1);
+        return kva_fail(KVA_ERR_INVALID, "capacity %zu needs %zu blocks of %zu bytes; at most %u fit", cfg->capacity,
+                        nblocks, cfg->min_block, KVA_NIL - 1);
     if (cfg->pages < KVA_PAGES_AUTO || cfg->pages > KVA_PAGES_SMALL)
         return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
     if (cfg->name && !valid_name(cfg->name))

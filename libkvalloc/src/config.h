@@ -12,8 +12,8 @@
 #define KVA_MIN_BLOCK_MAX KVA_SLAB_CHUNK_MAX
 
 typedef struct kva_geometry {
-    size_t capacity;       /* bytes managed: config capacity rounded down to min_block */
-    uint32_t nblocks;      /* minimum blocks */
+    size_t capacity;  /* bytes managed: config capacity rounded down to min_block */
+    uint32_t nblocks; /* minimum blocks */
     unsigned min_shift;
     unsigned chunk_shift;
 } kva_geometry;

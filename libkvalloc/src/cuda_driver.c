@@ -18,7 +18,10 @@ static const struct {
     size_t offset;
     int optional;
 } symbols[] = {
+/* (clang-format 14 would move a macro's brace initializer onto a line of its own) */
+/* clang-format off */
 #define FN(field, symbol) {symbol, offsetof(kva_cuda_driver, field), 0}
+    /* clang-format on */
     FN(cuInit, "cuInit"),
     FN(cuDeviceGetCount, "cuDeviceGetCount"),
     FN(cuDeviceGet, "cuDeviceGet"),
@@ -88,8 +91,7 @@ static kva_status load(const char *path, kva_cuda_driver *d) {
         if (r == CUDA_ERROR_NO_DEVICE)
             st = kva_fail(KVA_ERR_BACKEND, "no CUDA GPU: cuInit reports CUDA_ERROR_NO_DEVICE (none is visible to this "
                                            "process; see CUDA_VISIBLE_DEVICES)");
-        else
-            st = kva_cuda_fail(d, r, "the CUDA driver %s failed to initialize (cuInit)", path);
+        else st = kva_cuda_fail(d, r, "the CUDA driver %s failed to initialize (cuInit)", path);
         kva_os_library_close(library);
         memset(d, 0, sizeof *d);
         return st == KVA_ERR_NOMEM ? KVA_ERR_BACKEND : st;
@@ -139,8 +141,10 @@ kva_status kva_cuda_device_open(int ordinal, int need_vmm, kva_cuda_device *out)
         r = d->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, device);
         if (r != CUDA_SUCCESS) return kva_cuda_fail(d, r, "cuDeviceGetAttribute(VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)");
         if (!vmm)
-            return kva_fail(KVA_ERR_BACKEND, "CUDA device %d does not support virtual memory management "
-                                             "(cuMemCreate/cuMemMap), which CUDA pools need", ordinal);
+            return kva_fail(KVA_ERR_BACKEND,
+                            "CUDA device %d does not support virtual memory management "
+                            "(cuMemCreate/cuMemMap), which CUDA pools need",
+                            ordinal);
     }
     CUcontext context;
     r = d->cuDevicePrimaryCtxRetain(&context, device);
@@ -148,8 +152,11 @@ kva_status kva_cuda_device_open(int ordinal, int need_vmm, kva_cuda_device *out)
         st = kva_cuda_fail(d, r, "cuDevicePrimaryCtxRetain of device %d", ordinal);
         return st == KVA_ERR_NOMEM ? KVA_ERR_BACKEND : st;
     }
-    *out = (kva_cuda_device){
-        .driver = d, .ordinal = ordinal, .device = device, .context = context, .fork_depth = kva_os_fork_depth()};
+    *out = (kva_cuda_device){.driver = d,
+                             .ordinal = ordinal,
+                             .device = device,
+                             .context = context,
+                             .fork_depth = kva_os_fork_depth()};
     return KVA_OK;
 }
 
@@ -163,8 +170,9 @@ void kva_cuda_device_close(kva_cuda_device *dev) {
 
 kva_status kva_cuda_enter(const kva_cuda_device *dev) {
     if (kva_cuda_inherited(dev))
-        return kva_fail(KVA_ERR_BACKEND, "CUDA device %d was opened before this process was forked from its "
-                                         "opener; CUDA does not survive fork, so its pools here can only be destroyed",
+        return kva_fail(KVA_ERR_BACKEND,
+                        "CUDA device %d was opened before this process was forked from its "
+                        "opener; CUDA does not survive fork, so its pools here can only be destroyed",
                         dev->ordinal);
     CUresult r = dev->driver->cuCtxPushCurrent(dev->context);
     return r == CUDA_SUCCESS ? KVA_OK : kva_cuda_fail(dev->driver, r, "cuCtxPushCurrent on device %d", dev->ordinal);

@@ -113,7 +113,7 @@ typedef struct kva_cuda_device {
     const kva_cuda_driver *driver;
     int ordinal;
     CUdevice device;
-    CUcontext context; /* its primary context, retained */
+    CUcontext context;   /* its primary context, retained */
     unsigned fork_depth; /* kva_os_fork_depth() when it was opened */
 } kva_cuda_device;
 

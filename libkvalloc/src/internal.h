@@ -40,10 +40,10 @@
 #if defined(__x86_64__) && !defined(KVA_HAS_TSAN)
 /* One add to memory rather than a load, an add and a store: an aligned 8-byte add is never
  * seen torn by a reader. (Hidden from ThreadSanitizer, so TSan builds use the atomic pair.) */
-#define kva_bump(p)                                                                                \
-    do {                                                                                           \
-        _Static_assert(sizeof *(p) == 8, "kva_bump counts in 64-bit words");                      \
-        __asm__("addq $1, %0" : "+m"(*(p)));                                                       \
+#define kva_bump(p)                                                          \
+    do {                                                                     \
+        _Static_assert(sizeof *(p) == 8, "kva_bump counts in 64-bit words"); \
+        __asm__("addq $1, %0" : "+m"(*(p)));                                 \
     } while (0)
 #else
 #define kva_bump(p) kva_store((p), kva_load(p) + 1)
@@ -55,10 +55,10 @@
  * x86-64 that is the same add, since stores there are never reordered with earlier loads or
  * stores: only the compiler is told. */
 #if defined(__x86_64__) && !defined(KVA_HAS_TSAN)
-#define kva_bump_release(p)                                                                        \
-    do {                                                                                           \
-        __atomic_signal_fence(__ATOMIC_RELEASE);                                                   \
-        kva_bump(p);                                                                               \
+#define kva_bump_release(p)                      \
+    do {                                         \
+        __atomic_signal_fence(__ATOMIC_RELEASE); \
+        kva_bump(p);                             \
     } while (0)
 #else
 #define kva_bump_release(p) __atomic_store_n((p), kva_load(p) + 1, __ATOMIC_RELEASE)
@@ -123,7 +123,6 @@ extern int kva_debug_expensive; /* KVA_DEBUG_EXPENSIVE=1 in the environment at l
  * so error paths read `return kva_fail(KVA_ERR_INVALID, "min_block %zu ...", v);`.
  * Cold by construction: only error paths call it.
  */
-kva_status kva_fail(kva_status status, const char *fmt, ...)
-    __attribute__((format(printf, 2, 3), cold, noinline));
+kva_status kva_fail(kva_status status, const char *fmt, ...) __attribute__((format(printf, 2, 3), cold, noinline));
 
 #endif

@@ -91,8 +91,10 @@ kva_status kva_kv_block_bytes(const kva_kv_config *cfg, size_t *out) {
 static kva_status paged_layout(const kva_kv_config *cfg, kva_kv_info *info) {
     uint64_t blocks = cfg->num_blocks ? cfg->num_blocks : cfg->capacity_bytes / info->block_bytes;
     if (blocks == 0 && cfg->capacity_bytes == 0)
-        return kva_fail(KVA_ERR_INVALID, "no size given: set num_blocks, or capacity_bytes (at least one block of %zu "
-                                         "bytes)", info->block_bytes);
+        return kva_fail(KVA_ERR_INVALID,
+                        "no size given: set num_blocks, or capacity_bytes (at least one block of %zu "
+                        "bytes)",
+                        info->block_bytes);
     if (blocks == 0)
         return kva_fail(KVA_ERR_INVALID, "capacity_bytes %zu holds no block of %zu bytes (num_blocks 0)",
                         cfg->capacity_bytes, info->block_bytes);
@@ -147,8 +149,8 @@ static kva_stats pool_stats(kva_pool *pool) {
 
 /* Contiguous mode: the bytes of its own pool and the largest bucket. */
 static kva_status contiguous_layout(const kva_kv_config *cfg, kva_kv_info *info, int own) {
-    if (cfg->max_context && (!kva_is_pow2(cfg->max_context) || cfg->max_context < KVA_KV_MIN_BUCKET ||
-                             cfg->max_context > KV_MAX_CONTEXT))
+    if (cfg->max_context &&
+        (!kva_is_pow2(cfg->max_context) || cfg->max_context < KVA_KV_MIN_BUCKET || cfg->max_context > KV_MAX_CONTEXT))
         return kva_fail(KVA_ERR_INVALID, "max_context %u is not a power of two in [%d, %u]", cfg->max_context,
                         KVA_KV_MIN_BUCKET, KV_MAX_CONTEXT);
     size_t bytes = cfg->capacity_bytes;
@@ -172,8 +174,10 @@ static kva_status contiguous_limit(kva_kv *kv, const kva_kv_config *cfg) {
                         KVA_KV_MIN_BUCKET);
     if (cfg->max_context) {
         if (cfg->max_context > fits)
-            return kva_fail(KVA_ERR_NOMEM, "a bucket of max_context %u tokens (%zu bytes) exceeds the pool's largest "
-                            "block (%zu)", cfg->max_context, (size_t)cfg->max_context * kv->info.token_bytes, largest);
+            return kva_fail(KVA_ERR_NOMEM,
+                            "a bucket of max_context %u tokens (%zu bytes) exceeds the pool's largest "
+                            "block (%zu)",
+                            cfg->max_context, (size_t)cfg->max_context * kv->info.token_bytes, largest);
         kv->max_context = cfg->max_context;
     } else {
         kv->max_context = KV_MAX_CONTEXT;
@@ -232,7 +236,8 @@ static kva_status paged_init(kva_kv *kv) {
     kv->num_blocks = n;
     kv->backed_blocks = n;
     for (uint32_t b = 0; b < n; b++)
-        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
+        kv->blocks[b] =
+            (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .next = b + 1 < n ? b + 1 : KVA_NIL, .state = KV_FREE};
     /* Touched only where used: engine keys as blocks are registered under them, the engine's
      * references as it takes them. */
     void *loose;
@@ -395,13 +400,14 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
     };
     memcpy(st.call_ns_log2, kv->call_ns_log2, sizeof st.call_ns_log2);
     st.bytes_in_use = kv->info.mode == KVA_KV_PAGED ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
-    st.block_metadata_bytes =
-        (size_t)kv->num_blocks * (sizeof *kv->blocks + kv->max_key_bytes + (kv->loose_touched ? sizeof *kv->loose : 0)) +
-        (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
-        (size_t)kv->lru_used * (KV_LRU_SEG * sizeof *kv->lru_ids + sizeof *kv->lru_segs);
+    st.block_metadata_bytes = (size_t)kv->num_blocks * (sizeof *kv->blocks + kv->max_key_bytes +
+                                                        (kv->loose_touched ? sizeof *kv->loose : 0)) +
+                              (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
+                              (size_t)kv->lru_used * (KV_LRU_SEG * sizeof *kv->lru_ids + sizeof *kv->lru_segs);
     size_t tables = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++)
-        tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t) + (kv->seqs[s].partial ? kv->block_tokens * sizeof(uint32_t) : 0);
+        tables += (size_t)kv->seqs[s].cap * sizeof(uint32_t) +
+                  (kv->seqs[s].partial ? kv->block_tokens * sizeof(uint32_t) : 0);
     st.metadata_bytes = sizeof *kv + st.block_metadata_bytes + (size_t)kv->seq_capacity * sizeof *kv->seqs + tables +
                         (size_t)kv->event_capacity * sizeof(kva_kv_event);
     *out = st;

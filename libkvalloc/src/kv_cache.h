@@ -98,21 +98,26 @@
 #include "kv_key.h"
 #include "os.h"
 
-enum { KV_FREE = 0, KV_USED = 1, KV_CACHED = 2, KV_TRIMMED = 3 /* free, its memory given back (kv_trim.c) */ };
+enum {
+    KV_FREE = 0,
+    KV_USED = 1,
+    KV_CACHED = 2,
+    KV_TRIMMED = 3 /* free, its memory given back (kv_trim.c) */
+};
 
 typedef struct kva_kv_block {
-    kva_kv_key key;      /* while registered: the chained key, or the engine key's fingerprint */
-    uint64_t ns;         /* while registered: the namespace of the key */
-    uint32_t refs;       /* table entries naming it + loose[b] */
-    uint32_t hash_next;  /* the next block on the same prefix-table bucket */
+    kva_kv_key key;     /* while registered: the chained key, or the engine key's fingerprint */
+    uint64_t ns;        /* while registered: the namespace of the key */
+    uint32_t refs;      /* table entries naming it + loose[b] */
+    uint32_t hash_next; /* the next block on the same prefix-table bucket */
     union {
         uint32_t next;     /* while FREE: the next block on the free stack */
         uint32_t lru_slot; /* while CACHED: its entry in the LRU segments (segment * KV_LRU_SEG + i) */
     };
     uint8_t state;
-    uint8_t priority;    /* the highest priority of its holders since leaving FREE */
+    uint8_t priority; /* the highest priority of its holders since leaving FREE */
     uint8_t registered;
-    uint8_t key_len;     /* while registered: 0 for a library key, else the engine key's bytes */
+    uint8_t key_len; /* while registered: 0 for a library key, else the engine key's bytes */
 } kva_kv_block;
 
 _Static_assert(sizeof(kva_kv_block) == 40, "a block record is 40 bytes");
@@ -140,27 +145,29 @@ typedef struct kv_lru_seg {
 } kv_lru_seg;
 
 typedef struct kva_kv_seqrec {
-    uint32_t *table;          /* paged: block ids; cap entries allocated, kept across reuse */
-    unsigned char *buffer;    /* contiguous: the bucket */
-    unsigned char *retired;   /* contiguous: the previous bucket, freed at the next append/free */
-    uint32_t *partial;        /* keyed by token ids: the tokens of its partial last block
-                                 (block_tokens allocated, kept across reuse) */
+    uint32_t *table;        /* paged: block ids; cap entries allocated, kept across reuse */
+    unsigned char *buffer;  /* contiguous: the bucket */
+    unsigned char *retired; /* contiguous: the previous bucket, freed at the next append/free */
+    /* keyed by token ids: the tokens of its partial last block (block_tokens allocated, kept across
+     * reuse) */
+    uint32_t *partial;
     uint32_t len, cap;
     uint32_t num_tokens;
     uint32_t cached_tokens;
-    uint32_t generation;      /* of the handle that names this slot now (never 0) */
+    uint32_t generation; /* of the handle that names this slot now (never 0) */
     uint32_t bucket_tokens;
-    uint32_t next_free;       /* free-slot list link */
-    uint32_t listed;          /* the batch call (kv->batch) that last listed it: one listing it
-                                 again is listing it twice; any value outside batch calls */
+    uint32_t next_free; /* free-slot list link */
+    /* the batch call (kv->batch) that last listed it: one listing it again is listing it twice; any
+     * value outside batch calls */
+    uint32_t listed;
     uint64_t ns;
-    kva_kv_key chain;         /* keyed by tokens or u64 keys: its last full block's key (root
-                                 before the first) */
+    kva_kv_key chain; /* keyed by tokens or u64 keys: its last full block's key (root before the first) */
     uint8_t live, priority, is_pin;
-    uint8_t key_kind;         /* kva_kv_key_kind of the content of its next blocks: NONE when
-                                 it keeps no chain (none given, or it broke) */
-    uint8_t key_len;          /* keyed by engine keys: their length */
-    uint8_t has_last;         /* keyed by engine keys: last_key holds its last full block's key */
+    /* kva_kv_key_kind of the content of its next blocks: NONE when it keeps no chain (none given,
+     * or it broke) */
+    uint8_t key_kind;
+    uint8_t key_len;  /* keyed by engine keys: their length */
+    uint8_t has_last; /* keyed by engine keys: last_key holds its last full block's key */
     uint8_t last_key[KVA_KV_MAX_KEY_BYTES];
 } kva_kv_seqrec;
 
@@ -171,65 +178,65 @@ typedef struct kva_kv_counters {
 } kva_kv_counters;
 
 struct kva_kv {
-    pthread_mutex_t lock;     /* guards every field not marked "fixed at creation" */
+    pthread_mutex_t lock; /* guards every field not marked "fixed at creation" */
     /* Fixed at creation (read without the lock). */
-    kva_kv_info info;         /* geometry and addresses */
+    kva_kv_info info; /* geometry and addresses */
     kva_pool *pool;
     int owns_pool;
-    unsigned char *memory;    /* paged: the KV allocation (info.base) */
+    unsigned char *memory; /* paged: the KV allocation (info.base) */
     uint64_t hash_seed;
-    uint64_t memory_offset;   /* paged, publishing: memory - the pool's base (heap-map cells) */
-    int publishing;           /* the cache's publisher is attached to a named pool */
+    uint64_t memory_offset; /* paged, publishing: memory - the pool's base (heap-map cells) */
+    int publishing;         /* the cache's publisher is attached to a named pool */
     /* Under the pool's publish lock: the heap-map cells the paged KV memory covers as last
      * painted (their states, then their fills), put back when a full publish repaints the
      * map from the buddy while the cache's lock is busy (kv_publish.c). */
     uint8_t *painted;
-    uint64_t painted_first;   /* the first cell */
+    uint64_t painted_first; /* the first cell */
     uint32_t painted_cells;
-    int timed;                /* trace: time every call under the lock */
-    uint32_t max_key_bytes;   /* the longest engine key; 0: none */
-    uint32_t event_medium;    /* copied into every event */
+    int timed;              /* trace: time every call under the lock */
+    uint32_t max_key_bytes; /* the longest engine key; 0: none */
+    uint32_t event_medium;  /* copied into every event */
 
     /* Everything below: under the lock. */
 
     /* Paged mode: read on every block operation. */
     kva_kv_block *blocks;
-    uint32_t *buckets;        /* head block of each prefix-table chain, or KVA_NIL */
+    uint32_t *buckets; /* head block of each prefix-table chain, or KVA_NIL */
     uint32_t bucket_mask;
     uint32_t num_blocks, block_tokens;
     uint32_t free_top, free_bottom; /* the free stack: taken from the top, evictions appended below */
     uint32_t free_count, used_count, cached_count, registered_count;
-    uint32_t backed_blocks;   /* blocks [0, backed_blocks) have memory; the rest are TRIMMED */
+    uint32_t backed_blocks; /* blocks [0, backed_blocks) have memory; the rest are TRIMMED */
     uint32_t lru_nonempty;
     uint32_t lru_head[KVA_KV_PRIORITIES], lru_tail[KVA_KV_PRIORITIES]; /* segments, or KVA_NIL */
     uint32_t lru_count[KVA_KV_PRIORITIES];
-    uint32_t *lru_ids;        /* lru_segments * KV_LRU_SEG block ids (KVA_NIL: a tombstone) */
+    uint32_t *lru_ids; /* lru_segments * KV_LRU_SEG block ids (KVA_NIL: a tombstone) */
     kv_lru_seg *lru_segs;
-    uint32_t lru_segments;    /* reserved: enough for any cache state (kv_lru.c) */
-    uint32_t lru_used;        /* segments [0, lru_used) have been handed out */
-    uint32_t lru_free;        /* the free-segment list (of used ones) */
+    uint32_t lru_segments; /* reserved: enough for any cache state (kv_lru.c) */
+    uint32_t lru_used;     /* segments [0, lru_used) have been handed out */
+    uint32_t lru_free;     /* the free-segment list (of used ones) */
     kva_kv_key root;
     size_t blocks_length, buckets_length; /* bytes mapped for blocks and buckets */
     size_t lru_ids_length, lru_segs_length;
-    uint8_t *key_store;       /* num_blocks * max_key_bytes: registered engine keys' bytes */
+    uint8_t *key_store; /* num_blocks * max_key_bytes: registered engine keys' bytes */
     size_t key_store_length;
-    uint32_t *loose;          /* per block: references the engine holds directly */
+    uint32_t *loose; /* per block: references the engine holds directly */
     size_t loose_length;
-    uint64_t loose_refs;      /* sum of loose[] */
-    int loose_touched;        /* some block has held a loose reference (its pages are resident) */
+    uint64_t loose_refs; /* sum of loose[] */
+    int loose_touched;   /* some block has held a loose reference (its pages are resident) */
 
     /* Events (kv_events.c): a ring of event_capacity, event_count of them from event_head. */
-    kva_kv_event *events;     /* NULL: events off */
+    kva_kv_event *events; /* NULL: events off */
     size_t events_length;
     uint32_t event_capacity, event_head, event_count;
-    uint64_t events_dropped;  /* since the last kva_kv_take_events */
+    uint64_t events_dropped; /* since the last kva_kv_take_events */
 
     /* Sequences. */
     kva_kv_seqrec *seqs;
-    uint32_t batch;           /* numbers the batch calls that list sequences (kv_batch.c) from 1 */
-    uint32_t handle_key;      /* XORed into a handle's slot bits: kv_slots.c */
-    uint32_t seq_slots;       /* slots in use or on the free-slot list */
-    uint32_t seq_capacity;    /* slots allocated */
+    uint32_t batch;        /* numbers the batch calls that list sequences (kv_batch.c) from 1 */
+    uint32_t handle_key;   /* XORed into a handle's slot bits: kv_slots.c */
+    uint32_t seq_slots;    /* slots in use or on the free-slot list */
+    uint32_t seq_capacity; /* slots allocated */
     uint32_t free_slot;
     uint32_t live_seqs, live_pins;
 
@@ -357,9 +364,7 @@ kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen);
 /* ---- the prefix table and the blocks (kv_blocks.c) ---------------------------------------- */
 
 /* Block b's room in key_store: max_key_bytes bytes. */
-KVA_INLINE uint8_t *kv_key_store(const kva_kv *kv, uint32_t b) {
-    return kv->key_store + (size_t)b * kv->max_key_bytes;
-}
+KVA_INLINE uint8_t *kv_key_store(const kva_kv *kv, uint32_t b) { return kv->key_store + (size_t)b * kv->max_key_bytes; }
 
 KVA_INLINE kv_ident kv_ident_library(kva_kv_key key, uint64_t ns) { return (kv_ident){key, ns, NULL, 0}; }
 
@@ -454,8 +459,8 @@ typedef struct kv_content {
     const uint32_t *tokens; /* the array of `kind`, at the request's first item */
     const uint64_t *keys;
     const uint8_t *bytes;
-    uint32_t items;         /* items given */
-    uint32_t blocks;        /* full blocks whose content is given (token ids: whole blocks) */
+    uint32_t items;  /* items given */
+    uint32_t blocks; /* full blocks whose content is given (token ids: whole blocks) */
     uint64_t ns;
 } kv_content;
 
@@ -485,8 +490,9 @@ kva_status kv_offsets_check(kva_kv *kv, const uint64_t *offsets, uint32_t count,
 KVA_INLINE kv_ident kv_content_key(const kva_kv *kv, const kv_content *c, uint32_t i, kva_kv_key parent,
                                    uint32_t kind) {
     if (kind == KVA_KV_KEY_BYTES) return kv_ident_engine(kv, c->ns, c->bytes + (size_t)i * c->key_len, c->key_len);
-    kva_kv_key digest = kind == KVA_KV_KEY_U64 ? kv_digest_caller(c->keys[i])
-                                               : kv_digest_tokens(c->tokens + (size_t)i * kv->block_tokens, kv->block_tokens);
+    kva_kv_key digest = kind == KVA_KV_KEY_U64
+                            ? kv_digest_caller(c->keys[i])
+                            : kv_digest_tokens(c->tokens + (size_t)i * kv->block_tokens, kv->block_tokens);
     return kv_ident_library(kv_key_chain(parent, digest, c->ns), c->ns);
 }
 

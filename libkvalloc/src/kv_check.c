@@ -43,8 +43,10 @@ static kva_status check_free_stack(const kva_kv *kv, uint8_t *seen) {
         if (seen[b]++) return BROKEN("K3: block %u is on the free stack twice", b);
         if (++count > kv->free_count) return BROKEN("K3: the free stack is longer than its count %u", kv->free_count);
     }
-    if (count != kv->free_count) return BROKEN("K3: the free stack holds %u blocks, its count says %u", count, kv->free_count);
-    if (last != kv->free_bottom) return BROKEN("K3: the free stack ends at %u, its bottom says %u", last, kv->free_bottom);
+    if (count != kv->free_count)
+        return BROKEN("K3: the free stack holds %u blocks, its count says %u", count, kv->free_count);
+    if (last != kv->free_bottom)
+        return BROKEN("K3: the free stack ends at %u, its bottom says %u", last, kv->free_bottom);
     return KVA_OK;
 }
 
@@ -55,11 +57,14 @@ static kva_status check_prefix_table(const kva_kv *kv) {
             if (b >= kv->num_blocks) return BROKEN("K5: bucket %u links to %u, past the end", bucket, b);
             const kva_kv_block *blk = &kv->blocks[b];
             if (!blk->registered) return BROKEN("K5: block %u is chained but not registered", b);
-            if ((blk->key.lo & kv->bucket_mask) != bucket) return BROKEN("K5: block %u is chained in the wrong bucket", b);
+            if ((blk->key.lo & kv->bucket_mask) != bucket)
+                return BROKEN("K5: block %u is chained in the wrong bucket", b);
             if (++chained > kv->registered_count) return BROKEN("K5: the chains hold more blocks than are registered");
             if (blk->key_len > kv->max_key_bytes)
-                return BROKEN("K5: block %u has an engine key of %u bytes; at most %u", b, blk->key_len, kv->max_key_bytes);
-            if (blk->key_len && !kv_key_equal(blk->key, kv_key_engine(kv->root, blk->ns, kv_key_store(kv, b), blk->key_len)))
+                return BROKEN("K5: block %u has an engine key of %u bytes; at most %u", b, blk->key_len,
+                              kv->max_key_bytes);
+            if (blk->key_len &&
+                !kv_key_equal(blk->key, kv_key_engine(kv->root, blk->ns, kv_key_store(kv, b), blk->key_len)))
                 return BROKEN("K5: block %u's engine key does not match its fingerprint", b);
             /* The rest of the chain, for a second block of the same key: bounded as the outer
              * walk is not yet past it (a link past the end, or a loop that never comes back to
@@ -99,7 +104,8 @@ static kva_status check_chain(const kva_kv *kv, uint32_t s, const kva_kv_seqrec 
     if (full == 0) return KVA_OK;
     uint32_t b = rec->table[full - 1];
     if (kv->blocks[b].registered && !kv_block_holds(kv, b, &id))
-        return BROKEN("K9: sequence in slot %u's last full block %u is registered under a key other than its chain's", s, b);
+        return BROKEN("K9: sequence in slot %u's last full block %u is registered under a key other than its chain's",
+                      s, b);
     return KVA_OK;
 }
 
@@ -118,8 +124,8 @@ static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
         }
         uint64_t blocks = ((uint64_t)rec->num_tokens + kv->block_tokens - 1) / kv->block_tokens;
         if (rec->len != blocks || rec->len > rec->cap)
-            return BROKEN("K7: sequence in slot %u has %u tokens but %u blocks (room for %u)", s, rec->num_tokens, rec->len,
-                          rec->cap);
+            return BROKEN("K7: sequence in slot %u has %u tokens but %u blocks (room for %u)", s, rec->num_tokens,
+                          rec->len, rec->cap);
         for (uint32_t i = 0; i < rec->len; i++) {
             uint32_t b = rec->table[i];
             if (b >= kv->num_blocks) return BROKEN("K2: sequence in slot %u names block %u, past the end", s, b);
@@ -131,7 +137,8 @@ static kva_status check_sequences(const kva_kv *kv, uint32_t *refs) {
         if (st != KVA_OK) return st;
     }
     for (uint32_t s = kv->free_slot; s != KVA_NIL; s = kv->seqs[s].next_free) {
-        if (s >= kv->seq_slots || kv->seqs[s].live) return BROKEN("K7: free-slot list names slot %u, not a free slot", s);
+        if (s >= kv->seq_slots || kv->seqs[s].live)
+            return BROKEN("K7: free-slot list names slot %u, not a free slot", s);
         if (++free_slots > kv->seq_slots) return BROKEN("K7: the free-slot list loops");
     }
     if (live != kv->live_seqs || pins != kv->live_pins || live + pins + free_slots != kv->seq_slots)
@@ -149,14 +156,16 @@ static kva_status check_events(const kva_kv *kv) {
         const kva_kv_event *ev = &kv->events[(kv->event_head + i) % kv->event_capacity];
         if (ev->kind < KVA_KV_EVENT_STORED || ev->kind > KVA_KV_EVENT_CLEARED || ev->key_len > KVA_KV_MAX_KEY_BYTES ||
             ev->parent_len > KVA_KV_MAX_KEY_BYTES)
-            return BROKEN("K10: event %u has kind %u, key_len %u, parent_len %u", i, ev->kind, ev->key_len, ev->parent_len);
+            return BROKEN("K10: event %u has kind %u, key_len %u, parent_len %u", i, ev->kind, ev->key_len,
+                          ev->parent_len);
     }
     return KVA_OK;
 }
 
 static kva_status check_paged(kva_kv *kv) {
     if (kva_usable_size(kv->pool, kv->memory) < kv->info.kv_bytes)
-        return BROKEN("K0: the KV memory at %p is not a live allocation of %zu bytes", (void *)kv->memory, kv->info.kv_bytes);
+        return BROKEN("K0: the KV memory at %p is not a live allocation of %zu bytes", (void *)kv->memory,
+                      kv->info.kv_bytes);
     kva_status st = check_states(kv);
     if (st != KVA_OK) return st;
     uint8_t *seen = calloc(kv->num_blocks, 1);
@@ -188,7 +197,7 @@ static kva_status check_paged(kva_kv *kv) {
 }
 
 static int compare_addresses(const void *a, const void *b) {
-    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
+    uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
     return (x > y) - (x < y);
 }
 

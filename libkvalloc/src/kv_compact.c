@@ -41,7 +41,7 @@ static void move_records(kva_kv *kv, uint32_t n, kva_kv_move *moves) {
     uint32_t hole = 0, src = n, i = 0;
     for (;; i++) {
         while (src < kv->backed_blocks && kv->blocks[src].state == KV_FREE) src++;
-        if (src >= kv->backed_blocks) break; /* trimmed blocks hold nothing */
+        if (src >= kv->backed_blocks) break;              /* trimmed blocks hold nothing */
         while (kv->blocks[hole].state != KV_FREE) hole++; /* below n: as many holes as sources */
         kv->blocks[hole] = kv->blocks[src];
         kv->blocks[src].next = hole;
@@ -81,8 +81,8 @@ static void rewrite_tables(kva_kv *kv, uint32_t n) {
 static void rebuild_free(kva_kv *kv, uint32_t n) {
     uint32_t total = kv->backed_blocks; /* the trimmed blocks above stay trimmed */
     for (uint32_t b = n; b < total; b++)
-        kv->blocks[b] = (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .next = b + 1 < total ? b + 1 : KVA_NIL,
-                                       .state = KV_FREE};
+        kv->blocks[b] =
+            (kva_kv_block){.refs = 0, .hash_next = KVA_NIL, .next = b + 1 < total ? b + 1 : KVA_NIL, .state = KV_FREE};
     kv->free_top = n < total ? n : KVA_NIL;
     kv->free_bottom = n < total ? total - 1 : KVA_NIL;
 }

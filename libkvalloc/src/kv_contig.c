@@ -38,8 +38,7 @@ static void buffer_free(kva_kv *kv, unsigned char *buffer) {
 }
 
 kva_status kv_contig_allocate(kva_kv *kv, uint32_t num_tokens, uint32_t priority, kva_kv_seq *seq) {
-    if (num_tokens > kv->max_context)
-        return INVALID("%u tokens exceed max_context %u", num_tokens, kv->max_context);
+    if (num_tokens > kv->max_context) return INVALID("%u tokens exceed max_context %u", num_tokens, kv->max_context);
     uint32_t bucket = bucket_for(num_tokens);
     kva_kv_seqrec *rec = kv_seq_reserve(kv, 0);
     if (!rec) {
@@ -66,16 +65,15 @@ kva_status kv_contig_allocate(kva_kv *kv, uint32_t num_tokens, uint32_t priority
 
 kva_status kv_contig_append(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens, kva_kv_copy *copy) {
     uint32_t new_tokens = rec->num_tokens + num_tokens;
-    if (new_tokens > kv->max_context)
-        return INVALID("%u tokens exceed max_context %u", new_tokens, kv->max_context);
+    if (new_tokens > kv->max_context) return INVALID("%u tokens exceed max_context %u", new_tokens, kv->max_context);
     kva_kv_copy out = {KVA_KV_NO_BLOCK, KVA_KV_NO_BLOCK, 0, 0, 0, NULL, NULL};
     if (new_tokens > rec->bucket_tokens) {
         uint32_t bucket = bucket_for(new_tokens);
         unsigned char *buffer;
         kva_status st = buffer_alloc(kv, bucket, &buffer);
         if (st != KVA_OK) return st;
-        out = (kva_kv_copy){KVA_KV_NO_BLOCK, KVA_KV_NO_BLOCK, rec->num_tokens, rec->bucket_tokens, bucket,
-                            rec->buffer, buffer};
+        out = (kva_kv_copy){KVA_KV_NO_BLOCK, KVA_KV_NO_BLOCK, rec->num_tokens, rec->bucket_tokens,
+                            bucket,          rec->buffer,     buffer};
         buffer_free(kv, rec->retired);
         rec->retired = rec->buffer;
         rec->buffer = buffer;

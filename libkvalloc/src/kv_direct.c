@@ -23,7 +23,8 @@
 #define KV_COMMIT_BATCH 16
 
 static kva_status paged_only(kva_kv *kv) {
-    return kv->info.mode == KVA_KV_PAGED ? KVA_OK : INVALID("the block calls need paged mode; this cache is contiguous");
+    return kv->info.mode == KVA_KV_PAGED ? KVA_OK
+                                         : INVALID("the block calls need paged mode; this cache is contiguous");
 }
 
 /* A paged cache and a list of count block ids, each in range. */
@@ -80,8 +81,10 @@ static kva_status unref_locked(kva_kv *kv, const uint32_t *ids, uint32_t count) 
         for (uint32_t j = 0; j < i; j++) kv->loose[ids[j]]++;
         uint32_t engine = kv->loose[b], tables = kv->blocks[b].refs - engine;
         if (tables == 0)
-            return kv_reject(kv, kva_fail(KVA_ERR_DOUBLE_FREE, "block %u (entry %u): a double unref, the engine holds %u "
-                                                               "references to it and no sequence any", b, i, engine));
+            return kv_reject(kv, kva_fail(KVA_ERR_DOUBLE_FREE,
+                                          "block %u (entry %u): a double unref, the engine holds %u "
+                                          "references to it and no sequence any",
+                                          b, i, engine));
         return INVALID("block %u (entry %u): the engine holds %u references to it; its other %u are sequences'", b, i,
                        engine, tables);
     }
@@ -145,15 +148,14 @@ static kva_status commit_check(kva_kv *kv, const uint32_t *blocks, uint32_t coun
     for (; i < count && st == KVA_OK; i++) {
         uint32_t b = blocks[i];
         const kva_kv_block *blk = &kv->blocks[b];
-        if (kv->loose[b] & KV_LOOSE_MARK)
-            st = kva_fail(KVA_ERR_INVALID, "block %u is listed twice (entry %u)", b, i);
+        if (kv->loose[b] & KV_LOOSE_MARK) st = kva_fail(KVA_ERR_INVALID, "block %u is listed twice (entry %u)", b, i);
         else if (blk->state != KV_USED || kv->loose[b] != blk->refs)
-            st = kva_fail(KVA_ERR_INVALID, "block %u (entry %u) is not held by the engine alone: state %u, %u references, "
-                                           "%u of them the engine's", b, i, blk->state, blk->refs, kv->loose[b]);
-        else if (blk->registered)
-            st = kva_fail(KVA_ERR_INVALID, "block %u (entry %u) is registered already", b, i);
-        else
-            kv->loose[b] |= KV_LOOSE_MARK;
+            st = kva_fail(KVA_ERR_INVALID,
+                          "block %u (entry %u) is not held by the engine alone: state %u, %u references, "
+                          "%u of them the engine's",
+                          b, i, blk->state, blk->refs, kv->loose[b]);
+        else if (blk->registered) st = kva_fail(KVA_ERR_INVALID, "block %u (entry %u) is registered already", b, i);
+        else kv->loose[b] |= KV_LOOSE_MARK;
     }
     for (uint32_t j = 0; j < i; j++) kv->loose[blocks[j]] &= ~KV_LOOSE_MARK;
     return st == KVA_OK ? KVA_OK : kv_reject(kv, st);

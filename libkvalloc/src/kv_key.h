@@ -112,7 +112,8 @@ KVA_INLINE kva_kv_key kv_digest_tokens(const uint32_t *tokens, uint32_t n) {
 /* The fingerprint of an engine's key of len bytes (1 .. KVA_KV_MAX_KEY_BYTES) in namespace ns,
  * seeded by the cache's root so that a client cannot aim keys at one bucket. */
 KVA_INLINE kva_kv_key kv_key_engine(kva_kv_key root, uint64_t ns, const uint8_t *bytes, uint32_t len) {
-    uint64_t a = kv_absorb_a(root.lo ^ KV_DOMAIN_ENGINE ^ len, ns), b = kv_absorb_b(root.hi + KV_DOMAIN_ENGINE + len, ns);
+    uint64_t a = kv_absorb_a(root.lo ^ KV_DOMAIN_ENGINE ^ len, ns),
+             b = kv_absorb_b(root.hi + KV_DOMAIN_ENGINE + len, ns);
     for (uint32_t i = 0; i < len; i += 8) {
         uint64_t w = 0;
         memcpy(&w, bytes + i, len - i < 8 ? len - i : 8);

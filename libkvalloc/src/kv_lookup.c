@@ -14,7 +14,8 @@
 
 kva_status kv_content_check(kva_kv *kv, const kva_kv_content *content, uint64_t items, uint64_t ns, kv_content *out) {
     *out = (kv_content){.kind = KVA_KV_KEY_NONE, .ns = ns};
-    if (!content) return items ? INVALID("content is NULL but %llu items are given", (unsigned long long)items) : KVA_OK;
+    if (!content)
+        return items ? INVALID("content is NULL but %llu items are given", (unsigned long long)items) : KVA_OK;
     if (content->kind > KVA_KV_KEY_BYTES) return INVALID("unknown content kind %u", content->kind);
     if (content->kind == KVA_KV_KEY_NONE)
         return items ? INVALID("content of kind NONE with %llu items", (unsigned long long)items) : KVA_OK;
@@ -24,8 +25,7 @@ kva_status kv_content_check(kva_kv *kv, const kva_kv_content *content, uint64_t 
                                                            : (const void *)content->key_bytes;
     if (!array && items) return INVALID("the content's array of its kind %u is NULL", content->kind);
     if (content->kind == KVA_KV_KEY_BYTES) {
-        if (kv->max_key_bytes == 0)
-            return INVALID("this cache takes no engine keys (created with max_key_bytes 0)");
+        if (kv->max_key_bytes == 0) return INVALID("this cache takes no engine keys (created with max_key_bytes 0)");
         if (content->key_len == 0 || content->key_len > kv->max_key_bytes)
             return INVALID("key_len %u is not in 1 .. %u (max_key_bytes)", content->key_len, kv->max_key_bytes);
     }
@@ -61,8 +61,8 @@ KVA_INLINE kv_ident given_key(const kv_content *c, kva_kv_key key, uint32_t i, c
 /* The probe for one kind of content, a constant, so that each kind compiles to its own loop with
  * nothing of the others'. Each round keeps only the 128-bit keys: a block's key as the table
  * matches it is rebuilt from them and the content where it is needed. */
-KVA_INLINE uint32_t probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last,
-                          uint32_t *cached_hits, const uint32_t kind) {
+KVA_INLINE uint32_t probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last, uint32_t *cached_hits,
+                          const uint32_t kind) {
     const int engine = kind == KVA_KV_KEY_BYTES;
     kva_kv_key at = kv->root; /* the last hit's key, what the next block chains on */
     uint32_t hits = 0, cached = 0;
@@ -107,7 +107,8 @@ done:
     return hits;
 }
 
-uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last, uint32_t *cached_hits) {
+uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table, kv_ident *last,
+                         uint32_t *cached_hits) {
     switch (c->kind) {
     case KVA_KV_KEY_U64: return probe(kv, c, table, last, cached_hits, KVA_KV_KEY_U64);
     case KVA_KV_KEY_TOKENS: return probe(kv, c, table, last, cached_hits, KVA_KV_KEY_TOKENS);

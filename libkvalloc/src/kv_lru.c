@@ -81,10 +81,8 @@ void kv_lru_release(kva_kv *kv) {
  * linked at the tail of list p. */
 static uint32_t segment_append(kva_kv *kv, unsigned p) {
     uint32_t s = kv->lru_free;
-    if (s != KVA_NIL)
-        kv->lru_free = kv->lru_segs[s].next;
-    else
-        s = kv->lru_used++;
+    if (s != KVA_NIL) kv->lru_free = kv->lru_segs[s].next;
+    else s = kv->lru_used++;
     kv_lru_seg *g = &kv->lru_segs[s];
     *g = (kv_lru_seg){.prev = kv->lru_tail[p], .next = KVA_NIL, .priority = (uint8_t)p};
     if (g->prev == KVA_NIL) kv->lru_head[p] = s;
@@ -211,7 +209,8 @@ static kva_status check_segment(const kva_kv *kv, uint32_t s, unsigned p, uint8_
     const kv_lru_seg *g = &kv->lru_segs[s];
     const uint32_t *ids = kv_lru_seg_ids(kv, s);
     if (g->priority != p) return BROKEN("K4: segment %u on LRU list %u says priority %u", s, p, g->priority);
-    if (g->fill > SEG || g->first > g->fill) return BROKEN("K4: segment %u has first %u, fill %u", s, g->first, g->fill);
+    if (g->fill > SEG || g->first > g->fill)
+        return BROKEN("K4: segment %u has first %u, fill %u", s, g->first, g->fill);
     uint32_t live = 0;
     if (g->fill > g->first && ids[g->fill - 1] == KVA_NIL)
         return BROKEN("K4: segment %u ends in a tombstone at %u", s, g->fill - 1);
@@ -223,7 +222,8 @@ static kva_status check_segment(const kva_kv *kv, uint32_t s, unsigned p, uint8_
         const kva_kv_block *blk = &kv->blocks[b];
         if (blk->state != KV_CACHED || blk->priority != p)
             return BROKEN("K4: block %u on LRU list %u has state %u priority %u", b, p, blk->state, blk->priority);
-        if (blk->lru_slot != s * SEG + i) return BROKEN("K4: block %u sits at %u but records %u", b, s * SEG + i, blk->lru_slot);
+        if (blk->lru_slot != s * SEG + i)
+            return BROKEN("K4: block %u sits at %u but records %u", b, s * SEG + i, blk->lru_slot);
         if (seen[b]++) return BROKEN("K4: block %u is listed twice", b);
         live++;
     }
@@ -243,7 +243,8 @@ static kva_status check_lists(const kva_kv *kv, uint8_t *seen, uint8_t *listed) 
         uint32_t count = 0, prev = KVA_NIL;
         for (uint32_t s = kv->lru_head[p]; s != KVA_NIL; s = kv->lru_segs[s].next) {
             if (s >= kv->lru_used) return BROKEN("K4: LRU list %u links to segment %u, past the used ones", p, s);
-            if (kv->lru_segs[s].prev != prev) return BROKEN("K4: segment %u on LRU list %u has a wrong prev link", s, p);
+            if (kv->lru_segs[s].prev != prev)
+                return BROKEN("K4: segment %u on LRU list %u has a wrong prev link", s, p);
             if (++linked > kv->lru_used) return BROKEN("K4: the LRU lists loop");
             listed[s] = 1;
             kva_status st = check_segment(kv, s, p, seen, &count);
@@ -254,9 +255,12 @@ static kva_status check_lists(const kva_kv *kv, uint8_t *seen, uint8_t *listed) 
                               kv->lru_segs[prev].live + kv->lru_segs[s].live);
             prev = s;
         }
-        if (kv->lru_tail[p] != prev) return BROKEN("K4: LRU list %u's tail is %u, the list ends at %u", p, kv->lru_tail[p], prev);
-        if (count != kv->lru_count[p]) return BROKEN("K4: LRU list %u holds %u blocks, its count says %u", p, count, kv->lru_count[p]);
-        if (((kv->lru_nonempty >> p) & 1) != (count != 0)) return BROKEN("K4: nonempty bit %u disagrees with list %u", p, p);
+        if (kv->lru_tail[p] != prev)
+            return BROKEN("K4: LRU list %u's tail is %u, the list ends at %u", p, kv->lru_tail[p], prev);
+        if (count != kv->lru_count[p])
+            return BROKEN("K4: LRU list %u holds %u blocks, its count says %u", p, count, kv->lru_count[p]);
+        if (((kv->lru_nonempty >> p) & 1) != (count != 0))
+            return BROKEN("K4: nonempty bit %u disagrees with list %u", p, p);
         total += count;
     }
     if (kv->lru_nonempty >> KVA_KV_PRIORITIES) return BROKEN("K4: nonempty bits beyond the priorities");
@@ -275,8 +279,7 @@ static kva_status check_lists(const kva_kv *kv, uint8_t *seen, uint8_t *listed) 
 }
 
 kva_status kv_lru_check(const kva_kv *kv, uint8_t *seen) {
-    if (kv->lru_used > kv->lru_segments)
-        return BROKEN("K4: %u segments used of %u", kv->lru_used, kv->lru_segments);
+    if (kv->lru_used > kv->lru_segments) return BROKEN("K4: %u segments used of %u", kv->lru_used, kv->lru_segments);
     uint8_t *listed = calloc((size_t)kv->lru_used + 1, 1);
     if (!listed) return kva_fail(KVA_ERR_NOMEM, "no host memory to check %u LRU segments", kv->lru_used);
     kva_status st = check_lists(kv, seen, listed);

@@ -117,7 +117,8 @@ static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, u
                         .block_tokens = kv->info.mode == KVA_KV_PAGED ? kv->block_tokens : 1,
                         .total_blocks = kv->num_blocks,
                         /* Trimmed blocks are free ones (without memory for now). */
-                        .free_blocks = kv->free_count + (kv->info.mode == KVA_KV_PAGED ? kv->num_blocks - kv->backed_blocks : 0),
+                        .free_blocks = kv->free_count +
+                                       (kv->info.mode == KVA_KV_PAGED ? kv->num_blocks - kv->backed_blocks : 0),
                         .used_blocks = kv->used_count,
                         .cached_blocks = kv->cached_count,
                         .hit_tokens = c->hit_tokens,

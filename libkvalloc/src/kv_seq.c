@@ -28,8 +28,8 @@ kva_kv_seqrec *kv_live_seq(kva_kv *kv, kva_kv_seq seq, kva_status *st) {
 
 static kva_status no_room(kva_kv *kv, uint32_t need, uint32_t available, const char *what) {
     kv->counters.alloc_failures++;
-    return kva_fail(KVA_ERR_NOMEM, "%s needs %u new blocks; %u are free or evictable (of %u)", what, need,
-                    available, kv->num_blocks);
+    return kva_fail(KVA_ERR_NOMEM, "%s needs %u new blocks; %u are free or evictable (of %u)", what, need, available,
+                    kv->num_blocks);
 }
 
 /* Whether content given at admission of num_tokens tokens, full blocks of them, covers the
@@ -177,15 +177,18 @@ kva_status kva_kv_seq_admit(kva_kv *kv, uint32_t num_tokens, uint64_t namespace_
 static kva_status legacy_content(const uint64_t *keys, uint32_t num_keys, const uint32_t *tokens,
                                  uint32_t num_token_ids, kva_kv_content *out, uint32_t *count) {
     if (num_keys && num_token_ids) return kva_fail(KVA_ERR_INVALID, "give block keys or token ids, not both");
-    *out = (kva_kv_content){.kind = num_keys ? KVA_KV_KEY_U64 : num_token_ids ? KVA_KV_KEY_TOKENS : KVA_KV_KEY_NONE,
-                            .tokens = tokens, .keys = keys};
+    *out = (kva_kv_content){.kind = num_keys        ? KVA_KV_KEY_U64
+                                    : num_token_ids ? KVA_KV_KEY_TOKENS
+                                                    : KVA_KV_KEY_NONE,
+                            .tokens = tokens,
+                            .keys = keys};
     *count = num_keys + num_token_ids;
     return KVA_OK;
 }
 
 kva_status kva_kv_seq_allocate(kva_kv *kv, uint32_t num_tokens, const uint64_t *block_keys, uint32_t num_keys,
-                               const uint32_t *tokens, uint32_t num_token_ids, uint32_t namespace_id,
-                               uint32_t priority, kva_kv_seq *seq, uint32_t *cached_tokens) {
+                               const uint32_t *tokens, uint32_t num_token_ids, uint32_t namespace_id, uint32_t priority,
+                               kva_kv_seq *seq, uint32_t *cached_tokens) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kva_kv_content content;
     uint32_t count = 0;
@@ -207,8 +210,7 @@ static uint32_t blocks_filled(const kva_kv *kv, const kva_kv_seqrec *rec, uint32
 KVA_INLINE kva_status extend_check(kva_kv *kv, const kva_kv_seqrec *rec, kva_kv_seq seq, uint32_t n,
                                    const kv_content *c) {
     if (rec->is_pin) return INVALID("sequence %#llx is a pin; pins do not grow", (unsigned long long)seq);
-    if ((uint64_t)rec->num_tokens + n > UINT32_MAX)
-        return INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, n);
+    if ((uint64_t)rec->num_tokens + n > UINT32_MAX) return INVALID("%u + %u tokens exceed 2^32-1", rec->num_tokens, n);
     if (rec->key_kind == KVA_KV_KEY_NONE || !c || c->items == 0) return KVA_OK; /* content not read */
     if (c->kind != rec->key_kind || c->key_len != (rec->key_kind == KVA_KV_KEY_BYTES ? rec->key_len : 0))
         return INVALID("content of kind %u (key_len %u) for sequence %#llx, keyed by kind %u (key_len %u)", c->kind,
@@ -256,7 +258,7 @@ KVA_INLINE kva_status extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens
                              kva_kv_copy *copy) {
     uint32_t bt = kv->block_tokens;
     uint32_t old_tokens = rec->num_tokens, new_tokens = old_tokens + num_tokens;
-    uint32_t new_len = new_tokens / bt + (new_tokens % bt != 0); /* one division */
+    uint32_t new_len = new_tokens / bt + (new_tokens % bt != 0);     /* one division */
     uint32_t fill = rec->len ? old_tokens - (rec->len - 1) * bt : 0; /* len = ceil(old_tokens / bt) */
     if (fill == bt) fill = 0;
     int cow = num_tokens != 0 && fill != 0 && kv->blocks[rec->table[rec->len - 1]].refs > 1;
@@ -318,7 +320,7 @@ KVA_INLINE kva_status extend_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tok
     st = extend_check(kv, rec, seq, num_tokens, given);
     if (st != KVA_OK) return st;
     st = kv->info.mode == KVA_KV_CONTIGUOUS ? kv_contig_append(kv, rec, num_tokens, copy)
-                                           : extend(kv, rec, num_tokens, given, copy);
+                                            : extend(kv, rec, num_tokens, given, copy);
     if (st == KVA_OK) kv->counters.appends++;
     return st;
 }
@@ -347,7 +349,8 @@ static kva_status seq_fork_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child)
     kva_kv_seqrec *parent = kv_live_seq(kv, seq, &st);
     if (!parent) return st;
     if (!child) return INVALID("child is NULL");
-    if (kv->info.mode != KVA_KV_PAGED || parent->is_pin) return INVALID("fork needs a paged sequence that is not a pin");
+    if (kv->info.mode != KVA_KV_PAGED || parent->is_pin)
+        return INVALID("fork needs a paged sequence that is not a pin");
     size_t parent_slot = (size_t)(parent - kv->seqs);
     kva_kv_seqrec *rec = kv_seq_reserve(kv, parent->len);
     if (!rec) {

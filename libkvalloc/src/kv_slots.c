@@ -33,7 +33,8 @@ uint32_t kv_new_handle_key(void) {
 kva_kv_seqrec *kv_seq_refused(const kva_kv *kv, kva_kv_seq seq, kva_status *why) {
     uint32_t slot = (uint32_t)seq ^ kv->handle_key, generation = (uint32_t)(seq >> 32);
     if (slot >= kv->seq_slots || generation == 0) {
-        *why = kva_fail(KVA_ERR_INVALID, "sequence handle %#llx was never given by this cache", (unsigned long long)seq);
+        *why = kva_fail(KVA_ERR_INVALID, "sequence handle %#llx was never given by this cache",
+                        (unsigned long long)seq);
         return NULL;
     }
     const kva_kv_seqrec *rec = &kv->seqs[slot];

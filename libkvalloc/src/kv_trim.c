@@ -28,7 +28,8 @@ static size_t region_start(const kva_kv *kv, unsigned r) {
 
 /* The units of region r released when the backed blocks go from `to` down to `from` (see the
  * top), as offsets from the KV memory's start; start == end when there are none. */
-static void unit_span(const kva_kv *kv, unsigned r, size_t unit, uint32_t from, uint32_t to, size_t *start, size_t *end) {
+static void unit_span(const kva_kv *kv, unsigned r, size_t unit, uint32_t from, uint32_t to, size_t *start,
+                      size_t *end) {
     uintptr_t mem = (uintptr_t)kv->memory, stride = kv->info.block_stride;
     uintptr_t rs = mem + region_start(kv, r), re = rs + (uintptr_t)kv->num_blocks * stride;
     uintptr_t lo = round_up(rs + (uintptr_t)from * stride, unit), cap = round_down(re, unit);

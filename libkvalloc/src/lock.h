@@ -49,14 +49,17 @@ typedef struct kva_lock_owner {
 } __attribute__((aligned(64))) kva_lock_owner;
 
 struct kva_lock {
-    uint32_t held;               /* the plain lock */
-    uint32_t streak;             /* under held: plain acquisitions in a row by streak_owner */
-    kva_lock_owner *bias;        /* the thread the lock is biased to, or NULL */
+    uint32_t held;        /* the plain lock */
+    uint32_t streak;      /* under held: plain acquisitions in a row by streak_owner */
+    kva_lock_owner *bias; /* the thread the lock is biased to, or NULL */
     kva_lock_owner *streak_owner;
-    uint64_t revocations;        /* under held: biases revoked (for the tests and the curious) */
+    uint64_t revocations; /* under held: biases revoked (for the tests and the curious) */
 };
 
+/* (clang-format 14 would move a macro's brace initializer onto a line of its own) */
+/* clang-format off */
 #define KVA_LOCK_INIT {0, 0, NULL, NULL, 0}
+/* clang-format on */
 
 /* This thread's flag; &kva_lock_nobody until its first lock (kva_lock_me_slow makes it; it stays
  * &kva_lock_nobody if there is no memory for one, and then the thread always takes the plain
@@ -76,7 +79,10 @@ void kva_lock_flags_unlock(void);
 int kva_lock_acquire_slow(kva_lock *lock, kva_lock_owner *me);
 void kva_lock_release_plain(kva_lock *lock);
 
-enum { KVA_LOCK_PLAIN = 0, KVA_LOCK_BIASED = 1 };
+enum {
+    KVA_LOCK_PLAIN = 0,
+    KVA_LOCK_BIASED = 1
+};
 
 /* The biased way in alone: this thread's flag when it entered by its bias (leave with
  * kva_lock_leave_biased), NULL when it must take the lock with kva_lock_acquire. A caller with a

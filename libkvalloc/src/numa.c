@@ -74,7 +74,9 @@ unsigned kva_numa_allowed_count(void) {
     return allowed_nodes(allowed);
 }
 
-int kva_numa_arenas_wanted(void) { return __atomic_load_n(&force_arenas, __ATOMIC_RELAXED) || kva_numa_allowed_count() > 1; }
+int kva_numa_arenas_wanted(void) {
+    return __atomic_load_n(&force_arenas, __ATOMIC_RELAXED) || kva_numa_allowed_count() > 1;
+}
 
 int kva_numa_node_of_cpu(unsigned cpu) {
     unsigned long allowed[MASK_WORDS];

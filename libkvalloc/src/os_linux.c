@@ -138,8 +138,7 @@ kva_status kva_os_reserve(size_t length, size_t alignment, void **out) {
     void *raw = fails_now(KVA_OS_RESERVE)
                     ? MAP_FAILED
                     : mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (raw == MAP_FAILED)
-        return kva_fail(KVA_ERR_BACKEND, "mmap reserve of %zu bytes: %s", span, strerror(errno));
+    if (raw == MAP_FAILED) return kva_fail(KVA_ERR_BACKEND, "mmap reserve of %zu bytes: %s", span, strerror(errno));
     uintptr_t start = (uintptr_t)raw;
     uintptr_t aligned = (start + alignment - 1) & ~(uintptr_t)(alignment - 1);
     if (aligned > start) munmap(raw, aligned - start);
@@ -187,8 +186,8 @@ const char *kva_os_thp_unavailable(void) {
     /* The 2 MiB size's own setting, where the kernel has per-size ones (6.8), overrides the
      * global one unless it says inherit. */
     char line[128];
-    const char *size_setting =
-        thp_setting("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/enabled", line, sizeof line);
+    const char *size_setting = thp_setting("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/enabled", line,
+                                           sizeof line);
     if (size_setting && strncmp(size_setting, "[inherit]", 9) != 0)
         return strncmp(size_setting, "[never]", 7) == 0
                    ? "disabled for 2 MiB pages (/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/enabled)"
@@ -209,8 +208,7 @@ kva_status kva_os_advise_thp(void *addr, size_t length) {
 
 kva_status kva_os_populate(void *addr, size_t length) {
     if (!fails_now(KVA_OS_POPULATE) && madvise(addr, length, MADV_POPULATE_WRITE) == 0) return KVA_OK;
-    if (errno != EINVAL)
-        return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_POPULATE_WRITE): %s", strerror(errno));
+    if (errno != EINVAL) return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_POPULATE_WRITE): %s", strerror(errno));
     /* Kernels before 5.14 lack MADV_POPULATE_WRITE: touch one byte per base page instead. Not
      * per huge page: a transparent huge page fault that finds no free huge page falls back to
      * one base page, and the rest of the 2 MiB would stay untouched. The touch adds zero
@@ -265,8 +263,7 @@ static int same_file(const struct stat *a, const struct stat *b) {
 }
 
 static kva_status left_alone(const char *path, const char *what) {
-    return kva_fail(KVA_ERR_BACKEND, "%s is %s: not an abandoned segment of this process, left as it is", path,
-                    what);
+    return kva_fail(KVA_ERR_BACKEND, "%s is %s: not an abandoned segment of this process, left as it is", path, what);
 }
 
 /* What is at `leaf` of SHM_DIR (dir): KVA_OK with *fd_out -1 if nothing is there, or with
@@ -277,8 +274,7 @@ static kva_status left_alone(const char *path, const char *what) {
  * (which an open for reading waits on), a link (to a file its maker could not touch), a device.
  * The first look is through an O_PATH descriptor, which opens nothing; only a regular file is
  * then opened, without following a link or blocking, and only if it is the file looked at. */
-static kva_status inspect_leftover(int dir, const char *leaf, const char *path, kva_os_shm_own_fn own,
-                                   int *fd_out) {
+static kva_status inspect_leftover(int dir, const char *leaf, const char *path, kva_os_shm_own_fn own, int *fd_out) {
     *fd_out = -1;
     struct stat seen, opened;
     int probe = openat(dir, leaf, O_PATH | O_NOFOLLOW | O_CLOEXEC);

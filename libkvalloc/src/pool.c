@@ -81,7 +81,8 @@ static kva_status commit_block(kva_pool *pool, uint32_t head) {
  * the pool lock. KVA_NIL in *head when the buddy has none. */
 static kva_status take_block(kva_pool *pool, unsigned order, uint32_t units, uint32_t *head) {
     pthread_mutex_lock(&pool->lock);
-    *head = units ? kva_buddy_alloc_exact(&pool->buddy, order, units) : kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
+    *head = units ? kva_buddy_alloc_exact(&pool->buddy, order, units)
+                  : kva_buddy_alloc(&pool->buddy, order, KVA_BLOCK_USED);
     kva_status st = KVA_OK;
     kva_assert_internal(*head == KVA_NIL || pool->buddy.pages[*head].state == KVA_BLOCK_USED);
     if (*head != KVA_NIL) {
@@ -133,8 +134,10 @@ static kva_status alloc_any(kva_pool *pool, size_t size, void **out) {
     if (!out) return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "out is NULL"));
     if (size == 0) return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "size 0"));
     if (size > pool->max_alloc_size)
-        return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "size %zu exceeds the largest block this pool can "
-                                                               "hold (%zu)", size, pool->max_alloc_size));
+        return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID,
+                                              "size %zu exceeds the largest block this pool can "
+                                              "hold (%zu)",
+                                              size, pool->max_alloc_size));
     if (size <= KVA_SLAB_MAX_SIZE) return alloc_object(pool, kva_class_index(size), size, out);
     return alloc_block(pool, size, out);
 }
@@ -219,8 +222,10 @@ static kva_status alloc_aligned_any(kva_pool *pool, size_t size, size_t alignmen
     }
     size_t need = size > alignment ? size : alignment;
     if (need > pool->max_alloc_size)
-        return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "size %zu at alignment %zu exceeds the largest block "
-                                                               "(%zu)", size, alignment, pool->max_alloc_size));
+        return kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID,
+                                              "size %zu at alignment %zu exceeds the largest block "
+                                              "(%zu)",
+                                              size, alignment, pool->max_alloc_size));
     return alloc_block(pool, need, out);
 }
 
@@ -228,8 +233,8 @@ kva_status kva_alloc_array(kva_pool *pool, size_t count, size_t size, void **out
     size_t bytes;
     if (__builtin_mul_overflow(count, size, &bytes)) {
         if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
-        kva_status st =
-            kva_pool_reject(pool, kva_fail(KVA_ERR_INVALID, "%zu elements of %zu bytes overflow a size", count, size));
+        kva_status st = kva_pool_reject(
+            pool, kva_fail(KVA_ERR_INVALID, "%zu elements of %zu bytes overflow a size", count, size));
         return observe_end(pool, KVA_SHM_OP_ALLOC, st, NULL, SIZE_MAX, UINT64_MAX);
     }
     return kva_alloc(pool, bytes, out);
@@ -264,8 +269,8 @@ static kva_status alloc_exact_any(kva_pool *pool, size_t size, void **out) {
 kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st =
-        pool->checked ? kva_checked_alloc(pool, size, out, alloc_exact_any) : alloc_exact_any(pool, size, out);
+    kva_status st = pool->checked ? kva_checked_alloc(pool, size, out, alloc_exact_any)
+                                  : alloc_exact_any(pool, size, out);
     kva_assert(st != KVA_OK ||
                handed_out(pool, *out, size, pool->checked ? KVA_REDZONE : (size_t)1 << pool->buddy.min_shift));
     return observe_end(pool, KVA_SHM_OP_ALLOC_EXACT, st, st == KVA_OK ? *out : NULL, size, start);
@@ -278,7 +283,7 @@ kva_status kva_pool_free_plain(kva_pool *pool, void *ptr) {
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)pool->base;
     if (offset >= pool->capacity)
         return kva_pool_reject(pool, kva_fail(KVA_ERR_BAD_POINTER, "%p is outside the pool [%p, %p)", ptr,
-                                     (void *)pool->base, (void *)(pool->base + pool->capacity)));
+                                              (void *)pool->base, (void *)(pool->base + pool->capacity)));
     if (__atomic_load_n(&pool->slabs.slabs[kva_slab_chunk(&pool->slabs, offset)].cls, __ATOMIC_ACQUIRE) !=
         KVA_SLAB_NONE) {
         /* A thread's first free of the pool makes its cache only once the free is known to be
@@ -304,8 +309,8 @@ kva_status kva_pool_free_plain(kva_pool *pool, void *ptr) {
     int aligned = (offset & (((uint64_t)1 << pool->buddy.min_shift) - 1)) == 0;
     pthread_mutex_lock(&pool->lock);
     if (aligned && pool->buddy.pages[index].state == KVA_BLOCK_USED) {
-        kva_region_decommit(&pool->region, offset, (uint64_t)kva_buddy_length(&pool->buddy.pages[index])
-                                                       << pool->buddy.min_shift);
+        kva_region_decommit(&pool->region, offset,
+                            (uint64_t)kva_buddy_length(&pool->buddy.pages[index]) << pool->buddy.min_shift);
         kva_buddy_free(&pool->buddy, index);
         pool->block_frees++;
         pthread_mutex_unlock(&pool->lock);

@@ -51,13 +51,13 @@ struct kva_pool {
      * compare with a field instead of a constant. */
     size_t fast_limit;
     size_t fast_capacity;
-    int checked;                     /* kva_config.checked: see checked_mode.h */
+    int checked; /* kva_config.checked: see checked_mode.h */
     kva_slabs slabs;
     kva_buddy buddy;
     /* The pool lock: the buddy, the region, the block counters and slabs.live_slabs. Taken
      * inside an arena lock, never the other way round (arena.h). */
     pthread_mutex_t lock;
-    uint64_t block_allocs;   /* buddy blocks handed out (slab objects count per class) */
+    uint64_t block_allocs; /* buddy blocks handed out (slab objects count per class) */
     uint64_t block_frees;
     uint64_t alloc_failures; /* atomic */
     uint64_t rejected_calls; /* atomic */
@@ -66,22 +66,22 @@ struct kva_pool {
      * is never handed out again, a free of it is a double free (its caller freed it once
      * already), and kva_check reports it (C2). The totals count it as an allocation nobody
      * received. */
-    uint64_t *quarantine;            /* the blocks' start offsets, in the order found */
+    uint64_t *quarantine; /* the blocks' start offsets, in the order found */
     uint32_t quarantined, quarantine_room;
     /* atomic: the same blocks taken back instead, when there was no host memory to list them
      * (poisoned again and freed: each was counted as an allocation and a free that the caller
      * never saw, so the totals take both out again) */
     uint64_t retracted_allocs;
     size_t max_alloc_size;
-    size_t populated_bytes;          /* metadata faulted in at creation within the process's
-                                        share (pool_make.c); 0 with prefault */
+    /* metadata faulted in at creation within the process's share (pool_make.c); 0 with prefault */
+    size_t populated_bytes;
     kva_region region;
-    int trace;                       /* a named pool's kva_config.trace: every call is timed and recorded */
-    uint64_t uid;                    /* unique in the process: a thread's countdown (kva_pool_tick) */
+    int trace;    /* a named pool's kva_config.trace: every call is timed and recorded */
+    uint64_t uid; /* unique in the process: a thread's countdown (kva_pool_tick) */
     kva_pool_observer observer;
-    kva_tc_registry caches;          /* the thread caches (tcache.h) */
+    kva_tc_registry caches;                 /* the thread caches (tcache.h) */
     struct kva_pool *live_prev, *live_next; /* every live pool (kva_pools_first) */
-    kva_config config; /* as created; config.name points at name below */
+    kva_config config;                      /* as created; config.name points at name below */
     char name[KVA_NAME_MAX + 1];
 };
 

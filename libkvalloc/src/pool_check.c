@@ -21,8 +21,8 @@ static kva_status check_caches(const kva_pool *pool, uint64_t owned_entries) {
     kva_status st = kva_tc_check_caches(&pool->caches, &listed);
     if (st != KVA_OK) return st;
     if (listed != owned_entries)
-        return BROKEN("S6: %llu words carry an owner but the thread caches list %llu", (unsigned long long)owned_entries,
-                      (unsigned long long)listed);
+        return BROKEN("S6: %llu words carry an owner but the thread caches list %llu",
+                      (unsigned long long)owned_entries, (unsigned long long)listed);
     return KVA_OK;
 }
 
@@ -113,7 +113,8 @@ static kva_status check_locked(kva_pool *pool) {
         return BROKEN("P2: capacity %zu disagrees with %u blocks or the %zu-byte region", pool->capacity,
                       pool->buddy.nblocks, pool->region.length);
     if ((uintptr_t)pool->base & (pool->max_alloc_size - 1))
-        return BROKEN("P1: base %p is not aligned to the largest block (%zu)", (void *)pool->base, pool->max_alloc_size);
+        return BROKEN("P1: base %p is not aligned to the largest block (%zu)", (void *)pool->base,
+                      pool->max_alloc_size);
     uint64_t used_blocks = 0;
     kva_status st = kva_buddy_check(&pool->buddy, &used_blocks);
     if (st != KVA_OK) return st;

@@ -178,7 +178,7 @@ kva_status kva_pool_make(const kva_config *cfg, kva_pool **out) {
         pool->fast_limit = pool->fast_capacity = 0;
     }
     kva_tc_registry_init(&pool->caches, pool, &pool->slabs, pool->base);
-    kva_assert(((uintptr_t)pool->base & (pool->max_alloc_size - 1)) == 0); /* P1 */
+    kva_assert(((uintptr_t)pool->base & (pool->max_alloc_size - 1)) == 0);              /* P1 */
     kva_assert(pool->capacity == (size_t)pool->buddy.nblocks << pool->buddy.min_shift); /* P2 */
     kva_assert_expensive(kva_buddy_check(&pool->buddy, NULL) == KVA_OK);
     list_live(pool);

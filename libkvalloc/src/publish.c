@@ -18,16 +18,31 @@
 static void publish_summary(kva_pool *pool, kva_shm_summary *out) {
     kva_stats st;
     kva_get_stats(pool, &st);
-    *out = (kva_shm_summary){
-        .capacity = st.capacity, .min_block = st.min_block, .slab_chunk = st.slab_chunk,
-        .max_alloc_size = st.max_alloc_size, .bytes_in_use = st.bytes_in_use, .bytes_free = st.bytes_free,
-        .slab_bytes = st.slab_bytes, .slab_free_bytes = st.slab_free_bytes, .largest_free = st.largest_free,
-        .live_allocations = st.live_allocations, .alloc_count = st.alloc_count, .free_count = st.free_count,
-        .alloc_failures = st.alloc_failures, .rejected_calls = st.rejected_calls, .slab_count = st.slab_count,
-        .metadata_bytes = st.metadata_bytes, .page_size = st.page_size, .page_kind = (uint32_t)st.page_kind,
-        .num_orders = st.num_orders, .fragmentation = st.fragmentation,
-        .publish_interval_ms = out->publish_interval_ms, .backend = st.backend, .numa_node = st.numa_node,
-        .flags = (st.locked ? 1u : 0u) | (st.pinned ? 2u : 0u), .mapped_bytes = st.mapped_bytes};
+    *out = (kva_shm_summary){.capacity = st.capacity,
+                             .min_block = st.min_block,
+                             .slab_chunk = st.slab_chunk,
+                             .max_alloc_size = st.max_alloc_size,
+                             .bytes_in_use = st.bytes_in_use,
+                             .bytes_free = st.bytes_free,
+                             .slab_bytes = st.slab_bytes,
+                             .slab_free_bytes = st.slab_free_bytes,
+                             .largest_free = st.largest_free,
+                             .live_allocations = st.live_allocations,
+                             .alloc_count = st.alloc_count,
+                             .free_count = st.free_count,
+                             .alloc_failures = st.alloc_failures,
+                             .rejected_calls = st.rejected_calls,
+                             .slab_count = st.slab_count,
+                             .metadata_bytes = st.metadata_bytes,
+                             .page_size = st.page_size,
+                             .page_kind = (uint32_t)st.page_kind,
+                             .num_orders = st.num_orders,
+                             .fragmentation = st.fragmentation,
+                             .publish_interval_ms = out->publish_interval_ms,
+                             .backend = st.backend,
+                             .numa_node = st.numa_node,
+                             .flags = (st.locked ? 1u : 0u) | (st.pinned ? 2u : 0u),
+                             .mapped_bytes = st.mapped_bytes};
     /* Unusable free space index (Gorman): the share of free memory in blocks smaller than 2^k. */
     uint64_t usable = 0;
     for (int k = (int)st.num_orders - 1; k >= 0; k--) {
@@ -56,8 +71,8 @@ static void publish_heapmap(kva_pool *pool, kva_segment *seg) {
             left -= take;
             if (in_cell == per || index + length - left == b->nblocks) {
                 uint32_t used = counts[1] + counts[2];
-                uint8_t state = counts[0] == in_cell ? KVA_SHM_CELL_FREE
-                                : counts[0] > 0      ? KVA_SHM_CELL_MIXED
+                uint8_t state = counts[0] == in_cell     ? KVA_SHM_CELL_FREE
+                                : counts[0] > 0          ? KVA_SHM_CELL_MIXED
                                 : counts[1] >= counts[2] ? KVA_SHM_CELL_BLOCK
                                                          : KVA_SHM_CELL_SLAB;
                 if (cell < cells) {
@@ -81,9 +96,12 @@ static void publish_classes(kva_pool *pool, kva_segment *seg) {
     for (unsigned c = 0; c < KVA_NUM_SIZE_CLASSES; c++) {
         uint64_t slabs = 0;
         for (unsigned a = 0; a < sl->narenas; a++) slabs += sl->arenas[a].classes[c].slabs;
-        out[c] = (kva_shm_class){.object_size = sl->geom[c].size, .objects_per_slab = sl->geom[c].nobj,
-                                 .live_objects = kva_tc_live(&totals, c), .slabs = slabs,
-                                 .allocs = totals.allocs[c], .frees = kva_tc_frees_made(&totals, c)};
+        out[c] = (kva_shm_class){.object_size = sl->geom[c].size,
+                                 .objects_per_slab = sl->geom[c].nobj,
+                                 .live_objects = kva_tc_live(&totals, c),
+                                 .slabs = slabs,
+                                 .allocs = totals.allocs[c],
+                                 .frees = kva_tc_frees_made(&totals, c)};
     }
 }
 
@@ -126,7 +144,9 @@ static void publish_slabs(kva_pool *pool, kva_segment *seg) {
         const kva_class_geometry *cls = &sl->geom[slab->cls];
         kva_shm_slab *o = &out[n++];
         uint64_t free_objects = count_free(slab->l0, kva_slab_remote(slab, cls), 0, cls->nobj);
-        *o = (kva_shm_slab){.chunk = s, .size_class = slab->cls, .inuse = (uint32_t)(cls->nobj - free_objects),
+        *o = (kva_shm_slab){.chunk = s,
+                            .size_class = slab->cls,
+                            .inuse = (uint32_t)(cls->nobj - free_objects),
                             .objects = cls->nobj};
         for (uint32_t cell = 0; cell < KVA_SHM_STRIP_CELLS; cell++) {
             uint64_t first = (uint64_t)cls->nobj * cell / KVA_SHM_STRIP_CELLS;
@@ -156,8 +176,7 @@ static void publish(kva_publisher *pub, int full) {
     kva_pool_unlock_all(pool);
     if (pub->kv.publish)
         pub->kv.publish(pub->kv.ctx, seg->kv, full ? seg->heapmap : NULL, seg->cell_state, seg->cell_fill);
-    else
-        memset(seg->kv, 0, sizeof *seg->kv);
+    else memset(seg->kv, 0, sizeof *seg->kv);
     seg->header->heartbeat_ns = kva_os_realtime_ns();
     seg->header->publish_count++;
     kva_segment_end(seg);
@@ -241,7 +260,8 @@ static void observe_close(void *ctx) {
 static kva_status open_publisher(kva_pool *pool, const kva_config *cfg) {
     kva_publisher *pub = calloc(1, sizeof *pub);
     if (!pub) return kva_fail(KVA_ERR_NOMEM, "no host memory for the pool's publisher");
-    kva_segment_geometry sg = {.nblocks = pool->buddy.nblocks, .nchunks = pool->slabs.nchunks,
+    kva_segment_geometry sg = {.nblocks = pool->buddy.nblocks,
+                               .nchunks = pool->slabs.nchunks,
                                .narenas = pool->slabs.narenas};
     kva_status st = kva_segment_open(cfg->name, &sg, cfg->trace, cfg->publish_interval_ms, &pub->segment);
     if (st != KVA_OK) {
@@ -250,8 +270,8 @@ static kva_status open_publisher(kva_pool *pool, const kva_config *cfg) {
     }
     pub->pool = pool;
     pthread_mutex_init(&pub->lock, NULL);
-    kva_pool_observe(pool, &(kva_pool_observer){.record = observe_record, .due = observe_due,
-                                                .close = observe_close, .ctx = pub});
+    kva_pool_observe(
+        pool, &(kva_pool_observer){.record = observe_record, .due = observe_due, .close = observe_close, .ctx = pub});
     publish(pub, 1);
     return KVA_OK;
 }

@@ -30,7 +30,7 @@ typedef struct kva_publisher {
     /* The segment's writers (trace records, publishing) and the KV publisher hook. Taken before
      * any other lock of the pool. */
     pthread_mutex_t lock;
-    kva_kv_publisher kv;              /* set by a KV cache built on this pool */
+    kva_kv_publisher kv; /* set by a KV cache built on this pool */
 } kva_publisher;
 
 /* The pool's publisher; NULL for an anonymous pool. */

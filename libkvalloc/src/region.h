@@ -24,15 +24,15 @@ typedef struct kva_cuda_region kva_cuda_region;
 typedef struct kva_cuda_device kva_cuda_device;
 
 typedef struct kva_region {
-    unsigned char *base;      /* aligned start of the managed memory (a device address for CUDA) */
-    size_t length;            /* bytes of address space at base (>= the pool capacity) */
+    unsigned char *base; /* aligned start of the managed memory (a device address for CUDA) */
+    size_t length;       /* bytes of address space at base (>= the pool capacity) */
     kva_backend backend;
-    kva_page_kind page_kind;  /* what backs it */
-    size_t page_size;         /* bytes per page of that kind; the mapping granularity for CUDA */
-    int numa_node;            /* host: the node the range is bound to, -1 if none */
-    int locked;               /* host: mlocked */
-    kva_cuda_device *pinned;  /* host: the GPU whose driver registered the range, or NULL */
-    kva_cuda_region *device;  /* CUDA: the mapping state; NULL for host memory */
+    kva_page_kind page_kind; /* what backs it */
+    size_t page_size;        /* bytes per page of that kind; the mapping granularity for CUDA */
+    int numa_node;           /* host: the node the range is bound to, -1 if none */
+    int locked;              /* host: mlocked */
+    kva_cuda_device *pinned; /* host: the GPU whose driver registered the range, or NULL */
+    kva_cuda_region *device; /* CUDA: the mapping state; NULL for host memory */
 } kva_region;
 
 /* Reserves at least length bytes aligned to alignment and backs them as cfg says (backend,

@@ -11,7 +11,8 @@
 static kva_status check_granule(const kva_cuda_region *r, uint32_t g, uint32_t expected) {
     const kva_granule *gr = &r->granules[g];
     if (gr->released) {
-        if (expected != 1) return BROKEN("R1: granule %u was given back within a block but %u live blocks overlap it", g, expected);
+        if (expected != 1)
+            return BROKEN("R1: granule %u was given back within a block but %u live blocks overlap it", g, expected);
         expected = 0;
     }
     if (gr->refs != expected)
@@ -19,7 +20,7 @@ static kva_status check_granule(const kva_cuda_region *r, uint32_t g, uint32_t e
     int state_ok = gr->state == KVA_GRANULE_UNMAPPED ? gr->refs == 0
                    : gr->state == KVA_GRANULE_MAPPED ? gr->refs > 0
                    : gr->state == KVA_GRANULE_IDLE   ? gr->refs == 0
-                                                 : 0;
+                                                     : 0;
     if (!state_ok) return BROKEN("R2: granule %u is in state %u with %u references", g, gr->state, gr->refs);
     return KVA_OK;
 }
@@ -49,7 +50,8 @@ static kva_status check_lists(const kva_cuda_region *r) {
     uint32_t listed = 0, prev = KVA_NIL, idle = 0, mapped = 0;
     for (uint32_t g = r->idle_head; g != KVA_NIL; g = r->granules[g].next) {
         if (g >= r->ngranules) return BROKEN("R3: the idle list links to granule %u, past the end", g);
-        if (r->granules[g].state != KVA_GRANULE_IDLE) return BROKEN("R3: granule %u is on the idle list but not idle", g);
+        if (r->granules[g].state != KVA_GRANULE_IDLE)
+            return BROKEN("R3: granule %u is on the idle list but not idle", g);
         if (r->granules[g].prev != prev) return BROKEN("R3: granule %u on the idle list has a wrong prev link", g);
         if (++listed > r->ngranules) return BROKEN("R3: the idle list loops");
         prev = g;

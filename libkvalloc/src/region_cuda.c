@@ -244,8 +244,8 @@ static kva_status reserve(kva_cuda_region *r, size_t length, size_t alignment, i
     if (alignment < granularity) alignment = granularity;
     res = d->cuMemAddressReserve(&r->base, r->reserved, alignment, 0, 0);
     if (res != CUDA_SUCCESS) {
-        kva_status st =
-            kva_cuda_fail(d, res, "cuMemAddressReserve of %zu bytes aligned to %zu", r->reserved, alignment);
+        kva_status st = kva_cuda_fail(d, res, "cuMemAddressReserve of %zu bytes aligned to %zu", r->reserved,
+                                      alignment);
         return st == KVA_ERR_NOMEM ? KVA_ERR_BACKEND : st;
     }
     kva_status st = KVA_OK;

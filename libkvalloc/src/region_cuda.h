@@ -18,30 +18,34 @@
 #include "cuda_driver.h"
 #include "region.h"
 
-enum { KVA_GRANULE_UNMAPPED = 0, KVA_GRANULE_MAPPED = 1, KVA_GRANULE_IDLE = 2 };
+enum {
+    KVA_GRANULE_UNMAPPED = 0,
+    KVA_GRANULE_MAPPED = 1,
+    KVA_GRANULE_IDLE = 2
+};
 
 typedef struct kva_granule {
     CUmemGenericAllocationHandle handle; /* the physical memory, unless UNMAPPED */
     uint32_t refs;                       /* live blocks overlapping the granule */
     uint32_t prev, next;                 /* idle list links (IDLE only) */
     uint8_t state;
-    uint8_t released;                    /* given back while its live block lives on (R1) */
+    uint8_t released; /* given back while its live block lives on (R1) */
     uint8_t reserved[2];
 } kva_granule;
 
 struct kva_cuda_region {
     kva_cuda_device dev;
-    CUmemAllocationProp prop;   /* of every granule: pinned device memory of dev */
-    CUmemAccessDesc access;     /* read-write for dev */
+    CUmemAllocationProp prop; /* of every granule: pinned device memory of dev */
+    CUmemAccessDesc access;   /* read-write for dev */
     CUdeviceptr base;
-    size_t reserved;            /* bytes reserved at base: ngranules granules */
-    unsigned shift;             /* log2 of the granularity */
+    size_t reserved; /* bytes reserved at base: ngranules granules */
+    unsigned shift;  /* log2 of the granularity */
     uint32_t ngranules;
     kva_granule *granules;
     size_t granules_bytes;
     uint32_t idle_head, idle_tail;
     uint32_t mapped, idle;
-    size_t watermark;           /* unmap idle granules above this many idle bytes; 0: never */
+    size_t watermark; /* unmap idle granules above this many idle bytes; 0: never */
     int resident;
 };
 

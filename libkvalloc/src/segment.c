@@ -64,7 +64,7 @@ static void *add_section(kva_segment *seg, uint32_t kind, size_t size, size_t *e
 }
 
 static uint32_t heap_cells(uint32_t nblocks, uint32_t *cell_blocks) {
-    uint64_t n = nblocks, per = 1; /* 64-bit: nblocks + per - 1 passes 2^32 near the largest pools */
+    uint64_t n = nblocks, per = 1;                /* 64-bit: nblocks + per - 1 passes 2^32 near the largest pools */
     while ((n + per - 1) / per > 16384) per *= 2; /* at most 16,384 cells */
     *cell_blocks = (uint32_t)per;
     return (uint32_t)((n + per - 1) / per);
@@ -82,7 +82,8 @@ static int is_own_segment(const void *head, size_t len, uint64_t size, char *why
     memcpy(&h, head, sizeof h);
     if (h.magic != KVA_SHM_MAGIC) snprintf(why, why_size, "a file without the segment magic");
     else if (h.abi_major != KVA_SHM_ABI_MAJOR) snprintf(why, why_size, "a segment of ABI %u", (unsigned)h.abi_major);
-    else if (h.writer_pid != kva_os_pid()) snprintf(why, why_size, "a segment written by pid %u", (unsigned)h.writer_pid);
+    else if (h.writer_pid != kva_os_pid())
+        snprintf(why, why_size, "a segment written by pid %u", (unsigned)h.writer_pid);
     else if (h.segment_size != size)
         snprintf(why, why_size, "a segment of %llu bytes in a file of %llu bytes", (unsigned long long)h.segment_size,
                  (unsigned long long)size);
@@ -90,8 +91,8 @@ static int is_own_segment(const void *head, size_t len, uint64_t size, char *why
     return 0;
 }
 
-kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all,
-                            unsigned interval_ms, kva_segment **out) {
+kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all, unsigned interval_ms,
+                            kva_segment **out) {
     kva_segment *seg = calloc(1, sizeof *seg);
     if (!seg) return kva_fail(KVA_ERR_NOMEM, "no host memory for the stats segment descriptor");
     seg->fd = -1;
@@ -219,7 +220,8 @@ void kva_segment_record(kva_segment *seg, uint8_t op, kva_status status, uint64_
                                 .status = (uint8_t)status};
     __atomic_store_n(&t->written, n + 1, __ATOMIC_RELEASE);
     if (latency_ns != UINT64_MAX) {
-        uint64_t *bucket = &(op == KVA_SHM_OP_FREE ? seg->latency->free : seg->latency->alloc)[latency_bucket(latency_ns)];
+        uint64_t *bucket = &(op == KVA_SHM_OP_FREE ? seg->latency->free
+                                                   : seg->latency->alloc)[latency_bucket(latency_ns)];
         __atomic_store_n(bucket, *bucket + 1, __ATOMIC_RELAXED); /* a counter: read as it stands */
     }
 }

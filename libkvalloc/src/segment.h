@@ -14,10 +14,10 @@
 #define KVA_TRACE_RECORDS 1024
 
 typedef struct kva_segment {
-    char name[KVA_NAME_MAX + 32];  /* "/kvalloc.<pid>.<name>" */
+    char name[KVA_NAME_MAX + 32]; /* "/kvalloc.<pid>.<name>" */
     unsigned char *base;
     size_t size;
-    int fd;                        /* kept open: it holds the writer's liveness lock */
+    int fd; /* kept open: it holds the writer's liveness lock */
     kva_shm_header *header;
     kva_shm_summary *summary;
     kva_shm_heapmap *heapmap;
@@ -29,23 +29,24 @@ typedef struct kva_segment {
     kva_shm_kv *kv;
     kva_shm_trace *trace;
     uint64_t interval_ns;
-    uint64_t next_publish_ns;     /* monotonic */
-    uint64_t next_full_ns;        /* monotonic: when the heap map is refreshed next */
-    int inherited;                /* this process is a child forked from the segment's writer
-                                     (kva_segment_disown): nothing is mapped any more */
+    uint64_t next_publish_ns; /* monotonic */
+    uint64_t next_full_ns;    /* monotonic: when the heap map is refreshed next */
+    /* this process is a child forked from the segment's writer (kva_segment_disown): nothing is
+     * mapped any more */
+    int inherited;
     struct kva_segment *next_live; /* the process-wide list removed at exit */
 } kva_segment;
 
 /* The geometry the segment is sized for. */
 typedef struct kva_segment_geometry {
-    uint32_t nblocks;   /* minimum blocks of the pool */
-    uint32_t nchunks;   /* slab descriptors */
+    uint32_t nblocks; /* minimum blocks of the pool */
+    uint32_t nchunks; /* slab descriptors */
     uint32_t narenas;
 } kva_segment_geometry;
 
 /* Creates, maps and registers the segment of pool `pool_name`. */
-kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all,
-                            unsigned interval_ms, kva_segment **out);
+kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *geo, int trace_all, unsigned interval_ms,
+                            kva_segment **out);
 /* Unlinks and unmaps it (an inherited one is only forgotten). NULL is ignored. */
 void kva_segment_close(kva_segment *seg);
 

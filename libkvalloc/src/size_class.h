@@ -17,8 +17,8 @@
 KVA_INLINE unsigned kva_class_index_formula(size_t size) {
     if (size <= KVA_SLAB_MIN_SIZE) return 0;
     size_t s = size - 1;
-    unsigned k = kva_log2(s);                     /* size lies in (2^k, 2^(k+1)] */
-    unsigned j = (unsigned)(s >> (k - 2)) - 3;    /* quarter of that range: 1..4 */
+    unsigned k = kva_log2(s);                  /* size lies in (2^k, 2^(k+1)] */
+    unsigned j = (unsigned)(s >> (k - 2)) - 3; /* quarter of that range: 1..4 */
     return 1 + (k - 4) * 4 + (j - 1);
 }
 

@@ -147,8 +147,7 @@ static uint32_t grow(kva_slabs *sl, unsigned a, unsigned c) {
         /* Before the slab's first touch below (bitmaps are metadata; the chunk is not written). */
         if (kva_numa_bind(sl->region->base + offset, sl->chunk_mask + 1, arena->node, KVA_NUMA_PREFERRED) == KVA_OK)
             slab->bound_node = (uint16_t)(arena->node + 1);
-        else
-            arena->bind_failures++;
+        else arena->bind_failures++;
     }
     uint64_t *slot = kva_slab_bitmap(sl, s);
     fill_bits(slot, g->l0_words);
@@ -304,7 +303,8 @@ unsigned kva_slab_drain_remote(kva_slabs *sl, unsigned a, uint32_t s, uint32_t w
     const kva_class_geometry *g = &sl->geom[c];
     if (w >= g->l0_words || __atomic_load_n(&kva_slab_owner(slab, g)[w], __ATOMIC_SEQ_CST) != KVA_NO_OWNER) return 0;
     *cls = c;
-    uint64_t passed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL), free = kva_load(&slab->l0[w]);
+    uint64_t passed = __atomic_exchange_n(&kva_slab_remote(slab, g)[w], 0, __ATOMIC_ACQ_REL),
+             free = kva_load(&slab->l0[w]);
     if (passed & ~free) free_unowned(sl, s, w, passed & ~free);
     return kva_slab_newly_freed(passed, free);
 }

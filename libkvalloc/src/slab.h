@@ -70,19 +70,19 @@ KVA_INLINE int kva_div_exact(uint64_t d, uint64_t magic, uint64_t *quotient) {
 #define KVA_NO_OWNER 0u
 
 typedef struct kva_slab {
-    uint64_t *l0;         /* this slab's l0 words (inside its bitmap slot) */
-    uint64_t l2;          /* bit i: l1 word i is nonzero */
-    uint32_t prev, next;  /* links of the arena's partial list for the class */
-    uint32_t inuse;       /* see above: live objects of unowned words + all of owned words */
-    uint8_t cls;          /* size class, or KVA_SLAB_NONE if the chunk is not a slab */
-    uint8_t listed;       /* on the partial list */
-    uint16_t arena;       /* the arena that grew it */
-    uint16_t bound_node;  /* 1 + the NUMA node its chunk is bound to, 0 if never bound */
+    uint64_t *l0;        /* this slab's l0 words (inside its bitmap slot) */
+    uint64_t l2;         /* bit i: l1 word i is nonzero */
+    uint32_t prev, next; /* links of the arena's partial list for the class */
+    uint32_t inuse;      /* see above: live objects of unowned words + all of owned words */
+    uint8_t cls;         /* size class, or KVA_SLAB_NONE if the chunk is not a slab */
+    uint8_t listed;      /* on the partial list */
+    uint16_t arena;      /* the arena that grew it */
+    uint16_t bound_node; /* 1 + the NUMA node its chunk is bound to, 0 if never bound */
     /* Copies of what the free fast path needs, set when the slab is made, so that it reads one
      * line of metadata besides the object's words: the class's size, object count, division
      * magic and l0 word count (the remote words follow l0, the owners follow the remote words). */
     uint32_t size, nobj;
-    uint64_t magic;         /* kva_div_magic(size) */
+    uint64_t magic; /* kva_div_magic(size) */
     uint32_t l0_words;
     /* A cache line each (most of it unused): every free reads its slab's descriptor, and a claim or
      * return of a word writes it; neighbouring slabs usually belong to different arenas, hence
@@ -95,27 +95,28 @@ _Static_assert(sizeof(kva_slab) == 64, "a slab descriptor is one cache line");
 /* What every slab of a class shares; fixed at pool creation, read by the fast paths. */
 typedef struct kva_class_geometry {
     uint32_t size;
-    uint32_t nobj;          /* objects per slab */
-    uint64_t magic;         /* kva_div_magic(size) */
-    uint32_t l0_words;      /* l1 comes first in a slab's bitmap slot, l0 after it */
+    uint32_t nobj;     /* objects per slab */
+    uint64_t magic;    /* kva_div_magic(size) */
+    uint32_t l0_words; /* l1 comes first in a slab's bitmap slot, l0 after it */
     uint32_t l1_words;
 } kva_class_geometry;
 
 typedef struct kva_slabs {
-    kva_slab *slabs;        /* one descriptor per chunk of the pool (a partial tail chunk too) */
-    uint64_t *bitmaps;      /* slot_words words per chunk */
-    int bitmaps_resident;   /* every page of bitmaps faulted in at creation (pool.c); otherwise
-                               the kernel commits them as slabs first touch them */
+    kva_slab *slabs;   /* one descriptor per chunk of the pool (a partial tail chunk too) */
+    uint64_t *bitmaps; /* slot_words words per chunk */
+    /* every page of bitmaps faulted in at creation (pool.c); otherwise the kernel commits them as
+     * slabs first touch them */
+    int bitmaps_resident;
     size_t slot_words;
-    uint32_t nchunks;       /* descriptors */
+    uint32_t nchunks; /* descriptors */
     unsigned chunk_shift;
-    uint64_t chunk_mask;    /* chunk size - 1 */
-    unsigned chunk_order;   /* the buddy order of one chunk */
+    uint64_t chunk_mask;  /* chunk size - 1 */
+    unsigned chunk_order; /* the buddy order of one chunk */
     size_t slabs_bytes, bitmaps_bytes;
     kva_class_geometry geom[KVA_NUM_SIZE_CLASSES];
     kva_arena *arenas;
     unsigned narenas;
-    uint32_t live_slabs;    /* under the pool lock */
+    uint32_t live_slabs; /* under the pool lock */
     /* The pool's: slab growth and release take a chunk from and give it to the buddy, and
      * commit or decommit its memory, under the pool lock. */
     kva_buddy *buddy;
@@ -166,10 +167,10 @@ KVA_INLINE unsigned kva_word_objects(const kva_class_geometry *g, uint32_t w) {
 /* Where an object lives: found from its pool offset. */
 typedef struct kva_object_ref {
     uint32_t slab;
-    uint32_t word;  /* index of its l0 word */
+    uint32_t word; /* index of its l0 word */
     unsigned cls;
-    uint64_t *l0;   /* its l0 word */
-    uint64_t bit;   /* its bit in that word */
+    uint64_t *l0; /* its l0 word */
+    uint64_t bit; /* its bit in that word */
 } kva_object_ref;
 
 /* Finds the object that starts at pool offset `offset`, which lies in a slab chunk (the caller

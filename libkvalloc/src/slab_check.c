@@ -35,7 +35,8 @@ static kva_status check_bitmap(const kva_slabs *sl, uint32_t s, const kva_class_
     if (tail && ((kva_load(&l0[g->l0_words - 1]) | kva_load(&remote[g->l0_words - 1])) >> tail))
         return BROKEN("S2: slab %u marks objects past its %u objects free", s, g->nobj);
     for (uint32_t w = 0; w < g->l1_words; w++)
-        if ((l1[w] != 0) != ((slab->l2 >> w) & 1)) return BROKEN("S2: slab %u l2 bit %u disagrees with its l1 word", s, w);
+        if ((l1[w] != 0) != ((slab->l2 >> w) & 1))
+            return BROKEN("S2: slab %u l2 bit %u disagrees with its l1 word", s, w);
     if (g->l1_words < 64 && (slab->l2 >> g->l1_words))
         return BROKEN("S2: slab %u l2 has bits past its %u l1 words", s, g->l1_words);
     if (free_bits != g->nobj - slab->inuse)
@@ -93,15 +94,17 @@ kva_status kva_slab_check_list(const kva_slabs *sl, unsigned a, unsigned c, uint
     for (uint32_t at = ac->partial_head; at != KVA_NIL; at = sl->slabs[at].next) {
         if (at >= sl->nchunks || sl->slabs[at].cls != c || sl->slabs[at].arena != a)
             return BROKEN("S3: arena %u's partial list of class %u links to %u, not one of its slabs", a, c, at);
-        if (sl->slabs[at].prev != prev) return BROKEN("S3: slab %u on arena %u's class %u list has a wrong prev link", at, a, c);
+        if (sl->slabs[at].prev != prev)
+            return BROKEN("S3: slab %u on arena %u's class %u list has a wrong prev link", at, a, c);
         if (!sl->slabs[at].listed) return BROKEN("S3: slab %u is on a partial list but not flagged listed", at);
         if (++count > sl->nchunks) return BROKEN("S3: arena %u's partial list of class %u loops", a, c);
         prev = at;
     }
     if (ac->partial_tail != prev)
-        return BROKEN("S3: arena %u's partial tail of class %u is %u, the list ends at %u", a, c, ac->partial_tail, prev);
-    if (ac->empty_slab != KVA_NIL && (ac->empty_slab >= sl->nchunks || sl->slabs[ac->empty_slab].cls != c ||
-                                      sl->slabs[ac->empty_slab].arena != a))
+        return BROKEN("S3: arena %u's partial tail of class %u is %u, the list ends at %u", a, c, ac->partial_tail,
+                      prev);
+    if (ac->empty_slab != KVA_NIL &&
+        (ac->empty_slab >= sl->nchunks || sl->slabs[ac->empty_slab].cls != c || sl->slabs[ac->empty_slab].arena != a))
         return BROKEN("S4: arena %u names spare %u for class %u, which is not one of its slabs", a, ac->empty_slab, c);
     *listed = count;
     return KVA_OK;

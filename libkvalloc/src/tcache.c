@@ -341,7 +341,9 @@ void kva_tc_init_classes(kva_tcache *tc, const kva_slabs *sl) {
         kva_tc_class *k = &tc->cls[c];
         tc->hot[c].size = sl->geom[c].size;
         uint64_t span = 64 * tc->hot[c].size, words = span ? KVA_TC_BYTES / span : KVA_TC_MIN_WORDS;
-        k->limit = (uint32_t)(words < KVA_TC_MIN_WORDS ? KVA_TC_MIN_WORDS : words > KVA_TC_WORDS ? KVA_TC_WORDS : words);
+        k->limit = (uint32_t)(words < KVA_TC_MIN_WORDS ? KVA_TC_MIN_WORDS
+                              : words > KVA_TC_WORDS   ? KVA_TC_WORDS
+                                                       : words);
         no_current(tc, c);
     }
 }

@@ -41,17 +41,17 @@
 
 #include "slab.h"
 
-#define KVA_TC_WORDS 32              /* the most words a class keeps */
-#define KVA_TC_MIN_WORDS 4           /* the fewest, whatever the object size */
-#define KVA_TC_BYTES (128u << 10)    /* object span kept per class: 64 objects x size per word */
+#define KVA_TC_WORDS 32           /* the most words a class keeps */
+#define KVA_TC_MIN_WORDS 4        /* the fewest, whatever the object size */
+#define KVA_TC_BYTES (128u << 10) /* object span kept per class: 64 objects x size per word */
 
 /* What allocation of a class reads: 64 bytes, so that finding it is one shift. */
 typedef struct kva_tc_hot {
-    uint64_t *l0;           /* the current word, or the always-zero word when there is none */
-    uint64_t *remote;       /* the current word's remote word (the always-zero word likewise) */
-    unsigned char *addr;    /* the address of the current word's first object */
-    uint64_t size;          /* the class's object size */
-    uint64_t allocs;        /* by this thread since the cache was made */
+    uint64_t *l0;        /* the current word, or the always-zero word when there is none */
+    uint64_t *remote;    /* the current word's remote word (the always-zero word likewise) */
+    unsigned char *addr; /* the address of the current word's first object */
+    uint64_t size;       /* the class's object size */
+    uint64_t allocs;     /* by this thread since the cache was made */
     uint64_t reserved[3];
 } kva_tc_hot;
 
@@ -62,8 +62,8 @@ _Static_assert(sizeof(kva_tc_hot) == 64, "a class's allocation record is 64 byte
 typedef struct kva_tc_class {
     uint32_t nowned;
     uint32_t cur;
-    uint32_t limit;         /* the words kept while allocating (see above) */
-    uint64_t frees_at_refill; /* the class's free count when its owned words last ran dry */
+    uint32_t limit;                  /* the words kept while allocating (see above) */
+    uint64_t frees_at_refill;        /* the class's free count when its owned words last ran dry */
     uint32_t slab[KVA_TC_WORDS + 1]; /* + 1: a claim adds its word before the oldest goes back */
     uint32_t word[KVA_TC_WORDS + 1];
 } kva_tc_class;
@@ -86,12 +86,12 @@ typedef struct kva_tc_class {
 #define KVA_TC_WINDOW_SHIFT 21
 
 typedef struct kva_tc_window {
-    uintptr_t base;         /* the address of the run's first object */
-    uint64_t span;          /* its objects times their size: an offset below it is inside */
-    uint64_t magic;         /* kva_div_magic(size) */
-    uint64_t *l0, *remote;  /* the run's first word and that word's remote word */
-    uint64_t *frees;        /* the class's free counter */
-    const void *missed;     /* the slab of the last free that missed this window */
+    uintptr_t base;        /* the address of the run's first object */
+    uint64_t span;         /* its objects times their size: an offset below it is inside */
+    uint64_t magic;        /* kva_div_magic(size) */
+    uint64_t *l0, *remote; /* the run's first word and that word's remote word */
+    uint64_t *frees;       /* the class's free counter */
+    const void *missed;    /* the slab of the last free that missed this window */
     uint64_t reserved;
 } kva_tc_window;
 
@@ -100,8 +100,8 @@ _Static_assert(sizeof(kva_tc_window) == 64, "a window is one cache line");
 struct kva_tc_registry;
 
 typedef struct kva_tcache {
-    kva_pool *pool;           /* (atomic) KVA_TC_NO_POOL once the pool is destroyed */
-    uint32_t id;              /* the owner id its words carry, unique in the pool */
+    kva_pool *pool; /* (atomic) KVA_TC_NO_POOL once the pool is destroyed */
+    uint32_t id;    /* the owner id its words carry, unique in the pool */
     uint32_t reserved;
     kva_tc_window windows[KVA_TC_WINDOWS];
     kva_tc_hot hot[KVA_NUM_SIZE_CLASSES];
@@ -111,8 +111,8 @@ typedef struct kva_tcache {
     uint64_t frees[KVA_NUM_SIZE_CLASSES];
     uint64_t merged[KVA_NUM_SIZE_CLASSES]; /* objects other threads' remote frees freed, merged here */
     kva_tc_class cls[KVA_NUM_SIZE_CLASSES];
-    uint64_t remote_frees;    /* remote frees this thread made (passed on; counted as frees where merged) */
-    struct kva_tcache *thread_next;           /* the thread's caches */
+    uint64_t remote_frees;          /* remote frees this thread made (passed on; counted as frees where merged) */
+    struct kva_tcache *thread_next; /* the thread's caches */
     struct kva_tcache *pool_prev, *pool_next; /* the pool's caches (registry lock) */
     struct kva_tc_registry *registry;         /* its pool's, while the pool lives */
 } kva_tcache;
@@ -121,16 +121,16 @@ typedef struct kva_tcache {
  * have exited counted, and the ids free for reuse. Under the registry lock, one for every pool
  * (kva_tc_registry_lock), but for what says atomic. */
 typedef struct kva_tc_registry {
-    kva_pool *pool;           /* the pool: what its caches' pool field says while they live */
-    kva_slabs *slabs;         /* the pool's slabs */
-    unsigned char *base;      /* the pool's base address: offsets from it are the slabs' */
-    kva_tcache *caches;       /* the live ones, linked by pool_prev and pool_next */
+    kva_pool *pool;      /* the pool: what its caches' pool field says while they live */
+    kva_slabs *slabs;    /* the pool's slabs */
+    unsigned char *base; /* the pool's base address: offsets from it are the slabs' */
+    kva_tcache *caches;  /* the live ones, linked by pool_prev and pool_next */
     uint32_t ncaches;
-    uint32_t next_id;         /* the last id handed out fresh */
+    uint32_t next_id; /* the last id handed out fresh */
     /* (atomic) A cache made and faulted in at creation for the first thread that needs one, or
      * NULL once taken (kva_tc_make_spare). */
     kva_tcache *spare;
-    uint32_t *free_ids;       /* ids of exited threads' caches, for reuse (grown by doubling) */
+    uint32_t *free_ids; /* ids of exited threads' caches, for reuse (grown by doubling) */
     uint32_t free_ids_count, free_ids_capacity;
     uint64_t retired_allocs[KVA_NUM_SIZE_CLASSES];
     uint64_t retired_frees[KVA_NUM_SIZE_CLASSES];
@@ -202,8 +202,13 @@ void kva_tc_init_classes(kva_tcache *tc, const kva_slabs *sl);
  *                       (the registry lock held);
  *  KVA_TC_POINT_COUNTED in kva_tc_totals_locked, just after a cache's free counts are read (the
  *                       pool's locks held). */
-enum { KVA_TC_POINT_PASSED, KVA_TC_POINT_MARKED, KVA_TC_POINT_COUNTED, KVA_TC_POINT_PASSING,
-       KVA_TC_POINT_CLAIMING };
+enum {
+    KVA_TC_POINT_PASSED,
+    KVA_TC_POINT_MARKED,
+    KVA_TC_POINT_COUNTED,
+    KVA_TC_POINT_PASSING,
+    KVA_TC_POINT_CLAIMING
+};
 void kva_tc_test_hook(void (*fn)(int point, void *ctx), void *ctx);
 
 /* The hook's function and context (set by kva_tc_test_hook), and the check at each point. */
@@ -221,13 +226,13 @@ void kva_tc_registry_unlock(void);
  * caches' threads are not running; a close estimate while they are. */
 typedef struct kva_tc_totals {
     uint64_t allocs[KVA_NUM_SIZE_CLASSES];
-    uint64_t frees[KVA_NUM_SIZE_CLASSES];  /* counted: objects whose bit reached their word (S5);
-                                              not the frees made: see kva_tc_frees_made */
+    /* counted: objects whose bit reached their word (S5); not the frees made: see kva_tc_frees_made */
+    uint64_t frees[KVA_NUM_SIZE_CLASSES];
     uint64_t pending[KVA_NUM_SIZE_CLASSES]; /* remote frees waiting in owned words to be merged */
-    uint64_t cached[KVA_NUM_SIZE_CLASSES]; /* free objects in owned words (remote ones too) */
+    uint64_t cached[KVA_NUM_SIZE_CLASSES];  /* free objects in owned words (remote ones too) */
     uint64_t remote_frees;
     uint32_t caches;
-    uint32_t foreign_caches;               /* caches of threads other than the caller */
+    uint32_t foreign_caches; /* caches of threads other than the caller */
 } kva_tc_totals;
 void kva_tc_totals_locked(const kva_tc_registry *reg, kva_tc_totals *out);
 
@@ -304,8 +309,7 @@ KVA_INLINE int kva_tc_free_fast(const kva_slabs *sl, kva_tcache *tc, uintptr_t b
     kva_tc_window *win = kva_tc_window_of(tc, base + offset);
     if (kva_unlikely(win->missed == slab))
         kva_tc_open_window(tc, win, slab, (uint32_t)w, base + offset - (object & 63) * slab->size, c);
-    else
-        win->missed = slab;
+    else win->missed = slab;
     return 1;
 }
 

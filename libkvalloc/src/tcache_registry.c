@@ -81,7 +81,9 @@ static void thread_exit(void *unused) {
 
 /* At load time rather than with pthread_once on a first call: the once costs a futex wake
  * inside the first call of the process. */
-__attribute__((constructor)) static void make_key(void) { exit_key_made = pthread_key_create(&exit_key, thread_exit) == 0; }
+__attribute__((constructor)) static void make_key(void) {
+    exit_key_made = pthread_key_create(&exit_key, thread_exit) == 0;
+}
 
 kva_tcache *kva_tc_find(const kva_pool *pool) {
     if (pool_of(kva_tc_current) == pool) return kva_tc_current;

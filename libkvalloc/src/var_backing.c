@@ -17,7 +17,8 @@
 
 kva_status kva_var_backing_config(const kva_var_config *cfg, kva_config *pool) {
     if (!cfg || !pool) return kva_fail(KVA_ERR_INVALID, "config is NULL");
-    if ((unsigned)cfg->pages > KVA_PAGES_SMALL) return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
+    if ((unsigned)cfg->pages > KVA_PAGES_SMALL)
+        return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
     /* The range kva_var_create takes: the capacity rounded down to the alignment (an alignment
      * that is no power of two is kva_var_create's to refuse). */
     size_t bytes = cfg->capacity;

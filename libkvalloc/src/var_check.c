@@ -19,7 +19,8 @@ static kva_status check_tiling(const kva_var *v, tally *t) {
         const kva_var_range *r = &ranges[at];
         uint32_t length = kva_var_len(r);
         if (length == 0) return BROKEN("V1: unit %u should head a range but its record is empty", at);
-        if (length > v->units - at) return BROKEN("V1: range %u of %u units runs past the end (%u)", at, length, v->units);
+        if (length > v->units - at)
+            return BROKEN("V1: range %u of %u units runs past the end (%u)", at, length, v->units);
         if (r->prev != prev) return BROKEN("V1: range %u says its previous range is %u, not %u", at, r->prev, prev);
         for (uint32_t inner = at + 1; inner < at + length; inner++) {
             const kva_var_range *q = &ranges[inner];
@@ -70,7 +71,8 @@ static kva_status check_list(const kva_var *v, uint32_t head, int order, uint64_
         if (prev != KVA_NIL && order == 1 && prev >= at)
             return BROKEN("V3: %s is not in address order at %u", what, at);
         if (prev != KVA_NIL && order == 2 &&
-            (kva_var_len(&ranges[prev]) > kva_var_len(r) || (kva_var_len(&ranges[prev]) == kva_var_len(r) && prev > at)))
+            (kva_var_len(&ranges[prev]) > kva_var_len(r) ||
+             (kva_var_len(&ranges[prev]) == kva_var_len(r) && prev > at)))
             return BROKEN("V3: %s is not in length and address order at %u", what, at);
         if (++n > limit) return BROKEN("V3: %s is longer than the %llu free ranges", what, (unsigned long long)limit);
         prev = at;
@@ -94,7 +96,8 @@ static kva_status check_tlsf(const kva_var *v, uint64_t limit, uint64_t *count) 
                 return BROKEN("V4: bit (%u, %u) disagrees with its class list", fl, sl);
             kva_status st = check_list(v, head, 0, limit, "a TLSF class", count, &last);
             if (st != KVA_OK) return st;
-            if (*count > limit) return BROKEN("V3: the TLSF classes hold more than %llu ranges", (unsigned long long)limit);
+            if (*count > limit)
+                return BROKEN("V3: the TLSF classes hold more than %llu ranges", (unsigned long long)limit);
             for (uint32_t at = head; at != KVA_NIL; at = v->ranges[at].link_next) {
                 unsigned f, s;
                 kva_tlsf_class(kva_var_len(&v->ranges[at]), &f, &s);
@@ -125,7 +128,8 @@ static kva_status check_free_structure(const kva_var *v, uint64_t free_ranges) {
             if (v->sl_map[fl] != 0)
                 return BROKEN("V4: a %s pool has TLSF's second-level map %u set (%#x)", policy_name(v->policy), fl,
                               v->sl_map[fl]);
-        st = check_list(v, v->head, v->policy == KVA_VAR_FIRST_FIT ? 1 : 2, free_ranges, "the free list", &count, &last);
+        st = check_list(v, v->head, v->policy == KVA_VAR_FIRST_FIT ? 1 : 2, free_ranges, "the free list", &count,
+                        &last);
         if (st == KVA_OK && v->policy != KVA_VAR_FIRST_FIT && v->tail != last)
             return BROKEN("V3: the free list's tail is %u, its last element %u", v->tail, last);
     }

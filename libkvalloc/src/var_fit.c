@@ -11,27 +11,19 @@ static void list_link_after(kva_var *v, uint32_t r, uint32_t after) {
     uint32_t next = after == KVA_NIL ? v->head : ranges[after].link_next;
     ranges[r].link_prev = after;
     ranges[r].link_next = next;
-    if (after == KVA_NIL)
-        v->head = r;
-    else
-        ranges[after].link_next = r;
-    if (next == KVA_NIL)
-        v->tail = r;
-    else
-        ranges[next].link_prev = r;
+    if (after == KVA_NIL) v->head = r;
+    else ranges[after].link_next = r;
+    if (next == KVA_NIL) v->tail = r;
+    else ranges[next].link_prev = r;
 }
 
 static void list_unlink(kva_var *v, uint32_t r) {
     kva_var_range *ranges = v->ranges;
     uint32_t prev = ranges[r].link_prev, next = ranges[r].link_next;
-    if (prev == KVA_NIL)
-        v->head = next;
-    else
-        ranges[prev].link_next = next;
-    if (next == KVA_NIL)
-        v->tail = prev;
-    else
-        ranges[next].link_prev = prev;
+    if (prev == KVA_NIL) v->head = next;
+    else ranges[prev].link_next = next;
+    if (next == KVA_NIL) v->tail = prev;
+    else ranges[next].link_prev = prev;
 }
 
 /* First fit: `fresh` takes the place of `old` in the address-ordered list. Used when a split or
@@ -41,14 +33,10 @@ static void list_replace(kva_var *v, uint32_t old, uint32_t fresh) {
     uint32_t prev = ranges[old].link_prev, next = ranges[old].link_next;
     ranges[fresh].link_prev = prev;
     ranges[fresh].link_next = next;
-    if (prev == KVA_NIL)
-        v->head = fresh;
-    else
-        ranges[prev].link_next = fresh;
-    if (next == KVA_NIL)
-        v->tail = fresh;
-    else
-        ranges[next].link_prev = fresh;
+    if (prev == KVA_NIL) v->head = fresh;
+    else ranges[prev].link_next = fresh;
+    if (next == KVA_NIL) v->tail = fresh;
+    else ranges[next].link_prev = fresh;
 }
 
 /* Adds the free range r (its length already set) to the policy's list. */
@@ -57,8 +45,7 @@ void kva_var_fit_insert(kva_var *v, uint32_t r) {
     uint32_t length = kva_var_len(&ranges[r]);
     uint32_t after = KVA_NIL;
     switch (v->policy) {
-    case KVA_VAR_TLSF: /* not a list: its classes are var_tlsf.c's (kva_var_tlsf_insert) */
-        return;
+    case KVA_VAR_TLSF: /* not a list: its classes are var_tlsf.c's (kva_var_tlsf_insert) */ return;
     case KVA_VAR_FIRST_FIT:
         /* The free range before r in address order is the nearest free head behind it. */
         for (uint32_t at = ranges[r].prev; at != v->units; at = ranges[at].prev) /* to the sentinel */
@@ -79,8 +66,8 @@ void kva_var_fit_insert(kva_var *v, uint32_t r) {
     case KVA_VAR_WORST_FIT:
         /* Worst fit mostly reinserts large remainders: walk from the large end. */
         after = v->tail;
-        while (after != KVA_NIL && (kva_var_len(&ranges[after]) > length ||
-                                    (kva_var_len(&ranges[after]) == length && after > r)))
+        while (after != KVA_NIL &&
+               (kva_var_len(&ranges[after]) > length || (kva_var_len(&ranges[after]) == length && after > r)))
             after = ranges[after].link_prev;
         break;
     }
@@ -91,15 +78,13 @@ void kva_var_fit_insert(kva_var *v, uint32_t r) {
 static uint32_t free_find(const kva_var *v, uint32_t units) {
     const kva_var_range *ranges = v->ranges;
     switch (v->policy) {
-    case KVA_VAR_TLSF: /* tlsf_alloc searches itself */
-        return KVA_NIL;
+    case KVA_VAR_TLSF: /* tlsf_alloc searches itself */ return KVA_NIL;
     case KVA_VAR_FIRST_FIT:
     case KVA_VAR_BEST_FIT: /* the first that fits: lowest address, or shortest */
         for (uint32_t at = v->head; at != KVA_NIL; at = ranges[at].link_next)
             if (kva_var_len(&ranges[at]) >= units) return at;
         return KVA_NIL;
-    case KVA_VAR_WORST_FIT:
-        return v->tail != KVA_NIL && kva_var_len(&ranges[v->tail]) >= units ? v->tail : KVA_NIL;
+    case KVA_VAR_WORST_FIT: return v->tail != KVA_NIL && kva_var_len(&ranges[v->tail]) >= units ? v->tail : KVA_NIL;
     }
     return KVA_NIL;
 }
@@ -151,10 +136,8 @@ KVA_NOINLINE kva_status kva_var_fit_release(kva_var *v, uint32_t at, kva_lock_ow
          * neighbour before it, or else of the one after it; only a lone range walks. */
         if (next_free) {
             total += kva_var_len(&ranges[next]);
-            if (prev_free)
-                list_unlink(v, next);
-            else
-                list_replace(v, next, at);
+            if (prev_free) list_unlink(v, next);
+            else list_replace(v, next, at);
             ranges[next] = (kva_var_range){0};
         }
         if (prev_free) {

@@ -12,7 +12,9 @@
 
 void kva_var_config_init(kva_var_config *cfg) {
     if (!cfg) return;
-    *cfg = (kva_var_config){.capacity = (size_t)64 << 20, .alignment = 256, .policy = KVA_VAR_TLSF,
+    *cfg = (kva_var_config){.capacity = (size_t)64 << 20,
+                            .alignment = 256,
+                            .policy = KVA_VAR_TLSF,
                             .pages = KVA_PAGES_THP};
 }
 
@@ -26,8 +28,10 @@ static kva_status validate(const kva_var_config *cfg) {
     if (cfg->capacity / cfg->alignment > KVA_VAR_MAX_UNITS)
         return kva_fail(KVA_ERR_INVALID, "capacity %zu is 2^31 alignment units or more; raise the alignment",
                         cfg->capacity);
-    if ((unsigned)cfg->policy > KVA_VAR_WORST_FIT) return kva_fail(KVA_ERR_INVALID, "unknown policy %d", (int)cfg->policy);
-    if ((unsigned)cfg->pages > KVA_PAGES_SMALL) return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
+    if ((unsigned)cfg->policy > KVA_VAR_WORST_FIT)
+        return kva_fail(KVA_ERR_INVALID, "unknown policy %d", (int)cfg->policy);
+    if ((unsigned)cfg->pages > KVA_PAGES_SMALL)
+        return kva_fail(KVA_ERR_INVALID, "unknown page mode %d", (int)cfg->pages);
     return KVA_OK;
 }
 
@@ -89,10 +93,8 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     for (unsigned cls = 0; cls < KVA_TLSF_FL * KVA_TLSF_SL; cls++) v->bins[cls] = KVA_NIL;
     v->ranges[0] = (kva_var_range){.length = v->units | KVA_VAR_FREE_BIT, .prev = v->units};
     v->ranges[v->units] = (kva_var_range){.prev = 0}; /* the sentinel */
-    if (v->policy == KVA_VAR_TLSF)
-        kva_var_tlsf_insert(v, 0);
-    else
-        kva_var_fit_insert(v, 0);
+    if (v->policy == KVA_VAR_TLSF) kva_var_tlsf_insert(v, 0);
+    else kva_var_fit_insert(v, 0);
     v->free_units = v->units;
     v->free_ranges = 1;
     *out = v;
@@ -110,10 +112,8 @@ fail_descriptor:
 void kva_var_destroy(kva_var *v) {
     if (!v) return;
     /* No other call on this pool may be running (documented): the lock is not taken. */
-    if (v->owns_pool)
-        kva_pool_destroy(v->pool);
-    else
-        kva_free(v->pool, v->base);
+    if (v->owns_pool) kva_pool_destroy(v->pool);
+    else kva_free(v->pool, v->base);
     kva_os_unmap(v->ranges, v->ranges_bytes);
     free(v);
 }
@@ -138,11 +138,8 @@ kva_status kva_var_base(kva_var *v, void **base) {
 
 size_t kva_var_struct_size(int which) {
     switch (which) {
-    case 1:
-        return sizeof(kva_var_config);
-    case 2:
-        return sizeof(kva_var_stats);
-    default:
-        return 0;
+    case 1: return sizeof(kva_var_config);
+    case 2: return sizeof(kva_var_stats);
+    default: return 0;
     }
 }

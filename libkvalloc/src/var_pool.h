@@ -115,37 +115,39 @@
 #define KVA_VAR_BACK_SCAN 4096u
 
 typedef struct kva_var_range {
-    uint32_t length;    /* units, with KVA_VAR_FREE_BIT set while free; 0: not a head */
-    uint32_t prev;      /* the head of the previous range in address order; the sentinel's
-                           index (units) for the first range */
+    uint32_t length; /* units, with KVA_VAR_FREE_BIT set while free; 0: not a head */
+    /* the head of the previous range in address order; the sentinel's index (units) for the first
+     * range */
+    uint32_t prev;
     uint32_t link_prev; /* FREE: links in the policy's structure. USED: the requested size in */
     uint32_t link_next; /* bytes, low word in link_prev and high word in link_next */
 } kva_var_range;
 
 struct kva_var {
-    kva_lock lock;          /* guards everything below but the fields fixed at creation */
+    kva_lock lock; /* guards everything below but the fields fixed at creation */
     /* Fixed at creation: ranges (the pointer), ranges_bytes, units, align_shift, bytes,
      * align_mask, alignment, policy, base, pool, owns_pool. */
     kva_var_range *ranges;
     size_t ranges_bytes;
-    uint32_t units;         /* capacity / alignment */
-    unsigned align_shift;   /* log2(alignment) */
-    uint64_t bytes;         /* units << align_shift, and alignment - 1: the hot paths' bounds */
+    uint32_t units;       /* capacity / alignment */
+    unsigned align_shift; /* log2(alignment) */
+    uint64_t bytes;       /* units << align_shift, and alignment - 1: the hot paths' bounds */
     uint64_t align_mask;
-    uint64_t alignment;     /* a unit's bytes, for the fast path's multiply (a shift by a count in
-                               a register ties up cl on x86) */
+    /* a unit's bytes, for the fast path's multiply (a shift by a count in a register ties up cl on
+     * x86) */
+    uint64_t alignment;
     kva_var_policy policy;
     char *base;
-    kva_pool *pool;         /* the backing pool */
-    int owns_pool;          /* created by kva_var_create, destroyed with the variable-size pool */
+    kva_pool *pool; /* the backing pool */
+    int owns_pool;  /* created by kva_var_create, destroyed with the variable-size pool */
 
-    uint32_t head, tail;    /* FIRST, BEST, WORST: the free list */
-    uint32_t fl_map;        /* TLSF */
+    uint32_t head, tail; /* FIRST, BEST, WORST: the free list */
+    uint32_t fl_map;     /* TLSF */
     uint32_t sl_map[KVA_TLSF_FL];
     uint32_t bins[KVA_TLSF_FL * KVA_TLSF_SL]; /* class heads, by kva_tlsf_index */
 
-    uint64_t free_units;    /* the used units and the live ranges are derived: units -
-                               free_units, alloc_count - free_count */
+    /* the used units and the live ranges are derived: units - free_units, alloc_count - free_count */
+    uint64_t free_units;
     uint64_t free_ranges, requested_bytes;
     uint64_t alloc_count, free_count, alloc_failures, rejected_calls;
 };

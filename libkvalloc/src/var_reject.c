@@ -14,7 +14,7 @@ static kva_status reject(kva_var *v, kva_status status) {
 /* The arguments are decided by fields fixed at creation; only the count takes the lock. */
 KVA_NOINLINE kva_status kva_var_alloc_rejected(kva_var *v, size_t size, void **out) {
     if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
-    kva_status st = !out ? kva_fail(KVA_ERR_INVALID, "out is NULL")
+    kva_status st = !out        ? kva_fail(KVA_ERR_INVALID, "out is NULL")
                     : size == 0 ? kva_fail(KVA_ERR_INVALID, "size 0")
                                 : kva_fail(KVA_ERR_INVALID, "size %zu exceeds the capacity (%zu)", size,
                                            (size_t)v->units << v->align_shift);

@@ -9,11 +9,8 @@ static uint32_t largest_free(const kva_var *v) {
     uint32_t best = 0, from = KVA_NIL;
     switch (v->policy) {
     case KVA_VAR_BEST_FIT:
-    case KVA_VAR_WORST_FIT:
-        return v->tail == KVA_NIL ? 0 : kva_var_len(&ranges[v->tail]);
-    case KVA_VAR_FIRST_FIT:
-        from = v->head;
-        break;
+    case KVA_VAR_WORST_FIT: return v->tail == KVA_NIL ? 0 : kva_var_len(&ranges[v->tail]);
+    case KVA_VAR_FIRST_FIT: from = v->head; break;
     case KVA_VAR_TLSF:
         if (v->fl_map == 0) return 0;
         unsigned fl = kva_log2(v->fl_map);

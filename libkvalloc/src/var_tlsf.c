@@ -135,7 +135,7 @@ static uint32_t tlsf_take(kva_var *v, uint32_t at, uint32_t units) {
 /* TLSF when the two-ctz search finds nothing: the request's own class may still hold a range
  * long enough beyond its head (the search skipped it). */
 static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **out, uint32_t units,
-                                                kva_lock_owner *me) {
+                                               kva_lock_owner *me) {
     uint32_t at = tlsf_scan_class(v, units);
     if (at == KVA_NIL) return kva_var_alloc_failed(v, size, units, me);
     at = tlsf_take(v, at, units);
@@ -149,12 +149,13 @@ static KVA_NOINLINE kva_status tlsf_alloc_slow(kva_var *v, size_t size, void **o
 #define FLOOR_SHIFT(i) ((i) < KVA_TLSF_SL ? 0 : (i) / KVA_TLSF_SL - 1) /* never negative, even unused */
 #define FLOOR_OF(i) ((uint32_t)((i) < KVA_TLSF_SL ? (i) : (KVA_TLSF_SL + (i) % KVA_TLSF_SL) << FLOOR_SHIFT(i)))
 #define FLOORS_4(i) FLOOR_OF(i), FLOOR_OF((i) + 1), FLOOR_OF((i) + 2), FLOOR_OF((i) + 3)
-#define FLOORS_32(i) FLOORS_4(i), FLOORS_4((i) + 4), FLOORS_4((i) + 8), FLOORS_4((i) + 12), FLOORS_4((i) + 16), \
-                     FLOORS_4((i) + 20), FLOORS_4((i) + 24), FLOORS_4((i) + 28)
-#define FLOORS_288(i) FLOORS_32(i), FLOORS_32((i) + 32), FLOORS_32((i) + 64), FLOORS_32((i) + 96), \
-                      FLOORS_32((i) + 128), FLOORS_32((i) + 160), FLOORS_32((i) + 192), FLOORS_32((i) + 224), \
-                      FLOORS_32((i) + 256)
-_Static_assert(KVA_TLSF_FL * KVA_TLSF_SL == 3 * 288, "kva_tlsf_floors lists 3 x 288 classes");
+#define FLOORS_32(i)                                                                                               \
+    FLOORS_4(i), FLOORS_4((i) + 4), FLOORS_4((i) + 8), FLOORS_4((i) + 12), FLOORS_4((i) + 16), FLOORS_4((i) + 20), \
+        FLOORS_4((i) + 24), FLOORS_4((i) + 28)
+#define FLOORS_288(i)                                                                                  \
+    FLOORS_32(i), FLOORS_32((i) + 32), FLOORS_32((i) + 64), FLOORS_32((i) + 96), FLOORS_32((i) + 128), \
+        FLOORS_32((i) + 160), FLOORS_32((i) + 192), FLOORS_32((i) + 224), FLOORS_32((i) + 256)
+_Static_assert(KVA_TLSF_FL *KVA_TLSF_SL == 3 * 288, "kva_tlsf_floors lists 3 x 288 classes");
 const uint32_t kva_tlsf_floors[KVA_TLSF_FL * KVA_TLSF_SL] = {FLOORS_288(0), FLOORS_288(288), FLOORS_288(576)};
 #undef FLOOR_SHIFT
 #undef FLOOR_OF
@@ -165,16 +166,14 @@ const uint32_t kva_tlsf_floors[KVA_TLSF_FL * KVA_TLSF_SL] = {FLOORS_288(0), FLOO
 /* Removes the head of class (fl, sl), whose successor is `next`. */
 KVA_INLINE void tlsf_pop_head(kva_var *v, unsigned fl, unsigned sl, uint32_t next) {
     v->bins[fl * KVA_TLSF_SL + sl] = next;
-    if (next != KVA_NIL)
-        v->ranges[next].link_prev = KVA_NIL;
-    else if ((v->sl_map[fl] &= ~(1u << sl)) == 0)
-        v->fl_map &= ~(1u << fl);
+    if (next != KVA_NIL) v->ranges[next].link_prev = KVA_NIL;
+    else if ((v->sl_map[fl] &= ~(1u << sl)) == 0) v->fl_map &= ~(1u << fl);
 }
 
 /* A split's tail falls below its class: the head of (fl, sl), already used, leaves the class and
  * the tail `rest` (its length set) joins its own. */
 static KVA_NOINLINE kva_status tlsf_requeue(kva_var *v, unsigned fl, unsigned sl, uint32_t next, uint32_t rest,
-                                             kva_lock_owner *me) {
+                                            kva_lock_owner *me) {
     tlsf_pop_head(v, fl, sl, next);
     tlsf_push(v, rest);
     return kva_var_leave(me, KVA_OK);
@@ -246,7 +245,8 @@ static KVA_NOINLINE kva_status tlsf_alloc_any(kva_var *v, size_t size, void **ou
             at = tlsf_search(v, &fl, &sl, sl + 1 < KVA_TLSF_SL ? v->sl_map[fl] & (~0u << (sl + 1)) : 0);
             if (kva_unlikely(at == KVA_NIL)) return tlsf_alloc_slow(v, size, out, units, me);
         }
-        if (kva_var_carve_high(ranges, at, kva_var_len(&ranges[at]), units)) return tlsf_alloc_high(v, at, size, out, me);
+        if (kva_var_carve_high(ranges, at, kva_var_len(&ranges[at]), units))
+            return tlsf_alloc_high(v, at, size, out, me);
     }
     /* The range is marked used and handed out first, so that little stays live across the
      * list work that follows. */

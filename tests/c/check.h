@@ -15,34 +15,32 @@
 
 static int check_failures;
 
-#define CHECK(cond)                                                                          \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);         \
-            check_failures++;                                                                \
-        }                                                                                    \
+#define CHECK(cond)                                                                  \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            check_failures++;                                                        \
+        }                                                                            \
     } while (0)
 
 /* A status check that prints the library's description when it fails. */
-#define CHECK_STATUS(expr, expected)                                                         \
-    do {                                                                                     \
-        kva_status check_got_ = (expr);                                                      \
-        if (check_got_ != (expected)) {                                                      \
-            fprintf(stderr, "%s:%d: %s returned %d (%s: %s), expected %d\n", __FILE__,       \
-                    __LINE__, #expr, (int)check_got_, kva_strerror(check_got_),              \
-                    kva_last_error(), (int)(expected));                                      \
-            check_failures++;                                                                \
-        }                                                                                    \
+#define CHECK_STATUS(expr, expected)                                                                    \
+    do {                                                                                                \
+        kva_status check_got_ = (expr);                                                                 \
+        if (check_got_ != (expected)) {                                                                 \
+            fprintf(stderr, "%s:%d: %s returned %d (%s: %s), expected %d\n", __FILE__, __LINE__, #expr, \
+                    (int)check_got_, kva_strerror(check_got_), kva_last_error(), (int)(expected));      \
+            check_failures++;                                                                           \
+        }                                                                                               \
     } while (0)
 
 /* Stops the test at once: for failures that make everything after them meaningless. */
-#define REQUIRE(cond)                                                                        \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "%s:%d: REQUIRE failed: %s (%s)\n", __FILE__, __LINE__, #cond,   \
-                    kva_last_error());                                                       \
-            exit(1);                                                                         \
-        }                                                                                    \
+#define REQUIRE(cond)                                                                                         \
+    do {                                                                                                      \
+        if (!(cond)) {                                                                                        \
+            fprintf(stderr, "%s:%d: REQUIRE failed: %s (%s)\n", __FILE__, __LINE__, #cond, kva_last_error()); \
+            exit(1);                                                                                          \
+        }                                                                                                     \
     } while (0)
 
 /* A bound against a hang, never a measure of speed: generous, so that a loaded machine with
@@ -61,13 +59,11 @@ static __attribute__((unused)) void hang_guard_fired(int sig) {
 /* Fails the calling process, saying that `what` hung, once `seconds` have passed (SIGALRM):
  * exit status 1, which a parent waiting for the process reads as a failure. */
 static __attribute__((unused)) void hang_guard(const char *what, unsigned seconds) {
-    snprintf(hang_guard_message, sizeof hang_guard_message, "hung: %s did not finish within %u s\n", what,
-             seconds);
+    snprintf(hang_guard_message, sizeof hang_guard_message, "hung: %s did not finish within %u s\n", what, seconds);
     signal(SIGALRM, hang_guard_fired);
     alarm(seconds);
 }
 
-#define CHECK_DONE()                                                                         \
-    (check_failures ? (fprintf(stderr, "%d check(s) failed\n", check_failures), 1) : 0)
+#define CHECK_DONE() (check_failures ? (fprintf(stderr, "%d check(s) failed\n", check_failures), 1) : 0)
 
 #endif

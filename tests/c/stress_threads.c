@@ -38,12 +38,12 @@ static atomic_int stop_flag, poller_stop;
  * pool stays consistent, counts included (phase df-counts, what ctest runs). */
 static int df_exact = 1;
 
-#define FAIL(...)                                                                                  \
-    do {                                                                                           \
-        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);                                     \
-        fprintf(stderr, __VA_ARGS__);                                                              \
-        fprintf(stderr, "\n");                                                                     \
-        atomic_fetch_add(&failures, 1);                                                            \
+#define FAIL(...)                                            \
+    do {                                                     \
+        fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__); \
+        fprintf(stderr, __VA_ARGS__);                        \
+        fprintf(stderr, "\n");                               \
+        atomic_fetch_add(&failures, 1);                      \
     } while (0)
 
 static double now(void) {
@@ -67,10 +67,10 @@ typedef struct obj {
 
 static size_t pick_size(uint64_t *r) {
     uint64_t x = rnd(r) % 100;
-    if (x < 50) return 16 + rnd(r) % 49;      /* 16..64 */
-    if (x < 80) return 16 + rnd(r) % 497;     /* ..512 */
-    if (x < 97) return 16 + rnd(r) % 4081;    /* ..4 KiB */
-    return 16 + rnd(r) % 65521;               /* ..64 KiB */
+    if (x < 50) return 16 + rnd(r) % 49;   /* 16..64 */
+    if (x < 80) return 16 + rnd(r) % 497;  /* ..512 */
+    if (x < 97) return 16 + rnd(r) % 4081; /* ..4 KiB */
+    return 16 + rnd(r) % 65521;            /* ..64 KiB */
 }
 
 static int stamp_new(obj *o, size_t size, int who) {
@@ -114,7 +114,8 @@ static void stamp_free(obj *o) {
 /* ---- poller: stats, walk, trim, check while others run ---- */
 static atomic_ulong polls, poll_checks_bad;
 static int walk_cb(uint64_t off, uint64_t size, kva_walk_kind kind, void *ctx) {
-    (void)off; (void)kind;
+    (void)off;
+    (void)kind;
     *(uint64_t *)ctx += size;
     return 0;
 }
@@ -123,7 +124,8 @@ static void *poller(void *arg) {
     for (unsigned long i = 0; !atomic_load(&poller_stop); i++) {
         kva_stats st;
         if (kva_get_stats(pool, &st) != KVA_OK) FAIL("stats");
-        if (st.bytes_in_use > st.capacity || st.bytes_free > st.capacity) FAIL("stats insane: bytes_in_use %zu bytes_free %zu", st.bytes_in_use, st.bytes_free);
+        if (st.bytes_in_use > st.capacity || st.bytes_free > st.capacity)
+            FAIL("stats insane: bytes_in_use %zu bytes_free %zu", st.bytes_in_use, st.bytes_free);
         if (i % 3 == 0) {
             uint64_t sum = 0;
             kva_status ws = kva_walk(pool, walk_cb, &sum);
@@ -154,8 +156,9 @@ static void quiescent(const char *what, long expect_live) {
     kva_get_stats(pool, &st);
     if ((long)st.live_allocations != expect_live)
         FAIL("%s: live_allocations %" PRIu64 " != held %ld", what, st.live_allocations, expect_live);
-    fprintf(stderr, "[%s] live=%" PRIu64 " held=%ld caches=%u remote_frees=%" PRIu64 " rejected=%" PRIu64
-                    " allocs=%" PRIu64 " frees=%" PRIu64 " polls=%lu pollcheck_bad=%lu\n",
+    fprintf(stderr,
+            "[%s] live=%" PRIu64 " held=%ld caches=%u remote_frees=%" PRIu64 " rejected=%" PRIu64 " allocs=%" PRIu64
+            " frees=%" PRIu64 " polls=%lu pollcheck_bad=%lu\n",
             what, st.live_allocations, expect_live, st.thread_caches, st.remote_frees, st.rejected_calls,
             st.alloc_count, st.free_count, atomic_load(&polls), atomic_load(&poll_checks_bad));
 }
@@ -321,7 +324,7 @@ static void race(int k) {
 
 static atomic_ulong df_dups, df_other[8];
 static int cmpp(const void *a, const void *b) {
-    uintptr_t x = (uintptr_t)*(void *const *)a, y = (uintptr_t)*(void *const *)b;
+    uintptr_t x = (uintptr_t) * (void *const *)a, y = (uintptr_t) * (void *const *)b;
     return x < y ? -1 : x > y;
 }
 static void *df_racer(void *a) {
@@ -376,9 +379,10 @@ static void *df_owner(void *unused) {
         }
         for (int i = 0; i < DFN; i++) {
             kva_status a = df_res[0][i], b = df_res[1][i];
-            int idx = (a == KVA_OK && b == KVA_OK) ? 0
+            int idx = (a == KVA_OK && b == KVA_OK)                                                               ? 0
                       : ((a == KVA_OK && b == KVA_ERR_DOUBLE_FREE) || (b == KVA_OK && a == KVA_ERR_DOUBLE_FREE)) ? 1
-                      : (a == KVA_ERR_DOUBLE_FREE && b == KVA_ERR_DOUBLE_FREE) ? 2 : 3;
+                      : (a == KVA_ERR_DOUBLE_FREE && b == KVA_ERR_DOUBLE_FREE)                                   ? 2
+                                                                                                                 : 3;
             atomic_fetch_add(&df_counts[df_mode][idx], 1);
             if (idx == 3) {
                 atomic_fetch_add(&df_other[a & 7], 1);
@@ -401,7 +405,9 @@ static void *dup_owner(void *unused) {
     (void)unused;
     pthread_t h;
     pthread_create(&h, NULL, df_racer, (void *)(intptr_t)1);
-    enum { M = 4096 };
+    enum {
+        M = 4096
+    };
     void **many = malloc(M * sizeof *many);
     unsigned long okok = 0, dups = 0, rounds = 0;
     double end = now() + secs;
@@ -457,14 +463,15 @@ static void phase_df(void) {
     for (int m = 0; m < 3; m++)
         fprintf(stderr, "[df] %-30s okok=%lu ok/df=%lu dfdf=%lu other=%lu\n", mn[m], atomic_load(&df_counts[m][0]),
                 atomic_load(&df_counts[m][1]), atomic_load(&df_counts[m][2]), atomic_load(&df_counts[m][3]));
-    fprintf(stderr, "[df] statuses seen in 'other' pairs: OK=%lu DF=%lu BAD_POINTER=%lu INVALID=%lu CORRUPT=%lu; duplicate hand-outs=%lu\n",
+    fprintf(stderr,
+            "[df] statuses seen in 'other' pairs: OK=%lu DF=%lu BAD_POINTER=%lu INVALID=%lu CORRUPT=%lu; duplicate "
+            "hand-outs=%lu\n",
             atomic_load(&df_other[0]), atomic_load(&df_other[3]), atomic_load(&df_other[4]), atomic_load(&df_other[2]),
             atomic_load(&df_other[6]), atomic_load(&df_dups));
     for (int m = 0; m < 3 && df_exact; m++)
         if (atomic_load(&df_counts[m][0]) || atomic_load(&df_counts[m][2]) || atomic_load(&df_counts[m][3]))
             FAIL("df mode %s: a racing double free was not reported to exactly one thread", mn[m]);
-    if (atomic_load(&df_dups))
-        FAIL("df: %lu objects handed out twice", (unsigned long)atomic_load(&df_dups));
+    if (atomic_load(&df_dups)) FAIL("df: %lu objects handed out twice", (unsigned long)atomic_load(&df_dups));
     quiescent("df", atomic_load(&held));
 }
 

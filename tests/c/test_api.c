@@ -290,7 +290,7 @@ static void test_spares_do_not_cause_oom(void) {
     void *big, *small;
     CHECK_STATUS(kva_alloc(pool, (size_t)8 << 20, &big), KVA_OK);
     CHECK_STATUS(kva_alloc(pool, 645, &small), KVA_OK); /* a ninth class */
-    CHECK(kva_usable_size(pool, small) == 768);           /* a slab object, not a whole block */
+    CHECK(kva_usable_size(pool, small) == 768);         /* a slab object, not a whole block */
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
 }

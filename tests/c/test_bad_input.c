@@ -36,7 +36,8 @@ static void test_bad_configs(void) {
     cases[n].what = "min_block not a power of two", cases[n++].cfg.min_block = 3000;
     cases[n].what = "min_block 0", cases[n++].cfg.min_block = 0;
     cases[n].what = "min_block too small", cases[n++].cfg.min_block = 128;
-    cases[n].what = "min_block too large", (cases[n].cfg.capacity = (size_t)4 << 30), cases[n++].cfg.min_block = (size_t)128 << 20;
+    cases[n].what = "min_block too large", (cases[n].cfg.capacity = (size_t)4 << 30),
+    cases[n++].cfg.min_block = (size_t)128 << 20;
     cases[n].what = "capacity below one block", cases[n++].cfg.capacity = 4095;
     cases[n].what = "capacity 0", cases[n++].cfg.capacity = 0;
     cases[n].what = "slab_chunk not a power of two", cases[n++].cfg.slab_chunk = 3 << 20;

@@ -38,13 +38,13 @@ static void expect_broken(const char *code, int line) {
     }
 }
 
-#define CORRUPT(code, lvalue, bad)                      \
-    do {                                                \
-        __typeof__(lvalue) saved_ = (lvalue);           \
-        (lvalue) = (bad);                               \
-        expect_broken(code, __LINE__);                  \
-        (lvalue) = saved_;                              \
-        CHECK_STATUS(kva_check(pool), KVA_OK);          \
+#define CORRUPT(code, lvalue, bad)             \
+    do {                                       \
+        __typeof__(lvalue) saved_ = (lvalue);  \
+        (lvalue) = (bad);                      \
+        expect_broken(code, __LINE__);         \
+        (lvalue) = saved_;                     \
+        CHECK_STATUS(kva_check(pool), KVA_OK); \
     } while (0)
 
 int main(void) {
@@ -83,30 +83,30 @@ int main(void) {
     unsigned free_order = kva_ctz64(b->nonempty);
     uint32_t free_head = b->free_head[free_order];
 
-    CORRUPT("B1", b->pages[used + 1].state, KVA_BLOCK_USED);      /* a stray head inside a block */
-    CORRUPT("B1", b->pages[used].state, KVA_BLOCK_NONE);          /* a block without a head */
+    CORRUPT("B1", b->pages[used + 1].state, KVA_BLOCK_USED); /* a stray head inside a block */
+    CORRUPT("B1", b->pages[used].state, KVA_BLOCK_NONE);     /* a block without a head */
     CORRUPT("B1", b->pages[used].order, (uint8_t)(b->num_orders + 1));
     CORRUPT("B1", b->pages[used].next, b->pages[used].next * 2); /* longer than its block */
-    CORRUPT("B3", b->pages[free_head].prev, 7);                   /* a broken back link */
+    CORRUPT("B3", b->pages[free_head].prev, 7);                  /* a broken back link */
     CORRUPT("B3", b->free_count[free_order], b->free_count[free_order] + 1);
     CORRUPT("B4", b->nonempty, b->nonempty | ((uint64_t)1 << (b->num_orders - 1)));
     CORRUPT("B6", b->free_units, b->free_units + 1);
-    CORRUPT("S6", cached->word[0], 5);          /* the cache lists a word it does not own */
+    CORRUPT("S6", cached->word[0], 5); /* the cache lists a word it does not own */
     kva_tc_window *win = kva_tc_window_of(kva_tc_current, (uintptr_t)freed);
     REQUIRE(win->span != 0);
-    CORRUPT("S6", win->base, win->base + 64);                   /* a window off its word */
-    CORRUPT("S6", win->span, win->span + 64);                   /* wider than its word */
-    CORRUPT("S6", win->frees, &kva_tc_current->frees[c + 1]);   /* another class's counter */
-    CORRUPT("S6", owner[1], owner[1] + 1);      /* the word names another cache as its owner */
-    CORRUPT("S6", owner[0], kva_tc_current->id); /* a word owned but listed by no cache */
+    CORRUPT("S6", win->base, win->base + 64);                 /* a window off its word */
+    CORRUPT("S6", win->span, win->span + 64);                 /* wider than its word */
+    CORRUPT("S6", win->frees, &kva_tc_current->frees[c + 1]); /* another class's counter */
+    CORRUPT("S6", owner[1], owner[1] + 1);                    /* the word names another cache as its owner */
+    CORRUPT("S6", owner[0], kva_tc_current->id);              /* a word owned but listed by no cache */
     uint32_t not_a_slab = (uint32_t)(((unsigned char *)blocks[3] - pool->base) >> sl->chunk_shift);
     CORRUPT("S1", sl->slabs[not_a_slab].cls, (uint8_t)c); /* the slab says slab, the buddy says no */
-    CORRUPT("S2", l0[0], l0[0] | 1);                              /* a live object marked free */
-    CORRUPT("S2", owner[2], kva_tc_current->id + 7);              /* a listed word claimed behind l1's back */
-    CORRUPT("S2", slab->l2, 0);                                   /* summary disagrees with l1 */
+    CORRUPT("S2", l0[0], l0[0] | 1);                      /* a live object marked free */
+    CORRUPT("S2", owner[2], kva_tc_current->id + 7);      /* a listed word claimed behind l1's back */
+    CORRUPT("S2", slab->l2, 0);                           /* summary disagrees with l1 */
     CORRUPT("S2", slab->inuse, slab->inuse + 1);
-    CORRUPT("S1", slab->magic, slab->magic + 1);                  /* the fast path's copy */
-    CORRUPT("S3", ac->partial_head, KVA_NIL);                     /* a partial slab on no list */
+    CORRUPT("S1", slab->magic, slab->magic + 1); /* the fast path's copy */
+    CORRUPT("S3", ac->partial_head, KVA_NIL);    /* a partial slab on no list */
     CORRUPT("S4", ac->empty_slab, 3);
     CORRUPT("S5", kva_tc_current->hot[c].allocs, kva_tc_current->hot[c].allocs + 1);
     CORRUPT("S5", ac->slabs, ac->slabs + 1);
@@ -114,11 +114,11 @@ int main(void) {
     kva_tcache *me = kva_tc_current;
     unsigned unused_class = (unsigned)kva_size_class_of(40); /* never allocated here */
     REQUIRE(me->cls[unused_class].cur == KVA_NIL);
-    CORRUPT("S6", me->hot[unused_class].l0, (uint64_t *)0x10);    /* compared, not read */
+    CORRUPT("S6", me->hot[unused_class].l0, (uint64_t *)0x10); /* compared, not read */
     CORRUPT("S6", me->hot[unused_class].remote, (uint64_t *)0x10);
-    CORRUPT("S6", me->hot[c].size, me->hot[c].size + 16);          /* the fast path multiplies by it */
-    CORRUPT("S6", me->pool_next, me);                              /* a loop in the pool's caches */
-    CORRUPT("S1", slab->l0, (uint64_t *)0x1000);                   /* before the totals read it */
+    CORRUPT("S6", me->hot[c].size, me->hot[c].size + 16); /* the fast path multiplies by it */
+    CORRUPT("S6", me->pool_next, me);                     /* a loop in the pool's caches */
+    CORRUPT("S1", slab->l0, (uint64_t *)0x1000);          /* before the totals read it */
     CORRUPT("S1", slab->l0_words, 0x40000000);
     uint32_t odd_chunk = (uint32_t)(((unsigned char *)odd - pool->base) >> sl->chunk_shift);
     const kva_class_geometry *odd_g = &sl->geom[sl->slabs[odd_chunk].cls];
@@ -134,8 +134,8 @@ int main(void) {
     expect_walk_refused(__LINE__);
     sl->slabs[odd_chunk].cls = saved_cls;
     CHECK_STATUS(kva_check(pool), KVA_OK);
-    CORRUPT("P4", sl->narenas, 100000u);                  /* locking would take that many locks */
-    CORRUPT("P4", sl->nchunks, sl->nchunks + 100000);    /* walks would read past the descriptors */
+    CORRUPT("P4", sl->narenas, 100000u);              /* locking would take that many locks */
+    CORRUPT("P4", sl->nchunks, sl->nchunks + 100000); /* walks would read past the descriptors */
     CORRUPT("P2", pool->capacity, pool->capacity + 4096);
     CORRUPT("P3", pool->block_allocs, pool->block_allocs + 1);
 

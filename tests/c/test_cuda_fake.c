@@ -88,24 +88,23 @@ static void load_fake(const char *path) {
 
 
 /* Nothing of the driver is held: the state after every pool is gone. */
-#define CHECK_NO_LEAKS()                                                                         \
-    do {                                                                                         \
-        CHECK(fake.reservations() == 0);                                                         \
-        CHECK(fake.mappings() == 0);                                                             \
-        CHECK(fake.live_handles() == 0);                                                         \
-        CHECK(fake.used_bytes() == 0);                                                           \
-        CHECK(fake.registrations() == 0);                                                        \
-        CHECK(fake.retains(0) == 0);                                                             \
-        CHECK(fake.context_depth() == 0);                                                        \
+#define CHECK_NO_LEAKS()                  \
+    do {                                  \
+        CHECK(fake.reservations() == 0);  \
+        CHECK(fake.mappings() == 0);      \
+        CHECK(fake.live_handles() == 0);  \
+        CHECK(fake.used_bytes() == 0);    \
+        CHECK(fake.registrations() == 0); \
+        CHECK(fake.retains(0) == 0);      \
+        CHECK(fake.context_depth() == 0); \
     } while (0)
 
-#define CHECK_ERROR_SAYS(words)                                                                  \
-    do {                                                                                         \
-        if (!strstr(kva_last_error(), words)) {                                                  \
-            fprintf(stderr, "%s:%d: expected \"%s\" in \"%s\"\n", __FILE__, __LINE__, words,     \
-                    kva_last_error());                                                           \
-            check_failures++;                                                                    \
-        }                                                                                        \
+#define CHECK_ERROR_SAYS(words)                                                                                 \
+    do {                                                                                                        \
+        if (!strstr(kva_last_error(), words)) {                                                                 \
+            fprintf(stderr, "%s:%d: expected \"%s\" in \"%s\"\n", __FILE__, __LINE__, words, kva_last_error()); \
+            check_failures++;                                                                                   \
+        }                                                                                                       \
     } while (0)
 
 static kva_config cuda_config(size_t capacity) {
@@ -468,7 +467,9 @@ static void test_random_with_faults(void) {
     kva_pool *pool = NULL;
     CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
     REQUIRE(pool);
-    enum { SLOTS = 256 };
+    enum {
+        SLOTS = 256
+    };
     void *live[SLOTS] = {0};
     unsigned failures = 0;
     int failed_before = check_failures;
@@ -489,7 +490,7 @@ static void test_random_with_faults(void) {
             size_t size = kind < 6   ? 1 + (size_t)(rand() % 4096)
                           : kind < 9 ? 64 * KiB + (size_t)(rand() % (int)MiB)
                                      : 3 * MiB;
-            st = kind == 8 ? kva_alloc_exact(pool, size, &live[slot])
+            st = kind == 8   ? kva_alloc_exact(pool, size, &live[slot])
                  : kind == 7 ? kva_alloc_aligned(pool, size, 128 * KiB, &live[slot])
                              : kva_alloc(pool, size, &live[slot]);
             if (st != KVA_OK) {

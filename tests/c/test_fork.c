@@ -30,7 +30,8 @@ static void *churn(void *arg) {
             TCHECK_STATUS(kva_free(pool, held[i]), KVA_OK);
             held[i] = NULL;
         } else {
-            size_t size = rng_next(&rng) % 8 == 0 ? (size_t)(rng_next(&rng) % (256 << 10)) + 1 : (size_t)(rng_next(&rng) % 4096) + 1;
+            size_t size = rng_next(&rng) % 8 == 0 ? (size_t)(rng_next(&rng) % (256 << 10)) + 1
+                                                  : (size_t)(rng_next(&rng) % 4096) + 1;
             TCHECK_STATUS(kva_alloc(pool, size, &held[i]), KVA_OK);
         }
         if (rng_next(&rng) % 512 == 0) kva_thread_flush(pool);

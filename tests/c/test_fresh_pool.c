@@ -164,8 +164,9 @@ static int count_first_calls(const char *kind, kva_config *cfg, void (*prepare)(
     CHECK(stats.live_allocations == 0);
     kva_pool_destroy(pool);
     if (FAULTS_ARE_COUNTABLE && (small > KERNEL_FAULTS || large > KERNEL_FAULTS)) {
-        fprintf(stderr, "test_fresh_pool: %s: %ld minor faults in the first %d small-object calls, %ld in the %u "
-                        "large-block allocations after them and their frees; expected at most %d\n",
+        fprintf(stderr,
+                "test_fresh_pool: %s: %ld minor faults in the first %d small-object calls, %ld in the %u "
+                "large-block allocations after them and their frees; expected at most %d\n",
                 kind, small, 2 * SMALL_OBJECTS * SMALL_ROUNDS, large, large_calls, KERNEL_FAULTS);
         check_failures++;
     }
@@ -247,15 +248,17 @@ static size_t resident_bytes(void) {
 static int pools_share_one_budget(void) {
     size_t share = kva_os_available_memory() / 16;
     REQUIRE(share > 0);
-    enum { POOLS = 12 };
+    enum {
+        POOLS = 12
+    };
     kva_pool *pools[POOLS];
     kva_config cfg = host_config(8 * GiB); /* about 194 MiB of metadata, records and bitmaps */
     size_t before = resident_bytes();
     for (int i = 0; i < POOLS; i++) CHECK_STATUS(kva_pool_create(&cfg, &pools[i]), KVA_OK);
     size_t grown = resident_bytes() - before;
     if (FAULTS_ARE_COUNTABLE && grown > share + 64 * MiB) {
-        fprintf(stderr, "test_fresh_pool: %d pools faulted in %zu MiB at creation, over the share of %zu MiB\n",
-                POOLS, grown / MiB, share / MiB);
+        fprintf(stderr, "test_fresh_pool: %d pools faulted in %zu MiB at creation, over the share of %zu MiB\n", POOLS,
+                grown / MiB, share / MiB);
         check_failures++;
     }
     for (int i = 0; i < POOLS; i++) kva_pool_destroy(pools[i]);
@@ -279,9 +282,7 @@ int main(int argc, char **argv) {
     in_child(host_prefault, "host_prefault");
     in_child(host_checked, "host_checked");
     in_child(pools_share_one_budget, "pools_share_one_budget");
-    if (fake_cuda)
-        in_child(cuda_pool, "cuda_pool");
-    else
-        printf("test_fresh_pool: no fake CUDA driver given, the CUDA pool is not checked\n");
+    if (fake_cuda) in_child(cuda_pool, "cuda_pool");
+    else printf("test_fresh_pool: no fake CUDA driver given, the CUDA pool is not checked\n");
     return CHECK_DONE();
 }

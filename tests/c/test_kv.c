@@ -304,7 +304,7 @@ static void test_priorities(void) {
     copy_table(kv, sl, tl, 2);
     CHECK_STATUS(kva_kv_seq_free(kv, sh), KVA_OK);
     CHECK_STATUS(kva_kv_seq_free(kv, sl), KVA_OK); /* the low one is the most recent */
-    kva_kv_seq s = alloc_plain(kv, 4 * 4);     /* 2 free + 2 evicted */
+    kva_kv_seq s = alloc_plain(kv, 4 * 4);         /* 2 free + 2 evicted */
     uint32_t t[4];
     copy_table(kv, s, t, 4);
     CHECK(t[2] == tl[1] && t[3] == tl[0]);
@@ -504,12 +504,13 @@ static void test_contiguous(void) {
     CHECK(si.bucket_tokens == 128 && si.buffer == dst && si.num_tokens == 65);
     unsigned char *now = si.buffer;
     for (uint32_t l = 0; l < info.layers; l++)
-        for (uint32_t p = 0; p < 2; p++) CHECK(now[(2 * l + p) * (size_t)128 * info.slot_bytes + 9 * info.slot_bytes] == 1 + 2 * l + p);
+        for (uint32_t p = 0; p < 2; p++)
+            CHECK(now[(2 * l + p) * (size_t)128 * info.slot_bytes + 9 * info.slot_bytes] == 1 + 2 * l + p);
     kva_kv_stats st = stats(kv);
     CHECK(st.moves == 1 && st.moved_bytes == 64 * info.token_bytes && st.sequences == 1);
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);
     CHECK_STATUS(kva_kv_seq_append(kv, s, 1, &copy), KVA_OK);
-    CHECK(kva_usable_size(info.pool, old) == 0); /* released at the next append */
+    CHECK(kva_usable_size(info.pool, old) == 0);                      /* released at the next append */
     CHECK_STATUS(kva_kv_seq_append(kv, s, 1000 - 67, &copy), KVA_OK); /* straight to 1024 */
     CHECK(copy.dst_bucket == 1024);
     CHECK_STATUS(kva_kv_seq_append(kv, s, 100, &copy), KVA_ERR_INVALID); /* beyond max_context */

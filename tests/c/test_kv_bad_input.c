@@ -72,13 +72,29 @@ static void test_bad_configs(void) {
         case 6: cfg.dtype_bytes = 16; break;
         case 7: cfg.mode = (kva_kv_mode)7; break;
         case 8: cfg.layout = (kva_kv_layout)9; break;
-        case 9: cfg.num_blocks = 0; cfg.capacity_bytes = 0; break;
-        case 10: cfg.num_blocks = 0; cfg.capacity_bytes = 100; break; /* less than one block */
+        case 9:
+            cfg.num_blocks = 0;
+            cfg.capacity_bytes = 0;
+            break;
+        case 10:
+            cfg.num_blocks = 0;
+            cfg.capacity_bytes = 100;
+            break; /* less than one block */
         case 11: cfg.num_blocks = (1u << 30) + 1; break;
         case 12: cfg.layers = cfg.kv_heads = cfg.head_dim = 1u << 31; break; /* bytes overflow */
-        case 13: cfg.mode = KVA_KV_CONTIGUOUS; cfg.max_context = 100; break;
-        case 14: cfg.mode = KVA_KV_CONTIGUOUS; cfg.max_context = 32; break;
-        case 15: cfg.mode = KVA_KV_CONTIGUOUS; cfg.num_blocks = 0; cfg.capacity_bytes = 1000; break;
+        case 13:
+            cfg.mode = KVA_KV_CONTIGUOUS;
+            cfg.max_context = 100;
+            break;
+        case 14:
+            cfg.mode = KVA_KV_CONTIGUOUS;
+            cfg.max_context = 32;
+            break;
+        case 15:
+            cfg.mode = KVA_KV_CONTIGUOUS;
+            cfg.num_blocks = 0;
+            cfg.capacity_bytes = 1000;
+            break;
         case 16: /* a bucket of max_context tokens larger than the whole pool */
             cfg.mode = KVA_KV_CONTIGUOUS;
             cfg.max_context = 1 << 20;
@@ -156,10 +172,10 @@ static void test_bad_sequence_calls(void) {
     kva_kv_copy untouched = copy;
     uint32_t tokens[16] = {0};
     kva_kv_seq never = (kva_kv_seq)1 << 32 | 999, future = held[0] + ((kva_kv_seq)5 << 32);
-#define REFUSED(call, status)                                                                         \
-    do {                                                                                             \
-        CHECK_STATUS(call, status);                                                                  \
-        CHECK(unchanged(kv, &before));                                                               \
+#define REFUSED(call, status)                                                                             \
+    do {                                                                                                  \
+        CHECK_STATUS(call, status);                                                                       \
+        CHECK(unchanged(kv, &before));                                                                    \
         CHECK(seq == SENTINEL_SEQ && out == SENTINEL_U32 && memcmp(&copy, &untouched, sizeof copy) == 0); \
     } while (0)
 

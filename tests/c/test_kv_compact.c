@@ -20,8 +20,8 @@
 #define NSEQ 24
 
 typedef struct twin {
-    kva_kv *ref, *kv;        /* ref never compacts */
-    uint32_t shadow[NB];     /* kv's block b holds the KV of ref's block shadow[b] */
+    kva_kv *ref, *kv;    /* ref never compacts */
+    uint32_t shadow[NB]; /* kv's block b holds the KV of ref's block shadow[b] */
     kva_kv_seq rseq[2 * NSEQ + 8], seq[2 * NSEQ + 8];
     int live[2 * NSEQ + 8];
     int nseq;
@@ -386,7 +386,10 @@ static void test_trim_on_host(void) {
     kva_kv *kv = make_cache(&cfg);
     kva_kv_info info;
     CHECK_STATUS(kva_kv_get_info(kv, &info), KVA_OK);
-    enum { SEQS = 16, BLOCKS = 256 };
+    enum {
+        SEQS = 16,
+        BLOCKS = 256
+    };
     kva_kv_seq seqs[SEQS];
     for (int i = 0; i < SEQS; i++)
         CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
@@ -400,7 +403,7 @@ static void test_trim_on_host(void) {
     size_t half = (size_t)2048 * info.block_stride;
     for (uint32_t layer = 0; layer < info.layers; layer++) {
         unsigned char *region = (unsigned char *)info.base + layer * info.layer_stride;
-        CHECK(resident_pages(region + half, half) == 0);                     /* given back */
+        CHECK(resident_pages(region + half, half) == 0);                                    /* given back */
         CHECK(resident_pages(region, half) == (int)(half / (size_t)sysconf(_SC_PAGESIZE))); /* kept */
     }
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);

@@ -117,9 +117,13 @@ static void test_trim_gives_granules_back(void) {
     kva_kv *kv = NULL;
     CHECK_STATUS(kva_kv_create(&cfg, pool, &kv), KVA_OK);
     REQUIRE(kv != NULL);
-    enum { SEQS = 64, BLOCKS = 256 };
+    enum {
+        SEQS = 64,
+        BLOCKS = 256
+    };
     kva_kv_seq seqs[SEQS];
-    for (int i = 0; i < SEQS; i++) CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    for (int i = 0; i < SEQS; i++)
+        CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
     size_t full = mapped(pool);
     uint32_t trimmed = 99;
     CHECK_STATUS(kva_kv_trim(kv, &trimmed), KVA_OK); /* nothing free at the top */
@@ -138,7 +142,8 @@ static void test_trim_gives_granules_back(void) {
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     /* The trimmed blocks count for capacity; taking them maps their granules again. */
-    for (int i = 0; i < SEQS; i += 2) CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    for (int i = 0; i < SEQS; i += 2)
+        CHECK_STATUS(kva_kv_seq_allocate(kv, BLOCKS * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
     CHECK(stats(kv).trimmed_blocks == 0 && mapped(pool) == full);
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);
     /* Trimmed again and destroyed while trimmed: the free of the KV memory forgets the granules
@@ -169,7 +174,10 @@ static void test_trim_then_no_device_memory(void) {
     kva_kv *kv = NULL;
     CHECK_STATUS(kva_kv_create(&cfg, pool, &kv), KVA_OK);
     REQUIRE(kv != NULL);
-    enum { SEQS = 64, BLOCKS = 256 };
+    enum {
+        SEQS = 64,
+        BLOCKS = 256
+    };
     static uint64_t keys[SEQS][BLOCKS];
     kva_kv_seq seqs[SEQS];
     for (int i = 0; i < SEQS; i++) {
@@ -199,8 +207,9 @@ static void test_trim_then_no_device_memory(void) {
     /* A request only the trimmed blocks could complete: refused, nothing changed. */
     now = stats(kv);
     fake_fail("cuMemCreate", 1, 2);
-    CHECK_STATUS(kva_kv_seq_allocate(kv, (now.free_blocks + now.cached_blocks + 1) * 16, NULL, 0, NULL, 0, 0, 0, &one, NULL),
-                 KVA_ERR_NOMEM);
+    CHECK_STATUS(
+        kva_kv_seq_allocate(kv, (now.free_blocks + now.cached_blocks + 1) * 16, NULL, 0, NULL, 0, 0, 0, &one, NULL),
+        KVA_ERR_NOMEM);
     fake_disarm();
     kva_kv_stats after = stats(kv);
     CHECK(after.free_blocks == now.free_blocks && after.cached_blocks == now.cached_blocks &&

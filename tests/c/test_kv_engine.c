@@ -316,7 +316,9 @@ static void test_batches(void) {
 
     /* One decode step for 256 sequences, each keyed by its tokens: every one fills its first
      * block and commits it. */
-    enum { N = 256 };
+    enum {
+        N = 256
+    };
     static uint32_t prompt[N * 3], next[N], ones[N];
     static uint64_t prompt_off[N + 1], next_off[N + 1];
     static kva_kv_seq running[N];
@@ -341,7 +343,8 @@ static void test_batches(void) {
     CHECK(done == N && ncopies == 4 && stats(kv).registered_blocks == N + 3);
     for (uint32_t f = 0; f < 4 && f < ncopies; f++) {
         CHECK(copies[f].request == f * 60 && copies[f].tokens == 3);
-        CHECK(copies[f].dst_block == table_of(kv, running[f * 60])[0] && copies[f].src_block == table_of(kv, forks[f])[0]);
+        CHECK(copies[f].dst_block == table_of(kv, running[f * 60])[0] &&
+              copies[f].src_block == table_of(kv, forks[f])[0]);
     }
     checked(kv);
     CHECK_STATUS(kva_kv_seq_free_many(kv, 4, forks), KVA_OK);
@@ -399,7 +402,8 @@ static void test_events(void) {
     for (uint32_t j = 0; j < 2; j++) {
         const kva_kv_block *blk = &kv->blocks[t[j]];
         uint8_t key[16];
-        for (int i = 0; i < 8; i++) key[i] = (uint8_t)(blk->key.lo >> (8 * i)), key[8 + i] = (uint8_t)(blk->key.hi >> (8 * i));
+        for (int i = 0; i < 8; i++)
+            key[i] = (uint8_t)(blk->key.lo >> (8 * i)), key[8 + i] = (uint8_t)(blk->key.hi >> (8 * i));
         CHECK(two[j].kind == KVA_KV_EVENT_STORED && two[j].block == t[j] && two[j].library_key && two[j].key_len == 16);
         CHECK(memcmp(two[j].key, key, 16) == 0 && two[j].medium == KVA_KV_MEDIUM_CPU && two[j].namespace_id == 3);
         CHECK(two[j].parent_len == (j ? 16 : 0) && two[j].first_token == j * BT);

@@ -19,11 +19,11 @@ static kva_kv *kv;
 static uint64_t before;
 
 /* The call returns `status` and changes nothing. */
-#define REFUSED(call, status)                                                                        \
-    do {                                                                                            \
-        CHECK_STATUS(call, status);                                                                 \
-        CHECK(kv_state_hash(kv) == before);                                                         \
-        CHECK_STATUS(kva_kv_check(kv), KVA_OK);                                                     \
+#define REFUSED(call, status)                   \
+    do {                                        \
+        CHECK_STATUS(call, status);             \
+        CHECK(kv_state_hash(kv) == before);     \
+        CHECK_STATUS(kva_kv_check(kv), KVA_OK); \
     } while (0)
 
 static void test_configs(void) {

@@ -265,7 +265,8 @@ static int model_admit(const request *r, mseq *m, kva_kv_seq handle, uint32_t ca
         if (r->priority > blocks[hit[i]].priority) blocks[hit[i]].priority = r->priority;
     }
     make_room(len - hits);
-    *m = (mseq){.handle = handle, .live = 1, .kind = r->kind, .priority = r->priority, .ns = r->ns, .tokens = r->tokens};
+    *m =
+        (mseq){.handle = handle, .live = 1, .kind = r->kind, .priority = r->priority, .ns = r->ns, .tokens = r->tokens};
     memcpy(m->elem, r->elems, sizeof m->elem);
     read_table(m, m->table, &m->len);
     CHECK(m->len == len);
@@ -304,7 +305,8 @@ static void op_admit(void) {
         static uint8_t bytes[MAXB * KEY_LEN];
         put_items(kind, rs[0].elems, 0, rs[0].given, tokens, keys, bytes);
         kva_kv_content c = content_of(kind, tokens, keys, bytes);
-        kva_status st = kva_kv_seq_admit(kv, rs[0].tokens, rs[0].ns, rs[0].priority, &c, rs[0].given, &handles[0], &cached[0]);
+        kva_status st = kva_kv_seq_admit(kv, rs[0].tokens, rs[0].ns, rs[0].priority, &c, rs[0].given, &handles[0],
+                                         &cached[0]);
         REQUIRE(st == KVA_OK || st == KVA_ERR_NOMEM);
         done = st == KVA_OK;
     } else {
@@ -387,7 +389,8 @@ static void op_extend(void) {
         mseq *m = list[i];
         add[i] = rnd(2 * BT + 1);
         if (m->tokens + add[i] > MAXB * BT) add[i] = 0;
-        for (uint32_t b = m->tokens / BT + 1; b <= (m->tokens + add[i]) / BT && b <= MAXB; b++) m->elem[b] = (uint8_t)rnd(4);
+        for (uint32_t b = m->tokens / BT + 1; b <= (m->tokens + add[i]) / BT && b <= MAXB; b++)
+            m->elem[b] = (uint8_t)rnd(4);
         given[i] = m->keyed && m->kind == kind && kind != KVA_KV_KEY_NONE && rnd(5) != 0;
         uint32_t items = 0;
         if (given[i] && kind == KVA_KV_KEY_TOKENS) {
@@ -409,7 +412,8 @@ static void op_extend(void) {
         kva_status st = kva_kv_seq_extend(kv, handles[0], add[0], &c, (uint32_t)offsets[1], &copy);
         REQUIRE(st == KVA_OK || st == KVA_ERR_NOMEM);
         done = st == KVA_OK;
-        if (done && copy.tokens) copies[ncopies++] = (kva_kv_block_copy){0, copy.src_block, copy.dst_block, copy.tokens};
+        if (done && copy.tokens)
+            copies[ncopies++] = (kva_kv_block_copy){0, copy.src_block, copy.dst_block, copy.tokens};
     } else {
         REQUIRE(kva_kv_seq_extend_many(kv, picked, handles, add, kind == KVA_KV_KEY_NONE ? NULL : &c,
                                        kind == KVA_KV_KEY_NONE ? NULL : offsets, copies, &ncopies, &done) == KVA_OK);
@@ -529,7 +533,8 @@ static void op_commit(void) {
     REQUIRE(kva_kv_block_commit(kv, ns, run, n, keys, KEY_LEN, start ? parent : NULL, start * BT, registered) ==
             KVA_OK);
     for (uint32_t j = 0; j < n; j++) {
-        mkey k = make_key(KVA_KV_KEY_BYTES, ns, elems, start + j + 1), p = make_key(KVA_KV_KEY_BYTES, ns, elems, start + j);
+        mkey k = make_key(KVA_KV_KEY_BYTES, ns, elems, start + j + 1),
+             p = make_key(KVA_KV_KEY_BYTES, ns, elems, start + j);
         uint32_t holder = find(&k);
         CHECK(registered[j] == (holder == KVA_KV_NO_BLOCK ? run[j] : holder));
         commit(run[j], &k, start + j ? &p : NULL, (start + j) * BT);
@@ -672,7 +677,8 @@ static void check_events(void) {
         if (e->kind == KVA_KV_EVENT_CLEARED || g->kind != e->kind) continue;
         check_key_bytes(&e->key, g->key, g->key_len, g->library_key);
         if (e->kind == KVA_KV_EVENT_REMOVED) continue;
-        CHECK(g->first_token == e->first_token && g->num_tokens == BT && g->parent_len == (e->has_parent ? g->key_len : 0));
+        CHECK(g->first_token == e->first_token && g->num_tokens == BT &&
+              g->parent_len == (e->has_parent ? g->key_len : 0));
         if (e->has_parent) check_key_bytes(&e->parent, g->parent, g->parent_len, g->library_key);
     }
     nexpected = 0;
@@ -706,10 +712,10 @@ int main(int argc, char **argv) {
     cfg.max_key_bytes = KEY_LEN;
     cfg.event_capacity = MAX_EVENTS;
     kv = make_cache(&cfg);
-    static void (*const ops[])(void) = {op_admit, op_admit, op_admit,  op_extend, op_extend, op_extend, op_fork,
-                                        op_free,  op_free,  op_free,   op_pin,    op_unpin,  op_take,   op_take,
-                                        op_commit, op_commit, op_unref, op_unref, op_unref,  op_ref,    op_lookup,
-                                        op_evict};
+    static void (*const ops[])(void) = {op_admit, op_admit, op_admit,  op_extend, op_extend, op_extend,
+                                        op_fork,  op_free,  op_free,   op_free,   op_pin,    op_unpin,
+                                        op_take,  op_take,  op_commit, op_commit, op_unref,  op_unref,
+                                        op_unref, op_ref,   op_lookup, op_evict};
     for (long i = 0; i < operations && check_failures < 20; i++) {
         ops[rnd(sizeof ops / sizeof ops[0])]();
         check_step();
@@ -722,7 +728,9 @@ int main(int argc, char **argv) {
            st.registered_blocks, st.cached_blocks, st.used_blocks, (unsigned long long)kv->loose_refs);
     CHECK(st.hit_tokens > 0 && st.evictions > 0 && st.cow_copies > 0);
     for (uint32_t i = 0; i < MAXS; i++)
-        if (seqs[i].live) REQUIRE((seqs[i].is_pin ? kva_kv_unpin(kv, seqs[i].handle) : kva_kv_seq_free(kv, seqs[i].handle)) == KVA_OK);
+        if (seqs[i].live)
+            REQUIRE((seqs[i].is_pin ? kva_kv_unpin(kv, seqs[i].handle) : kva_kv_seq_free(kv, seqs[i].handle)) ==
+                    KVA_OK);
     for (uint32_t b = 0; b < NB; b++)
         while (blocks[b].loose--) REQUIRE(kva_kv_block_unref(kv, &b, 1) == KVA_OK);
     st = stats(kv);

@@ -135,12 +135,9 @@ static void run(uint64_t seed, int ops) {
         /* Phases: fill, then hits alone (tombstones everywhere), then everything mixed. */
         int phase = op < ops / 4 ? 0 : op < ops / 2 ? 1 : 2;
         uint64_t r = rnd() % 100;
-        if (phase == 0 || (phase == 2 && r < 45))
-            release_new(kv);
-        else if (phase == 1 || r < 95)
-            hit_cached(kv);
-        else
-            evict_some(kv);
+        if (phase == 0 || (phase == 2 && r < 45)) release_new(kv);
+        else if (phase == 1 || r < 95) hit_cached(kv);
+        else evict_some(kv);
         if (!same_order(kv)) {
             fprintf(stderr, "op %d: the segments' eviction order differs from the model's\n", op);
             mismatches++;

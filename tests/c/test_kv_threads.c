@@ -61,9 +61,9 @@ static int done_flag(const int *flag) { return __atomic_load_n(flag, __ATOMIC_AC
 #define KV_THREADS 6
 #define KV_BLOCKS 160u
 #define BT 4u
-#define FAMILIES 6u        /* shared prefix families of keys */
-#define FAMILY_BLOCKS 6u   /* keyed blocks per family */
-#define MAX_LIVE 6         /* sequences a thread holds at most */
+#define FAMILIES 6u      /* shared prefix families of keys */
+#define FAMILY_BLOCKS 6u /* keyed blocks per family */
+#define MAX_LIVE 6       /* sequences a thread holds at most */
 #define MAX_TABLE 64
 
 typedef struct tseq {
@@ -237,7 +237,8 @@ static void *kv_worker_main(void *arg) {
             verify_seq(kv, &live[nlive - 1]);
             kva_kv_seq h = 0;
             uint32_t cached = 0;
-            kva_status st = kva_kv_seq_allocate(kv, FAMILY_BLOCKS * BT, keys, FAMILY_BLOCKS, NULL, 0, ns, 0, &h, &cached);
+            kva_status st = kva_kv_seq_allocate(kv, FAMILY_BLOCKS * BT, keys, FAMILY_BLOCKS, NULL, 0, ns, 0, &h,
+                                                &cached);
             if (st == KVA_ERR_NOMEM) {
                 w->t.nomem++;
             } else {

@@ -24,10 +24,10 @@
 #define THREADS 4
 
 static kva_lock lock = KVA_LOCK_INIT;
-static uint64_t counter;     /* only under the lock */
-static uint64_t canary;      /* only under the lock: set, checked, cleared */
-static int biased_seen;      /* some acquisition came in biased */
-static int overlaps;         /* a section saw another one's canary */
+static uint64_t counter; /* only under the lock */
+static uint64_t canary;  /* only under the lock: set, checked, cleared */
+static int biased_seen;  /* some acquisition came in biased */
+static int overlaps;     /* a section saw another one's canary */
 
 typedef struct worker {
     unsigned id;

@@ -79,8 +79,7 @@ typedef struct class_plan {
 
 /* Thousands of the small classes: dozens of words claimed and given back per class and round. */
 static const class_plan plan[] = {
-    {16, 3000}, {48, 2000}, {64, 3000}, {128, 2000}, {512, 1500},
-    {2048, 600}, {4096, 800}, {16384, 150}, {65536, 60},
+    {16, 3000}, {48, 2000}, {64, 3000}, {128, 2000}, {512, 1500}, {2048, 600}, {4096, 800}, {16384, 150}, {65536, 60},
 };
 #define NPLAN (sizeof plan / sizeof *plan)
 
@@ -252,7 +251,9 @@ static void next_big(void *ctx) {
 static void *wrapping_worker(void *unused) {
     (void)unused;
     static const size_t sizes[] = {16, 64, 256, 4096};
-    enum { N = 1000 };
+    enum {
+        N = 1000
+    };
     static void *ptrs[N];
     for (unsigned round = 0; round < 8; round++) {
         for (size_t c = 0; c < sizeof sizes / sizeof *sizes; c++) {

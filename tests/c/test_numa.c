@@ -52,7 +52,6 @@ static int mask_count(void) {
 }
 
 
-
 static kva_config config(int node, kva_numa_policy policy, kva_page_mode pages) {
     kva_config cfg;
     kva_config_init(&cfg);
@@ -189,7 +188,7 @@ static void test_lock(void) {
         char flags[512];
         kva_pool_base(pool, &base);
         REQUIRE(vm_flags_of(base, flags, sizeof flags));
-#ifndef __SANITIZE_ADDRESS__ /* AddressSanitizer turns mlock into a no-op */
+#ifndef __SANITIZE_ADDRESS__                 /* AddressSanitizer turns mlock into a no-op */
         CHECK(strstr(flags, " lo") != NULL); /* VM_LOCKED */
 #endif
         kva_pool_destroy(pool);

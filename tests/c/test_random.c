@@ -42,7 +42,9 @@ static size_t nlive;
 
 /* Allocations under 16 bytes are stamped whole, byte by byte; larger ones in their first and
  * last 8 bytes. */
-static unsigned char mark_byte(const live_alloc *a, size_t i) { return (unsigned char)((a->id ^ cookie) >> (8 * (i % 8))); }
+static unsigned char mark_byte(const live_alloc *a, size_t i) {
+    return (unsigned char)((a->id ^ cookie) >> (8 * (i % 8)));
+}
 
 static void stamp(const live_alloc *a) {
     if (a->size < 16) {
@@ -119,8 +121,8 @@ static void compare_with_model(kva_pool *pool, unsigned char *base, uint64_t op)
 int main(int argc, char **argv) {
     uint64_t ops = argc > 1 ? strtoull(argv[1], NULL, 0) : 1000000;
     uint64_t seed = argc > 2 ? strtoull(argv[2], NULL, 0) : 20261129;
-    printf("test_random: %" PRIu64 " operations, seed %" PRIu64 " (replay: test_random %" PRIu64 " %" PRIu64 ")\n",
-           ops, seed, ops, seed);
+    printf("test_random: %" PRIu64 " operations, seed %" PRIu64 " (replay: test_random %" PRIu64 " %" PRIu64 ")\n", ops,
+           seed, ops, seed);
     rng_state = seed;
 
     kva_config cfg;
@@ -171,8 +173,8 @@ int main(int argc, char **argv) {
             size_t i = (size_t)(next_random() % nlive);
             live_alloc a = live[i];
             if (!stamp_intact(&a)) {
-                fprintf(stderr, "op %" PRIu64 ": allocation %" PRIu64 " (%zu bytes at %p) was overwritten\n", op,
-                        a.id, a.size, (void *)a.ptr);
+                fprintf(stderr, "op %" PRIu64 ": allocation %" PRIu64 " (%zu bytes at %p) was overwritten\n", op, a.id,
+                        a.size, (void *)a.ptr);
                 for (size_t j = 0; j < nlive; j++)
                     if (j != i && live[j].ptr < a.ptr + a.size && a.ptr < live[j].ptr + live[j].size)
                         fprintf(stderr, "  overlaps allocation %" PRIu64 " (%zu bytes at %p, usable %zu)\n", live[j].id,

@@ -182,8 +182,10 @@ static void test_touched_pool_larger_than_memory(void) {
         fclose(f);
     }
     if (mode != 0 && mode != 2) {
-        fprintf(stderr, "test_touched_pool_larger_than_memory: skipped, overcommit_memory is %d: the kernel "
-                        "would accept the mapping and the prefault would meet the OOM killer\n", mode);
+        fprintf(stderr,
+                "test_touched_pool_larger_than_memory: skipped, overcommit_memory is %d: the kernel "
+                "would accept the mapping and the prefault would meet the OOM killer\n",
+                mode);
         return;
     }
     size_t memory = (size_t)(meminfo_value("MemTotal") + meminfo_value("SwapTotal")) * 1024;
@@ -234,8 +236,10 @@ static void test_metadata_larger_than_memory(void) {
     kva_pool *pool = NULL;
     kva_status st = kva_pool_create(&cfg, &pool);
     if (policy == 2) {
-        fprintf(stderr, "test_metadata_larger_than_memory: overcommit_memory is 2 (strict), so a 4 TiB pool "
-                        "must be refused: %s\n", kva_last_error());
+        fprintf(stderr,
+                "test_metadata_larger_than_memory: overcommit_memory is 2 (strict), so a 4 TiB pool "
+                "must be refused: %s\n",
+                kva_last_error());
         CHECK(st != KVA_OK);
         if (strstr(kva_last_error(), "metadata")) CHECK_STATUS(st, KVA_ERR_NOMEM);
         if (st == KVA_OK) kva_pool_destroy(pool);

@@ -118,8 +118,8 @@ static void expect_refused(const char *what, const char *name, kva_status expect
     const char *msg = kva_last_error();
     int says = strstr(msg, path) != NULL && strstr(msg, phrase) != NULL;
     if (st != expected || pool != (kva_pool *)0x5e || !says) {
-        fprintf(stderr, "%s: status %d (expected %d), message \"%s\" (expected to name %s and \"%s\")\n", what,
-                (int)st, (int)expected, msg, path, phrase);
+        fprintf(stderr, "%s: status %d (expected %d), message \"%s\" (expected to name %s and \"%s\")\n", what, (int)st,
+                (int)expected, msg, path, phrase);
         check_failures++;
     }
     if (st == KVA_OK && pool != (kva_pool *)0x5e) kva_pool_destroy(pool);
@@ -132,7 +132,9 @@ static void expect_refused(const char *what, const char *name, kva_status expect
         found also_after = look(also);
         if (also_before.exists ? !unchanged(&also_before, &also_after) : also_after.exists) {
             fprintf(stderr, "%s: the link's target %s was %s\n", what, also,
-                    !also_before.exists ? "created" : also_after.exists ? "changed" : "removed");
+                    !also_before.exists ? "created"
+                    : also_after.exists ? "changed"
+                                        : "removed");
             check_failures++;
         }
     }

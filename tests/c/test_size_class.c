@@ -26,7 +26,8 @@ static void test_division(void) {
         for (uint64_t start = 0; start < ((uint64_t)64 << 20); start += size)
             wrong += !division_agrees(start, size, magic) + !division_agrees(start + 1, size, magic) +
                      !division_agrees(start + size / 2, size, magic) + !division_agrees(start + size - 1, size, magic);
-        if (wrong) fprintf(stderr, "class %u (%llu B): %u offsets divided wrongly\n", c, (unsigned long long)size, wrong);
+        if (wrong)
+            fprintf(stderr, "class %u (%llu B): %u offsets divided wrongly\n", c, (unsigned long long)size, wrong);
         CHECK(wrong == 0);
     }
 }
@@ -63,7 +64,8 @@ int main(void) {
         }
     }
     /* The small-size table is the formula tabulated. */
-    for (size_t size = 1; size <= KVA_CLASS_SMALL_LIMIT; size++) CHECK(kva_class_index(size) == kva_class_index_formula(size));
+    for (size_t size = 1; size <= KVA_CLASS_SMALL_LIMIT; size++)
+        CHECK(kva_class_index(size) == kva_class_index_formula(size));
     /* And so is the table of the larger sizes, up to the largest class. */
     for (size_t size = KVA_CLASS_SMALL_LIMIT + 1; size <= KVA_SLAB_MAX_SIZE; size++)
         CHECK(kva_class_index(size) == kva_class_index_formula(size));

@@ -520,7 +520,8 @@ static void test_kv_cache_section(void) {
     const kva_shm_heapmap *map = section(buf, m.size, KVA_SHM_SECTION_HEAPMAP, &len);
     const uint8_t *state = (const uint8_t *)(map + 1);
     uint32_t kv_used = 0, kv_cached = 0;
-    for (uint32_t i = 0; i < map->cells; i++) kv_used += state[i] == KVA_SHM_CELL_KV_USED, kv_cached += state[i] == KVA_SHM_CELL_KV_CACHED;
+    for (uint32_t i = 0; i < map->cells; i++)
+        kv_used += state[i] == KVA_SHM_CELL_KV_USED, kv_cached += state[i] == KVA_SHM_CELL_KV_CACHED;
     CHECK(kv_used > 0 && kv_cached > 0);
     /* Used cells cover about the used blocks' bytes. */
     uint64_t used_bytes = 104 * (uint64_t)info.block_bytes;

@@ -153,7 +153,9 @@ static void *consume(void *arg) {
 
 static void test_free_only_thread_keeps_one_word(void) {
     pool = make_pool(64 * MiB);
-    enum { N = 512 };
+    enum {
+        N = 512
+    };
     void *objs[N];
     for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, 1024, &objs[i]), KVA_OK);
     kva_thread_flush(pool); /* the main thread holds no free 1 KiB object */
@@ -169,7 +171,9 @@ static void test_free_only_thread_keeps_one_word(void) {
 /* 64 B objects: 32 words (128 KiB of span); 1 KiB objects: the minimum, 4 words. */
 static void check_word_limit(size_t size, uint32_t limit) {
     pool = make_pool(64 * MiB);
-    enum { N = 3000 };
+    enum {
+        N = 3000
+    };
     static void *objs[N];
     unsigned c = kva_class_index(size);
     for (int i = 0; i < N; i++) CHECK_STATUS(kva_alloc(pool, size, &objs[i]), KVA_OK);
@@ -249,7 +253,9 @@ static void *free_remotely(void *arg) {
 
 static void test_free_window(void) {
     pool = make_pool(64 * MiB);
-    enum { N = 1000 };
+    enum {
+        N = 1000
+    };
     static void *objs[N];
     /* Round 1: the thread gives its dry words back as it allocates (it has freed nothing), so
      * it owns only the current word, the last 40 objects' (960 .. 999 of a word of 64). */
@@ -312,7 +318,10 @@ static void test_free_window(void) {
  * object is free already. */
 static void test_raced_double_free_is_not_handed_out_twice(void) {
     pool = make_pool(64 * MiB);
-    enum { FIRST = 10, MORE = 300 };
+    enum {
+        FIRST = 10,
+        MORE = 300
+    };
     static void *objs[FIRST + MORE];
     for (int i = 0; i < FIRST; i++) CHECK_STATUS(kva_alloc(pool, 64, &objs[i]), KVA_OK);
     CHECK_STATUS(kva_free(pool, objs[5]), KVA_OK); /* the owner's free: a plain store */
@@ -515,7 +524,7 @@ static void test_late_free_drained_in_another_class(void) {
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
     CHECK_STATUS(kva_trim(pool), KVA_OK);
     CHECK_STATUS(kva_alloc(pool, 32768, &y), KVA_OK);
-    REQUIRE(y == x); /* the first object of the same chunk: the late free's bit is y's */
+    REQUIRE(y == x);                              /* the first object of the same chunk: the late free's bit is y's */
     CHECK_STATUS(kva_thread_flush(pool), KVA_OK); /* y live in a word nobody owns */
     finish_paused(t);
     CHECK(late_status == KVA_OK || late_status == KVA_ERR_DOUBLE_FREE);
@@ -568,9 +577,9 @@ static void test_claim_racing_a_remote_free_counts_once(void) {
     kva_tc_test_hook(claim_race, NULL);
     pthread_t t;
     REQUIRE(pthread_create(&t, NULL, free_late_marked, x) == 0);
-    sem_wait(&arrived);                            /* the other thread found x live and owned */
-    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);  /* the word goes back: nobody owns it */
-    CHECK_STATUS(kva_free(pool, x), KVA_OK);       /* claims it; the other OR lands in the claim */
+    sem_wait(&arrived);                           /* the other thread found x live and owned */
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK); /* the word goes back: nobody owns it */
+    CHECK_STATUS(kva_free(pool, x), KVA_OK);      /* claims it; the other OR lands in the claim */
     pthread_join(t, NULL);
     kva_tc_test_hook(NULL, NULL);
     thread_failures_merge();
@@ -668,7 +677,9 @@ static void test_destroy_outlived_by_a_cache(void) {
  * and this thread's, the producer allocates 10 more and this thread frees all 20: counted that
  * way, live counts would wrap below zero (and bytes in use pass the capacity). Free counts are
  * read first, then allocation counts. */
-enum { HANDED = 20 };
+enum {
+    HANDED = 20
+};
 static void *handed[HANDED];
 
 static void *produce_in_two_batches(void *arg) {
@@ -726,7 +737,7 @@ static void *two_pools(void *arg) {
     (void)arg;
     void *p;
     TCHECK_STATUS(kva_alloc(other, 64, &p), KVA_OK);
-    TCHECK_STATUS(kva_free(other, p), KVA_OK);      /* a cache of `other`, holding a word */
+    TCHECK_STATUS(kva_free(other, p), KVA_OK);             /* a cache of `other`, holding a word */
     TCHECK_STATUS(kva_alloc(pool, 64, &p), KVA_ERR_NOMEM); /* no cache of `pool` to be had */
     return NULL;
 }

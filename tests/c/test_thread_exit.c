@@ -26,8 +26,8 @@
 #include "thread_util.h"
 
 #define MAX_THREADS 64
-#define KEEP 3           /* live objects an odd-numbered thread hands over */
-#define CHURN 400        /* objects per class each thread allocates and frees */
+#define KEEP 3    /* live objects an odd-numbered thread hands over */
+#define CHURN 400 /* objects per class each thread allocates and frees */
 
 static const size_t churn_sizes[] = {16, 48, 64, 100, 512, 4096, 20000};
 #define NCHURN (sizeof churn_sizes / sizeof *churn_sizes)
@@ -180,7 +180,9 @@ static void short_lived(void) {
         kva_stats st = get_stats(pool);
         if (st.thread_caches != base.thread_caches || st.cached_bytes != base.cached_bytes ||
             st.live_allocations != base.live_allocations) {
-            fprintf(stderr, "short-lived thread %u: thread_caches %u, cached %zu, live %" PRIu64 " (baseline %u, %zu, %" PRIu64 ")\n",
+            fprintf(stderr,
+                    "short-lived thread %u: thread_caches %u, cached %zu, live %" PRIu64 " (baseline %u, %zu, %" PRIu64
+                    ")\n",
                     (unsigned)i, st.thread_caches, st.cached_bytes, st.live_allocations, base.thread_caches,
                     base.cached_bytes, base.live_allocations);
             check_failures++;

@@ -265,9 +265,8 @@ typedef struct pool_counts {
 
 static pool_counts counts(void) {
     kva_stats s = get_stats(pool);
-    return (pool_counts){s.live_allocations, s.alloc_count, s.free_count, s.rejected_calls,
-                         s.bytes_in_use,     s.bytes_free,  s.slab_bytes, s.slab_free_bytes,
-                         s.cached_bytes};
+    return (pool_counts){s.live_allocations, s.alloc_count, s.free_count,      s.rejected_calls, s.bytes_in_use,
+                         s.bytes_free,       s.slab_bytes,  s.slab_free_bytes, s.cached_bytes};
 }
 
 /* after is before with one more rejected call and nothing else changed. */
@@ -277,7 +276,7 @@ static int only_rejected(const pool_counts *before, const pool_counts *after) {
     return memcmp(&expect, after, sizeof expect) == 0;
 }
 
-static void *df_victim;  /* p: allocated by A */
+static void *df_victim; /* p: allocated by A */
 static size_t df_size;
 
 /* A: allocates p and a neighbour q of the same size (so A's cache holds the word of p), waits

@@ -48,7 +48,9 @@ static void test_round_trip_and_coalescing(kva_var_policy policy) {
     void *base;
     CHECK_STATUS(kva_var_base(v, &base), KVA_OK);
     CHECK((uintptr_t)base % ALIGN == 0);
-    enum { N = 200 };
+    enum {
+        N = 200
+    };
     void *p[N];
     size_t requested = 0, used = 0;
     for (int i = 0; i < N; i++) {
@@ -326,13 +328,15 @@ static int address_order(const void *a, const void *b) {
 }
 
 static void test_tlsf_successor_below_head(void) {
-    enum { N = 8 };
+    enum {
+        N = 8
+    };
     kva_var_config cfg;
     kva_var_config_init(&cfg);
     cfg.alignment = 16;
     cfg.policy = KVA_VAR_TLSF;
-    size_t big_bytes = 520 * 16;            /* 520 units: class (5, 0), lengths 512 .. 527 */
-    cfg.capacity = N * (big_bytes + 16);    /* N pairs of (big, 1 unit) and no free remainder */
+    size_t big_bytes = 520 * 16;         /* 520 units: class (5, 0), lengths 512 .. 527 */
+    cfg.capacity = N * (big_bytes + 16); /* N pairs of (big, 1 unit) and no free remainder */
     kva_var *v = NULL;
     REQUIRE(kva_var_create(&cfg, NULL, &v) == KVA_OK);
     char *big[N], *gap[N];
@@ -353,7 +357,7 @@ static void test_tlsf_successor_below_head(void) {
     CHECK_STATUS(kva_var_alloc(v, big_bytes, &exact), KVA_OK);
     CHECK(exact == big[0]);
     CHECK(v->ranges[b4].link_prev == KVA_NIL && v->ranges[b4].link_next == b2); /* head b4, b2 below it */
-    CHECK_STATUS(kva_var_alloc(v, 16, &small), KVA_OK); /* the fast path, on head b4 */
+    CHECK_STATUS(kva_var_alloc(v, 16, &small), KVA_OK);                         /* the fast path, on head b4 */
     CHECK(small == big[4]);
     CHECK(v->ranges[b2].link_prev == b4 + 1); /* the successor now follows the remainder */
     CHECK_STATUS(kva_var_check(v), KVA_OK);
@@ -432,10 +436,10 @@ static void test_check_finds_corruption(void) {
 
 #define MODEL_UNITS 4096u /* 1 MiB at 256 B */
 #define MAX_LIVE 512
-#define CARVE_MIN 32u     /* KVA_VAR_CARVE_MIN: best fit and TLSF apply the placement rule from here */
+#define CARVE_MIN 32u /* KVA_VAR_CARVE_MIN: best fit and TLSF apply the placement rule from here */
 
 typedef struct model {
-    uint16_t owner[MODEL_UNITS]; /* 0: free; else 1 + the live slot */
+    uint16_t owner[MODEL_UNITS];  /* 0: free; else 1 + the live slot */
     uint32_t units[MAX_LIVE + 1]; /* by owner: the units of that live range */
 } model;
 
@@ -477,7 +481,7 @@ static uint32_t model_place(const model *m, kva_var_policy policy, uint32_t star
  * above it that holds a fitting run (every run there fits). Returns whether any run fits. */
 static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, uint32_t got, int succeeded) {
     uint32_t first = UINT32_MAX, min_len = UINT32_MAX, min_at = UINT32_MAX, max_len = 0;
-    uint32_t got_start = UINT32_MAX, got_len = 0; /* the free run that holds got */
+    uint32_t got_start = UINT32_MAX, got_len = 0;               /* the free run that holds got */
     uint32_t own = tlsf_class_index(units), above = UINT32_MAX; /* the lowest fitting class > own */
     for (uint32_t next = 0, at, len; (at = next_free_run(m, &next, &len)) < MODEL_UNITS;) {
         if (at <= got && got < at + len) {
@@ -500,14 +504,10 @@ static int model_accepts(const model *m, kva_var_policy policy, uint32_t units, 
     if (!fits || got_start == UINT32_MAX || got_len < units) return 0;
     if (got != model_place(m, policy, got_start, got_len, units)) return 0;
     switch (policy) {
-    case KVA_VAR_FIRST_FIT:
-        return got_start == first;
-    case KVA_VAR_BEST_FIT:
-        return got_start == min_at;
-    case KVA_VAR_WORST_FIT:
-        return got_len == max_len;
-    case KVA_VAR_TLSF:
-        return tlsf_class_index(got_len) == own || tlsf_class_index(got_len) == above;
+    case KVA_VAR_FIRST_FIT: return got_start == first;
+    case KVA_VAR_BEST_FIT: return got_start == min_at;
+    case KVA_VAR_WORST_FIT: return got_len == max_len;
+    case KVA_VAR_TLSF: return tlsf_class_index(got_len) == own || tlsf_class_index(got_len) == above;
     }
     return 0;
 }

@@ -23,29 +23,26 @@
 
 static atomic_int thread_failures;
 
-#define TCHECK(cond)                                                                         \
-    do {                                                                                     \
-        if (!(cond)) {                                                                       \
-            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond);         \
-            atomic_fetch_add(&thread_failures, 1);                                           \
-        }                                                                                    \
+#define TCHECK(cond)                                                                 \
+    do {                                                                             \
+        if (!(cond)) {                                                               \
+            fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+            atomic_fetch_add(&thread_failures, 1);                                   \
+        }                                                                            \
     } while (0)
 
-#define TCHECK_STATUS(expr, expected)                                                        \
-    do {                                                                                     \
-        kva_status tcheck_got_ = (expr);                                                     \
-        if (tcheck_got_ != (expected)) {                                                     \
-            fprintf(stderr, "%s:%d: %s returned %d (%s: %s), expected %d\n", __FILE__,       \
-                    __LINE__, #expr, (int)tcheck_got_, kva_strerror(tcheck_got_),            \
-                    kva_last_error(), (int)(expected));                                      \
-            atomic_fetch_add(&thread_failures, 1);                                           \
-        }                                                                                    \
+#define TCHECK_STATUS(expr, expected)                                                                   \
+    do {                                                                                                \
+        kva_status tcheck_got_ = (expr);                                                                \
+        if (tcheck_got_ != (expected)) {                                                                \
+            fprintf(stderr, "%s:%d: %s returned %d (%s: %s), expected %d\n", __FILE__, __LINE__, #expr, \
+                    (int)tcheck_got_, kva_strerror(tcheck_got_), kva_last_error(), (int)(expected));    \
+            atomic_fetch_add(&thread_failures, 1);                                                      \
+        }                                                                                               \
     } while (0)
 
 /* Call in the main thread with no worker running. */
-KVA_TU_UNUSED void thread_failures_merge(void) {
-    check_failures += atomic_exchange(&thread_failures, 0);
-}
+KVA_TU_UNUSED void thread_failures_merge(void) { check_failures += atomic_exchange(&thread_failures, 0); }
 
 /* splitmix64 on a caller-owned state: each thread has its own. */
 KVA_TU_UNUSED uint64_t rng_next(uint64_t *state) {
@@ -97,15 +94,15 @@ KVA_TU_UNUSED int test_stamp_intact(const test_obj *o) {
 KVA_TU_UNUSED int test_obj_free(kva_pool *pool, test_obj *o) {
     int ok = 1;
     if (!test_stamp_intact(o)) {
-        fprintf(stderr, "allocation %#llx (%zu bytes at %p, usable %zu) was overwritten\n",
-                (unsigned long long)o->id, o->size, (void *)o->ptr, kva_usable_size(pool, o->ptr));
+        fprintf(stderr, "allocation %#llx (%zu bytes at %p, usable %zu) was overwritten\n", (unsigned long long)o->id,
+                o->size, (void *)o->ptr, kva_usable_size(pool, o->ptr));
         atomic_fetch_add(&thread_failures, 1);
         ok = 0;
     }
     kva_status st = kva_free(pool, o->ptr);
     if (st != KVA_OK) {
-        fprintf(stderr, "kva_free(%p) of allocation %#llx: %s (%s)\n", (void *)o->ptr,
-                (unsigned long long)o->id, kva_strerror(st), kva_last_error());
+        fprintf(stderr, "kva_free(%p) of allocation %#llx: %s (%s)\n", (void *)o->ptr, (unsigned long long)o->id,
+                kva_strerror(st), kva_last_error());
         atomic_fetch_add(&thread_failures, 1);
         ok = 0;
     }

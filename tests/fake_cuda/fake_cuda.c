@@ -60,8 +60,8 @@ typedef struct {
 typedef struct {
     size_t size;
     int device;
-    int released;       /* the handle is gone; the memory lives on while mapped */
-    int freed;          /* the memory is gone too */
+    int released; /* the handle is gone; the memory lives on while mapped */
+    int freed;    /* the memory is gone too */
     unsigned maps;
     unsigned char *shadow;
 } allocation;
@@ -69,9 +69,9 @@ typedef struct {
 typedef struct {
     uintptr_t va;
     size_t size;
-    size_t alloc;       /* index into allocs */
-    int access;         /* CUmemAccess_flags; 0 until cuMemSetAccess */
-    int legacy;         /* made by cuMemAlloc: reservation and handle are its own */
+    size_t alloc; /* index into allocs */
+    int access;   /* CUmemAccess_flags; 0 until cuMemSetAccess */
+    int legacy;   /* made by cuMemAlloc: reservation and handle are its own */
 } mapping;
 
 typedef struct {
@@ -155,12 +155,12 @@ static CUresult enter_call(const char *name) {
 
 /* Every entry point starts here: locks, counts, applies injected failures, and (need > 0)
  * checks cuInit and (need > 1) a current context. */
-#define BEGIN(need)                                                                          \
-    pthread_mutex_lock(&lock);                                                               \
-    CUresult result_ = enter_call(__func__);                                                 \
+#define BEGIN(need)                                                                                  \
+    pthread_mutex_lock(&lock);                                                                       \
+    CUresult result_ = enter_call(__func__);                                                         \
     if (result_ == CUDA_SUCCESS && (need) > 0 && !initialized) result_ = CUDA_ERROR_NOT_INITIALIZED; \
-    if (result_ == CUDA_SUCCESS && (need) > 1 && (depth == 0 || stack[depth - 1] == NULL))   \
-        result_ = CUDA_ERROR_INVALID_CONTEXT;                                                \
+    if (result_ == CUDA_SUCCESS && (need) > 1 && (depth == 0 || stack[depth - 1] == NULL))           \
+        result_ = CUDA_ERROR_INVALID_CONTEXT;                                                        \
     if (result_ != CUDA_SUCCESS) return finish(result_)
 #define NEED_INIT 1
 #define NEED_CONTEXT 2
@@ -218,7 +218,8 @@ static int current_device(void) { return stack[depth - 1]->device; }
 
 static int valid_prop(const CUmemAllocationProp *prop) {
     return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-           prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_NONE && prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->win32HandleMetaData == NULL;
+           prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_NONE &&
+           prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->win32HandleMetaData == NULL;
 }
 
 static int aligned(uintptr_t value) { return (value & (config.granularity - 1)) == 0; }

@@ -17,9 +17,9 @@ typedef struct input {
 static inline unsigned next_byte(input *in) { return in->at < in->size ? in->data[in->at++] : 0; }
 static inline unsigned next_u16(input *in) { return next_byte(in) | next_byte(in) << 8; }
 
-#define ORACLE(cond)                                                                         \
-    do {                                                                                     \
-        if (!(cond)) __builtin_trap();                                                       \
+#define ORACLE(cond)                   \
+    do {                               \
+        if (!(cond)) __builtin_trap(); \
     } while (0)
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);

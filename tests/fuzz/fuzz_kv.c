@@ -46,12 +46,12 @@
 
 #define MAX_SEQS 64
 #define BLOCK_TOKENS 4
-#define LAYERS 2                            /* two, so that per-layer addressing and regions matter */
-#define MAX_BLOCKS 64                       /* num_blocks is 32 .. 63 */
+#define LAYERS 2                               /* two, so that per-layer addressing and regions matter */
+#define MAX_BLOCKS 64                          /* num_blocks is 32 .. 63 */
 #define MAX_TOKENS (MAX_BLOCKS * BLOCK_TOKENS) /* no sequence can hold more blocks than the cache */
 #define POISON 0xa5
-#define MAX_KEYS 16                         /* a prompt keys at most 40 / BLOCK_TOKENS blocks */
-#define EVENTS 24                           /* the cache's ring: small, so that it fills and drops */
+#define MAX_KEYS 16 /* a prompt keys at most 40 / BLOCK_TOKENS blocks */
+#define EVENTS 24   /* the cache's ring: small, so that it fills and drops */
 #define MAX_LEARNED 512
 #define NAMESPACES 3
 
@@ -66,9 +66,9 @@ static uint32_t space_len(uint32_t space) { return space >> 8; }
 typedef struct model_seq {
     kva_kv_seq handle;
     int is_pin;
-    int keyed;                /* it keeps its chain: the blocks it fills are committed */
+    int keyed; /* it keeps its chain: the blocks it fills are committed */
     uint32_t tokens;
-    uint32_t space;           /* its keys' */
+    uint32_t space; /* its keys' */
     uint32_t priority;
     uint64_t id;              /* names the tokens this sequence writes itself */
     uint8_t path[MAX_BLOCKS]; /* while keyed: the key of each block, the partial one's included */
@@ -81,11 +81,11 @@ typedef struct model_seq {
 typedef struct model_block {
     uint8_t registered;
     uint8_t depth;
-    uint8_t priority;         /* the highest of its holders since taken */
-    uint8_t loose;            /* references the engine holds (the block calls) */
+    uint8_t priority; /* the highest of its holders since taken */
+    uint8_t loose;    /* references the engine holds (the block calls) */
     uint32_t space;
     uint8_t path[MAX_BLOCKS];
-    uint64_t released_at;     /* while cached: when its last reference went (its LRU place) */
+    uint64_t released_at; /* while cached: when its last reference went (its LRU place) */
 } model_block;
 
 typedef struct model_event {
@@ -115,7 +115,7 @@ typedef struct harness {
         uint8_t depth;
         uint8_t path[MAX_BLOCKS];
         uint8_t bytes[16];
-    } learned[MAX_LEARNED];   /* the library's keys' bytes, from the first event naming each */
+    } learned[MAX_LEARNED]; /* the library's keys' bytes, from the first event naming each */
     uint32_t nlearned;
 } harness;
 
@@ -180,8 +180,8 @@ UNGUIDED static void map_blocks(harness *h) {
             for (unsigned p = 0; p < 2; p++) {
                 void *at;
                 ORACLE(kva_kv_block_address(h->kv, b, l, (kva_kv_part)p, &at) == KVA_OK);
-                ORACLE((uint8_t *)at == (uint8_t *)g->base + b * g->block_stride + l * g->layer_stride +
-                                            p * g->part_bytes);
+                ORACLE((uint8_t *)at ==
+                       (uint8_t *)g->base + b * g->block_stride + l * g->layer_stride + p * g->part_bytes);
                 h->part[b][l][p] = at;
             }
     void *at;
@@ -323,7 +323,8 @@ UNGUIDED static uint64_t tag_for(const model_seq *m, uint32_t t, uint32_t keyed)
 
 /* Keys for the blocks of a keyed sequence from `from` through the one holding its last token. */
 UNGUIDED static void extend_path(model_seq *m, uint32_t from) {
-    for (uint32_t pos = from; pos <= m->tokens / BLOCK_TOKENS && pos < MAX_BLOCKS; pos++) m->path[pos] = next_key(m, pos);
+    for (uint32_t pos = from; pos <= m->tokens / BLOCK_TOKENS && pos < MAX_BLOCKS; pos++)
+        m->path[pos] = next_key(m, pos);
 }
 
 static void model_remove(harness *h, size_t i) {
@@ -345,7 +346,8 @@ UNGUIDED static uint32_t model_lookup(const harness *h, uint32_t space, const ui
 /* The header's hit: the longest prefix of the given blocks held under their keys, used or
  * cached, stopping at the first miss; hit[0 .. n) are its blocks. Nothing caps it: a prompt
  * whose every block is given and held is a hit of all its tokens. */
-UNGUIDED static uint32_t model_hits(const harness *h, uint32_t space, const uint8_t *path, uint32_t nkeys, uint32_t *hit) {
+UNGUIDED static uint32_t model_hits(const harness *h, uint32_t space, const uint8_t *path, uint32_t nkeys,
+                                    uint32_t *hit) {
     uint32_t n = 0;
     while (n < nkeys && (hit[n] = model_lookup(h, space, path, n + 1)) != KVA_KV_NO_BLOCK) n++;
     return n;
@@ -370,8 +372,12 @@ UNGUIDED static void model_event_push(harness *h, uint32_t kind, uint32_t b, uin
         return;
     }
     model_event *e = &h->ring[(h->ring_head + h->ring_count++) % EVENTS];
-    *e = (model_event){.kind = kind, .block = b, .space = space, .depth = (uint8_t)depth,
-                       .has_parent = (uint8_t)has_parent, .first_token = depth ? (depth - 1) * BLOCK_TOKENS : 0};
+    *e = (model_event){.kind = kind,
+                       .block = b,
+                       .space = space,
+                       .depth = (uint8_t)depth,
+                       .has_parent = (uint8_t)has_parent,
+                       .first_token = depth ? (depth - 1) * BLOCK_TOKENS : 0};
     if (depth) memcpy(e->path, path, depth);
 }
 
@@ -557,7 +563,9 @@ static kva_kv_content prompt_content(const prompt *p, uint32_t from, uint32_t to
         keys[i - from] = p->path[i];
         if (len) engine_key(p->path, i + 1, len, bytes + (i - from) * len);
     }
-    return (kva_kv_content){.kind = len ? KVA_KV_KEY_BYTES : KVA_KV_KEY_U64, .key_len = len, .keys = keys,
+    return (kva_kv_content){.kind = len ? KVA_KV_KEY_BYTES : KVA_KV_KEY_U64,
+                            .key_len = len,
+                            .keys = keys,
                             .key_bytes = bytes};
 }
 
@@ -777,8 +785,10 @@ static void op_extend(harness *h, input *in) {
         offsets[r + 1] = offsets[r] + items[r];
         handles[r] = m->handle;
     }
-    kva_kv_content c = {.kind = space_len(space) ? KVA_KV_KEY_BYTES : KVA_KV_KEY_U64, .key_len = space_len(space),
-                        .keys = keys, .key_bytes = bytes};
+    kva_kv_content c = {.kind = space_len(space) ? KVA_KV_KEY_BYTES : KVA_KV_KEY_U64,
+                        .key_len = space_len(space),
+                        .keys = keys,
+                        .key_bytes = bytes};
     kva_kv_copy copies[2];
     memset(copies, 0x5a, sizeof copies);
     uint32_t done = UINT32_MAX;
@@ -1141,8 +1151,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     drain_events(h, EVENTS);
     for (size_t i = 0; i < h->nlive; i++)
-        ORACLE((h->live[i].is_pin ? kva_kv_unpin(h->kv, h->live[i].handle) : kva_kv_seq_free(h->kv, h->live[i].handle)) ==
-               KVA_OK);
+        ORACLE((h->live[i].is_pin ? kva_kv_unpin(h->kv, h->live[i].handle)
+                                  : kva_kv_seq_free(h->kv, h->live[i].handle)) == KVA_OK);
     for (uint32_t b = 0; b < h->info.num_blocks; b++)
         for (; h->block[b].loose; h->block[b].loose--) ORACLE(kva_kv_block_unref(h->kv, &b, 1) == KVA_OK);
     /* With every sequence and reference gone, each block the model holds registered is cached:

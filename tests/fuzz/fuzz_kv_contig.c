@@ -60,7 +60,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     kva_kv_info info;
     ORACLE(kva_kv_get_info(kv, &info) == KVA_OK);
-    ORACLE(info.mode == KVA_KV_CONTIGUOUS && info.max_context >= 64 && (info.max_context & (info.max_context - 1)) == 0);
+    ORACLE(info.mode == KVA_KV_CONTIGUOUS && info.max_context >= 64 &&
+           (info.max_context & (info.max_context - 1)) == 0);
     model_seq live[MAX_SEQS];
     kva_kv_seq freed[MAX_SEQS];
     size_t nlive = 0, nfreed = 0;
@@ -136,7 +137,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             for (size_t b = a + 1; b < nlive; b++) {
                 kva_kv_seq_info y = seq_info(kv, live[b].handle);
                 unsigned char *xp = x.buffer, *yp = y.buffer;
-                ORACLE(xp + buffer_bytes(&info, x.bucket_tokens) <= yp || yp + buffer_bytes(&info, y.bucket_tokens) <= xp);
+                ORACLE(xp + buffer_bytes(&info, x.bucket_tokens) <= yp ||
+                       yp + buffer_bytes(&info, y.bucket_tokens) <= xp);
             }
         }
         kva_status checked = kva_kv_check(kv);

@@ -45,9 +45,7 @@ static int overlaps(const live_alloc *live, size_t n, const unsigned char *p, si
     return 0;
 }
 
-static int intact(const live_alloc *a) {
-    return a->ptr[0] == a->stamp && a->ptr[a->size - 1] == a->stamp;
-}
+static int intact(const live_alloc *a) { return a->ptr[0] == a->stamp && a->ptr[a->size - 1] == a->stamp; }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input in = {data, size, 0};

@@ -119,7 +119,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     cfg.slab_chunk = ((size_t)64 << 10) << ((choice >> 3) % 3);
     cfg.checked = (choice >> 5) & 1;
     cfg.arenas = 1 + ((choice >> 6) & 1);
-    cfg.capacity = ((size_t)1 << 20) * (1 + next_byte(&in) % 4) + (size_t)(next_byte(&in) % 8) * 256 + next_byte(&in) % 3;
+    cfg.capacity = ((size_t)1 << 20) * (1 + next_byte(&in) % 4) + (size_t)(next_byte(&in) % 8) * 256 +
+                   next_byte(&in) % 3;
     cfg.pages = KVA_PAGES_SMALL;
     kva_pool *pool;
     kva_status created = kva_pool_create(&cfg, &pool);

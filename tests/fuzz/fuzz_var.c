@@ -41,9 +41,10 @@ typedef struct live_range {
 /* An ordinary allocation of the backing pool, beside the VarPool's region. */
 typedef struct backing_object {
     unsigned char *ptr;
-    size_t size;      /* asked for: what may be written */
-    size_t footprint; /* what it adds to the backing's bytes_in_use; its block starts a red zone
-                         before ptr in a checked pool */
+    size_t size; /* asked for: what may be written */
+    /* what it adds to the backing's bytes_in_use; its block starts a red zone before ptr in a
+     * checked pool */
+    size_t footprint;
     unsigned char stamp;
 } backing_object;
 
@@ -54,7 +55,7 @@ typedef struct backing {
     kva_stats created;         /* as it was created: what it must return to */
     backing_object objects[MAX_OBJECTS];
     size_t nobjects, footprints;
-    unsigned char *region;     /* the VarPool's block, red zone included; NULL while none */
+    unsigned char *region; /* the VarPool's block, red zone included; NULL while none */
     size_t region_footprint;
     unsigned char stamp;
 } backing;
@@ -156,8 +157,7 @@ static void backing_alloc(input *in, backing *b) {
     }
     ORACLE(size != 0 && size <= before.max_alloc_size);
     size_t footprint = after.bytes_in_use - before.bytes_in_use;
-    if (kind == 3)
-        ORACLE(footprint == round_up(need, b->min_block));
+    if (kind == 3) ORACLE(footprint == round_up(need, b->min_block));
     else /* its size class, or a buddy block when no slab could be had */
         ORACLE(footprint == block_for(b, need) ||
                (need <= KVA_SLAB_MAX_SIZE && footprint == kva_size_class_size((unsigned)kva_size_class_of(need))));
@@ -369,7 +369,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             /* An interior, foreign or NULL pointer is refused and changes nothing. */
             live_range *r = &live[next_u16(&in) % nlive];
             unsigned kind = next_byte(&in) % 3;
-            unsigned char *p = kind == 0 ? r->ptr + 1 + next_u16(&in) % r->rounded
+            unsigned char *p = kind == 0   ? r->ptr + 1 + next_u16(&in) % r->rounded
                                : kind == 1 ? base - 1 - next_byte(&in)
                                            : NULL;
             int is_start = 0;
@@ -385,9 +385,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             if (b) { /* refused creations take nothing from the backing (backing_verify) */
                 ORACLE(kva_var_create(&cfg, b->pool, NULL) == KVA_ERR_INVALID);
                 kva_var_config bad[3] = {cfg, cfg, cfg};
-                bad[0].alignment = 24;                     /* not a power of two */
-                bad[1].capacity = cfg.alignment - 1;       /* less than one unit */
-                bad[2].capacity = cfg.alignment << 31;     /* 2^31 units */
+                bad[0].alignment = 24;                 /* not a power of two */
+                bad[1].capacity = cfg.alignment - 1;   /* less than one unit */
+                bad[2].capacity = cfg.alignment << 31; /* 2^31 units */
                 for (int i = 0; i < 3; i++) {
                     kva_var *untouched = NULL;
                     ORACLE(kva_var_create(&bad[i], b->pool, &untouched) == KVA_ERR_INVALID && untouched == NULL);

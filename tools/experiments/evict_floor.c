@@ -61,8 +61,8 @@ static double run(uint32_t n, int shuffled, int cold) {
     uint32_t *order = map_table((size_t)n * sizeof *order);
     memset(buckets, 0xff, (size_t)nbuckets * sizeof *buckets);
     for (uint32_t b = 0; b < n; b++) { /* registered at the end of its chain, as the library does */
-        recs[b] = (record){.key_lo = next_random(), .key_hi = next_random(), .hash_next = NIL, .state = 2,
-                           .registered = 1};
+        recs[b] =
+            (record){.key_lo = next_random(), .key_hi = next_random(), .hash_next = NIL, .state = 2, .registered = 1};
         uint32_t *link = &buckets[recs[b].key_lo & (nbuckets - 1)];
         while (*link != NIL) link = &recs[*link].hash_next;
         *link = b;
@@ -80,7 +80,8 @@ static double run(uint32_t n, int shuffled, int cold) {
     double t0 = bench_now_ns();
     for (uint32_t i = 0; i < EVICTIONS; i++) {
         if (i + RECORD_AHEAD < n) __builtin_prefetch(&recs[order[i + RECORD_AHEAD]], 1);
-        if (i + BUCKET_AHEAD < n) __builtin_prefetch(&buckets[recs[order[i + BUCKET_AHEAD]].key_lo & (nbuckets - 1)], 1);
+        if (i + BUCKET_AHEAD < n)
+            __builtin_prefetch(&buckets[recs[order[i + BUCKET_AHEAD]].key_lo & (nbuckets - 1)], 1);
         uint32_t victim = order[i];
         record *r = &recs[victim];
         uint32_t *link = &buckets[r->key_lo & (nbuckets - 1)];

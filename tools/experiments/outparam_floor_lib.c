@@ -34,7 +34,8 @@ static inline int bitmap_pop(thread_cache *tc, size_t size, void **p) {
 int floor_bitmap_out(const void *owner, size_t size, void **out) {
     thread_cache *tc = current;
     if (tc->owner != owner || out == NULL || size - 1 >= 1024) return 1;
-    while (!bitmap_pop(tc, size, out)) {}
+    while (!bitmap_pop(tc, size, out)) {
+    }
     return 0;
 }
 
@@ -42,7 +43,8 @@ void *floor_bitmap_return(const void *owner, size_t size) {
     thread_cache *tc = current;
     void *p;
     if (tc->owner != owner || size - 1 >= 1024) return NULL;
-    while (!bitmap_pop(tc, size, &p)) {}
+    while (!bitmap_pop(tc, size, &p)) {
+    }
     return p;
 }
 

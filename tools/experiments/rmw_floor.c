@@ -27,7 +27,11 @@
 #define ITERATIONS 200000000L
 #define RUNS 5
 
-enum loop { CLOCK, ADD_TO_MEMORY, LOAD_OR_STORE };
+enum loop {
+    CLOCK,
+    ADD_TO_MEMORY,
+    LOAD_OR_STORE
+};
 
 static double run(enum loop which) {
     uint64_t x = 3, word = 0, *address = &word;
