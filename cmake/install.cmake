@@ -6,7 +6,7 @@ install(TARGETS kvalloc kvalloc_static EXPORT kvallocTargets
   LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
   ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
   INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(FILES libkvalloc/include/kvalloc.h libkvalloc/include/kvalloc_kv.h libkvalloc/include/kvalloc_stats.h
+install(FILES libkvalloc/include/kvalloc.h libkvalloc/include/kvalloc_kv.h libkvalloc/include/kvalloc_var.h libkvalloc/include/kvalloc_stats.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT kvallocTargets NAMESPACE kvalloc:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
 

@@ -21,6 +21,7 @@ file(MAKE_DIRECTORY ${consumer})
 # clash with them, the static library included.
 file(WRITE ${consumer}/main.c [=[
 #include <kvalloc_kv.h>
+#include <kvalloc_var.h>
 #include <kvalloc.h>
 #include <kvalloc_stats.h>
 #include <stdint.h>
