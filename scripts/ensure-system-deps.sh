@@ -7,6 +7,7 @@ missing=()
 command -v pkg-config >/dev/null || missing+=(pkg-config)
 command -v strace >/dev/null || missing+=(strace)   # the no-system-call test
 command -v clang-format >/dev/null || missing+=(clang-format)   # scripts/format.sh
+command -v tmux >/dev/null || missing+=(tmux)   # kvalloc top in a real terminal (test_top_terminal.py)
 # The replay's jemalloc baseline (tests/python/test_replay_sim.py); small, the runtime only.
 # ldconfig lives in /sbin, outside a user's PATH on Debian; grep reads the whole list (grep -q
 # would stop at the match, and with pipefail the writer's SIGPIPE would read as "missing").

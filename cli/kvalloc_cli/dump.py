@@ -60,12 +60,15 @@ def _print_tables(snap: Snapshot, process: str | None, trace: bool) -> None:
     console.print(Text(f"{snap.path}  layout {snap.abi[0]}.{snap.abi[1]}  publish "
                        f"#{snap.publish_count:,}, {format_age(snap.heartbeat_age())} ago  "
                        f"sequence {snap.sequence:,}", "dim"))
+    if snap.kv is not None:
+        console.print(_kv_table(snap, console.width))  # a pool holding a KV cache: that first
     console.print(_summary_table(snap))
     console.print(_orders_table(snap))
     console.print(_heap_map(snap, console.width))
     console.print(_classes_table(snap))
     console.print(_latency_table(snap))
-    console.print(_kv_table(snap))
+    if snap.kv is None:
+        console.print(_kv_table(snap, console.width))
     if trace:
         console.print(_trace_table(snap))
 
@@ -165,7 +168,7 @@ def _latency_table(snap: Snapshot) -> Table | Text:
     return table
 
 
-def _kv_table(snap: Snapshot) -> Table | Text:
+def _kv_table(snap: Snapshot, width: int) -> Table | Text:
     if snap.kv is None:
         return Text("KV cache: no KV cache attached", "dim")
     table = Table(title="KV cache", title_justify="left")
@@ -173,7 +176,9 @@ def _kv_table(snap: Snapshot) -> Table | Text:
     table.add_column("value", justify="right")
     kv = snap.kv
     hit = snap.hit_rate
+    table.add_row("blocks: used, cached, free", render.kv_bar(snap, min(40, max(8, width - 36))))
     for label, value in (
+        ("use", snap.use_label),
         ("blocks", f"{int(kv['total_blocks']):,} × {int(kv['block_tokens'])} tokens, "
                    f"{format_size(int(kv['block_bytes']))} each"),
         ("used / cached / free", f"{int(kv['used_blocks']):,} / {int(kv['cached_blocks']):,} / "

@@ -35,6 +35,7 @@ from pykvalloc.stats import (
     list_segments,
     lock_abandoned,
     process_name,
+    use_label,
     writer_lives,
 )
 
@@ -158,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     if wants_table(args):
         console = Console(highlight=False)
         if entries:
-            console.print(_table(entries))
+            console.print(_table(entries, console.width))
         else:
             console.print(f"no pool segments in {SHM_DIR}")
     emit_json(args, {"segments": [asdict(entry) for entry in entries],
@@ -168,29 +169,71 @@ def run(args: argparse.Namespace) -> int:
 
 _STATE_STYLES = {"live": "green", "idle": "yellow", "dead": "red", "unreadable": "red"}
 
+# The columns in the order shown, and the order they are dropped in when the table is wider than
+# the terminal (or, piped, than Rich's 80 columns): what a user needs to act on a row (the pid
+# for ``kvalloc dump``, the pool, its state and use) stays; the rest goes before anything is cut.
+_COLUMNS = (("pid", "right"), ("process", "left"), ("pool", "left"), ("capacity", "right"),
+            ("in use", "right"), ("use", "right"), ("state", "left"), ("up", "right"))
+_DROPPED_FIRST = ("up", "in use", "capacity", "process")
 
-def _table(entries: list[Entry]) -> Table:
-    table = Table(title=f"Pools publishing statistics in {SHM_DIR}", title_justify="left")
-    for name, justify in (("pid", "right"), ("process", "left"), ("pool", "left"),
-                          ("capacity", "right"), ("in use", "right"), ("use", "right"),
-                          ("state", "left"), ("up", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
-    for entry in entries:
-        if entry.capacity is None or entry.bytes_in_use is None:
-            figures = ["-", "-", "-"]
+
+def _cells(entry: Entry) -> dict[str, Text | str]:
+    if entry.capacity is None or entry.bytes_in_use is None:
+        capacity = in_use = use = "-"
+    else:
+        kv = (None if entry.kv_total_blocks is None else
+              (entry.kv_used_blocks or 0, entry.kv_cached_blocks or 0, entry.kv_total_blocks))
+        capacity, in_use = format_size(entry.capacity), format_size(entry.bytes_in_use)
+        use = use_label(entry.bytes_in_use, entry.capacity, kv)
+    state = entry.state
+    if entry.state == "idle" and entry.heartbeat_age_s is not None:
+        state = f"idle {format_age(entry.heartbeat_age_s)}"
+    elif entry.problem_kind:
+        state = f"{state} ({entry.problem_kind}, {'alive' if entry.alive else 'dead'})"
+    # Names as Text: a process or pool name such as "[/]x" is not Rich markup.
+    return {"pid": str(entry.pid), "process": Text(entry.process or "-"), "pool": Text(entry.pool),
+            "capacity": capacity, "in use": in_use, "use": use,
+            "state": Text(state, _STATE_STYLES[entry.state]),
+            "up": "-" if entry.uptime_s is None else format_age(entry.uptime_s)}
+
+
+def _table(entries: list[Entry], width: int | None = None) -> Table:
+    """The table of ``entries``, without the columns that ``width`` has no room for (see
+    ``_DROPPED_FIRST``); the pool's name is the one column cut, with an ellipsis, and only once
+    every droppable column is gone."""
+    rows = [_cells(entry) for entry in entries]
+    shown = [name for name, _ in _COLUMNS]
+    pool_room: int | None = None
+    while True:
+        table = Table(title=f"Pools publishing statistics in {SHM_DIR}", title_justify="left")
+        for name, justify in _COLUMNS:
+            if name in shown:
+                # Every column but the pool's holds its widest cell whatever the width.
+                widest = max([len(name), *(_cell_len(row[name]) for row in rows)])
+                pool = name == "pool"
+                table.add_column(name, justify=justify,  # type: ignore[arg-type]
+                                 no_wrap=True, overflow="ellipsis",
+                                 min_width=None if pool else widest,
+                                 max_width=pool_room if pool else None)
+        for row in rows:
+            table.add_row(*(row[name] for name in shown))
+        natural = _natural_width(table)
+        if width is None or natural <= width:
+            return table
+        droppable = [name for name in _DROPPED_FIRST if name in shown]
+        if droppable:
+            shown.remove(droppable[0])
+        elif pool_room is None:
+            pools = max([len("pool"), *(_cell_len(row["pool"]) for row in rows)])
+            pool_room = max(len("pool"), pools - (natural - width))
         else:
-            use = f"{entry.bytes_in_use / entry.capacity:.1%}" if entry.capacity else "-"
-            if entry.kv_total_blocks:
-                use = (f"KV {(entry.kv_used_blocks or 0) / entry.kv_total_blocks:.1%} "
-                       f"+{(entry.kv_cached_blocks or 0) / entry.kv_total_blocks:.1%} cached")
-            figures = [format_size(entry.capacity), format_size(entry.bytes_in_use), use]
-        state = entry.state
-        if entry.state == "idle" and entry.heartbeat_age_s is not None:
-            state = f"idle {format_age(entry.heartbeat_age_s)}"
-        elif entry.problem_kind:
-            state = f"{state} ({entry.problem_kind}, {'alive' if entry.alive else 'dead'})"
-        # Names as Text: a process or pool name such as "[/]x" is not Rich markup.
-        table.add_row(str(entry.pid), Text(entry.process or "-"), Text(entry.pool), *figures,
-                      Text(state, _STATE_STYLES[entry.state]),
-                      "-" if entry.uptime_s is None else format_age(entry.uptime_s))
-    return table
+            return table  # the essential columns alone are wider: the terminal cuts the line
+
+
+def _cell_len(cell: Text | str) -> int:
+    return cell.cell_len if isinstance(cell, Text) else Text(cell).cell_len
+
+
+def _natural_width(table: Table) -> int:
+    console = Console(width=10_000)
+    return console.measure(table, options=console.options.update(max_width=10_000)).maximum

@@ -1,8 +1,8 @@
 """``kvalloc top [PID|NAME]``: watch live pools in the terminal (a Textual app, ``kvalloc_tui``).
 
-Without an argument it watches the only live pool, or offers a picker when there are several.
-Keys: q quit, space pause, + / - refresh less / more often, tab next pool, p pick a pool,
-? help. It reads the pools' statistics segments only; the engine is never signalled.
+Without an argument it watches the only live pool, or offers a picker when there are several;
+with none yet, it waits for one to appear. Keys: q quit, space pause, + / - refresh more / less
+often (the footer shows the interval), tab next pool, p pick a pool, ? help. It reads the pools' statistics segments only; the engine is never signalled.
 """
 
 from __future__ import annotations
@@ -46,10 +46,8 @@ def run(args: argparse.Namespace) -> int:
     target: SegmentFile | None = None
     if args.target is not None:
         target = find_segment(args.target)
-    elif not any(found.process_alive() for found in list_segments()):
-        print("kvalloc top: no live pools (a pool publishes statistics when it has a name)",
-              file=sys.stderr)
-        return 1
+    else:
+        list_segments()  # a segment directory that cannot be listed is an error at once
     if not (sys.stdin.isatty() and sys.stdout.isatty()):
         # Without a terminal nothing could ever press q: the app would run on forever,
         # writing escape codes into whatever stdout is.

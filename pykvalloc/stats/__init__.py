@@ -28,7 +28,7 @@ Each way a segment can be wrong raises its own ``SegmentError`` subclass (``pykv
 from __future__ import annotations
 
 from .discovery import SegmentFile, find_segment, list_segments
-from .figures import downsample_cells, format_age, latency_percentiles
+from .figures import downsample_cells, format_age, kv_shares, latency_percentiles, use_label
 from .files import SHM_DIR
 from .layout import (
     ABI_MAJOR,
@@ -109,6 +109,8 @@ __all__ = [
     "latency_percentiles",
     "downsample_cells",
     "format_age",
+    "kv_shares",
+    "use_label",
     # the layout
     "MAGIC",
     "ABI_MAJOR",

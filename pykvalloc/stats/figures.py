@@ -26,6 +26,27 @@ def latency_percentiles(buckets: np.ndarray, quantiles: tuple[float, ...] = (0.5
     return bounds
 
 
+def kv_shares(used_blocks: int, cached_blocks: int, total_blocks: int) -> tuple[float, float]:
+    """(used, cached) shares of a KV cache's blocks. *KV use* is the share of blocks that
+    sequences hold; the blocks the prefix cache keeps (evictable, handed out again on demand)
+    are told apart, never added to it. The pool counts the whole KV region as one allocation,
+    always 100 % in use, so its bytes in use say nothing of the cache's. The replay report's
+    *KV use* is the same share."""
+    if total_blocks <= 0:
+        return 0.0, 0.0
+    return used_blocks / total_blocks, cached_blocks / total_blocks
+
+
+def use_label(bytes_in_use: int, capacity: int, kv_blocks: tuple[int, int, int] | None) -> str:
+    """What ``kvalloc ls``, ``top`` and ``dump`` show as a pool's use: ``KV 75.7% +24.3%
+    cached`` for a pool holding a KV cache (``kv_blocks``: used, cached, total; see
+    ``kv_shares``), else its bytes in use over capacity, ``12.5%``."""
+    if kv_blocks is not None and kv_blocks[2] > 0:
+        used, cached = kv_shares(*kv_blocks)
+        return f"KV {used:.1%} +{cached:.1%} cached"
+    return f"{bytes_in_use / capacity:.1%}" if capacity else "-"
+
+
 def downsample_cells(state: np.ndarray, fill: np.ndarray, count: int
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Fits heap-map cells into ``count`` cells (at most as many as there are): each output

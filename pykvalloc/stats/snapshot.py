@@ -16,7 +16,7 @@ import numpy as np
 
 from .._strict_json import json_ready
 from ..errors import CorruptSegment, TruncatedSegment
-from .figures import downsample_cells, latency_percentiles
+from .figures import downsample_cells, kv_shares, latency_percentiles, use_label
 from .layout import (
     ABI_MINOR,
     ARENA_DTYPE,
@@ -320,6 +320,24 @@ class Snapshot:
     def use_fraction(self) -> float:
         """``bytes_in_use`` (usable bytes of live allocations) over the capacity."""
         return self.bytes_in_use / self.capacity if self.capacity else 0.0
+
+    @property
+    def kv_blocks(self) -> tuple[int, int, int] | None:
+        """(used, cached, total) blocks of the KV cache; None without one."""
+        if self.kv is None:
+            return None
+        return int(self.kv["used_blocks"]), int(self.kv["cached_blocks"]), int(self.kv["total_blocks"])
+
+    @property
+    def kv_use(self) -> tuple[float, float] | None:
+        """(used, cached) shares of the KV cache's blocks (``kv_shares``); None without one."""
+        blocks = self.kv_blocks
+        return None if blocks is None else kv_shares(*blocks)
+
+    @property
+    def use_label(self) -> str:
+        """The pool's use as ``kvalloc ls``, ``top`` and ``dump`` show it (``use_label``)."""
+        return use_label(self.bytes_in_use, self.capacity, self.kv_blocks)
 
     @property
     def fragmentation(self) -> float:

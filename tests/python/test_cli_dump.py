@@ -8,6 +8,7 @@ import psutil
 import pytest
 import numpy as np
 from stats_writer import Writer, crafted_segment, prune_lock, segment_bytes, unique_name
+from support import run_kvalloc
 
 import pykvalloc
 from pykvalloc import stats
@@ -136,3 +137,21 @@ def test_json_stays_json_when_a_segment_holds_nan(capsys):
         dumped = json.loads(capsys.readouterr().out, parse_constant=refuse_constant)
     assert dumped["summary"]["fragmentation"] is None  # unknown, not a number
     assert dumped["summary"]["unusable_index"][0] is None
+
+
+def test_a_kv_cache_comes_first_with_the_use_ls_shows_at_80_columns():
+    name = unique_name("dumpkv")
+    with pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64, name=name) as cache:
+        held = cache.allocate(16 * 16)
+        cache.allocate(8 * 16, block_keys=list(range(1, 9))).free()
+        cache.publish()
+        dumped = run_kvalloc("dump", name)  # piped: 80 columns
+        assert dumped.returncode == 0, dumped.stderr
+        lines = dumped.stdout.splitlines()
+        assert all(len(line) <= 80 for line in lines), lines
+        assert "KV 25.0% +12.5% cached" in lines[0]  # the header: ls's figure
+        titles = [line.split("  ")[0].strip() for line in lines if line[:1].isalpha()]
+        assert titles.index("KV cache") < titles.index("Pool statistics")  # the KV cache first
+        kv_table = lines[next(i for i, line in enumerate(lines) if line.startswith("KV cache")):]
+        assert any("KV 25.0% +12.5% cached" in line for line in kv_table[:10])
+        held.free()

@@ -234,3 +234,37 @@ def test_a_kv_cache_is_listed_by_its_blocks_not_its_region(capsys, monkeypatch):
         entry = next(e for e in listing(capsys)["segments"] if e["pool"] == name)
         assert (entry["kv_used_blocks"], entry["kv_cached_blocks"], entry["kv_total_blocks"]) == (16, 8, 64)
         held.free()
+
+
+def test_at_80_columns_piped_the_columns_that_matter_show_whole():
+    # Piped, Rich lays the table out in 80 columns: every column was cut, the pid a user needs
+    # for `kvalloc dump` included. The columns that matter stay whole; the rest are dropped.
+    name = unique_name("a-long-pool-name-for-the-eighty-column-listing")
+    with pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64, name=name) as cache:
+        held = cache.allocate(16 * 16)
+        cache.publish()
+        listed = run_kvalloc("ls")  # stdout is a pipe; the environment sets no COLUMNS
+        assert listed.returncode == 0, listed.stderr
+        lines = listed.stdout.splitlines()
+        assert all(len(line) <= 80 for line in lines), lines
+        heading = next(line for line in lines if "pid" in line)
+        assert "state" in heading and "use" in heading and "pool" in heading
+        row = next(line for line in lines if f" {os.getpid()} " in line)
+        assert "KV 25.0% +0.0% cached" in row and "live" in row
+        # The pool's name is the one column cut, with an ellipsis (other runs' pools listed
+        # beside it may take some of its room).
+        assert name[:3] in row and name not in row and "…" in row
+        for dropped in ("up", "in use"):  # the least needed go first
+            assert f" {dropped} " not in heading
+        held.free()
+
+
+def test_a_wide_terminal_shows_every_column():
+    with writer_named("wide") as (name, _):
+        found = next(found for found in list_segments() if found.name == name)
+        entry = ls.describe(found)
+        assert entry is not None
+        table = ls._table([entry], width=200)
+        assert [column.header for column in table.columns] == [c for c, _ in ls._COLUMNS]
+        narrow = [column.header for column in ls._table([entry], width=50).columns]
+        assert {"pid", "pool", "use", "state"} <= set(narrow) and "up" not in narrow

@@ -7,6 +7,7 @@ never signals or writes to the engine.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from textual import work
@@ -21,8 +22,14 @@ from pykvalloc.stats import SegmentFile, Snapshot
 from .screens import HelpScreen, PickerScreen, PoolScreen
 from .watch import PoolWatch, live_segments
 
-# Refresh intervals that + and - step through, in seconds.
+# Refresh intervals that + and - step through, in seconds: + refreshes more often (a shorter
+# interval), - less often; the footer shows the interval in force next to the two keys.
 INTERVALS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
+
+
+def interval_group(interval: float) -> Binding.Group:
+    """The footer's label of the + and - keys: the refresh interval in force."""
+    return Binding.Group(f"refresh {interval:g} s")
 
 
 class Sampled(Message):
@@ -44,8 +51,8 @@ class KvallocTop(App[None]):
     BINDINGS = [
         Binding("q", "quit", "Quit"),
         Binding("space", "toggle_pause", "Pause"),
-        Binding("plus", "slower", "Slower", key_display="+"),
-        Binding("minus", "faster", "Faster", key_display="-"),
+        Binding("plus", "faster", "Faster", key_display="+", group=interval_group(1.0)),
+        Binding("minus", "slower", "Slower", key_display="-", group=interval_group(1.0)),
         Binding("tab", "next_pool", "Next pool", priority=True),
         Binding("p", "pick_pool", "Pools"),
         Binding("question_mark,f1", "help", "Help", key_display="?"),
@@ -63,6 +70,8 @@ class KvallocTop(App[None]):
         self._sampling = False
         self._picking = False
         self._listing_error: str | None = None  # the latest, notified once
+        self._waited = False  # started with no live pool: the first ones to appear are offered
+        self._label_interval()
 
     # -- lifetime ---------------------------------------------------------------------------
 
@@ -73,6 +82,7 @@ class KvallocTop(App[None]):
             self.switch_to(self.target)
         else:
             self._adopt_a_live_pool(offer_picker=True)
+            self._waited = self.current is None and not self._picking
 
     def on_unmount(self) -> None:
         for pool in self.pools.values():
@@ -84,7 +94,11 @@ class KvallocTop(App[None]):
         """Starts one snapshot of the current pool unless paused, done, not due or one is under
         way. An ended pool whose path a new pool took is watched afresh."""
         if self.current is None:
-            self._adopt_a_live_pool(offer_picker=False)
+            # Waiting for a pool: the only one to appear is watched; several appearing at once
+            # are offered once, as at start.
+            self._adopt_a_live_pool(offer_picker=self._waited)
+            if self.current is not None or self._picking:
+                self._waited = False
         elif self.current.replaced():
             self.switch_to(self.current.file)
             return  # switch_to ticks
@@ -213,7 +227,17 @@ class KvallocTop(App[None]):
         if self._timer is not None:
             self._timer.stop()
         self._timer = self.set_interval(self.interval, self.tick, pause=self.paused)
+        self._label_interval()
+        self.refresh_bindings()
         self.redraw()
+
+    def _label_interval(self) -> None:
+        # A binding is frozen: the two keys are bound again, labelled with the new interval.
+        group = interval_group(self.interval)
+        for key in ("plus", "minus"):
+            self._bindings.key_to_bindings[key] = [
+                dataclasses.replace(binding, group=group)
+                for binding in self._bindings.key_to_bindings.get(key, [])]
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

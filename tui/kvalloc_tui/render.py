@@ -134,8 +134,9 @@ def header_line(snap: Snapshot, process: str | None, state: tuple[str, str],
     right = Text(state[0], state[1], no_wrap=True)
     if interval is not None:
         right.append(f"  ↻ {interval:g} s", "dim")
-    figures = f"  up {format_age(snap.uptime())}  {format_size(snap.capacity)}  use "
-    use = f"{snap.use_fraction:.1%}"
+    # The use that ls and the picker show too (use_label): a KV cache's blocks, else bytes.
+    figures = f"  up {format_age(snap.uptime())}  {format_size(snap.capacity)}  "
+    use = snap.use_label if snap.kv is not None else f"use {snap.use_label}"
     name = snap.pool_name
     label = f" ({process})" if process else ""
     if width is not None:
@@ -154,11 +155,13 @@ def header_line(snap: Snapshot, process: str | None, state: tuple[str, str],
 SPARK_GLYPHS = " ▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: Iterable[float], width: int, style: str = BAR_STYLE) -> Text:
+def sparkline(values: Iterable[float | None], width: int, style: str = BAR_STYLE) -> Text:
     """The latest ``width`` values in [0, 1] as one row of eighth blocks, on an absolute scale
-    (a flat 40 % stays at 40 %), right-aligned so the newest is at the right edge."""
+    (a flat 40 % stays at 40 %), right-aligned so the newest is at the right edge. None (no
+    figure for that refresh: nothing was looked up) is a blank."""
     recent = list(values)[-width:] if width > 0 else []
-    glyphs = "".join(SPARK_GLYPHS[max(1, round(unit(v) * 8))] for v in recent)
+    glyphs = "".join(" " if v is None else SPARK_GLYPHS[max(1, round(unit(v) * 8))]
+                     for v in recent)
     return Text(glyphs.rjust(max(0, width)), style, no_wrap=True)
 
 
@@ -170,13 +173,21 @@ def compact_size(size: int) -> str:
     return str(size)
 
 
-def compact_count(count: int) -> str:
-    """``7``, ``999``, ``1.2k``, ``45k``, ``3.1M``."""
-    for suffix, scale in (("M", 1_000_000), ("k", 1000)):
+def compact_count(count: int, room: int = 4) -> str:
+    """``7``, ``999``, ``1.2k``, ``45k``, ``3.1M``: in at most ``room`` characters (at least
+    3: ``1k``, ``12k``, ``1M``, ``9G`` when the decimal does not fit)."""
+    text = str(count)
+    if len(text) <= room:
+        return text
+    for suffix, scale in (("G", 1_000_000_000), ("M", 1_000_000), ("k", 1000)):
         if count >= scale:
             value = count / scale
-            return f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
-    return str(count)
+            text = f"{value:.1f}{suffix}" if value < 10 else f"{value:.0f}{suffix}"
+            if len(text) > room:
+                text = f"{value:.0f}{suffix}"
+            if len(text) <= room or suffix == "G":
+                return text
+    return text
 
 
 def _label_row(labels: list[str], starts: list[int], width: int, style: str = "") -> Text:
@@ -191,22 +202,33 @@ def _label_row(labels: list[str], starts: list[int], width: int, style: str = ""
 
 
 def order_columns(snap: Snapshot, width: int, height: int) -> Text:
-    """Free buddy blocks per order as vertical bars, smallest order at the left: a row of
-    counts, the bars (free bytes of the order, scaled to the largest), a row of block sizes.
-    When the orders do not all fit, the largest ones are shown."""
+    """Free buddy blocks per order as vertical bars, smallest order at the left: the counts,
+    the bars (free bytes of the order, scaled to the largest), a row of block sizes. Every
+    order gets a column of the same width; when a count would not fit its column, the counts
+    take two rows, every other order's on each (each label then has two columns' room, and no
+    count is drawn over another or left out). When the orders do not fit at 2 columns each,
+    the largest ones are shown."""
     orders = snap.num_orders
     if orders == 0 or width < 2 or height < 1:
         return Text()
     column = max(2, min(6, width // orders))
     shown = list(range(orders))[-(width // column):]
-    free_bytes = [int(snap.free_blocks[k]) * snap.block_size(k) for k in shown]
+    counts = [int(snap.free_blocks[k]) for k in shown]
+    free_bytes = [count * snap.block_size(k) for count, k in zip(counts, shown)]
     peak = max(free_bytes) or 1
     starts = [i * column for i in range(len(shown))]
+    one_row = [compact_count(n, column - 1) for n in counts]
+    staggered = any(len(label) > column - 1 for label in one_row) and height >= 5
     rows = []
-    bar_rows = max(0, height - 2)
-    if height >= 3:
-        rows.append(_label_row([compact_count(int(snap.free_blocks[k])) for k in shown],
-                               starts, width))
+    if staggered:
+        room = 2 * column - 1
+        labels = [compact_count(n, room) for n in counts]
+        for parity in (0, 1):
+            rows.append(_label_row([label if i % 2 == parity else "" for i, label in
+                                    enumerate(labels)], starts, width))
+    elif height >= 3:
+        rows.append(_label_row(one_row, starts, width))
+    bar_rows = max(1, height - len(rows) - 1) if height >= 2 else 1
     for level in range(bar_rows, 0, -1):
         line = Text(no_wrap=True)
         for value in free_bytes:
@@ -217,7 +239,7 @@ def order_columns(snap: Snapshot, width: int, height: int) -> Text:
         rows.append(line)
     rows.append(_label_row([compact_size(snap.block_size(k)) for k in shown], starts, width,
                            "dim"))
-    return Text("\n").join(rows[-height:])
+    return Text("\n").join(rows[-height:] if len(rows) > height else rows)
 
 
 def class_rows(snap: Snapshot) -> list[tuple[int, int, int, int, np.ndarray]]:
@@ -282,14 +304,12 @@ def latency_lines(snap: Snapshot) -> list[Text]:
     return lines
 
 
-def kv_lines(snap: Snapshot, width: int) -> list[Text]:
-    """The KV cache's blocks by state, hit rate and counters; or that there is none."""
-    kv = snap.kv
-    if kv is None:
-        return [Text("no KV cache attached", "dim")]
-    total = int(kv["total_blocks"])
-    used, cached, free = (int(kv["used_blocks"]), int(kv["cached_blocks"]),
-                          int(kv["free_blocks"]))
+def kv_bar(snap: Snapshot, width: int) -> Text:
+    """The KV cache's blocks as one bar: used (held by sequences), cached (kept by the prefix
+    cache, evictable), free."""
+    blocks = snap.kv_blocks
+    assert blocks is not None
+    used, cached, total = blocks
     used_style, cached_style = CELL_STYLES[stats.CELL_KV_USED], CELL_STYLES[stats.CELL_KV_CACHED]
     state_bar = Text(no_wrap=True, overflow="crop")
     bar_width = max(4, width)
@@ -298,17 +318,54 @@ def kv_lines(snap: Snapshot, width: int) -> list[Text]:
         state_bar.append("█" * min(room, round(bar_width * unit(count / total)) if total else 0),
                          style)
     state_bar.append(FREE_GLYPH * (bar_width - len(state_bar)), CELL_STYLES[stats.CELL_FREE])
+    return state_bar
+
+
+def rate(value: float) -> str:
+    """Events per second in five characters at most: ``0``, ``12``, ``3.4k``."""
+    if value < 10:
+        return f"{value:.1f}".rstrip("0").rstrip(".") or "0"
+    return compact_count(round(value), 4)
+
+
+def kv_lines(snap: Snapshot, width: int, hit_history: Iterable[float | None] = (),
+             evict_history: Iterable[float] = ()) -> list[Text]:
+    """The KV cache first: its blocks by state (a bar, then the counts, with the same *KV use*
+    as ``kvalloc ls`` and the header), the prefix-cache hit rate (overall, and per refresh in
+    ``hit_history``), evictions (overall, per second in ``evict_history``), sequences, forks
+    and copies on write; or that there is none. Lines in order of importance: a short panel
+    shows the first ones."""
+    kv = snap.kv
+    if kv is None:
+        return [Text("no KV cache attached", "dim")]
+    used, cached, total = snap.kv_blocks or (0, 0, 0)
+    free = int(kv["free_blocks"])
+    used_style, cached_style = CELL_STYLES[stats.CELL_KV_USED], CELL_STYLES[stats.CELL_KV_CACHED]
+    used_share, cached_share = snap.kv_use or (0.0, 0.0)
+    counts = Text.assemble(("used ", "bold"), (f"{used:,} {used_share:.1%}", used_style),
+                           ("  cached ", "bold"), (f"{cached:,} {cached_share:.1%}", cached_style),
+                           ("  free ", "bold"), f"{free:,}", f"  of {total:,}",
+                           (f" × {int(kv['block_tokens'])} tok, "
+                            f"{format_size(int(kv['block_bytes']))}", "dim"),
+                           no_wrap=True, overflow="crop")
     hit = snap.hit_rate
-    return [
-        Text.assemble("used ", (f"{used:,}", used_style),
-                      "  cached ", (f"{cached:,}", cached_style),
-                      f"  free {free:,}  of {total:,}", no_wrap=True),
-        state_bar,
-        Text(f"hit rate {'-' if hit is None else f'{hit:.1%}'} of {int(kv['query_tokens']):,} "
-             f"tokens  ({int(kv['block_tokens'])}/block)", no_wrap=True),
-        Text(f"seqs {int(kv['live_sequences']):,}  evicted {int(kv['evictions']):,}  "
-             f"forks {int(kv['forks']):,}  CoW {int(kv['cow_copies']):,}", no_wrap=True),
-    ]
+    hit_label = Text.assemble(("hit ", "bold"),
+                              f"{'-' if hit is None else f'{hit:.1%}':>6}",
+                              (f" of {compact_count(int(kv['query_tokens']), 5)} tok ", "dim"),
+                              no_wrap=True)
+    hits = hit_label + sparkline(list(hit_history), max(0, width - len(hit_label)),
+                                 CELL_STYLES[stats.CELL_KV_CACHED])
+    recent = list(evict_history)
+    evict_label = Text.assemble(
+        ("seqs ", "bold"), f"{int(kv['live_sequences']):,}",
+        ("  forks ", "bold"), f"{int(kv['forks']):,}", ("  CoW ", "bold"), f"{int(kv['cow_copies']):,}",
+        ("  evicted ", "bold"), f"{int(kv['evictions']):,}",
+        ("  " + (f"{rate(recent[-1])}/s " if recent else "-/s "), ""), no_wrap=True)
+    spark_room = max(0, width - len(evict_label))
+    top = max(recent[-spark_room:], default=0.0) if spark_room else 0.0
+    evictions = evict_label + sparkline([v / top if top else 0.0 for v in recent], spark_room,
+                                        "yellow3")
+    return [kv_bar(snap, width), counts, hits, evictions]
 
 
 def op_line(record: dict[str, Any]) -> Text:

@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Vertical
+from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Label, OptionList, Static
 from textual.widgets.option_list import Option
@@ -33,30 +33,32 @@ from .widgets import (
 
 
 class PoolScreen(Screen[None]):
-    """Every panel of one pool. The rows share the height 5:6:6:5, which at 24 lines leaves each
-    panel its title and the lines it needs; taller terminals give all of them more."""
+    """Every panel of one pool, the KV cache's first when the pool holds one (hidden when it
+    does not). The rows share the height 3:5:5:6:3, which at 24 lines leaves each panel its
+    title and the lines it needs (the heap map one row and its legend; the KV cache its bar,
+    counts, hit rate and evictions; the orders two rows of counts, a bar and the sizes); taller
+    terminals give all of them more. The orders span the width: 20 of them in 80 columns."""
 
     DEFAULT_CSS = """
-    PoolScreen #panels {
-        layout: grid;
-        grid-size: 2 4;
-        grid-columns: 1fr 1fr;
-        grid-rows: 5fr 6fr 6fr 5fr;
-    }
-    PoolScreen #heap, PoolScreen #ops {
-        column-span: 2;
-    }
+    PoolScreen #heap { height: 3fr; min-height: 3; }
+    PoolScreen #kv { height: 5fr; min-height: 4; display: none; }
+    PoolScreen #kv.-present { display: block; }
+    PoolScreen #orders { height: 5fr; min-height: 4; }
+    PoolScreen #middle { height: 6fr; min-height: 4; }
+    PoolScreen #middle > Panel { width: 1fr; height: 1fr; }
+    PoolScreen #ops { height: 3fr; min-height: 2; }
     """
 
     def compose(self) -> ComposeResult:
         yield PoolHeader()
         yield Banner()
-        with Grid(id="panels"):
+        with Vertical(id="panels"):
             yield HeapMapPanel(id="heap")
-            yield OrdersPanel(id="orders")
-            yield ClassesPanel(id="classes")
-            yield TrendsPanel(id="trends")
             yield KvPanel(id="kv")
+            yield OrdersPanel(id="orders")
+            with Horizontal(id="middle"):
+                yield ClassesPanel(id="classes")
+                yield TrendsPanel(id="trends")
             yield OpsPanel(id="ops")
         yield Footer()
 
@@ -79,11 +81,13 @@ class PoolScreen(Screen[None]):
             header.show(pool, paused, interval)
         for banner in self.query(Banner):
             banner.say(message)
+        for kv in self.query(KvPanel):
+            kv.set_class(pool.last is not None and pool.last.kv is not None, "-present")
         for panel in self.query(Panel):
             panel.show(pool)
 
 
-FIGURES_WIDTH = 21  # "   16 MiB  use   3.1%"
+FIGURES_WIDTH = 33  # "   16 MiB  KV 100.0% +100.0% cached"
 
 
 def _describe(found: SegmentFile) -> Text:
@@ -93,7 +97,9 @@ def _describe(found: SegmentFile) -> Text:
     try:
         with Segment(found.path) as segment:
             snap = segment.snapshot(check_writer=False)
-        figures = f"{format_size(snap.capacity):>9}  use {snap.use_fraction:6.1%}"
+        # The use the header and kvalloc ls show (Snapshot.use_label).
+        use = snap.use_label if snap.kv is not None else f"use {snap.use_label:>6}"
+        figures = f"{format_size(snap.capacity):>9}  {use}"
     except SegmentError as exc:
         figures = f"unreadable: {exc.kind}"
     process = process_name(found.pid) or "?"
@@ -149,7 +155,7 @@ class PickerScreen(Screen[Path]):
 HELP_KEYS = (
     ("q", "quit"),
     ("space", "pause / resume the refresh"),
-    ("+ / -", "refresh less / more often"),
+    ("+ / -", "refresh more / less often (the footer shows the interval)"),
     ("tab", "next live pool"),
     ("p", "pick a pool from the live ones"),
     ("? / F1", "this help; escape closes it"),
@@ -185,6 +191,9 @@ class HelpScreen(ModalScreen[None]):
         panels = Text(
             "heap map: the pool in address order; colour = what holds a cell,\n"
             "  ░▒▓█ = how much of it is in use, · = free\n"
+            "KV cache: blocks used by sequences (KV use, as kvalloc ls says),\n"
+            "  cached (kept by the prefix cache, evictable) and free; hit rate:\n"
+            "  overall, and per refresh in the sparkline; evictions per second\n"
             "free blocks per order: count (top), free bytes (bars), block size\n"
             "latency: upper bounds of the log2 buckets holding p50, p99, p999",
             "dim")

@@ -40,6 +40,11 @@ class PoolWatch:
         self.process: str | None = None
         self.use: deque[float] = deque(maxlen=HISTORY)
         self.fragmentation: deque[float] = deque(maxlen=HISTORY)
+        # A KV cache's: the prefix-cache hit rate of the tokens looked up since the previous
+        # snapshot (None when none were), and evictions per second since then.
+        self.kv_use: deque[float] = deque(maxlen=HISTORY)
+        self.hit_rate: deque[float | None] = deque(maxlen=HISTORY)
+        self.evictions: deque[float] = deque(maxlen=HISTORY)
         self.ended: str | None = None   # why the pool publishes no more, once it does not
         self.problem: str | None = None  # the latest read error (a torn copy passes; see lasting)
         self.lasting = False            # whether that error will not pass by itself
@@ -70,6 +75,7 @@ class PoolWatch:
         if snap is not None:
             if self.process is None:
                 self.process = process_name(snap.pid)
+            self._record_kv(self.last, snap)
             self.last = snap
             self.problem = None
             self.lasting = False
@@ -86,6 +92,21 @@ class PoolWatch:
             if self.lasting:
                 self._retry_at = time.monotonic() + LASTING_RETRY_S
                 self._release(forget=True)  # the next try opens the file at the path then
+
+    def _record_kv(self, before: Snapshot | None, snap: Snapshot) -> None:
+        if snap.kv is None or snap.kv_use is None:
+            return
+        self.kv_use.append(snap.kv_use[0])
+        if before is None or before.kv is None:
+            return
+        looked_up = int(snap.kv["query_tokens"]) - int(before.kv["query_tokens"])
+        hits = int(snap.kv["hit_tokens"]) - int(before.kv["hit_tokens"])
+        # Counters only grow in one cache; a drop is another cache (or a reset): no figure.
+        self.hit_rate.append(hits / looked_up if looked_up > 0 and 0 <= hits <= looked_up
+                             else None)
+        seconds = (snap.taken_ns - before.taken_ns) / 1e9
+        evicted = int(snap.kv["evictions"]) - int(before.kv["evictions"])
+        self.evictions.append(evicted / seconds if seconds > 0 and evicted >= 0 else 0.0)
 
     def replaced(self) -> bool:
         """Whether, after the pool ended, a new pool publishes at its path: a pool destroyed and

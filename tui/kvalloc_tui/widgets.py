@@ -43,7 +43,9 @@ class Panel(Widget):
 
     def render(self) -> Text:
         size = self.content_size
-        if self.pool is None or self.pool.last is None:
+        if self.pool is None:
+            return Text("waiting for a pool to publish (a named pool does)…", "dim")
+        if self.pool.last is None:
             return Text("waiting for the first snapshot…", "dim")
         return self.draw(self.pool.last, size.width, size.height)
 
@@ -164,8 +166,11 @@ class TrendsPanel(Panel):
     def draw(self, snap: Snapshot, width: int, height: int) -> Text:
         assert self.pool is not None
         spark_width = max(0, width - 11)
+        # A pool holding a KV cache: "heap" is its bytes in use, the KV region counted whole;
+        # the KV cache's own use is in its panel and the header.
+        label = "heap " if snap.kv is not None else "use  "
         lines = [
-            Text.assemble(("use  ", "bold"), f"{snap.use_fraction:>5.1%} ",
+            Text.assemble((label, "bold"), f"{snap.use_fraction:>5.1%} ",
                           render.sparkline(self.pool.use, spark_width)),
             Text.assemble(("frag ", "bold"), f"{snap.fragmentation:>5.1%} ",
                           render.sparkline(self.pool.fragmentation, spark_width, "yellow3")),
@@ -178,7 +183,9 @@ class KvPanel(Panel):
     TITLE = "KV cache"
 
     def draw(self, snap: Snapshot, width: int, height: int) -> Text:
-        return _lines(render.kv_lines(snap, width), height)
+        assert self.pool is not None
+        return _lines(render.kv_lines(snap, width, self.pool.hit_rate, self.pool.evictions),
+                      height)
 
 
 class OpsPanel(Panel):
