@@ -96,6 +96,7 @@ static kva_status extend_many_check(kva_kv *kv, uint32_t count, const kva_kv_seq
         if (rec->listed == batch)
             return INVALID("sequence %#llx is listed twice (entry %u)", (unsigned long long)seqs[i], i);
         rec->listed = batch;
+        if (rec->len) __builtin_prefetch(&rec->table[rec->len - 1]); /* for the pass after the checks */
         kv_content c = request_content(kv, all, offsets, i, rec->ns);
         st = kv_extend_check(kv, rec, seqs[i], num_tokens[i], &c);
         if (st != KVA_OK) return st;
@@ -113,6 +114,14 @@ static kva_status extend_many_locked(kva_kv *kv, uint32_t count, const kva_kv_se
     kva_status st = batch_content(kv, count, content, offsets, &all);
     if (st == KVA_OK) st = extend_many_check(kv, count, seqs, num_tokens, &all, offsets);
     if (st != KVA_OK) return st;
+    /* The checks loaded every listed record and started loading its last table entry; this pass
+     * starts loading the blocks those entries name (an extension reads its last block's refs),
+     * so that the extensions wait on memory about once for the batch instead of three times a
+     * sequence: between steps the engine's own work evicts them from the cache. */
+    for (uint32_t i = 0; i < count; i++) {
+        const kva_kv_seqrec *rec = kv_seq_lookup(kv, seqs[i], &st);
+        if (rec->len) __builtin_prefetch(&kv->blocks[rec->table[rec->len - 1]]);
+    }
     uint32_t i = 0, copied = 0;
     for (; i < count; i++) {
         kva_kv_seqrec *rec = kv_seq_lookup(kv, seqs[i], &st);

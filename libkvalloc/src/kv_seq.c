@@ -66,6 +66,47 @@ static void chain_advance(kva_kv_seqrec *rec, const kv_ident *id) {
     }
 }
 
+/* Blocks committed per round of commit_given: 16 rounds were 10 % slower at 1.76M blocks, 64
+ * no faster than 32. */
+#define KV_COMMIT_ROUND 32
+
+/*
+ * Commits the given blocks [first, c->blocks) of a new sequence, table[i] under the key of given
+ * block i, each chained on the one before (`parent`: the last hit, NULL for none); *end receives
+ * the last one's key. In rounds: the round's keys are computed first (they depend only on the
+ * content), their buckets and the taken blocks' records and key bytes start loading together,
+ * then the bucket heads' records; the commits then find their lines in cache, instead of
+ * waiting on two or three misses a block in a large cache.
+ */
+static void commit_given(kva_kv *kv, const kv_content *c, const uint32_t *table, uint32_t first, const kv_ident *parent,
+                         kv_ident *end) {
+    kv_ident ids[KV_COMMIT_ROUND];
+    const int engine = c->kind == KVA_KV_KEY_BYTES;
+    for (uint32_t i = first; i < c->blocks;) {
+        uint32_t n = c->blocks - i < KV_COMMIT_ROUND ? c->blocks - i : KV_COMMIT_ROUND;
+        kva_kv_key k = parent ? parent->key : kv->root;
+        for (uint32_t j = 0; j < n; j++) {
+            ids[j] = kv_content_ident(kv, c, i + j, k);
+            k = ids[j].key;
+            __builtin_prefetch(&kv->buckets[k.lo & kv->bucket_mask]);
+            __builtin_prefetch(&kv->blocks[table[i + j]], 1);
+            if (engine) __builtin_prefetch(kv_key_store(kv, table[i + j]), 1);
+        }
+        for (uint32_t j = 0; j < n; j++) {
+            uint32_t head = kv->buckets[ids[j].key.lo & kv->bucket_mask];
+            if (head == KVA_NIL) continue;
+            __builtin_prefetch(&kv->blocks[head]);
+            if (engine) __builtin_prefetch(kv_key_store(kv, head));
+        }
+        for (uint32_t j = 0; j < n; j++)
+            kv_commit(kv, table[i + j], &ids[j], j ? &ids[j - 1] : parent, (i + j) * kv->block_tokens);
+        /* The round's last key, which the next round chains on: copied once a round. */
+        *end = ids[n - 1];
+        parent = end;
+        i += n;
+    }
+}
+
 /* The implementations below are inlined into the single calls (a call boundary is a tenth of an
  * append) and wrapped for the batches (kv_batch.c). */
 
@@ -103,17 +144,9 @@ KVA_INLINE kva_status admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c
     for (uint32_t i = 0; i < hits; i++) kv_block_ref(kv, table[i], priority);
     kv_make_room(kv, need);
     kv_take(kv, table + hits, need, priority);
-    if (c->kind == KVA_KV_KEY_BYTES) /* the commits below write the new blocks' keys */
-        for (uint32_t i = hits; i < c->blocks; i++) __builtin_prefetch(kv_key_store(kv, table[i]), 1);
-    /* Two keys in turn, the block's and its parent's, each written once: no copy of a key just
-     * written field by field, which would wait on those stores. */
-    kv_ident keys[2], *parent = hits ? &last : NULL;
-    for (uint32_t i = hits; i < c->blocks; i++) {
-        kv_ident *id = &keys[i & 1];
-        *id = kv_content_ident(kv, c, i, parent ? parent->key : kv->root);
-        kv_commit(kv, table[i], id, parent, i * bt);
-        parent = id;
-    }
+    kv_ident end = last;
+    if (hits < c->blocks) commit_given(kv, c, table, hits, hits ? &last : NULL, &end);
+    const kv_ident *parent = c->blocks ? &end : NULL;
     rec->len = blocks;
     rec->num_tokens = num_tokens;
     rec->cached_tokens = hits * bt;
