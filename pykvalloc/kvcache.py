@@ -660,7 +660,7 @@ class _StepBuffers:
 
     __slots__ = ("count_value", "counts", "counts_address", "offsets_value", "offsets",
                  "offsets_address", "copies", "copies_address", "content", "num_copies",
-                 "done", "num_copies_ref", "done_ref")
+                 "done", "num_copies_ref", "done_ref", "content_kind", "content_ref")
 
     def __init__(self) -> None:
         self.count_value = -1
@@ -672,6 +672,8 @@ class _StepBuffers:
         self.copies = np.empty((0, 4), dtype=np.uint32)
         self.copies_address = 0
         self.content = _ffi.KvaKvContent()
+        self.content_ref = byref(self.content)
+        self.content_kind = -1  # the kind content was last set up for (-1: not known)
         self.num_copies = c_uint32()
         self.done = c_uint32()
         self.num_copies_ref = byref(self.num_copies)
@@ -734,7 +736,7 @@ class KVCache(HandleOwner):
     number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_info", "_pool_handle", "_max_key_bytes", "_step")
+    __slots__ = ("_lib", "_pool_lock", "_guard", "_info", "_pool_handle", "_max_key_bytes", "_step")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
@@ -794,6 +796,10 @@ class KVCache(HandleOwner):
         # The lock of a caller's Pool, which serializes the Python calls into its C pool: the
         # cache takes it for its own (creation, destruction, contiguous buffers).
         self._pool_lock = pool._lock if pool is not None else None
+        # What a call that may touch the pool holds after the cache's lock: the pool's lock, or
+        # nothing when the cache made its own pool.
+        self._guard: AbstractContextManager[object] = (
+            self._pool_lock if self._pool_lock is not None else _NO_LOCK)
         info = _ffi.KvaKvInfo()
         lib.kva_kv_get_info(handle, byref(info))
         self._info = KVInfo._from_c(info)
@@ -807,16 +813,13 @@ class KVCache(HandleOwner):
         return (f"{info.mode.name.lower()} {info.num_blocks} blocks of {info.block_tokens} "
                 f"tokens, {info.block_bytes} bytes each,")
 
-    def _pool_guard(self) -> AbstractContextManager[object]:
-        return self._pool_lock if self._pool_lock is not None else _NO_LOCK
-
     # -- the pool -----------------------------------------------------------------------------
 
     def pool_fragmentation(self) -> float:
         """The fragmentation (1 - largest free block / free bytes) of the pool the cache's
         memory comes from: what limits contiguous mode."""
         raw = _ffi.KvaStats()
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             self._open_handle()
             self._lib.kva_get_stats(self._pool_handle, byref(raw))
         return float(raw.fragmentation)
@@ -825,7 +828,7 @@ class KVCache(HandleOwner):
         """Publishes the statistics of the cache's pool, the cache's own section included, now
         (a named cache; otherwise nothing happens). A named cache also publishes on its own from
         its calls, at most every ``publish_interval_ms`` of its pool."""
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             self._open_handle()
             self._lib.kva_stats_publish(self._pool_handle)
 
@@ -851,7 +854,7 @@ class KVCache(HandleOwner):
         prio = _u32("priority", priority)
         seq = c_uint64()
         cached = c_uint32()
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             self._lib.kva_kv_seq_admit(self._open_handle(), n, ns, prio, _content_ref(content),
                                        0 if content is None else content.count, byref(seq),
                                        byref(cached))
@@ -927,7 +930,7 @@ class KVCache(HandleOwner):
         handles = np.empty(count, dtype=np.uint64)
         cached = np.empty(count, dtype=np.uint32)
         done = c_uint32()
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             self._lib.kva_kv_seq_admit_many(
                 self._open_handle(), count, _address(counts),
                 None if ns is None else _address(ns),
@@ -948,6 +951,11 @@ class KVCache(HandleOwner):
         requests were done (the first that does not fit stops the batch); a bad handle or
         argument raises with nothing changed. Refused (``TableInUseError``) while a block-table
         view of this cache is alive."""
+        if (type(keys) is np.ndarray and type(offsets) is np.ndarray and type(handles) is np.ndarray
+                and tokens is None and block_keys is None and type(num_tokens) is int):
+            done = self._append_keyed(handles, num_tokens, keys, offsets)
+            if done is not None:
+                return done
         seqs = _batch_array("handles", handles, _U64)
         count = seqs.size
         uniform = -1
@@ -959,11 +967,12 @@ class KVCache(HandleOwner):
             if counts.size != count:
                 raise InvalidArgument(f"num_tokens has {counts.size} entries for {count} handles")
         step = self._step
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             content = None
             if tokens is not None or block_keys is not None or keys is not None:
                 content = _batch_content(tokens, block_keys, keys, self._max_key_bytes,
                                          step.content)
+                step.content_kind = -1 if content is None else content.kind
             self._refuse_table_views("append to sequences")
             handle = self._open_handle()
             if counts is None:
@@ -992,13 +1001,47 @@ class KVCache(HandleOwner):
             copies = step.copies[:copied].copy() if copied else _NO_COPIES
             return Extended(copies, step.done.value)
 
+    def _append_keyed(self, handles: npt.NDArray[Any], num_tokens: int, keys: npt.NDArray[Any],
+                      offsets: npt.NDArray[Any]) -> Extended | None:
+        """append_many's decode step as an engine makes it, every argument an array exactly as
+        the library reads it: the engine's handles, one token each (or n), the keys of the blocks
+        filled and their offsets. Each array is looked at once, and nothing is copied or
+        converted; None when an argument is anything else, for the general path to convert or
+        refuse with its messages."""
+        count = handles.size
+        if not (handles.dtype is _U64 and handles.ndim == 1 and handles.flags.c_contiguous
+                and keys.dtype is _U8 and keys.ndim == 2 and keys.flags.c_contiguous
+                and offsets.dtype is _U64 and offsets.ndim == 1 and offsets.flags.c_contiguous
+                and offsets.size == count + 1 and offsets.item(-1) <= keys.shape[0]
+                and 0 <= num_tokens <= _U32_MAX):
+            return None
+        step = self._step
+        with self._lock, self._guard:
+            if self._users or self._closed:  # refused as on the general path
+                self._refuse_table_views("append to sequences")
+                self._open_handle()
+            content = step.content
+            if step.content_kind != _KEY_BYTES:
+                content.kind = _KEY_BYTES
+                content.tokens = content.keys = None
+                step.content_kind = _KEY_BYTES
+            content.key_len = keys.shape[1]
+            content.key_bytes = _address(keys)
+            self._lib.kva_kv_seq_extend_many(
+                self._handle, count, _address(handles), step.uniform_counts(count, num_tokens),
+                step.content_ref, _address(offsets), step.copy_rows(count), step.num_copies_ref,
+                step.done_ref)
+            copied = step.num_copies.value
+            return Extended(step.copies[:copied].copy() if copied else _NO_COPIES,
+                            step.done.value)
+
     def free_many(self, handles: object) -> None:
         """Frees the sequences ``handles`` names, in order, in one call (as ``Sequence.free``).
         All or nothing: a handle freed before or listed twice raises ``DoubleFree``, one this
         cache never gave ``InvalidArgument``, and nothing is freed. Refused
         (``TableInUseError``) while a block-table view of this cache is alive."""
         seqs = _batch_array("handles", handles, _U64)
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             self._refuse_table_views("free sequences")
             self._lib.kva_kv_seq_free_many(self._open_handle(), seqs.size, _address(seqs))
 
@@ -1213,7 +1256,7 @@ class KVCache(HandleOwner):
 
     def check(self) -> None:
         """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""
-        with self._lock, self._pool_guard():
+        with self._lock, self._guard:
             self._lib.kva_kv_check(self._open_handle())
 
     def block_address(self, block: int, layer: int, kind: str | int = "K") -> int:
@@ -1453,7 +1496,7 @@ class Sequence:
         content = _content(tokens, block_keys, keys, self._cache._max_key_bytes)
         copy = _ffi.KvaKvCopy()
         cache = self._cache
-        with cache._lock, cache._pool_guard():
+        with cache._lock, cache._guard:
             self._refuse_with_views("append to")
             cache._lib.kva_kv_seq_extend(cache._open_handle(), self._handle, n,
                                          _content_ref(content),
@@ -1477,7 +1520,7 @@ class Sequence:
         """Releases the sequence: its blocks lose a reference; full prefix blocks stay cached
         until evicted. A second ``free()`` raises ``DoubleFree``."""
         cache = self._cache
-        with cache._lock, cache._pool_guard():
+        with cache._lock, cache._guard:
             self._refuse_with_views("free")
             self._release_call(cache)(cache._open_handle(), self._handle)
             self._freed = True

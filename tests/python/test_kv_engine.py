@@ -473,6 +473,35 @@ def test_decode_filled_blocks_are_hit_by_the_next_turn() -> None:
         cache.close()
 
 
+def test_a_decode_step_of_arrays_is_checked_as_any_other() -> None:
+    # The engine's decode step (handles, keys of the blocks filled and their offsets, each an
+    # array as the library reads it) takes a path of its own in the wrapper: it commits what it
+    # is told, beside sequences keyed by token ids on the same cache, and an argument it does not
+    # take as it is (a dtype, a shape, offsets past the keys) is refused as on the general path,
+    # with nothing changed.
+    cache = pykvalloc.KVCache(num_blocks=64, block_tokens=4, layers=1, kv_heads=1, head_dim=1,
+                              dtype="int8", max_key_bytes=KEY_LEN)
+    keys = np.frombuffer(b"".join(engine_key(b"", i) for i in range(3)),
+                         dtype=np.uint8).reshape(3, KEY_LEN)
+    keyed = cache.allocate(3, keys=keys[:0])
+    by_tokens = cache.allocate(3, tokens=[1, 2, 3])
+    handles = np.array([keyed.handle], dtype=np.uint64)
+    one = np.array([0, 1], dtype=np.uint64)
+    for bad, why in (({"keys": keys.astype(np.uint16), "offsets": one}, "uint8"),
+                     ({"keys": keys[:, ::2], "offsets": one}, "key_len"),
+                     ({"keys": keys[:0], "offsets": one}, "beyond"),
+                     ({"keys": keys, "offsets": np.array([0, 1, 1], dtype=np.uint64)}, "offsets")):
+        with pytest.raises(pykvalloc.InvalidArgument):
+            cache.append_many(handles, 1, **bad)
+        assert keyed.num_tokens == 3, why
+    assert cache.append_many(handles, 1, keys=keys[:1], offsets=one).done == 1
+    cache.append_many(np.array([by_tokens.handle], dtype=np.uint64), 1, tokens=[4])
+    assert cache.append_many(handles, 4, keys=keys[1:2], offsets=one).done == 1
+    assert cache.lookup(keys[:2]).hits == 2
+    assert cache.lookup(tokens=[1, 2, 3, 4]).hits == 1
+    assert keyed.num_tokens == 8
+
+
 def test_events_merge_a_chain_and_split_where_it_breaks() -> None:
     cache = pykvalloc.KVCache(num_blocks=16, block_tokens=BT, layers=1, kv_heads=1, head_dim=1,
                               dtype="uint8", max_key_bytes=8, events=True, event_medium="CPU")
@@ -609,3 +638,23 @@ def test_mooncake_conversations_hit_their_decoded_blocks(num_blocks: int | None)
     if num_blocks is None:
         assert cache.stats().evictions == 0
     cache.close()
+
+
+def test_what_the_engine_calls_return_is_exported() -> None:
+    # The types an engine names in its own annotations come from the package itself.
+    cache = pykvalloc.KVCache(num_blocks=16, block_tokens=4, layers=1, kv_heads=1, head_dim=1,
+                              dtype="int8", max_key_bytes=KEY_LEN, events=64)
+    keys = np.frombuffer(engine_key(b"", 7), dtype=np.uint8).reshape(1, KEY_LEN)
+    admitted = cache.allocate_many([4], keys=keys)
+    assert type(admitted) is pykvalloc.Admitted
+    assert type(cache.append_many(admitted.handles, 1)) is pykvalloc.Extended
+    assert type(cache.lookup(keys)) is pykvalloc.Lookup
+    assert type(cache.lookup_many(keys=keys, offsets=[0, 1])) is pykvalloc.LookupMany
+    assert type(cache.blocks) is pykvalloc.Blocks
+    cache.free_many(admitted.handles)
+    cache.reset_prefix_cache()
+    events = cache.take_events()
+    assert type(events) is pykvalloc.KVEvents
+    assert [type(e) for e in events.events] == [pykvalloc.BlockStored, pykvalloc.AllBlocksCleared]
+    assert {"Blocks", "KVEvents", "BlockStored", "BlockRemoved", "AllBlocksCleared", "Lookup",
+            "LookupMany", "Admitted", "Extended", "KVEvent"} <= set(pykvalloc.__all__)
