@@ -1,6 +1,6 @@
-"""``kvalloc bench``: the C benchmarks of tools/, shipped with the package.
+"""``kvalloc bench``: the benchmarks, shipped with the package.
 
-Four programs measure the library against its targets (docs/benchmarks.md says what each one
+Five programs measure the library against its targets (docs/benchmarks.md says what each one
 does and records their figures):
 
   alloc    libkvalloc beside glibc malloc, jemalloc, mimalloc and tcmalloc, one thread: batches
@@ -9,17 +9,23 @@ does and records their figures):
   kv       the KV-cache manager: allocation, append, prefix hits, eviction, fork
   varpool  the variable-size pools (first, best and worst fit, TLSF) and the buddy on the same
            traces: fragmentation, waste, failures, ns per operation
+  engines  vLLM's own KV-cache manager against pykvalloc.KVCache on the Mooncake conversation
+           trace (--trace, default ../shared/traces beside a source checkout): prefill per
+           request and decode per token, hit tokens asserted identical. Run it with the Python
+           that has vLLM (make test-vllm makes .venv-vllm: .venv-vllm/bin/kvalloc bench
+           engines); without vLLM it times pykvalloc alone and says so
 
 Each runs in a child process of its own and prints its table as it goes; the peers run with
 LD_PRELOAD set to their Debian libraries (libjemalloc2, libmimalloc2.0,
 libgoogle-perftools4 / libtcmalloc-minimal4), and a peer that is not installed is left out.
-Timings are only comparable within one run, on a machine with nothing else running. alloc and
-threads also give every figure as JSON, {"benchmarks": {"alloc": ..., "threads": ...}}: --json
-prints it on stdout (the tables go to stderr then), -o FILE writes it to FILE.
+Timings are only comparable within one run, on a machine with nothing else running. alloc,
+threads and engines also give every figure as JSON, {"benchmarks": {"alloc": ..., "threads":
+..., "engines": ...}}: --json prints it on stdout (the tables go to stderr then), -o FILE
+writes it to FILE.
 
 The exit status is 0 when every benchmark ran and met its targets as it judges them itself
-(kv and varpool exit 1 when one of theirs is missed; alloc and threads print their verdicts and
-exit 0), else the first nonzero status.
+(kv and varpool exit 1 when one of theirs is missed; alloc, threads and engines print their
+verdicts and exit 0), else the first nonzero status.
 """
 
 from __future__ import annotations
@@ -38,13 +44,16 @@ import pykvalloc
 from .arguments import add_command
 from .output import add_report_options, emit_json, wants_table
 
-# name on the command line -> (executable, takes --only and writes its figures as JSON)
+# name on the command line -> (executable, takes --only and writes its figures as JSON); the
+# engines benchmark is a module of this package, run by this Python (PYTHON_BENCHMARKS).
 BENCHMARKS = {
     "alloc": ("bench_alloc", True),
     "threads": ("bench_threads", True),
     "kv": ("bench_kv", False),
     "varpool": ("bench_varpool", False),
+    "engines": ("kvalloc_cli.bench_engines", True),
 }
+PYTHON_BENCHMARKS = {"engines"}
 
 ENV_VAR = "KVALLOC_BENCH_DIR"  # where the executables are, instead of the package's own
 
@@ -63,6 +72,8 @@ def search_dirs() -> list[Path]:
 
 
 def find(executable: str) -> Path | None:
+    if executable == BENCHMARKS["engines"][0]:
+        return Path(sys.executable)
     for directory in search_dirs():
         candidate = directory / executable
         if candidate.is_file() and os.access(candidate, os.X_OK):
@@ -74,9 +85,13 @@ def command_line(name: str, path: Path, args: argparse.Namespace, figures: Path 
     """The program's arguments; ``figures``: where it writes its JSON, None for none."""
     executable, rich_options = BENCHMARKS[name]
     argv = [str(path)]
+    if name in PYTHON_BENCHMARKS:
+        argv += ["-m", executable]
+        if args.trace is not None:
+            argv += ["--trace", str(args.trace)]
     if args.quick:
         argv.append("--quick")
-    if rich_options and args.only:
+    if rich_options and args.only and name not in PYTHON_BENCHMARKS:
         argv += ["--only", args.only]
     if rich_options and figures is not None:
         argv += ["--json", str(figures)]
@@ -106,13 +121,15 @@ def register(subparsers: Any) -> None:
                          "tcmalloc", __doc__)
     parser.add_argument("benchmarks", nargs="*", metavar="BENCHMARK", type=benchmark_name,
                         default=[],
-                        help="alloc, threads, kv, varpool or all (default: alloc)")
+                        help="alloc, threads, kv, varpool, engines or all (default: alloc)")
     parser.add_argument("--quick", action="store_true",
                         help="a few seconds each: a smoke run, not figures to keep")
     parser.add_argument("--only", metavar="NAME[,NAME...]", type=allocator_names,
                         help="alloc and threads: these allocators only "
                              "(glibc, jemalloc, mimalloc, tcmalloc, kvalloc)")
-    add_report_options(parser, "alloc's and threads' figures")
+    parser.add_argument("--trace", type=Path, metavar="FILE",
+                        help="engines: the Mooncake conversation trace (JSON lines)")
+    add_report_options(parser, "alloc's, threads' and engines' figures")
     parser.add_argument("--list", action="store_true",
                         help="say which benchmarks are installed, and where, then exit")
     parser.set_defaults(run=run)
@@ -127,11 +144,15 @@ def run(args: argparse.Namespace) -> int:
             path = find(executable)
             print(f"{name:8} {executable:14} {path if path else 'not installed'}")
         return 0
+    if args.trace is not None and "engines" not in names:
+        print("kvalloc bench: --trace applies to the engines benchmark only", file=sys.stderr)
+        return 2
     ignoring = [name for name in names if not BENCHMARKS[name][1]]
     wants_json = args.json or args.output is not None
     if ignoring and (args.only or wants_json):
         print(f"kvalloc bench: {', '.join(ignoring)} measure libkvalloc alone and print their table only: "
-              f"--only, --json and -o apply to alloc and threads", file=sys.stderr)
+              f"--json and -o apply to alloc, threads and engines, --only to alloc and threads",
+              file=sys.stderr)
     found = {name: find(BENCHMARKS[name][0]) for name in names}
     paths = {name: path for name, path in found.items() if path is not None}
     missing = [BENCHMARKS[name][0] for name in names if name not in paths]

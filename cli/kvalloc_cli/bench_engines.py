@@ -46,13 +46,15 @@ import os
 import platform
 import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+# The source checkout this module runs from (cli/kvalloc_cli/ in it), with ../shared beside it.
+REPO = Path(__file__).resolve().parents[2]
 TRACE = REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 TRACE_BLOCK = 512
 BLOCK = 16
@@ -78,13 +80,14 @@ def engine_keys(tokens: np.ndarray) -> np.ndarray:
     for start in range(0, len(tokens) // BLOCK * BLOCK * 4, BLOCK * 4):
         digest = hashlib.sha256(digest + raw[start:start + BLOCK * 4]).digest()
         rows.append(digest)
-    return np.frombuffer(bytearray(b"".join(rows)), dtype=np.uint8).reshape(len(rows), 32)
+    keys: np.ndarray = np.frombuffer(bytearray(b"".join(rows)), dtype=np.uint8)
+    return keys.reshape(len(rows), 32)
 
 
 def trace_tokens(block_id: int) -> np.ndarray:
     """The 512 token ids of a trace block: its own, for every block id."""
-    return (np.arange(TRACE_BLOCK, dtype=np.uint64) + np.uint64(block_id) * TRACE_BLOCK
-            ).astype(np.uint32)
+    tokens: np.ndarray = np.arange(TRACE_BLOCK, dtype=np.uint64) + np.uint64(block_id) * TRACE_BLOCK
+    return tokens.astype(np.uint32)
 
 
 def load_stream(path: Path, count: int) -> list[Request]:
@@ -97,7 +100,7 @@ def load_stream(path: Path, count: int) -> list[Request]:
         for block_id in record["hash_ids"]:
             holders.setdefault(block_id, []).append(j)
 
-    def prompt_of(record: dict) -> np.ndarray:
+    def prompt_of(record: dict[str, Any]) -> np.ndarray:
         tokens = np.concatenate([trace_tokens(b) for b in record["hash_ids"]])
         return tokens[:record["input_length"]]
 
@@ -156,7 +159,39 @@ class Outcome:
     timings: Timings = field(default_factory=Timings)
 
 
-class PykvallocSide:
+class Side(ABC):
+    """One KV manager as the scheduler (run) drives it: the timings it adds to, and how many
+    tokens each running request has decoded (the scheduler's own count, shared)."""
+
+    name = ""
+
+    def __init__(self) -> None:
+        self.timings = Timings()
+        self.produced: dict[int, int] = {}
+
+    @abstractmethod
+    def admit(self, request: Request) -> int | None:
+        """Prefills a request: its hit tokens, or None when it does not fit."""
+
+    @abstractmethod
+    def decode(self, running: list[int], tokens: np.ndarray) -> int:
+        """One token for each running request; how many were done (in order)."""
+
+    @abstractmethod
+    def free(self, index: int) -> None: ...
+
+    @abstractmethod
+    def evictions(self) -> int | None: ...
+
+    @abstractmethod
+    def room(self) -> int:
+        """Blocks free or evictable."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class PykvallocSide(Side):
     """pykvalloc's sequence calls: with keys="engine", the engine's own keys of each block
     (computed outside the timed region, as vLLM's Request computes its block hashes); with
     keys="tokens", the token ids, hashed and chained by the library inside the timed calls."""
@@ -165,6 +200,7 @@ class PykvallocSide:
 
     def __init__(self, num_blocks: int, keys: str = "engine", events: bool = False) -> None:
         import pykvalloc
+        super().__init__()
         self.engine = keys == "engine"
         self.cache = pykvalloc.KVCache(num_blocks=num_blocks, block_tokens=BLOCK, layers=1,
                                        kv_heads=1, head_dim=1, dtype="int8",
@@ -194,15 +230,19 @@ class PykvallocSide:
 
     def admit(self, request: Request) -> int | None:
         n = len(request.prompt)
-        content = ({"keys": request.keys[:n // BLOCK]} if self.engine
-                   else {"tokens": request.prompt})
+        keys = tokens = None
+        if self.engine:
+            assert request.keys is not None, "engine keys are computed before the run"
+            keys = request.keys[:n // BLOCK]
+        else:
+            tokens = request.prompt
         start = time.perf_counter_ns()
         try:
-            seq = self.cache.allocate(n, **content)
+            seq = self.cache.allocate(n, tokens=tokens, keys=keys)
         except self.OutOfMemory:
             return None
-        self._t.prefill_ns += time.perf_counter_ns() - start
-        self._t.prefills += 1
+        self.timings.prefill_ns += time.perf_counter_ns() - start
+        self.timings.prefills += 1
         self.seqs[request.index] = seq
         self.requests[request.index] = request
         return int(seq.num_cached_tokens)
@@ -213,7 +253,7 @@ class PykvallocSide:
         if self.engine:  # the key of each block this step fills
             lengths = [len(self.requests[i].prompt) + self.produced[i] + 1 for i in running]
             filling = [(i, n // BLOCK - 1) for i, n in zip(running, lengths) if n % BLOCK == 0]
-            rows = (np.stack([self.requests[i].keys[b] for i, b in filling]) if filling
+            rows = (np.stack([self.key_row(i, b) for i, b in filling]) if filling
                     else np.zeros((0, 32), dtype=np.uint8))
             offsets = np.zeros(len(running) + 1, dtype=np.uint64)
             offsets[1:] = np.cumsum([n % BLOCK == 0 for n in lengths])
@@ -222,10 +262,16 @@ class PykvallocSide:
             content = {"tokens": tokens}
         start = time.perf_counter_ns()
         done = self.cache.append_many(handles, 1, **content).done
-        self._t.decode_ns += time.perf_counter_ns() - start
-        self._t.decoded += done
-        self._t.steps += 1
+        self.timings.decode_ns += time.perf_counter_ns() - start
+        self.timings.decoded += done
+        self.timings.steps += 1
         return done
+
+    def key_row(self, index: int, block: int) -> np.ndarray:
+        keys = self.requests[index].keys
+        assert keys is not None, "engine keys are computed before the run"
+        row: np.ndarray = keys[block]
+        return row
 
     def _handles(self, running: list[int]) -> np.ndarray:
         return np.fromiter((self.seqs[i].handle for i in running), dtype=np.uint64,
@@ -248,10 +294,11 @@ class PykvallocSide:
         self.cache.close()
 
 
-class VllmSide:
+class VllmSide(Side):
     name = "vLLM"
 
     def __init__(self, num_blocks: int, max_model_len: int, events: bool = False) -> None:
+        super().__init__()
         import torch
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256
@@ -289,8 +336,8 @@ class VllmSide:
         elapsed = time.perf_counter_ns() - start
         if new is None:
             return None
-        self._t.prefill_ns += elapsed
-        self._t.prefills += 1
+        self.timings.prefill_ns += elapsed
+        self.timings.prefills += 1
         req.num_computed_tokens = req.num_tokens
         self.requests[request.index] = req
         return int(hit)
@@ -307,9 +354,9 @@ class VllmSide:
                 break  # the scheduler frees it (a preemption) and builds it again later
             req.num_computed_tokens += 1
             done += 1
-        self._t.decode_ns += elapsed
-        self._t.decoded += done
-        self._t.steps += 1
+        self.timings.decode_ns += elapsed
+        self.timings.decoded += done
+        self.timings.steps += 1
         return done
 
     def free(self, index: int) -> None:
@@ -326,8 +373,8 @@ class VllmSide:
             self.manager.free(req)
 
 
-def run(side: Any, stream: list[Request], running_max: int, reserve: bool = False,
-        watch: Any = None) -> Outcome:
+def run(side: Side, stream: list[Request], running_max: int, reserve: bool = False,
+        watch: Callable[[str, int, int | None], None] | None = None) -> Outcome:
     """The scheduler. A request arrives in trace order, once the requests it comes after are
     done (a next turn after its previous turn); arrived requests are admitted in order while fewer than running_max run, then every
     running request decodes one token (one step) and those done are freed. With reserve, a
@@ -341,8 +388,9 @@ def run(side: Any, stream: list[Request], running_max: int, reserve: bool = Fals
     that one and the rest are preempted (freed) and arrive again. watch(what, index, value)
     sees every decision (the differential tests compare them)."""
     outcome = Outcome()
-    side._t = outcome.timings
-    side.produced = produced = {}
+    side.timings = outcome.timings
+    produced: dict[int, int] = {}
+    side.produced = produced
     arrived = [r.index for r in stream if not r.after]  # a heap of indices
     heapq.heapify(arrived)
     waiting_for = {r.index: len(r.after) for r in stream if r.after}
@@ -441,8 +489,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="what pykvalloc is given: the engine's block keys, computed "
                         "outside the timed region as vLLM's are (default), or the token ids, "
                         "hashed by the library inside it")
+    parser.add_argument("--quick", action="store_true",
+                        help="the first 200 requests: a smoke run, not figures to keep")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.requests = min(args.requests, 200)
     if not args.trace.is_file():
         print(f"the Mooncake trace is not at {args.trace} (../shared beside the repository); "
               "give --trace", file=sys.stderr)
@@ -475,7 +527,8 @@ def main(argv: list[str] | None = None) -> int:
         size = blocks or total_blocks
         label = f"{size:,} blocks" + (" (every request's)" if not blocks else "")
         results = {}
-        sides = [("pykvalloc", lambda: PykvallocSide(size, args.keys))]
+        sides: list[tuple[str, Callable[[], Side]]] = [
+            ("pykvalloc", lambda: PykvallocSide(size, args.keys))]
         if have_vllm:
             sides.insert(0, ("vLLM", lambda: VllmSide(size, max_len)))
         for name, make in sides:
@@ -486,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
             side.close()
             results[name] = outcome
         ours = results["pykvalloc"]
-        row = {"blocks": size, "pykvalloc_prefill_us": per(ours.timings.prefill_ns,
+        row: dict[str, Any] = {"blocks": size, "pykvalloc_prefill_us": per(ours.timings.prefill_ns,
                                                           ours.timings.prefills),
                "pykvalloc_decode_us_per_token": per(ours.timings.decode_ns, ours.timings.decoded),
                "hit_tokens": sum(ours.hits.values()), "evictions": ours.evictions,

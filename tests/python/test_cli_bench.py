@@ -1,10 +1,12 @@
-"""``kvalloc bench``: the C benchmarks that ship with the package, run for real (quick modes)."""
+"""``kvalloc bench``: the benchmarks that ship with the package, run for real (quick modes)."""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import pytest
 from support import run_kvalloc
 
 from kvalloc_cli import bench
@@ -17,7 +19,10 @@ def test_every_benchmark_is_installed():
     assert [row[0] for row in rows] == list(bench.BENCHMARKS)
     for name, executable, path in rows:
         assert executable == bench.BENCHMARKS[name][0]
-        assert Path(path).is_file() and Path(path).name == executable
+        if name in bench.PYTHON_BENCHMARKS:  # a module, run by the command's own Python
+            assert path == sys.executable
+        else:
+            assert Path(path).is_file() and Path(path).name == executable
 
 
 def test_alloc_runs_the_comparison_and_writes_its_figures(tmp_path):
@@ -85,4 +90,41 @@ def test_output_must_be_a_file_it_can_write(tmp_path):
 def test_options_a_benchmark_does_not_take_are_said_to_be_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv(bench.ENV_VAR, str(tmp_path))  # nothing runs: the programs are "missing"
     done = run_kvalloc("bench", "kv", "--only", "kvalloc")
-    assert "kv measure libkvalloc alone" in done.stderr and "--only, --json and -o apply to alloc and threads" in done.stderr
+    assert "kv measure libkvalloc alone" in done.stderr and "--json and -o apply to alloc, threads and engines" in done.stderr
+
+
+TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason=f"the Mooncake trace is not at {TRACE} "
+                    "(../shared beside the repository)")
+def test_engines_times_pykvalloc_and_says_when_vllm_is_not_there(tmp_path):
+    out = tmp_path / "engines.json"
+    done = run_kvalloc("bench", "engines", "--quick", "--trace", str(TRACE), "-o", str(out),
+                       timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(out.read_text())["benchmarks"]["engines"]
+    assert figures["requests"] == 200
+    rows = figures["rows"]
+    assert [row["blocks"] for row in rows][1:] == [16000]
+    for row in rows:
+        assert row["pykvalloc_prefill_us"] > 0 and row["pykvalloc_decode_us_per_token"] > 0
+        assert row["hit_tokens"] > 0
+    try:
+        import vllm  # noqa: F401
+    except ImportError:  # the test environment's case: said in one line, pykvalloc timed alone
+        assert "vLLM is not importable here" in done.stdout
+        assert all("vllm_prefill_us" not in row for row in rows)
+    else:
+        assert all(row["prefill_ratio"] > 0 for row in rows)
+
+
+def test_engines_says_where_the_trace_is_missing(tmp_path):
+    done = run_kvalloc("bench", "engines", "--trace", str(tmp_path / "none.jsonl"))
+    assert done.returncode == 2
+    assert "none.jsonl" in done.stdout + done.stderr and "give --trace" in done.stdout + done.stderr
+
+
+def test_trace_is_for_the_engines_benchmark_only(tmp_path):
+    done = run_kvalloc("bench", "kv", "--trace", str(tmp_path))
+    assert done.returncode == 2 and "--trace applies to the engines benchmark only" in done.stderr

@@ -1,5 +1,5 @@
 """pykvalloc's KVCache against vLLM's own KVCacheManager (its GPU prefix cache), in lockstep on
-one request stream, through the benchmark's own drivers (tools/bench_engines.py): prefills,
+one request stream, through the benchmark's own drivers (kvalloc_cli/bench_engines.py): prefills,
 decode steps (vLLM's allocate_slots per request, pykvalloc's one append_many), frees. After
 every call: the same hit tokens (vLLM's capped at num_tokens - 1, in whole blocks: it recomputes
 a fully cached prompt's last token), the same free-or-evictable block count, the same
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_engines as bench  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "cli"))
+from kvalloc_cli import bench_engines as bench  # noqa: E402
 
 BLOCK = bench.BLOCK
 
@@ -82,13 +82,13 @@ class Lockstep:
         self.vllm.produced = value
 
     @property
-    def _t(self):
-        return self.ours._t
+    def timings(self):
+        return self.ours.timings
 
-    @_t.setter
-    def _t(self, value) -> None:
-        self.ours._t = value
-        self.vllm._t = bench.Timings()
+    @timings.setter
+    def timings(self, value) -> None:
+        self.ours.timings = value
+        self.vllm.timings = bench.Timings()
 
     def compare(self, what: str) -> None:
         self.calls += 1
@@ -210,8 +210,6 @@ def test_a_fully_cached_prompt() -> None:
     vllm = bench.VllmSide(16, 256)
     ours = bench.PykvallocSide(16)
     for side in (vllm, ours):
-        side._t = bench.Timings()
-        side.produced = {}
         assert side.admit(first) == 0
     assert vllm.admit(again) == 2 * BLOCK
     assert ours.admit(again) == 3 * BLOCK and bench.capped(3 * BLOCK, len(tokens)) == 2 * BLOCK
