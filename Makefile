@@ -8,7 +8,7 @@ JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 FUZZ_SECONDS ?= 30
 FUZZ_HARNESSES = pool pool_config kv kv_contig var
 
-.PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz test-vllm fuzz venv demo bench clean
+.PHONY: all deps build test test-c test-sanitize test-tsan test-py test-fuzz test-vllm test-torch fuzz venv demo bench clean
 
 all: build
 
@@ -71,6 +71,13 @@ $(VLLM_VENV)/.installed: pyproject.toml CMakeLists.txt $(wildcard libkvalloc/src
 
 test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/vllm
+
+# Opt-in, never part of make test: DLPack round trips through torch (tests/torch), with the
+# interpreter of .venv-vllm (it has CPU torch), this tree first on its path and this build's
+# library (the test checks that it imports these).
+test-torch: build $(VLLM_VENV)/.installed
+	PYTHONPATH=$(CURDIR) PYKVALLOC_LIB=$(CURDIR)/$(BUILD)/libkvalloc.so \
+		$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/torch
 
 # libFuzzer on the pool (one configuration; all of them), the KV manager (paged; contiguous) and the variable-size
 # pools, FUZZ_SECONDS each, starting from the seed corpora

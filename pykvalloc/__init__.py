@@ -66,6 +66,7 @@ from .pool import (
     WalkKind,
 )
 from .sizes import format_size, parse_size, size_class_of, size_classes
+from .tensor import ExportError, Tensor, TensorDType
 from .varpool import VarPool, VarStats
 
 try:
@@ -74,6 +75,9 @@ except _metadata.PackageNotFoundError:  # imported from a source tree that was n
     __version__ = "0+unknown"
 
 __all__ = [
+    "Tensor",
+    "TensorDType",
+    "ExportError",
     "KVCache",
     "KVStats",
     "KVInfo",

@@ -31,7 +31,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import ClassVar, NoReturn, Protocol, SupportsIndex, TypeVar
 
-from . import _locks
+from . import _dlpack, _locks
 from .errors import PoolClosedError
 
 _Self = TypeVar("_Self", bound="HandleOwner")
@@ -141,6 +141,7 @@ class HandleOwner(ABC):
     def close(self) -> None:
         """Closes the object to every call; idempotent. Its C object is destroyed now, or when
         the last of its users (numpy views, objects built over it) is gone."""
+        _dlpack.sweep()  # DLPack capsules nobody took are users no more
         with self._lock:
             with self._users_lock:
                 idle = self._mark_closed()

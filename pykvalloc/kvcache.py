@@ -67,6 +67,7 @@ if TYPE_CHECKING:
 from . import _ffi, _locks
 from ._owner import HandleOwner, refuse_copy
 from .errors import InvalidArgument, KvallocError, OutOfMemory
+from .tensor import DEVICE_CPU, Tensor, TensorDType, tensor_dtype
 from .pool import (
     PageMode,
     Pool,
@@ -104,6 +105,26 @@ _DTYPE_BYTES = {
     "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e4m3": 1, "float8_e5m2": 1,
     "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
+
+
+class _TensorCount:
+    """How many KV tensors of a cache are alive (they are users of it, as the block-table views
+    are, but block no table change)."""
+
+    __slots__ = ("_views",)
+
+    def __init__(self) -> None:
+        self._views = 0
+
+
+def _cache_dtype(dtype: object, size: int) -> TensorDType:
+    """The element type of a cache's tensors: ``dtype`` when pykvalloc.tensor knows it, else the
+    unsigned integer of its size (the cache takes any type of 1, 2, 4 or 8 bytes)."""
+    try:
+        element = tensor_dtype(dtype)
+    except InvalidArgument:
+        return tensor_dtype(f"uint{8 * size}")
+    return element if element.itemsize == size else tensor_dtype(f"uint{8 * size}")
 
 
 class KVLayout(enum.IntEnum):
@@ -736,7 +757,8 @@ class KVCache(HandleOwner):
     number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_guard", "_info", "_pool_handle", "_max_key_bytes", "_step")
+    __slots__ = ("_lib", "_pool_lock", "_guard", "_info", "_pool_handle", "_max_key_bytes", "_step",
+                 "_dtype", "_dl_device", "_kv_tensors")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
@@ -784,6 +806,7 @@ class KVCache(HandleOwner):
             config.event_medium = _u32("event_medium", event_medium)
         if pool is not None and not isinstance(pool, Pool):
             raise InvalidArgument(f"pool must be a pykvalloc.Pool, not {type(pool).__name__}")
+        element = _cache_dtype(dtype, config.dtype_bytes)
 
         def create(pool_handle: int | None) -> int:
             handle = c_void_p()
@@ -807,6 +830,9 @@ class KVCache(HandleOwner):
         self._pool_handle: int = info.pool
         self._max_key_bytes = int(config.max_key_bytes)
         self._step = _StepBuffers()
+        self._dtype = element
+        self._dl_device = pool._dl_device if pool is not None else (DEVICE_CPU, 0)
+        self._kv_tensors = _TensorCount()
 
     def _describe(self) -> str:
         info = self._info
@@ -901,10 +927,15 @@ class KVCache(HandleOwner):
     # their handles (uint64): they are the caller's to free (free_many), and closing the cache
     # frees the rest.
 
+    def _table_views(self) -> int:
+        """The block-table views alive: the cache's users other than its KV tensors, which no
+        table change touches."""
+        return self._users - self._kv_tensors._views
+
     def _refuse_table_views(self, what: str) -> None:
-        if self._users:  # the block-table views are the cache's users
+        if self._table_views():
             raise TableInUseError(
-                f"cannot {what}: {self._users} block_table view(s) of this cache alive, and this "
+                f"cannot {what}: {self._table_views()} block_table view(s) of this cache alive, and this "
                 "call may move the tables they show; copy them (np.array(seq.block_table)) or "
                 "drop the views first")
 
@@ -1212,9 +1243,9 @@ class KVCache(HandleOwner):
         this call. Paged mode only (``InvalidArgument`` otherwise)."""
         count = c_uint32()
         with self._lock:
-            if self._users:  # the block-table views are the cache's users
+            if self._table_views():
                 raise TableInUseError(
-                    f"cannot compact: {self._users} block_table view(s) alive; copy the tables "
+                    f"cannot compact: {self._table_views()} block_table view(s) alive; copy the tables "
                     "(np.array(seq.block_table)) or drop the views first")
             handle = self._open_handle()
             capacity = 0
@@ -1273,6 +1304,71 @@ class KVCache(HandleOwner):
             self._lib.kva_kv_block_address(self._open_handle(), _u32("block", block),
                                            _u32("layer", layer), part, byref(out))
         return out.value or 0
+
+    def kv_tensor(self, layer: int | None = None, *, layout: str = "NHD",
+                  dtype: object = None) -> Tensor:
+        """The KV memory as a ``pykvalloc.Tensor`` in the layout attention kernels read, indexed
+        by block id: the ids of a block table index its first dimension as they are.
+
+        ``layer`` an int: that layer's K and V, shape ``(num_blocks, 2, block_tokens, kv_heads,
+        head_dim)`` for ``layout="NHD"`` (vLLM's and FlashInfer's NHD) or ``(num_blocks, 2,
+        kv_heads, block_tokens, head_dim)`` for ``"HND"``; ``[b, 0]`` is the K part of block b
+        and starts at ``block_address(b, layer, "K")``, ``[b, 1]`` at ``block_address(b, layer,
+        "V")``. ``layer=None``: every layer, one more leading dimension, ``[l]`` being layer l's
+        tensor. With the cache's ``layout="layers"`` (the default) a layer's tensor and the
+        all-layer tensor are contiguous; with ``layout="blocks"`` they have the honest strides
+        of memory where a block holds all its layers (``block_stride`` between blocks), and are
+        not contiguous (the permutation ``(num_blocks, layers, 2, ...)`` of the all-layer one
+        is).
+
+        NHD and HND are two readings of the same bytes: the library never reads or copies what
+        a part holds (in paged mode), so the order of tokens and heads inside a part is the
+        engine's choice. Choose one and keep to it; a ``CopyOnWrite``'s ``tokens`` then count
+        in that order.
+
+        ``dtype`` (default: the cache's) may be any type of the cache's element size
+        (``"bfloat16"`` for a cache made with ``"float16"``); another size raises
+        InvalidArgument. The tensor keeps the cache's memory alive (a ``close()`` waits for the
+        last one) and does not block ``compact()`` or the sequence calls: compaction's moves
+        are data the engine copies through it. Paged mode only."""
+        element = self._dtype if dtype is None else tensor_dtype(dtype)
+        info = self._info
+        if element.itemsize != info.dtype_bytes:
+            raise InvalidArgument(f"dtype {element.name} has {element.itemsize} bytes per element;"
+                                  f" this cache's elements have {info.dtype_bytes}")
+        if not isinstance(layout, str) or layout.upper() not in ("NHD", "HND"):
+            raise InvalidArgument(f"layout must be 'NHD' or 'HND', not {layout!r}")
+        if info.mode is not KVMode.PAGED:
+            raise InvalidArgument("KV tensors need a paged cache: a contiguous one has no block "
+                                  "ids to index")
+        if layer is not None:
+            layer = _u32("layer", layer)
+            if layer >= info.layers:
+                raise InvalidArgument(f"layer {layer} is out of range ({info.layers} layers)")
+        size = info.dtype_bytes
+        tokens, heads, dim = info.block_tokens, info.kv_heads, info.head_dim
+        if layout.upper() == "NHD":
+            part_shape, part_strides = (tokens, heads, dim), (heads * dim, dim, 1)
+        else:
+            part_shape, part_strides = (heads, tokens, dim), (tokens * dim, dim, 1)
+        shape: tuple[int, ...] = (info.num_blocks, 2) + part_shape
+        strides: tuple[int, ...] = (info.block_stride // size, info.part_bytes // size) + part_strides
+        address = info.base
+        if layer is None:
+            shape, strides = (info.layers,) + shape, (info.layer_stride // size,) + strides
+        else:
+            address += layer * info.layer_stride
+        with self._lock:
+            self._open_handle()
+            counter = self._kv_tensors
+            return Tensor._new(address, shape, strides, element, self._dl_device,
+                               lambda: self._add_user(counter),
+                               lambda: self._user_gone(counter))
+
+    @property
+    def dtype(self) -> TensorDType:
+        """The element type the cache was made with (what ``kv_tensor`` gives by default)."""
+        return self._dtype
 
     @property
     def info(self) -> KVInfo:

@@ -14,7 +14,8 @@ what they mean for a pool:
   the pool then closes it to its own calls, and the C pool is destroyed after the cache or
   VarPool (whose memory is in it) is closed or garbage. Their calls never reach a destroyed
   pool.
-* ``free()`` refuses (``AllocationInUseError``) while numpy views of that allocation are alive:
+* ``free()`` refuses (``AllocationInUseError``) while numpy views of that allocation are alive,
+  or ``Tensor``s over it and their DLPack exports (tensor.py), which count as views:
   the next allocation would get the same bytes while the old view could still write them.
   ``mmap.close()`` refuses exported buffers for the same reason.
 * At interpreter exit, pools without users are closed; a pool with live views is left to the
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
     from _typeshed import DataclassInstance
 
-from . import _ffi
+from . import _dlpack, _ffi
 from ._owner import HandleOwner, refuse_copy
 from .errors import (
     AllocationFreedError,
@@ -68,6 +69,16 @@ from .errors import (
     KvallocError,
 )
 from .sizes import format_size
+from .tensor import (
+    DEVICE_CPU,
+    DEVICE_CUDA,
+    DEVICE_CUDA_HOST,
+    Tensor,
+    contiguous_strides,
+    extent,
+    shape_arg,
+    tensor_dtype,
+)
 
 __all__ = [
     "Pool",
@@ -313,6 +324,17 @@ def _shape_arg(shape: int | Sequence[int]) -> tuple[int, ...]:
     return dims
 
 
+def _strides_arg(strides: Sequence[int]) -> Iterator[int]:
+    try:
+        for stride in strides:
+            step = operator.index(stride)
+            if step < 0:
+                raise InvalidArgument(f"strides {tuple(strides)} has a negative stride")
+            yield step
+    except TypeError:
+        raise TypeError(f"strides must be a sequence of ints, not {strides!r}") from None
+
+
 def _returned_address(out: c_void_p, function: str) -> int:
     # ctypes reads a NULL void * as None. The library sets the out-parameter on success;
     # should it ever not, raise rather than build an object around address None.
@@ -344,7 +366,7 @@ class Allocation:
         self._address = address
         self._size = size
         self._live = True
-        self._views = 0  # numpy views alive; maintained under its pool's _users_lock
+        self._views = 0  # numpy views and tensors alive; maintained under its pool's _users_lock
 
     @property
     def address(self) -> int:
@@ -381,6 +403,39 @@ class Allocation:
         be read as object pointers.
         """
         return self._pool._view(self, dtype, shape)
+
+    def tensor(self, dtype: object = "uint8", shape: int | Sequence[int] | None = None,
+               strides: Sequence[int] | None = None) -> Tensor:
+        """A ``pykvalloc.Tensor`` over this allocation's memory, for DLPack
+        (``torch.from_dlpack(allocation.tensor("bfloat16", (n, 128)))``), the CUDA array
+        interface (CUDA pools) and numpy (host pools). ``dtype`` is a name (``"float16"``,
+        ``"bf16"``, ``"fp8"``), a numpy or a torch dtype; without ``shape`` the tensor is
+        one-dimensional and as long as ``size`` allows; ``strides`` (in elements, default
+        row-major) must keep every element inside the allocation. While the tensor, or
+        anything exported from it, is alive the allocation cannot be freed, as with a view."""
+        return self._pool._tensor(self, dtype, shape, strides)
+
+    def __dlpack__(self, *, stream: object = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> object:
+        """The allocation's bytes as a DLPack capsule: ``numpy.from_dlpack(allocation)`` is a
+        uint8 array over them. ``allocation.tensor(dtype, shape)`` exports other types and
+        shapes. See pykvalloc.tensor for the stream, device and copy arguments."""
+        return self.tensor().__dlpack__(stream=stream, max_version=max_version,
+                                        dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        """(1, 0) CPU for host pools, (3, 0) CUDA host for pinned ones, (2, device) for CUDA
+        pools."""
+        return self._pool._mapping._dl_device
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, object]:
+        """The allocation's bytes (uint8), version 3, on a CUDA pool; AttributeError on host
+        pools, whose memory numpy reads through ``view()``."""
+        if self._pool._mapping._backend is not Backend.CUDA:
+            raise AttributeError("__cuda_array_interface__ describes GPU memory; this "
+                                 "allocation is host memory (use view() or DLPack)")
+        return self.tensor().__cuda_array_interface__
 
     def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         refuse_copy(self)
@@ -452,7 +507,7 @@ class _Allocator(HandleOwner):
         """Returns the allocation's memory to the pool.
 
         DoubleFree if it was already freed, InvalidPointer if it belongs to another pool,
-        AllocationInUseError while numpy views of it are alive: in each case nothing reaches C
+        AllocationInUseError while numpy views or tensors of it are alive: in each case nothing reaches C
         and nothing changes. In a checked Pool, CorruptionError if a red zone around it was
         overwritten: the memory is freed all the same, and so is the allocation.
         """
@@ -468,12 +523,16 @@ class _Allocator(HandleOwner):
                 raise
             allocation._live = False
 
-    def _refuse_free(self, allocation: Allocation) -> NoReturn:
+    def _refuse_free(self, allocation: Allocation) -> None:
         """Raises what ``free`` found wrong with the allocation (the fast path tells only that
-        something is)."""
+        something is), unless all it found were views that are gone now."""
         self._owned_live(allocation, freed_error=DoubleFree)
-        raise AllocationInUseError(f"{allocation!r} still has {allocation._views} numpy view(s) "
-                                   "alive; delete them before freeing it")
+        _dlpack.sweep()  # a capsule nobody took holds its allocation until it is seen
+        if allocation._views:
+            raise AllocationInUseError(
+                f"{allocation!r} still has {allocation._views} numpy view(s) or tensor(s) alive "
+                "(DLPack exports and the arrays made from them count); delete them before "
+                "freeing it")
 
     def usable_size(self, allocation: Allocation) -> int:
         """Bytes the allocation may really use: in a Pool its size class or buddy block size,
@@ -482,6 +541,30 @@ class _Allocator(HandleOwner):
             handle = self._open_handle()
             self._owned_live(allocation)
             return int(self._c_usable_size(handle, allocation._address))
+
+    def _tensor(self, allocation: Allocation, dtype: object,
+                shape: int | Sequence[int] | None, strides: Sequence[int] | None) -> Tensor:
+        element = tensor_dtype(dtype)
+        dims = (allocation._size // element.itemsize,) if shape is None else shape_arg(shape)
+        if strides is None:
+            steps = contiguous_strides(dims)
+        else:
+            steps = tuple(_strides_arg(strides))
+            if len(steps) != len(dims):
+                raise InvalidArgument(f"strides {steps} do not match shape {dims}")
+        span = extent(dims, steps, element.itemsize)
+        device = self._mapping._dl_device
+        with self._lock:
+            self._open_handle()
+            self._owned_live(allocation)
+            if span > allocation._size:
+                raise InvalidArgument(f"shape {dims} with strides {steps} of {element.name} "
+                                      f"spans {span} bytes; {allocation!r} has "
+                                      f"{allocation._size}")
+            # A user of this allocator, as a view is (_view): the memory stays while it lives.
+            return Tensor._new(allocation._address, dims, steps, element, device,
+                               lambda: self._add_user(allocation),
+                               lambda: self._user_gone(allocation))
 
     def _view(self, allocation: Allocation, dtype: npt.DTypeLike,
               shape: int | Sequence[int] | None) -> npt.NDArray[Any]:
@@ -549,7 +632,8 @@ class Pool(_Allocator):
     to views that outlive the pool.
     """
 
-    __slots__ = ("_lib", "_base", "_capacity", "_min_block", "_slab_chunk", "_name", "_backend")
+    __slots__ = ("_lib", "_base", "_capacity", "_min_block", "_slab_chunk", "_name", "_backend",
+                 "_dl_device")
 
     _fork_rank = 1
 
@@ -605,6 +689,10 @@ class Pool(_Allocator):
         self._min_block = stats.min_block
         self._slab_chunk = stats.slab_chunk
         self._backend = stats.backend
+        # The DLPack device of its memory (pykvalloc.tensor): pinned memory is registered
+        # portable (every context may use it), hence device 0.
+        self._dl_device = ((DEVICE_CUDA, config.device) if stats.backend is Backend.CUDA else
+                           (DEVICE_CUDA_HOST, 0) if stats.pinned else (DEVICE_CPU, 0))
         _open_pools.add(self)
 
     @property
