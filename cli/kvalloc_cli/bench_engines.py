@@ -29,6 +29,7 @@ evicted before the run, untimed, so that its host metadata is in memory as vLLM'
 objects are. Hit tokens are asserted identical request by request, vLLM's capped at
 num_tokens - 1 (it recomputes a fully cached prompt's last token), and so are the
 preemptions; tests/vllm/test_kv_cache_manager.py holds evictions and events to vLLM's too.
+Each side runs --repeat times (3), the two in turn, and each figure is the median of its runs.
 
 Run with a Python that has pykvalloc (and vLLM, for the comparison; without it only pykvalloc
 runs, said in one line): .venv-vllm/bin/python tools/bench_engines.py
@@ -474,6 +475,13 @@ def per(ns: int, count: int) -> float:
     return ns / count / 1000 if count else float("nan")
 
 
+def median_per(outcomes: list[Outcome], what: str) -> float:
+    """The median over runs of µs per request (prefill) or per token decoded (decode)."""
+    values = sorted(per(o.timings.prefill_ns, o.timings.prefills) if what == "prefill"
+                    else per(o.timings.decode_ns, o.timings.decoded) for o in outcomes)
+    return values[len(values) // 2]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
@@ -489,12 +497,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="what pykvalloc is given: the engine's block keys, computed "
                         "outside the timed region as vLLM's are (default), or the token ids, "
                         "hashed by the library inside it")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each side, in turn; the figures are their medians "
+                        "(default 3)")
     parser.add_argument("--quick", action="store_true",
                         help="the first 200 requests: a smoke run, not figures to keep")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests = min(args.requests, 200)
+        args.requests, args.repeat = min(args.requests, 200), 1
+    if args.repeat < 1 or args.requests < 1 or args.running < 1:
+        parser.error("--repeat, --requests and --running are at least 1")
     if not args.trace.is_file():
         print(f"the Mooncake trace is not at {args.trace} (../shared beside the repository); "
               "give --trace", file=sys.stderr)
@@ -526,24 +539,27 @@ def main(argv: list[str] | None = None) -> int:
     for blocks in args.blocks:
         size = blocks or total_blocks
         label = f"{size:,} blocks" + (" (every request's)" if not blocks else "")
-        results = {}
         sides: list[tuple[str, Callable[[], Side]]] = [
             ("pykvalloc", lambda: PykvallocSide(size, args.keys))]
         if have_vllm:
             sides.insert(0, ("vLLM", lambda: VllmSide(size, max_len)))
-        for name, make in sides:
-            side = make()
-            stream = [Request(r.index, r.prompt, r.output, r.keys, r.after) for r in base]
-            gc.collect()
-            outcome = run(side, stream, args.running, reserve=blocks != 0)
-            side.close()
-            results[name] = outcome
+        runs: dict[str, list[Outcome]] = {name: [] for name, _ in sides}
+        for _ in range(args.repeat):  # the sides in turn, so that a machine's load falls on both
+            for name, make in sides:
+                side = make()
+                stream = [Request(r.index, r.prompt, r.output, r.keys, r.after) for r in base]
+                gc.collect()
+                outcome = run(side, stream, args.running, reserve=blocks != 0)
+                side.close()
+                assert not runs[name] or outcome.hits == runs[name][0].hits, "a run hit differently"
+                runs[name].append(outcome)
+        results = {name: outcomes[0] for name, outcomes in runs.items()}
         ours = results["pykvalloc"]
-        row: dict[str, Any] = {"blocks": size, "pykvalloc_prefill_us": per(ours.timings.prefill_ns,
-                                                          ours.timings.prefills),
-               "pykvalloc_decode_us_per_token": per(ours.timings.decode_ns, ours.timings.decoded),
-               "hit_tokens": sum(ours.hits.values()), "evictions": ours.evictions,
-               "preempted": len(ours.preempted)}
+        row: dict[str, Any] = {"blocks": size, "runs": args.repeat,
+                               "pykvalloc_prefill_us": median_per(runs["pykvalloc"], "prefill"),
+                               "pykvalloc_decode_us_per_token": median_per(runs["pykvalloc"], "decode"),
+                               "hit_tokens": sum(ours.hits.values()), "evictions": ours.evictions,
+                               "preempted": len(ours.preempted)}
         row["running_per_step"] = ours.timings.decoded / max(ours.timings.steps, 1)
         print(f"\n{label}: {row['hit_tokens']:,} hit tokens, {ours.evictions:,} evictions, "
               f"{len(ours.preempted)} preemptions, {row['running_per_step']:.1f} requests "
@@ -554,9 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                 ours.hits[i], len(base[i].prompt))]
             assert not mismatched, f"hit tokens differ for requests {mismatched[:10]}"
             assert theirs.preempted == ours.preempted, "preemptions differ"
-            row.update(vllm_prefill_us=per(theirs.timings.prefill_ns, theirs.timings.prefills),
-                       vllm_decode_us_per_token=per(theirs.timings.decode_ns,
-                                                    theirs.timings.decoded))
+            row.update(vllm_prefill_us=median_per(runs["vLLM"], "prefill"),
+                       vllm_decode_us_per_token=median_per(runs["vLLM"], "decode"))
             row["prefill_ratio"] = row["vllm_prefill_us"] / row["pykvalloc_prefill_us"]
             row["decode_ratio"] = (row["vllm_decode_us_per_token"]
                                    / row["pykvalloc_decode_us_per_token"])
