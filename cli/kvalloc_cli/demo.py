@@ -1,6 +1,10 @@
 """``kvalloc demo``: the main job, on the embedded workload. LLM-serving traffic drawn from
 published statistics of real traces is replayed through a named KV cache (paged, 16-token
 blocks, 2 GiB of KV for a Llama-3-8B-sized model, so that it fills up and preempts now and then).
+The engine also allocates, from the same pool, what a serving engine allocates around its KV
+cache (``kvalloc replay --engine-buffers``): per-step activation and attention-output buffers
+through the buddy, scratch buffers and token metadata through slab classes, so the inspector's
+buddy orders, slab classes and fragmentation move; the report says what each kind cost.
 
 On a terminal the replay runs in a second process, held to --speed simulated seconds per second,
 and ``kvalloc top`` watches it live through its statistics segment, as an operator would watch an
@@ -61,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 def headless(args: argparse.Namespace) -> int:
     geometry = Geometry()
     config = ReplayConfig(mode="paged", capacity_tokens=args.kv_size // geometry.bytes_per_token,
-                          geometry=geometry, pool_name=POOL_NAME)
+                          geometry=geometry, pool_name=POOL_NAME, engine_buffers=True)
     print(f"Replaying {args.requests:,} requests of the embedded workload through a "
           f"{format_size(args.kv_size)} paged KV cache (pool {POOL_NAME!r})...", file=sys.stderr)
     result = replay(default_workload(args.requests), config)
@@ -81,6 +85,7 @@ def watched(args: argparse.Namespace) -> int:
         engine = subprocess.Popen(
             [sys.executable, "-m", "kvalloc_cli", "replay", "--requests", str(args.requests),
              "--kv-size", str(args.kv_size), "--name", name, "--speed", str(args.speed), "--quiet",
+             "--engine-buffers",
              "--output", str(report)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:

@@ -83,6 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compare", action="store_true",
                         help="paged 16/32/64/128, contiguous and malloc on the same traffic")
     parser.add_argument("--name", default=None, help="publish live stats under this pool name (kvalloc top)")
+    parser.add_argument("--engine-buffers", action="store_true",
+                        help="paged: also allocate what an engine allocates around its KV cache, in the same "
+                             "pool (per-step activations and attention output through the buddy, scratch and "
+                             "token metadata through slab classes), and report what each cost")
     add_report_options(parser, "the report (runs: one per configuration)")
     parser.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                         help="plot KV use and hit rate over time (needs matplotlib)")
@@ -138,7 +142,7 @@ def base_config(args: argparse.Namespace) -> ReplayConfig:
     return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens or DEFAULT_BLOCK_TOKENS, capacity_tokens=tokens, geometry=geometry,
                         max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
                         prefix_caching=not args.no_prefix_caching, pool_name=args.name,
-                        sample_every=16 if args.plot else 1 << 30)
+                        sample_every=16 if args.plot else 1 << 30, engine_buffers=args.engine_buffers)
 
 
 def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
@@ -236,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         # Said before the replay, not after it (with a traceback, as it once was).
         return usage_error("replay", "--plot needs matplotlib: pip install 'pykvalloc[plot]'")
+    if args.engine_buffers and (args.mode != "paged" or args.compare):
+        return usage_error("replay", "--engine-buffers applies to --mode paged without --compare")
     if args.block_tokens is not None and (args.mode != "paged" or args.compare):
         # It was taken and ignored: contiguous and malloc have no blocks, --compare runs 16 .. 128.
         return usage_error("replay", "--block-tokens applies to --mode paged without --compare")

@@ -5,10 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from pykvalloc.replay.simulator import ReplayResult
+from pykvalloc.sizes import format_size
 
 #: What each row shows, and how.
 _ROWS = (
@@ -53,6 +55,24 @@ def table(results: Sequence[dict[str, Any]]) -> Table:
     return out
 
 
+def engine_buffers_table(row: dict[str, Any]) -> Table:
+    """What the engine's buffers around the KV cache cost, per kind (``--engine-buffers``)."""
+    out = Table(title=f"{label(row)}: the engine's buffers beside the KV cache, same pool",
+                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, caption_justify="left",
+                caption="via: what served them (both: slabs for the small ones, the buddy for the rest); "
+                        "p50/p99 of the alloc and free calls, timed around the ctypes call")
+    for name in ("kind", "via", "allocs", "mean", "peak", "p50/p99 ns", "total"):
+        out.add_column(name, justify="left" if name in ("kind", "via") else "right", no_wrap=True)
+    for kind, cost in row["engine_buffers"].items():
+        allocations = f"{cost['allocations']:,}"
+        if cost["failures"]:
+            allocations += f" ({cost['failures']:,} failed)"
+        times = "-" if cost["ns_p50"] is None else f"{cost['ns_p50']:,.0f}/{cost['ns_p99']:,.0f}"
+        out.add_row(kind, cost["path"], allocations, format_size(round(cost["mean_bytes"])),
+                    format_size(cost["peak_live_bytes"]), times, f"{cost['total_ms']:,.0f} ms")
+    return out
+
+
 def failed(config: Any, trace: Any, error: Exception) -> dict[str, Any]:
     """The report row of a configuration whose replay raised: its name and the reason, every
     figure absent, so that the other configurations still make their table."""
@@ -78,6 +98,9 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         title += f" ({first['capacity_bytes'] / 2**30:.1f} GiB)"
     console.print(title, style="bold")  # above the table, not as its title: that wraps to the table's width
     console.print(report)
+    for row in rows:
+        if row.get("engine_buffers"):
+            console.print(engine_buffers_table(row))
     for row in rows:
         if "error" in row:
             console.print(f"{label(row)} failed: {row['error']}", style="red")

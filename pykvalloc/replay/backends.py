@@ -22,10 +22,13 @@ import ctypes.util
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import InvalidArgument, OutOfMemory
 from ..kvcache import dtype_bytes
+
+if TYPE_CHECKING:
+    from .engine import EngineBuffers
 
 
 def require_counts(config: Any, *names: str) -> None:
@@ -71,16 +74,36 @@ class Timings:
 
 class PagedBackend:
     name = "paged"
+    #: The engine's per-step buffers around the KV cache (engine.py), when asked for.
+    buffers: Optional[EngineBuffers] = None
 
     def __init__(self, capacity_tokens: int, block_tokens: int, geometry: Geometry,
-                 pool_name: Optional[str], prefix_caching: bool, timings: Timings) -> None:
+                 pool_name: Optional[str], prefix_caching: bool, timings: Timings,
+                 engine_buffers: bool = False) -> None:
         from ..kvcache import KVCache
+        from ..pool import Pool
+        from .engine import WORKSPACE_BYTES, EngineBuffers
         self.block_tokens = block_tokens
         self.timings = timings
         self.prefix_caching = prefix_caching
-        self.cache = KVCache(num_blocks=max(1, capacity_tokens // block_tokens), block_tokens=block_tokens,
-                             layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                             dtype=geometry.dtype, name=pool_name, trace=True)
+        num_blocks = max(1, capacity_tokens // block_tokens)
+        self.pool: Optional[Pool] = None
+        if engine_buffers:
+            # One pool for the KV region and the engine's buffers beside it, as an engine's
+            # two-level pool holds both; the pool publishes (and times its calls) for top.
+            kv_bytes = num_blocks * block_tokens * geometry.bytes_per_token
+            self.pool = Pool(kv_bytes + WORKSPACE_BYTES, name=pool_name, trace=True)
+        try:
+            self.cache = KVCache(num_blocks=num_blocks, block_tokens=block_tokens,
+                                 layers=geometry.layers, kv_heads=geometry.kv_heads,
+                                 head_dim=geometry.head_dim, dtype=geometry.dtype,
+                                 name=None if self.pool else pool_name, trace=True, pool=self.pool)
+        except BaseException:
+            if self.pool is not None:
+                self.pool.close()
+            raise
+        if self.pool is not None:
+            self.buffers = EngineBuffers(self.pool, geometry)
         self.capacity_blocks = self.cache.num_blocks
 
     def never_fits(self, prompt_tokens: int, final_tokens: int) -> Optional[str]:
@@ -98,6 +121,8 @@ class PagedBackend:
                                         block_keys=keys if self.prefix_caching else None)
         except OutOfMemory:
             return None
+        if self.buffers is not None:
+            self.buffers.admitted(id(handle))
         return handle, self._slots(tokens)
 
     def extend(self, handle: Any, tokens: int) -> Optional[int]:
@@ -112,6 +137,8 @@ class PagedBackend:
         return -(-tokens // self.block_tokens) * self.block_tokens
 
     def release(self, handle: Any) -> None:
+        if self.buffers is not None:
+            self.buffers.released(id(handle))
         self.timings.timed(handle.free)
 
     def cached_tokens(self, handle: Any) -> int:
@@ -142,9 +169,16 @@ class PagedBackend:
         if stats.used_blocks or stats.sequences or stats.bytes_in_use:
             raise AssertionError(f"the replay left {stats.used_blocks} blocks and {stats.sequences} "
                                  f"sequences live ({stats.bytes_in_use} bytes)")
+        if self.pool is not None and self.pool.stats().live_allocations != 1:
+            raise AssertionError(f"the engine's buffers left {self.pool.stats().live_allocations - 1} "
+                                 "allocations live beside the KV region")
 
     def close(self) -> None:
+        if self.buffers is not None:
+            self.buffers.close()
         self.cache.close()
+        if self.pool is not None:
+            self.pool.close()
 
 
 #: The smallest bucket of contiguous mode, in tokens (KVA_KV_MIN_BUCKET in kvalloc.h).
@@ -171,6 +205,7 @@ class ContiguousBackend(PagedBackend):
         self.cache = KVCache(num_blocks=None, capacity_bytes=self.capacity_bytes, mode="contiguous",
                              layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
                              dtype=geometry.dtype, name=pool_name, trace=True)
+        self.pool = None
         info = self.cache.info
         self.max_context = int(info.max_context)
         self.pool_tokens = int(info.kv_bytes) // self.bytes_per_token
@@ -210,6 +245,7 @@ class ContiguousBackend(PagedBackend):
 
 class MallocBackend:
     """One malloc per request for its whole KV; budgeted to the same capacity."""
+    buffers: Optional[EngineBuffers] = None  # only the library's pools carry the engine's buffers
 
     def __init__(self, capacity_tokens: int, geometry: Geometry, library: str, timings: Timings) -> None:
         self.name = f"malloc-{library}"

@@ -52,6 +52,8 @@ class ReplayConfig:
     prefix_caching: bool = True
     pool_name: Optional[str] = None     # publish live stats under this name
     sample_every: int = 1               # steps between usage samples
+    # Paged: the engine's per-step buffers beside the KV cache, in the same pool (engine.py).
+    engine_buffers: bool = False
 
     def __post_init__(self) -> None:
         # A zero or NaN time scale divides by zero or never lets a request arrive; a zero block
@@ -117,13 +119,15 @@ class ReplayResult:
     steps: int
     samples: list[Sample] = field(default_factory=list)
     stopped: bool = False             # stopped before the end of the trace, as asked (should_stop)
+    # What the engine's buffers around the KV cache cost, per kind (engine.py); None without them.
+    engine_buffers: Optional[dict[str, dict[str, Any]]] = None
 
     def as_dict(self) -> dict[str, Any]:
         keys = ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "readmission_hit_rate",
                 "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps",
-                "stopped")
+                "stopped", "engine_buffers")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
         out["mode"] = self.config.mode
         out["block_tokens"] = self.config.block_tokens
@@ -176,7 +180,9 @@ def block_keys(request: Request, block_tokens: int) -> Optional[list[int]]:
 def make_backend(config: ReplayConfig, timings: Timings) -> Any:
     if config.mode == "paged":
         return PagedBackend(config.capacity_tokens, config.block_tokens, config.geometry, config.pool_name,
-                            config.prefix_caching, timings)
+                            config.prefix_caching, timings, config.engine_buffers)
+    if config.engine_buffers:
+        raise InvalidArgument(f"engine buffers go beside a paged KV cache, not with mode {config.mode!r}")
     if config.mode == "contiguous":
         return ContiguousBackend(config.capacity_tokens, config.block_tokens, config.geometry, config.pool_name,
                                  config.prefix_caching, timings)
@@ -246,6 +252,7 @@ def replay(trace: Trace, config: ReplayConfig,
             key_cache[index] = np.array(keys, dtype=np.uint64) if keys else None
         return key_cache[index]
     first_preemption_use: Optional[float] = None
+    buffer_costs: Optional[dict[str, dict[str, Any]]] = None
     peak_use = use_time = waste_time = frag_time = elapsed = frag_now = 0.0
     samples: list[Sample] = []
     wall_start = time.perf_counter()
@@ -359,6 +366,8 @@ def replay(trace: Trace, config: ReplayConfig,
                 step_tokens += chunk
                 running.append(_Running(request, index, handle, prompt, generated, prompt, capacity, todo - chunk))
 
+            if backend.buffers is not None:
+                backend.buffers.step(step_tokens)
             step_s = config.step_base_s + config.step_token_s * step_tokens
             use, slots = backend.usage()
             slack = sum(r.capacity - r.context for r in running)
@@ -381,6 +390,9 @@ def replay(trace: Trace, config: ReplayConfig,
             if progress is not None and steps % 256 == 0:
                 progress(finished, total)
         library = backend.library_time()
+        if backend.buffers is not None:
+            backend.buffers.close()
+            buffer_costs = backend.buffers.report()
         backend.verify_empty()
     finally:
         backend.close()
@@ -407,7 +419,8 @@ def replay(trace: Trace, config: ReplayConfig,
         prefix_hit_rate=first_lookups[0] / first_lookups[1] if keyed and first_lookups[1] else None,
         readmission_hit_rate=again_lookups[0] / again_lookups[1] if again_lookups[1] else None,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
-        wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped)
+        wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped,
+        engine_buffers=buffer_costs)
 
 
 #: The longest a paced replay waits between two steps, in wall seconds. A busy step is a fraction

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -481,3 +482,53 @@ def test_a_contiguous_report_says_why_it_preempts(capsys) -> None:
     said = " ".join(capsys.readouterr().out.split())
     assert "contiguous: each request holds one buffer of a power of two of tokens" in said
     assert "preemptions where a paged cache of the same size needs far fewer" in said
+
+
+def test_engine_buffers_move_the_buddy_the_slabs_and_fragmentation() -> None:
+    # kvalloc demo's engine: beside its KV cache, in the same pool, the buffers of each step and
+    # each request, so that the inspector's buddy, slab and fragmentation panels move.
+    from pykvalloc import stats
+    name = f"engine-{id(object())}"
+    free_blocks: set[tuple[int, ...]] = set()
+    slab_classes: set[int] = set()
+    fragmentation: list[float] = []
+    steps = [0]
+
+    def look(simulated_s: float) -> None:
+        steps[0] += 1
+        if steps[0] % 25:
+            return
+        # The pool publishes from its calls at most every 200 ms: a pause lets a few happen.
+        time.sleep(0.02)
+        with stats.open_segment(name) as segment:
+            snap = segment.snapshot()
+        assert snap.kv is not None  # one segment: the pool's, with its KV cache
+        free_blocks.add(tuple(int(n) for n in snap.free_blocks))
+        slab_classes.update(int(c["object_size"]) for c in snap.classes if c["slabs"])
+        fragmentation.append(snap.fragmentation)
+
+    config = ReplayConfig(mode="paged", capacity_tokens=16384, pool_name=name, engine_buffers=True)
+    result = replay(default_workload(150, seed=3), config, on_step=look)
+    assert result.finished == result.requests == 150
+    assert len(free_blocks) >= 2                       # the buddy's orders moved
+    assert {64, 64 << 10} <= slab_classes              # token metadata, scratch
+    assert max(fragmentation) > 0.0
+    costs = result.engine_buffers
+    assert costs is not None and list(costs) == ["activations", "attn output", "scratch", "token meta"]
+    for kind, cost in costs.items():
+        assert cost["allocations"] > 0 and cost["failures"] == 0, kind
+        assert cost["calls"] == 2 * cost["allocations"]  # each freed: the backend checked none is left
+    assert costs["activations"]["path"] == "both" and costs["token meta"]["path"] == "slab"
+    assert costs["activations"]["mean_bytes"] > 64 << 10
+
+
+def test_engine_buffers_are_in_the_report_and_only_for_a_paged_cache(capsys) -> None:
+    assert main(["replay", "--requests", "60", "--kv-tokens", "4096", "--engine-buffers", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert "the engine's buffers beside the KV cache" in out
+    for kind in ("activations", "attn output", "scratch", "token meta"):
+        assert kind in out
+    with pytest.raises(InvalidArgument):
+        replay(default_workload(5), ReplayConfig(mode="contiguous", capacity_tokens=4096, engine_buffers=True))
+    assert main(["replay", "--mode", "contiguous", "--engine-buffers", "--requests", "5"]) == 2
+    assert "--engine-buffers applies to --mode paged" in capsys.readouterr().err

@@ -262,9 +262,10 @@ def class_rows(snap: Snapshot) -> list[tuple[int, int, int, int, np.ndarray]]:
 
 
 def class_lines(snap: Snapshot, width: int) -> list[Text]:
-    """One line per slab class in use: object size, occupancy strip (the mean of its slabs'),
-    live objects / room, and slabs."""
-    rows = class_rows(snap)
+    """One line per slab class holding slabs: object size, occupancy strip (the mean of its
+    slabs'), live objects / room, and slabs. Those with live objects come first (a short panel
+    shows them rather than empty slabs kept for reuse), each group smallest size first."""
+    rows = sorted(class_rows(snap), key=lambda row: row[1] == 0)
     if not rows:
         return [Text("no slabs", "dim")]
     figures = [f" {live:,}/{room:,} ×{slabs}" for _, live, room, slabs, _ in rows]
