@@ -29,6 +29,7 @@ from .errors import (
     PoolClosedError,
     SegmentError,
 )
+from .decode_step import DecodeStep
 from .kvcache import (
     DEFAULT_BLOCK_TOKENS,
     Admitted,
@@ -87,6 +88,7 @@ __all__ = [
     "CopyOnWrite",
     "Move",
     "Blocks",
+    "DecodeStep",
     "Admitted",
     "Extended",
     "Lookup",

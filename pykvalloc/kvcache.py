@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 
     import numpy.typing as npt  # annotations only: numpy.typing is missing from old numpy
 
+    from .decode_step import DecodeStep
+
     # What the key and token arguments take: any iterable of integers, or a numpy integer array.
     IntegerArray = Union[Iterable[int], npt.NDArray[np.integer[Any]]]
     # Engine keys: bytes objects of one length, or a 2-D uint8 array, one key per row.
@@ -1065,6 +1067,18 @@ class KVCache(HandleOwner):
             copied = step.num_copies.value
             return Extended(step.copies[:copied].copy() if copied else _NO_COPIES,
                             step.done.value)
+
+    def decode_step(self, capacity: int, *, content: str | None = None,
+                    content_capacity: int | None = None, key_len: int | None = None
+                    ) -> DecodeStep:
+        """Buffers for decode steps of up to ``capacity`` sequences that this cache reads in
+        place (``pykvalloc.decode_step`` says how an engine uses them): ``append_many`` without
+        finding each array's memory every step. ``content``: None, ``"tokens"``,
+        ``"block_keys"`` or ``"keys"`` (engine keys of ``key_len`` bytes, the cache's
+        max_key_bytes by default), ``content_capacity`` items of it (default ``capacity``)."""
+        from .decode_step import DecodeStep
+
+        return DecodeStep(self, capacity, content, content_capacity, key_len)
 
     def free_many(self, handles: object) -> None:
         """Frees the sequences ``handles`` names, in order, in one call (as ``Sequence.free``).

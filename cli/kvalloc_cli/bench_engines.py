@@ -195,7 +195,9 @@ class Side(ABC):
 class PykvallocSide(Side):
     """pykvalloc's sequence calls: with keys="engine", the engine's own keys of each block
     (computed outside the timed region, as vLLM's Request computes its block hashes); with
-    keys="tokens", the token ids, hashed and chained by the library inside the timed calls."""
+    keys="tokens", the token ids, hashed and chained by the library inside the timed calls.
+    A decode step is written into a DecodeStep's buffers (the engine's bookkeeping, as vLLM's
+    Request grows its token list, untimed) and run in one call (timed)."""
 
     name = "pykvalloc"
 
@@ -210,7 +212,13 @@ class PykvallocSide(Side):
         self.seqs: dict[int, Any] = {}
         self.requests: dict[int, Request] = {}
         self.OutOfMemory = pykvalloc.OutOfMemory
+        self.step = self._step_for(256)
         self._warm_up(num_blocks)
+
+    def _step_for(self, running: int) -> Any:
+        # One block filled a request at most, with one token a step.
+        return (self.cache.decode_step(running, content="keys", key_len=32) if self.engine
+                else self.cache.decode_step(running, content="tokens"))
 
     def _warm_up(self, num_blocks: int) -> None:
         """Registers every block once and evicts it, untimed: the cache's host metadata (block
@@ -250,19 +258,22 @@ class PykvallocSide(Side):
 
     def decode(self, running: list[int], tokens: np.ndarray) -> int:
         """One token for each running request, in one call; how many were done (in order)."""
-        handles = self._handles(running)
+        count = len(running)
+        if count > self.step.capacity:
+            self.step = self._step_for(count)
+        step = self.step
+        step.handles[:count] = self._handles(running)
         if self.engine:  # the key of each block this step fills
             lengths = [len(self.requests[i].prompt) + self.produced[i] + 1 for i in running]
             filling = [(i, n // BLOCK - 1) for i, n in zip(running, lengths) if n % BLOCK == 0]
-            rows = (np.stack([self.key_row(i, b) for i, b in filling]) if filling
-                    else np.zeros((0, 32), dtype=np.uint8))
-            offsets = np.zeros(len(running) + 1, dtype=np.uint64)
-            offsets[1:] = np.cumsum([n % BLOCK == 0 for n in lengths])
-            content = {"keys": rows, "offsets": offsets}
-        else:
-            content = {"tokens": tokens}
+            if filling:
+                step.keys[:len(filling)] = np.stack([self.key_row(i, b) for i, b in filling])
+            np.cumsum([n % BLOCK == 0 for n in lengths], out=step.offsets[1:count + 1])
+        else:  # a token id each
+            step.tokens[:count] = tokens
+            step.offsets[:count + 1] = np.arange(count + 1, dtype=np.uint64)
         start = time.perf_counter_ns()
-        done = self.cache.append_many(handles, 1, **content).done
+        done: int = step.run(count)
         self.timings.decode_ns += time.perf_counter_ns() - start
         self.timings.decoded += done
         self.timings.steps += 1

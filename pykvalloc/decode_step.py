@@ -1,0 +1,154 @@
+"""DecodeStep: the buffers of a decode step that the cache reads in place.
+
+An engine steps its running sequences together many times a second. ``KVCache.append_many``
+takes the step as arrays the engine builds each time, and finding where each array's data lives
+costs a few hundred nanoseconds an array through ctypes, more than the library spends on a
+dozen sequences. A DecodeStep owns the arrays instead, for the life of the engine: it knows
+their addresses once, the engine writes each step into them (the way it keeps persistent input
+buffers for its kernels), and ``run(count)`` is one call into the library for the first
+``count`` entries.
+
+    step = cache.decode_step(256, content="keys")
+    step.handles[:n] = running_handles          # Sequence.handle of each running request
+    step.offsets[1:n + 1] = np.cumsum(fills)    # request i fills offsets[i+1] - offsets[i] blocks
+    step.keys[:step.offsets[n]] = filled_keys   # their keys, in request order
+    done = step.run(n)                          # requests [0, done) grew by num_tokens[i]
+    for request, src, dst, tokens in step.copies:
+        ...                                     # copies on write to do first
+
+What ``run`` means is ``append_many``'s: the library checks every entry (a stale or repeated
+handle, offsets that do not run from 0 upwards, a key length other than the sequence's) and a
+refused step changes nothing; the first request that does not fit stops the step.
+"""
+
+from __future__ import annotations
+
+from ctypes import byref, c_uint32
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _ffi
+from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from .kvcache import KVCache
+
+# What a step's content holds (kva_kv_key_kind): nothing, the token ids appended, one 64-bit
+# key per block filled, or one engine key per block filled.
+CONTENTS = {None: 0, "tokens": 1, "block_keys": 2, "keys": 3}
+
+
+class DecodeStep:
+    """Buffers for decode steps of up to ``capacity`` sequences of one cache (made by
+    ``KVCache.decode_step``). ``handles``, ``num_tokens`` (1 each at first), ``offsets`` (0 at
+    first) and the content array (``keys``, ``tokens`` or ``block_keys``, ``content_capacity``
+    items) are the engine's to write; ``run(count)`` reads their first ``count`` entries."""
+
+    __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "handles", "num_tokens",
+                 "offsets", "_content", "_copies", "_struct", "_args", "_num_copies", "_done")
+
+    def __init__(self, cache: KVCache, capacity: int, content: str | None,
+                 content_capacity: int | None, key_len: int | None) -> None:
+        from .kvcache import _U32_MAX, _address
+
+        if content not in CONTENTS:
+            raise InvalidArgument(f"content must be one of {', '.join(map(repr, CONTENTS))}, "
+                                  f"not {content!r}")
+        if not isinstance(capacity, int) or not 1 <= capacity <= _U32_MAX:
+            raise InvalidArgument(f"capacity must be an int in 1 .. {_U32_MAX}, not {capacity!r}")
+        if content_capacity is None:  # a block filled by each, or a token id for each
+            content_capacity = capacity
+        if not isinstance(content_capacity, int) or not 1 <= content_capacity <= _U32_MAX:
+            raise InvalidArgument(f"content_capacity must be an int in 1 .. {_U32_MAX}, not "
+                                  f"{content_capacity!r}")
+        self._cache = cache
+        self._capacity = capacity
+        self._kind = CONTENTS[content]
+        self.handles: npt.NDArray[np.uint64] = np.zeros(capacity, dtype=np.uint64)
+        self.num_tokens: npt.NDArray[np.uint32] = np.ones(capacity, dtype=np.uint32)
+        self.offsets: npt.NDArray[np.uint64] = np.zeros(capacity + 1, dtype=np.uint64)
+        self._copies = np.zeros((capacity, 4), dtype=np.uint32)
+        self._struct = _ffi.KvaKvContent()
+        self._struct.kind = self._kind
+        content_array: npt.NDArray[Any] | None = None
+        if content == "keys":
+            max_key = cache._max_key_bytes
+            length = max_key if key_len is None else key_len
+            if not isinstance(length, int) or not 1 <= length <= max(max_key, 1) or not max_key:
+                raise InvalidArgument(f"key_len {length!r} is not in 1 .. {max_key} (the cache's "
+                                      "max_key_bytes)")
+            content_array = np.zeros((content_capacity, length), dtype=np.uint8)
+            self._struct.key_len = length
+            self._struct.key_bytes = _address(content_array)
+        elif key_len is not None:
+            raise InvalidArgument("key_len applies to content='keys' only")
+        elif content == "tokens":
+            content_array = np.zeros(content_capacity, dtype=np.uint32)
+            self._struct.tokens = _address(content_array)
+        elif content == "block_keys":
+            content_array = np.zeros(content_capacity, dtype=np.uint64)
+            self._struct.keys = _address(content_array)
+        self._content = content_array
+        self._content_capacity = content_capacity if content_array is not None else 0
+        self._num_copies = c_uint32()
+        self._done = c_uint32()
+        # Every argument but the handle and the count, fixed for the step's life.
+        self._args = (_address(self.handles), _address(self.num_tokens),
+                      byref(self._struct) if content_array is not None else None,
+                      _address(self.offsets) if content_array is not None else None,
+                      _address(self._copies), byref(self._num_copies), byref(self._done))
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def keys(self) -> npt.NDArray[np.uint8]:
+        """content='keys': one engine key a row, for each block the step fills, in request
+        order (request i's from row offsets[i] to offsets[i+1])."""
+        return self._content_of("keys")
+
+    @property
+    def tokens(self) -> npt.NDArray[np.uint32]:
+        """content='tokens': the token ids appended, request i's num_tokens[i] of them from
+        offsets[i]."""
+        return self._content_of("tokens")
+
+    @property
+    def block_keys(self) -> npt.NDArray[np.uint64]:
+        """content='block_keys': one 64-bit key for each block the step fills."""
+        return self._content_of("block_keys")
+
+    def _content_of(self, name: str) -> npt.NDArray[Any]:
+        if self._content is None or CONTENTS[name] != self._kind:
+            raise AttributeError(f"this step's content is not {name}")
+        return self._content
+
+    @property
+    def copies(self) -> npt.NDArray[np.uint32]:
+        """The last run's copies on write, a row (request, src_block, dst_block, tokens) each,
+        to do before the step's kernels run (a view, overwritten by the next run)."""
+        return self._copies[:self._num_copies.value]
+
+    def run(self, count: int) -> int:
+        """Appends to the first ``count`` sequences of ``handles``, ``num_tokens[i]`` tokens
+        each, with their content (the first ``count`` + 1 offsets say which items are whose).
+        Returns how many were done: requests from there on did not fit and changed nothing.
+        InvalidArgument (nothing changed) for a count above capacity, offsets past the content
+        array, or any entry the library refuses; TableInUseError while a block-table view of the
+        cache is alive; PoolClosedError once the cache is closed."""
+        if not 0 <= count <= self._capacity:
+            raise InvalidArgument(f"count {count!r} is not in 0 .. {self._capacity} (capacity)")
+        if self._kind and self.offsets.item(count) > self._content_capacity:
+            raise InvalidArgument(f"offsets[{count}] is {self.offsets.item(count)}, beyond the "
+                                  f"{self._content_capacity} content items the step holds")
+        cache = self._cache
+        with cache._lock, cache._guard:
+            if cache._users or cache._closed:  # refused as append_many refuses
+                cache._refuse_table_views("append to sequences")
+                cache._open_handle()
+            cache._lib.kva_kv_seq_extend_many(cache._handle, count, *self._args)
+            return self._done.value
