@@ -51,6 +51,11 @@ KVA_SLAB_MIN_SIZE = 16
 KVA_SLAB_MAX_SIZE = 65536
 # And of kvalloc_kv.h.
 KVA_KV_MAX_KEY_BYTES = 32
+KVA_KV_CALL_KINDS = 6
+KVA_KV_LATENCY_BUCKETS = 40
+KVA_KV_CALL_SAMPLE_PERIOD = 64
+# kva_kv_call_kind, by value: the kinds of KV call whose latencies are kept apart.
+KV_CALL_KINDS = ("allocate", "append", "free", "lookup", "evict", "other")
 
 # The C enums are plain ints on every ABI the library targets (System V x86-64 and AArch64).
 c_enum = c_int
@@ -114,6 +119,8 @@ class KvaStats(Structure):
         ("thread_caches", c_uint32),
         ("cached_bytes", c_size_t),
         ("remote_frees", c_uint64),
+        ("peak_block_bytes", c_size_t),
+        ("peak_bytes_in_use", c_size_t),
     ]
 
 
@@ -236,7 +243,15 @@ class KvaKvStats(Structure):
         ("metadata_bytes", c_size_t),
         ("timed_calls", c_uint64),
         ("timed_ns", c_uint64),
-        ("call_ns_log2", c_uint64 * 40),
+        ("call_ns_log2", c_uint64 * KVA_KV_LATENCY_BUCKETS),
+        ("peak_used_blocks", c_uint32),
+        ("peak_cached_blocks", c_uint32),
+        ("peak_bytes_in_use", c_size_t),
+        ("call_sample_period", c_uint32),
+        ("reserved", c_uint32),
+        ("kind_timed_calls", c_uint64 * KVA_KV_CALL_KINDS),
+        ("kind_timed_ns", c_uint64 * KVA_KV_CALL_KINDS),
+        ("kind_ns_log2", (c_uint64 * KVA_KV_LATENCY_BUCKETS) * KVA_KV_CALL_KINDS),
     ]
 
 
@@ -315,6 +330,7 @@ class KvaVarStats(Structure):
         ("alloc_failures", c_uint64),
         ("rejected_calls", c_uint64),
         ("metadata_bytes", c_size_t),
+        ("peak_bytes_used", c_size_t),
     ]
 
 
@@ -403,6 +419,7 @@ class KvaLib:
     kva_trim: Callable[[Handle], int] = _status(_pool)
     kva_thread_flush: Callable[[Handle], int] = _status(_pool)
     kva_check: Callable[[Handle], int] = _status(_pool)
+    kva_reset_peaks: Callable[[Handle], int] = _status(_pool)
     kva_pool_base: Callable[[Handle, Ref], int] = _status(_pool, POINTER(c_void_p))
     kva_get_stats: Callable[[Handle, Ref], int] = _status(_pool, POINTER(KvaStats))
     kva_size_class_size: Callable[[int], int] = _plain(c_size_t, c_uint)
@@ -483,6 +500,7 @@ class KvaLib:
     kva_kv_take_events: Callable[[Handle, Address, int, Ref, Ref], int] = _status(
         _kv, c_void_p, c_uint32, POINTER(c_uint32), POINTER(c_uint64))
     kva_kv_evict: Callable[[Handle, int, OptRef], int] = _status(_kv, c_uint32, POINTER(c_uint32))
+    kva_kv_reset_peaks: Callable[[Handle], int] = _status(_kv)
     # kva_kv_move is two u32 (src_block, dst_block): passed as a numpy (n, 2) uint32 array.
     kva_kv_compact: Callable[[Handle, Address, int, Ref], int] = _status(
         _kv, c_void_p, c_uint32, POINTER(c_uint32))
@@ -504,6 +522,7 @@ class KvaLib:
     kva_var_base: Callable[[Handle, Ref], int] = _status(_var, POINTER(c_void_p))
     kva_var_get_stats: Callable[[Handle, Ref], int] = _status(_var, POINTER(KvaVarStats))
     kva_var_check: Callable[[Handle], int] = _status(_var)
+    kva_var_reset_peaks: Callable[[Handle], int] = _status(_var)
     kva_var_struct_size: Callable[[int], int] = _plain(c_size_t, c_int)
 
     def __init__(self, path: Path) -> None:

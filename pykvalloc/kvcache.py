@@ -37,10 +37,11 @@ import enum
 import operator
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from ctypes import POINTER, addressof, byref, c_char, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import (
     TYPE_CHECKING,
     Any,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     KeyArray = Union[Iterable[bytes], npt.NDArray[np.uint8]]
 
 from . import _ffi, _locks
+from ._ffi import KV_CALL_KINDS
 from ._owner import HandleOwner, refuse_copy
 from .errors import InvalidArgument, KvallocError, OutOfMemory
 from .tensor import DEVICE_CPU, Tensor, TensorDType, tensor_dtype
@@ -81,7 +83,7 @@ from .pool import (
     _snapshot,
 )
 
-__all__ = ["KVCache", "KVStats", "KVInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
+__all__ = ["KVCache", "KVStats", "KVCallLatency", "KV_CALL_KINDS", "KVInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
            "KVMode", "TableInUseError", "dtype_bytes", "DEFAULT_BLOCK_TOKENS", "Blocks",
            "Admitted", "Extended", "Lookup", "LookupMany", "BlockStored", "BlockRemoved",
            "AllBlocksCleared", "KVEvent", "KVEvents", "EVENT_DTYPE", "MEDIA",
@@ -497,10 +499,18 @@ class KVStats:
     bytes_in_use: int          # KV bytes held by sequences
     block_metadata_bytes: int
     metadata_bytes: int        # all host bytes of the cache's bookkeeping
-    # A cache created with trace=True times every call, lock to lock; zero otherwise.
+    # Calls timed lock to lock, every kind together: with trace=True every call, otherwise a
+    # sample of about one in call_sample_period of each kind.
     timed_calls: int
     timed_ns: int
     call_ns_log2: tuple[int, ...]  # calls that took [2^i, 2^(i+1)) ns
+    # Peaks since creation or reset_peaks(): the most at the end of any call.
+    peak_used_blocks: int
+    peak_cached_blocks: int
+    peak_bytes_in_use: int
+    call_sample_period: int        # 1: every call timed (trace); else one in this many per kind
+    # Per kind of call ("allocate", "append", "free", "lookup", "evict", "other"; KV_CALL_KINDS).
+    call_latency: Mapping[str, KVCallLatency]
 
     @property
     def hit_rate(self) -> float:
@@ -509,7 +519,21 @@ class KVStats:
 
     @classmethod
     def _from_c(cls, raw: _ffi.KvaKvStats) -> KVStats:
-        return _snapshot(cls, raw, call_ns_log2=tuple(raw.call_ns_log2))
+        latency = MappingProxyType({
+            kind: KVCallLatency(timed_calls=raw.kind_timed_calls[k], timed_ns=raw.kind_timed_ns[k],
+                                ns_log2=tuple(raw.kind_ns_log2[k]))
+            for k, kind in enumerate(KV_CALL_KINDS)})
+        return _snapshot(cls, raw, call_ns_log2=tuple(raw.call_ns_log2), call_latency=latency)
+
+
+@dataclass(frozen=True)
+class KVCallLatency:
+    """The timed calls of one kind: how many, their total ns, and their log2 histogram
+    (``ns_log2[i]``: calls that took [2^i, 2^(i+1)) ns; bucket 0 also 0 ns)."""
+
+    timed_calls: int
+    timed_ns: int
+    ns_log2: tuple[int, ...]
 
 
 # -- KV events -------------------------------------------------------------------------------
@@ -1298,6 +1322,11 @@ class KVCache(HandleOwner):
         with self._lock:
             self._lib.kva_kv_get_stats(self._open_handle(), byref(raw))
         return KVStats._from_c(raw)
+
+    def reset_peaks(self) -> None:
+        """Starts the peaks of ``stats()`` afresh from the figures as they stand."""
+        with self._lock:
+            self._lib.kva_kv_reset_peaks(self._open_handle())
 
     def check(self) -> None:
         """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""

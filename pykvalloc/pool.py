@@ -197,6 +197,12 @@ class Stats:
     thread_caches: int = 0
     cached_bytes: int = 0
     remote_frees: int = 0
+    # Peaks since creation or reset_peaks(): peak_block_bytes exact (the most bytes in buddy
+    # blocks at once, slab chunks included); peak_bytes_in_use the highest bytes_in_use a stats
+    # query or a publish computed, a lower bound (slab objects are counted per thread, with no
+    # shared counter to compare on the fast path). See kvalloc.h.
+    peak_block_bytes: int = 0
+    peak_bytes_in_use: int = 0
 
     @property
     def num_orders(self) -> int:
@@ -752,6 +758,12 @@ class Pool(_Allocator):
         with self._lock:
             self._lib.kva_get_stats(self._open_handle(), byref(raw))
         return Stats._from_c(raw)
+
+    def reset_peaks(self) -> None:
+        """Starts the peaks of ``stats()`` afresh from the figures as they stand (torch's
+        ``reset_peak_memory_stats``)."""
+        with self._lock:
+            self._lib.kva_reset_peaks(self._open_handle())
 
     def publish(self) -> None:
         """Copies the pool's state into its statistics segment now (a named pool; an anonymous

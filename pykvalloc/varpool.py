@@ -80,10 +80,12 @@ class VarStats:
     failures: int
     rejected_calls: int
     metadata_bytes: int
+    peak_used: int  # the most ``used`` at once since creation or reset_peaks()
 
     @classmethod
     def _from_c(cls, raw: _ffi.KvaVarStats) -> VarStats:
         return _snapshot(cls, raw, policy=_POLICY_NAMES[raw.policy], used=raw.bytes_used,
+                         peak_used=raw.peak_bytes_used,
                          requested=raw.bytes_requested, free=raw.bytes_free,
                          allocs=raw.alloc_count, frees=raw.free_count,
                          failures=raw.alloc_failures)
@@ -192,6 +194,11 @@ class VarPool(_Allocator):
         with self._lock:
             self._lib.kva_var_get_stats(self._open_handle(), byref(raw))
         return VarStats._from_c(raw)
+
+    def reset_peaks(self) -> None:
+        """Starts ``stats().peak_used`` afresh from ``used`` as it stands."""
+        with self._lock:
+            self._lib.kva_var_reset_peaks(self._open_handle())
 
     def check(self) -> None:
         """Walks every invariant of the metadata; ``CorruptionError`` naming the first broken."""

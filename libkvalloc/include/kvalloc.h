@@ -352,10 +352,25 @@ typedef struct kva_stats {
     size_t cached_bytes;
     /* frees of objects whose word another thread's cache held, passed to that thread without a lock */
     uint64_t remote_frees;
+    /* Peaks since creation or the last kva_reset_peaks (current/peak/total as in rmm and torch).
+     * peak_block_bytes is exact: the most bytes in live buddy blocks at once (allocations and
+     * slabs' chunks; capacity - bytes_free at its lowest), raised by every buddy allocation under
+     * the pool lock. Slab objects are counted by each thread alone, with no shared write on the
+     * fast path, so no exact peak of bytes_in_use exists: peak_bytes_in_use is the highest
+     * bytes_in_use computed by kva_get_stats or a named pool's publish (at least every
+     * publish_interval_ms while the pool is busy), a lower bound of the true peak, and at most
+     * peak_block_bytes. With no slab objects live, as in a pool holding one KV cache, the two
+     * agree. */
+    size_t peak_block_bytes;
+    size_t peak_bytes_in_use;
 } kva_stats;
 
 /* KVA_ERR_INVALID for a NULL pool or out. */
 KVA_API kva_status kva_get_stats(kva_pool *pool, kva_stats *out);
+
+/* Starts the peaks of kva_stats afresh from the figures as they stand now (torch's
+ * reset_peak_memory_stats). KVA_ERR_INVALID for a NULL pool. */
+KVA_API kva_status kva_reset_peaks(kva_pool *pool);
 
 /* Publishes the pool's state to its shared-memory segment now (named pools; a no-op for an
  * anonymous pool, and in a process forked from the pool's creator, since the segment describes

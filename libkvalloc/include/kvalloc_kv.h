@@ -561,6 +561,21 @@ KVA_API kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capac
  * Errors: KVA_ERR_INVALID (NULL cache, contiguous mode). */
 KVA_API kva_status kva_kv_trim(kva_kv *kv, uint32_t *trimmed_blocks);
 
+/* The kinds of call whose latencies a cache keeps apart (kva_kv_stats.kind_ns_log2). */
+typedef enum kva_kv_call_kind {
+    KVA_KV_CALL_ALLOCATE = 0, /* kva_kv_seq_admit, _allocate, _admit_many, kva_kv_block_take */
+    KVA_KV_CALL_APPEND = 1,   /* kva_kv_seq_append, _extend, _extend_many */
+    KVA_KV_CALL_FREE = 2,     /* kva_kv_seq_free, _free_many, kva_kv_unpin, kva_kv_block_unref */
+    KVA_KV_CALL_LOOKUP = 3,   /* kva_kv_lookup, _lookup_many */
+    KVA_KV_CALL_EVICT = 4,    /* kva_kv_evict, _evict_blocks, _evict_keys */
+    KVA_KV_CALL_OTHER = 5     /* every other call that takes the cache's lock */
+} kva_kv_call_kind;
+#define KVA_KV_CALL_KINDS 6
+#define KVA_KV_LATENCY_BUCKETS 40
+/* Without trace a cache times, of each kind of call, one call in this many on average (spaced at
+ * random, so that a periodic pattern of calls is sampled in every phase). */
+#define KVA_KV_CALL_SAMPLE_PERIOD 64
+
 typedef struct kva_kv_stats {
     uint32_t num_blocks;
     uint32_t free_blocks;       /* hold nothing */
@@ -588,14 +603,33 @@ typedef struct kva_kv_stats {
      * the engine's references once it has held one */
     size_t block_metadata_bytes;
     size_t metadata_bytes; /* all host bytes of the cache's bookkeeping */
-    /* A cache created with trace on times every call that takes its lock, from taking the lock
-     * to giving it up: the time the engine spends in the KV manager. Zero otherwise. */
+    /* Calls timed from taking the cache's lock to giving it up, over every kind: with trace every
+     * call (the time the engine spends in the KV manager), otherwise a sample (call_sample_period
+     * below). The sums of the per-kind figures at the end. */
     uint64_t timed_calls;
     uint64_t timed_ns;
-    uint64_t call_ns_log2[40]; /* calls that took [2^i, 2^(i+1)) ns (bucket 0 also 0 ns) */
+    uint64_t call_ns_log2[KVA_KV_LATENCY_BUCKETS]; /* calls that took [2^i, 2^(i+1)) ns (bucket 0 also 0 ns) */
+    /* Peaks: the most at the end of any call since creation or the last kva_kv_reset_peaks. */
+    uint32_t peak_used_blocks;
+    uint32_t peak_cached_blocks;
+    size_t peak_bytes_in_use;
+    /* 1 with trace (every call timed), else KVA_KV_CALL_SAMPLE_PERIOD: on average one call in
+     * this many of each kind is timed. Timing costs two clock reads; a decode append costs
+     * less than they do, so an untraced cache samples. */
+    uint32_t call_sample_period;
+    uint32_t reserved;
+    /* Per kva_kv_call_kind: calls timed, their total ns, their log2 histogram. */
+    uint64_t kind_timed_calls[KVA_KV_CALL_KINDS];
+    uint64_t kind_timed_ns[KVA_KV_CALL_KINDS];
+    uint64_t kind_ns_log2[KVA_KV_CALL_KINDS][KVA_KV_LATENCY_BUCKETS];
 } kva_kv_stats;
 
 KVA_API kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out);
+
+/* Starts the peaks of kva_kv_stats afresh from the figures as they stand now (torch's
+ * reset_peak_memory_stats): peak_used_blocks = used_blocks, and so on. KVA_ERR_INVALID for a
+ * NULL cache. */
+KVA_API kva_status kva_kv_reset_peaks(kva_kv *kv);
 
 /* Walks every invariant of the cache (reference counts against the block tables, the free
  * blocks, the LRU lists, the prefix table, the sequences, the pool) and names the first one

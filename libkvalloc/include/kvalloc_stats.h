@@ -39,8 +39,9 @@ extern "C" {
 /* Minor versions add to the layout without moving what was there. 1.1: the summary's publish
  * interval and backing fields, entry sizes of the array sections, the liveness lock. 1.2: one
  * arenas entry per arena, with slab and claim figures. 1.3: the trace ring and the latency
- * histogram outside the sequence lock. */
-#define KVA_SHM_ABI_MINOR 3
+ * histogram outside the sequence lock. 1.4: peaks in the summary and the KV section, the KV
+ * section's per-kind call latency histograms. */
+#define KVA_SHM_ABI_MINOR 4
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
 
@@ -115,6 +116,9 @@ typedef struct kva_shm_summary {
     int32_t numa_node;     /* the node the region is bound to, -1 if none */
     uint32_t flags;        /* bit 0: memory locked (mlock), bit 1: pinned for CUDA */
     uint64_t mapped_bytes; /* CUDA: device memory mapped now; host: the region */
+    /* 1.4: kva_stats' peaks (kvalloc.h says how exact each is) */
+    uint64_t peak_block_bytes;
+    uint64_t peak_bytes_in_use;
 } kva_shm_summary;
 
 /* KVA_SHM_SECTION_HEAPMAP: the pool as `cells` equal cells in address order, each
@@ -197,12 +201,24 @@ typedef struct kva_shm_latency {
 } kva_shm_latency;
 
 /* KVA_SHM_SECTION_KV: the KV-cache manager attached to the pool, if any. */
+#define KVA_SHM_KV_CALL_KINDS 6 /* kva_kv_call_kind: allocate, append, free, lookup, evict, other */
 typedef struct kva_shm_kv {
     uint32_t present; /* 0: no KV cache attached; the rest is zero */
     uint32_t block_tokens;
     uint64_t total_blocks, free_blocks, used_blocks, cached_blocks;
     uint64_t hit_tokens, query_tokens, evictions, cow_copies, forks, live_sequences;
     uint64_t block_bytes;
+    /* 1.4: kva_kv_stats' peaks and bytes in use */
+    uint64_t peak_used_blocks, peak_cached_blocks, peak_bytes_in_use, bytes_in_use;
+    /* The latency of the cache's calls per kva_kv_call_kind, as kva_kv_stats has it: calls
+     * timed, their total ns, log2 histograms as the latency section's. Timed calls are a sample
+     * of one in call_sample_period of each kind on average (1: every call, trace on). Copied at
+     * each publish, under the sequence lock. */
+    uint32_t call_sample_period;
+    uint32_t call_kinds; /* KVA_SHM_KV_CALL_KINDS: the arrays' first dimension */
+    uint64_t call_timed[KVA_SHM_KV_CALL_KINDS];
+    uint64_t call_ns[KVA_SHM_KV_CALL_KINDS];
+    uint64_t call_ns_log2[KVA_SHM_KV_CALL_KINDS][KVA_SHM_LATENCY_BUCKETS];
 } kva_shm_kv;
 
 /* KVA_SHM_SECTION_TRACE: a ring of the latest calls. Record i of the ring is at index

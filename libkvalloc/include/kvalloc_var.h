@@ -127,11 +127,16 @@ typedef struct kva_var_stats {
     uint64_t alloc_failures; /* allocations that returned KVA_ERR_NOMEM */
     uint64_t rejected_calls; /* calls that returned INVALID, DOUBLE_FREE or BAD_POINTER */
     size_t metadata_bytes;   /* host bytes of bookkeeping reserved (committed lazily) */
+    /* the most bytes_used at once since creation or the last kva_var_reset_peaks */
+    size_t peak_bytes_used;
 } kva_var_stats;
 
 /* A snapshot of the statistics. O(1) for best and worst fit; first fit walks its free list,
  * TLSF the list of its largest size class. */
 KVA_API kva_status kva_var_get_stats(kva_var *var, kva_var_stats *out);
+
+/* Starts peak_bytes_used afresh from bytes_used as it stands. KVA_ERR_INVALID for a NULL pool. */
+KVA_API kva_status kva_var_reset_peaks(kva_var *var);
 
 /* Walks every invariant of the metadata (see var_pool.h): KVA_OK or KVA_ERR_CORRUPT naming the
  * first one broken. O(capacity / alignment); not for hot paths. */

@@ -77,6 +77,7 @@ uint32_t kva_buddy_alloc(kva_buddy *buddy, unsigned order, uint8_t state) {
     uint64_t units = (uint64_t)1 << order;
     buddy->free_units -= units;
     buddy->used_units += units;
+    if (buddy->used_units > buddy->peak_used_units) buddy->peak_used_units = buddy->used_units;
     kva_assert_expensive(found == order || kva_buddy_check(buddy, NULL) == KVA_OK); /* after a split */
     return index;
 }
@@ -98,12 +99,16 @@ static void free_range(kva_buddy *buddy, uint32_t at, uint32_t end) {
 }
 
 uint32_t kva_buddy_alloc_exact(kva_buddy *buddy, unsigned order, uint32_t units) {
+    /* The peak counts only what is kept: not the whole block for the moment before its tail is
+     * back. */
+    uint64_t peak = buddy->peak_used_units;
     uint32_t index = kva_buddy_alloc(buddy, order, KVA_BLOCK_USED);
     if (index == KVA_NIL) return KVA_NIL;
     uint32_t end = index + ((uint32_t)1 << order);
     kva_assert_internal(units >= 1 && units <= (uint32_t)1 << order);
     buddy->pages[index].next = units;
     free_range(buddy, index + units, end);
+    buddy->peak_used_units = peak > buddy->used_units ? peak : buddy->used_units;
     kva_assert_expensive(kva_buddy_check(buddy, NULL) == KVA_OK);
     return index;
 }

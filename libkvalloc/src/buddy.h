@@ -16,6 +16,7 @@
  *  B4  Bit k of nonempty is set iff free list k is not empty.
  *  B5  No two free buddies of the same order coexist: freeing always merges as far as it can.
  *  B6  free_units and used_units equal the minimum blocks in FREE and in USED/SLAB blocks.
+ *  B7  peak_used_units >= used_units.
  */
 #ifndef KVA_BUDDY_H
 #define KVA_BUDDY_H
@@ -47,7 +48,9 @@ typedef struct kva_buddy {
     uint64_t free_count[KVA_MAX_ORDERS];
     uint64_t free_units; /* minimum blocks in free blocks */
     uint64_t used_units; /* minimum blocks in USED and SLAB blocks */
-    size_t pages_bytes;  /* size of the pages mapping */
+    /* the most used_units after any allocation since creation or kva_reset_peaks (B7) */
+    uint64_t peak_used_units;
+    size_t pages_bytes; /* size of the pages mapping */
 } kva_buddy;
 
 /* Builds the metadata for nblocks minimum blocks (>= 1, < 2^32) and covers them with maximal

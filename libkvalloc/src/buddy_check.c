@@ -81,6 +81,9 @@ kva_status kva_buddy_check(const kva_buddy *b, uint64_t *used_blocks) {
         return BROKEN("B6: counted %llu free and %llu used minimum blocks, the counters say %llu and %llu",
                       (unsigned long long)free_units, (unsigned long long)used_units, (unsigned long long)b->free_units,
                       (unsigned long long)b->used_units);
+    if (b->peak_used_units < b->used_units)
+        return BROKEN("B7: the peak of %llu used minimum blocks is below the %llu used now",
+                      (unsigned long long)b->peak_used_units, (unsigned long long)b->used_units);
     if (used_blocks) *used_blocks = used;
     return KVA_OK;
 }

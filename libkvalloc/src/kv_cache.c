@@ -322,7 +322,9 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
         free(kv);
         return st;
     }
-    kv->timed = cfg->trace;
+    kv->sample_period = cfg->trace ? 1 : KVA_KV_CALL_SAMPLE_PERIOD;
+    kv->sample_state = kv->hash_seed | 1;
+    for (unsigned k = 0; k < KVA_KV_CALL_KINDS; k++) kv->countdown[k] = kv_next_sample(kv);
     kv_publish_attach(kv);
     *out = kv;
     return KVA_OK;
@@ -365,7 +367,7 @@ static kva_status evict_locked(kva_kv *kv, uint32_t max_blocks, uint32_t *evicte
 
 kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
+    kv_lock(kv, KVA_KV_CALL_EVICT);
     kva_status st = evict_locked(kv, max_blocks, evicted);
     kv_unlock(kv);
     return st;
@@ -395,11 +397,23 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
         .moved_bytes = c->moved_bytes,
         .alloc_failures = c->alloc_failures,
         .rejected_calls = c->rejected_calls,
-        .timed_calls = kv->timed_calls,
-        .timed_ns = kv->timed_ns,
+        .peak_used_blocks = kv->peak_used,
+        .peak_cached_blocks = kv->peak_cached,
+        .call_sample_period = kv->sample_period,
     };
-    memcpy(st.call_ns_log2, kv->call_ns_log2, sizeof st.call_ns_log2);
-    st.bytes_in_use = kv->info.mode == KVA_KV_PAGED ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
+    for (unsigned k = 0; k < KVA_KV_CALL_KINDS; k++) {
+        st.kind_timed_calls[k] = kv->kind_timed_calls[k];
+        st.kind_timed_ns[k] = kv->kind_timed_ns[k];
+        st.timed_calls += kv->kind_timed_calls[k];
+        st.timed_ns += kv->kind_timed_ns[k];
+        for (unsigned b = 0; b < KVA_KV_LATENCY_BUCKETS; b++) {
+            st.kind_ns_log2[k][b] = kv->kind_ns_log2[k][b];
+            st.call_ns_log2[b] += kv->kind_ns_log2[k][b];
+        }
+    }
+    int paged = kv->info.mode == KVA_KV_PAGED;
+    st.bytes_in_use = paged ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
+    st.peak_bytes_in_use = paged ? (size_t)kv->peak_used * kv->info.block_bytes : kv->peak_contig_bytes;
     st.block_metadata_bytes = (size_t)kv->num_blocks * (sizeof *kv->blocks + kv->max_key_bytes +
                                                         (kv->loose_touched ? sizeof *kv->loose : 0)) +
                               (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
@@ -438,10 +452,38 @@ size_t kva_kv_struct_size(kva_kv_struct_id which) {
     return 0;
 }
 
+kva_status kva_kv_reset_peaks(kva_kv *kv) {
+    if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
+    pthread_mutex_lock(&kv->lock);
+    kv->peak_used = kv->used_count;
+    kv->peak_cached = kv->cached_count;
+    kv->peak_contig_bytes = kv->contig_bytes;
+    pthread_mutex_unlock(&kv->lock);
+    return KVA_OK;
+}
+
+uint32_t kv_next_sample(kva_kv *kv) {
+    if (kv->sample_period == 1) return 1;
+    /* xorshift64: uniform in [1, 2 * period - 1], a mean of period */
+    uint64_t x = kv->sample_state;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    kv->sample_state = x;
+    return 1 + (uint32_t)(x % (2u * kv->sample_period - 1));
+}
+
+void kv_time_start(kva_kv *kv, kva_kv_call_kind kind) {
+    kv->countdown[kind] = kv_next_sample(kv);
+    kv->timing = (uint32_t)kind + 1;
+    kv->call_start_ns = kva_os_monotonic_ns();
+}
+
 void kv_time_call(kva_kv *kv) {
     uint64_t ns = kva_os_monotonic_ns() - kv->call_start_ns;
-    unsigned bucket = ns ? kva_log2(ns) : 0;
-    kv->call_ns_log2[bucket < 40 ? bucket : 39]++;
-    kv->timed_calls++;
-    kv->timed_ns += ns;
+    unsigned bucket = ns ? kva_log2(ns) : 0, kind = kv->timing - 1;
+    kv->timing = 0;
+    kv->kind_ns_log2[kind][bucket < KVA_KV_LATENCY_BUCKETS ? bucket : KVA_KV_LATENCY_BUCKETS - 1]++;
+    kv->kind_timed_calls[kind]++;
+    kv->kind_timed_ns[kind] += ns;
 }

@@ -193,7 +193,7 @@ struct kva_kv {
     uint8_t *painted;
     uint64_t painted_first; /* the first cell */
     uint32_t painted_cells;
-    int timed;              /* trace: time every call under the lock */
+    uint32_t sample_period; /* 1 (trace): every call timed; else one in this many per kind */
     uint32_t max_key_bytes; /* the longest engine key; 0: none */
     uint32_t event_medium;  /* copied into every event */
 
@@ -245,8 +245,17 @@ struct kva_kv {
     uint32_t max_context;
 
     kva_kv_counters counters;
+    /* Peaks (kv_unlock raises them; contiguous mode's bytes where a buffer is taken). */
+    uint32_t peak_used, peak_cached;
+    size_t peak_contig_bytes;
+    /* Call latency (kv_lock, kv_unlock): per kind, the calls left before the next one timed;
+     * the kind being timed plus one (0: none); when it started. */
+    uint32_t countdown[KVA_KV_CALL_KINDS];
+    uint32_t timing;
     uint64_t call_start_ns;
-    uint64_t timed_calls, timed_ns, call_ns_log2[40];
+    uint64_t sample_state; /* xorshift state spacing the samples */
+    uint64_t kind_timed_calls[KVA_KV_CALL_KINDS], kind_timed_ns[KVA_KV_CALL_KINDS];
+    uint64_t kind_ns_log2[KVA_KV_CALL_KINDS][KVA_KV_LATENCY_BUCKETS];
 };
 
 /* ---- handles ----------------------------------------------------------------------------- */
@@ -548,15 +557,23 @@ void kv_publish_detach(kva_kv *kv);
  * the lock held, at the end of every locked call (kv_unlock), when the state is consistent. */
 void kv_publish_due(kva_kv *kv);
 
-/* Records a traced call's time (slow path, out of line). */
+/* Starts timing this call of the kind and draws how many calls of it pass before the next
+ * one timed; records a timed call's time (slow paths, out of line). */
+void kv_time_start(kva_kv *kv, kva_kv_call_kind kind);
+uint32_t kv_next_sample(kva_kv *kv);
 void kv_time_call(kva_kv *kv);
 
-KVA_INLINE void kv_lock(kva_kv *kv) {
+/* Every locked call begins here. Sampling costs the untimed calls one decrement. */
+KVA_INLINE void kv_lock(kva_kv *kv, kva_kv_call_kind kind) {
     pthread_mutex_lock(&kv->lock);
-    if (kva_unlikely(kv->timed)) kv->call_start_ns = kva_os_monotonic_ns();
+    if (kva_unlikely(--kv->countdown[kind] == 0)) kv_time_start(kv, kind);
 }
+/* And ends here, the state consistent: the call's time when it is timed, the peaks (a compare
+ * each), a publish when due. */
 KVA_INLINE void kv_unlock(kva_kv *kv) {
-    if (kva_unlikely(kv->timed)) kv_time_call(kv);
+    if (kva_unlikely(kv->timing)) kv_time_call(kv);
+    if (kva_unlikely(kv->used_count > kv->peak_used)) kv->peak_used = kv->used_count;
+    if (kva_unlikely(kv->cached_count > kv->peak_cached)) kv->peak_cached = kv->cached_count;
     /* In paged mode the cache never calls the pool after creation, so the pool's own slow paths
      * would never publish: the cache's calls do it (a countdown, then a clock read when due). */
     if (kv->publishing) kv_publish_due(kv);

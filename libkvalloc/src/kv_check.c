@@ -256,7 +256,7 @@ static kva_status check_locked(kva_kv *kv) {
 
 kva_status kva_kv_check(kva_kv *kv) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
+    kv_lock(kv, KVA_KV_CALL_OTHER);
     kva_status st = check_locked(kv);
     kv_unlock(kv);
     return st;

@@ -27,6 +27,7 @@ static kva_status buffer_alloc(kva_kv *kv, uint32_t bucket, unsigned char **out)
         return st;
     }
     kv->contig_bytes += kva_usable_size(kv->pool, buffer);
+    if (kv->contig_bytes > kv->peak_contig_bytes) kv->peak_contig_bytes = kv->contig_bytes;
     *out = buffer;
     return KVA_OK;
 }

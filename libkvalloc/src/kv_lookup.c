@@ -136,7 +136,7 @@ static kva_status lookup_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *c
 kva_status kva_kv_lookup(kva_kv *kv, uint64_t namespace_id, const kva_kv_content *content, uint32_t count,
                          uint32_t *ids, uint32_t *hits) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
+    kv_lock(kv, KVA_KV_CALL_LOOKUP);
     kva_status st = lookup_locked(kv, namespace_id, content, count, ids, hits);
     kv_unlock(kv);
     return st;
@@ -167,7 +167,7 @@ static kva_status lookup_many_locked(kva_kv *kv, uint32_t count, const uint64_t 
 kva_status kva_kv_lookup_many(kva_kv *kv, uint32_t count, const uint64_t *namespaces, const kva_kv_content *content,
                               const uint64_t *offsets, uint32_t *hits, uint32_t *ids) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv);
+    kv_lock(kv, KVA_KV_CALL_LOOKUP);
     kva_status st = lookup_many_locked(kv, count, namespaces, content, offsets, hits, ids);
     kv_unlock(kv);
     return st;

@@ -127,7 +127,23 @@ static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, u
                         .cow_copies = c->cow_copies,
                         .forks = c->forks,
                         .live_sequences = kv->live_seqs,
-                        .block_bytes = kv->info.mode == KVA_KV_PAGED ? kv->info.block_bytes : kv->info.token_bytes};
+                        .block_bytes = kv->info.mode == KVA_KV_PAGED ? kv->info.block_bytes : kv->info.token_bytes,
+                        .peak_used_blocks = kv->peak_used,
+                        .peak_cached_blocks = kv->peak_cached,
+                        .call_sample_period = kv->sample_period,
+                        .call_kinds = KVA_SHM_KV_CALL_KINDS};
+    if (kv->info.mode == KVA_KV_PAGED) {
+        out->bytes_in_use = (uint64_t)kv->used_count * kv->info.block_bytes;
+        out->peak_bytes_in_use = (uint64_t)kv->peak_used * kv->info.block_bytes;
+    } else {
+        out->bytes_in_use = kv->contig_bytes;
+        out->peak_bytes_in_use = kv->peak_contig_bytes;
+    }
+    _Static_assert(KVA_SHM_KV_CALL_KINDS == KVA_KV_CALL_KINDS && KVA_SHM_LATENCY_BUCKETS == KVA_KV_LATENCY_BUCKETS,
+                   "the segment's KV latency arrays are the cache's");
+    memcpy(out->call_timed, kv->kind_timed_calls, sizeof out->call_timed);
+    memcpy(out->call_ns, kv->kind_timed_ns, sizeof out->call_ns);
+    memcpy(out->call_ns_log2, kv->kind_ns_log2, sizeof out->call_ns_log2);
     if (map && kv->info.mode == KVA_KV_PAGED && kv->num_blocks) paint(kv, map, state, fill);
     if (took) pthread_mutex_unlock(&kv->lock);
 }

@@ -73,6 +73,8 @@ struct kva_pool {
      * never saw, so the totals take both out again) */
     uint64_t retracted_allocs;
     size_t max_alloc_size;
+    /* the highest bytes_in_use a stats query computed (stats.c), under every lock */
+    size_t peak_bytes_in_use;
     /* metadata faulted in at creation within the process's share (pool_make.c); 0 with prefault */
     size_t populated_bytes;
     kva_region region;

@@ -42,7 +42,9 @@ static void publish_summary(kva_pool *pool, kva_shm_summary *out) {
                              .backend = st.backend,
                              .numa_node = st.numa_node,
                              .flags = (st.locked ? 1u : 0u) | (st.pinned ? 2u : 0u),
-                             .mapped_bytes = st.mapped_bytes};
+                             .mapped_bytes = st.mapped_bytes,
+                             .peak_block_bytes = st.peak_block_bytes,
+                             .peak_bytes_in_use = st.peak_bytes_in_use};
     /* Unusable free space index (Gorman): the share of free memory in blocks smaller than 2^k. */
     uint64_t usable = 0;
     for (int k = (int)st.num_orders - 1; k >= 0; k--) {

@@ -86,7 +86,21 @@ static kva_status get_stats_locked(kva_pool *pool, kva_stats *out) {
     st.mapped_bytes = kva_region_mapped_bytes(&pool->region);
     st.pinned = pool->region.pinned != NULL;
     st.locked = pool->region.locked;
+    if (st.bytes_in_use > pool->peak_bytes_in_use) pool->peak_bytes_in_use = st.bytes_in_use;
+    st.peak_bytes_in_use = pool->peak_bytes_in_use;
+    st.peak_block_bytes = (size_t)buddy->peak_used_units << buddy->min_shift;
     *out = st;
+    return KVA_OK;
+}
+
+kva_status kva_reset_peaks(kva_pool *pool) {
+    if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    kva_pool_lock_all(pool);
+    pool->buddy.peak_used_units = pool->buddy.used_units;
+    pool->peak_bytes_in_use = 0;
+    kva_stats now; /* raises the peak of bytes_in_use to the figure as it stands */
+    get_stats_locked(pool, &now);
+    kva_pool_unlock_all(pool);
     return KVA_OK;
 }
 

@@ -95,7 +95,7 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     v->ranges[v->units] = (kva_var_range){.prev = 0}; /* the sentinel */
     if (v->policy == KVA_VAR_TLSF) kva_var_tlsf_insert(v, 0);
     else kva_var_fit_insert(v, 0);
-    v->free_units = v->units;
+    v->free_units = v->low_free_units = v->units;
     v->free_ranges = 1;
     *out = v;
     return KVA_OK;

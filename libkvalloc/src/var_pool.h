@@ -148,6 +148,7 @@ struct kva_var {
 
     /* the used units and the live ranges are derived: units - free_units, alloc_count - free_count */
     uint64_t free_units;
+    uint64_t low_free_units; /* the fewest free_units since creation or kva_var_reset_peaks */
     uint64_t free_ranges, requested_bytes;
     uint64_t alloc_count, free_count, alloc_failures, rejected_calls;
 };
@@ -230,6 +231,7 @@ KVA_INLINE void kva_var_mark_used(kva_var *v, kva_var_range *r, uint32_t units, 
     r->link_prev = (uint32_t)size;
     r->link_next = (uint32_t)((uint64_t)size >> 32);
     v->free_units -= units;
+    if (v->free_units < v->low_free_units) v->low_free_units = v->free_units;
     v->requested_bytes += size;
     v->alloc_count++;
 }

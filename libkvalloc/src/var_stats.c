@@ -39,6 +39,7 @@ static void get_stats_locked(const kva_var *v, kva_var_stats *out) {
         .alloc_failures = v->alloc_failures,
         .rejected_calls = v->rejected_calls,
         .metadata_bytes = sizeof *v + v->ranges_bytes,
+        .peak_bytes_used = (size_t)(v->units - v->low_free_units) << shift,
     };
     s.internal_waste = s.bytes_used - s.bytes_requested;
     s.fragmentation = s.bytes_free ? 1.0 - (double)s.largest_free / (double)s.bytes_free : 0.0;
@@ -52,5 +53,13 @@ kva_status kva_var_get_stats(kva_var *v, kva_var_stats *out) {
     get_stats_locked(v, &s);
     kva_lock_release(&v->lock, token);
     *out = s;
+    return KVA_OK;
+}
+
+kva_status kva_var_reset_peaks(kva_var *v) {
+    if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+    int token = kva_lock_acquire(&v->lock);
+    v->low_free_units = v->free_units;
+    kva_lock_release(&v->lock, token);
     return KVA_OK;
 }

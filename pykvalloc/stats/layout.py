@@ -11,7 +11,7 @@ import numpy as np
 
 MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
 ABI_MAJOR = 1
-ABI_MINOR = 3
+ABI_MINOR = 4
 MAX_SECTIONS = 16
 LATENCY_BUCKETS = 40
 STRIP_CELLS = 64
@@ -55,13 +55,16 @@ SUMMARY_COUNTERS = ("capacity", "min_block", "slab_chunk", "max_alloc_size", "by
                     "live_allocations", "alloc_count", "free_count", "alloc_failures",
                     "rejected_calls", "slab_count", "metadata_bytes", "page_size")
 SUMMARY_ADDED_1_1 = ("publish_interval_ms", "backend", "numa_node", "flags", "mapped_bytes")
+SUMMARY_ADDED_1_4 = ("peak_block_bytes", "peak_bytes_in_use")
 SUMMARY_DTYPE = np.dtype(
     [(name, "<u8") for name in SUMMARY_COUNTERS]
     + [("page_kind", "<u4"), ("num_orders", "<u4"), ("fragmentation", "<f8"),
        ("free_blocks", "<u8", (48,)), ("unusable_index", "<f8", (48,)),
        # 1.1
        ("publish_interval_ms", "<u4"), ("backend", "<u4"), ("numa_node", "<i4"), ("flags", "<u4"),
-       ("mapped_bytes", "<u8")], align=True)
+       ("mapped_bytes", "<u8"),
+       # 1.4
+       ("peak_block_bytes", "<u8"), ("peak_bytes_in_use", "<u8")], align=True)
 HEAPMAP_DTYPE = np.dtype([("cells", "<u4"), ("cell_blocks", "<u4"), ("cell_bytes", "<u8")],
                          align=True)
 COUNTED_DTYPE = np.dtype([("count", "<u4"), ("entry_size", "<u4")], align=True)  # classes, arenas
@@ -79,8 +82,17 @@ LATENCY_DTYPE = np.dtype([("alloc", "<u8", (LATENCY_BUCKETS,)),
 KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "hit_tokens",
                "query_tokens", "evictions", "cow_copies", "forks", "live_sequences",
                "block_bytes")
+# 1.4: the peaks and bytes in use, and the latency of the cache's calls per kind (kvalloc_kv.h's
+# kva_kv_call_kind), log2 histograms of a sample of the calls (one in call_sample_period).
+KV_ADDED_1_4 = ("peak_used_blocks", "peak_cached_blocks", "peak_bytes_in_use", "bytes_in_use")
+KV_CALL_KINDS = ("allocate", "append", "free", "lookup", "evict", "other")
 KV_DTYPE = np.dtype([("present", "<u4"), ("block_tokens", "<u4")]
-                    + [(name, "<u8") for name in KV_COUNTERS], align=True)
+                    + [(name, "<u8") for name in KV_COUNTERS]
+                    + [(name, "<u8") for name in KV_ADDED_1_4]
+                    + [("call_sample_period", "<u4"), ("call_kinds", "<u4"),
+                       ("call_timed", "<u8", (len(KV_CALL_KINDS),)),
+                       ("call_ns", "<u8", (len(KV_CALL_KINDS),)),
+                       ("call_ns_log2", "<u8", (len(KV_CALL_KINDS), LATENCY_BUCKETS))], align=True)
 TRACE_DTYPE = np.dtype([("capacity", "<u4"), ("entry_size", "<u4"), ("written", "<u8")],
                        align=True)
 RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
@@ -90,8 +102,8 @@ RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
 # The bytes of a struct that every writer of this major version writes, for the structs a later
 # minor version grew at their end: an older writer's shorter struct lacks the fields after them.
 # Layout 1.0 ends the summary before its 1.1 fields; the arena entry of 1.2 first lacked
-# numa_node. (Before 1.2 an arena entry held other counters under the same bytes, see
-# Snapshot.__init__.)
+# numa_node; the KV section before 1.4 ends at block_bytes. (Before 1.2 an arena entry held
+# other counters under the same bytes, see Snapshot.__init__.)
 
 
 def struct_fields(dtype: np.dtype[Any]) -> dict[str, tuple[np.dtype[Any], int]]:
@@ -103,7 +115,8 @@ def struct_fields(dtype: np.dtype[Any]) -> dict[str, tuple[np.dtype[Any], int]]:
 
 
 OLDEST_SIZE = {SUMMARY_DTYPE: struct_fields(SUMMARY_DTYPE)["publish_interval_ms"][1],
-               ARENA_DTYPE: struct_fields(ARENA_DTYPE)["numa_node"][1]}
+               ARENA_DTYPE: struct_fields(ARENA_DTYPE)["numa_node"][1],
+               KV_DTYPE: struct_fields(KV_DTYPE)["peak_used_blocks"][1]}
 ARENAS_SINCE_MINOR = 2
 
 # The header fields a reader takes on their own, from the live file, before or around a copy.

@@ -27,6 +27,8 @@ from .layout import (
     HEADER_DTYPE,
     HEAPMAP_CELLS_MAX,
     HEAPMAP_DTYPE,
+    KV_ADDED_1_4,
+    KV_CALL_KINDS,
     KV_COUNTERS,
     KV_DTYPE,
     LATENCY_DTYPE,
@@ -49,6 +51,7 @@ from .layout import (
     SLABS_MAX,
     STATUS_NAMES,
     SUMMARY_ADDED_1_1,
+    SUMMARY_ADDED_1_4,
     SUMMARY_COUNTERS,
     SUMMARY_DTYPE,
     TRACE_DTYPE,
@@ -120,6 +123,7 @@ class Snapshot:
             None if latency is None else {"alloc": latency["alloc"], "free": latency["free"]})
         kv = self._fixed(SECTION_KV, KV_DTYPE)
         self.kv: np.void | None = kv if kv is not None and kv["present"] else None
+        self.kv_latency = self._kv_latency()
         self.trace_written = 0
         self._trace_first = 0  # the oldest record the copy holds whole
         self._ring: np.ndarray | None = self._trace_ring()
@@ -243,6 +247,16 @@ class Snapshot:
             raise self._corrupt(f"the slabs section counts {count} slabs in room for {capacity}")
         return self._array(SECTION_SLABS, SLABS_DTYPE.itemsize, SLAB_DTYPE, capacity)[:count]
 
+    def _kv_latency(self) -> dict[str, np.ndarray] | None:
+        """The KV cache's call latency histograms by kind (1.4 on), or None."""
+        if self.kv is None or "call_ns_log2" in self.absent.get("kv", ()):
+            return None
+        kinds = int(self.kv["call_kinds"])
+        if kinds != len(KV_CALL_KINDS):
+            raise self._corrupt(f"the KV section states {kinds} kinds of call, its layout has "
+                                f"{len(KV_CALL_KINDS)}")
+        return {kind: self.kv["call_ns_log2"][k] for k, kind in enumerate(KV_CALL_KINDS)}
+
     def _trace_ring(self) -> np.ndarray | None:
         """The trace ring as the writer stores it (record i at i % capacity), bounds-checked but
         not reordered: ``trace_tail`` orders only the records asked for."""
@@ -361,6 +375,24 @@ class Snapshot:
         otherwise it reads no clock and the histograms stay empty."""
         return bool(self.capabilities & CAP_TRACE_ALL)
 
+    def kv_latency_percentiles(self, kind: str,
+                               quantiles: tuple[float, ...] = (0.5, 0.99, 0.999)
+                               ) -> dict[float, int] | None:
+        """Upper bounds (ns) of the log2 buckets that hold each quantile of the KV cache's
+        timed calls of ``kind`` (one of ``KV_CALL_KINDS``); None without samples, a KV cache
+        or a writer of 1.4 on."""
+        if self.kv_latency is None:
+            return None
+        return latency_percentiles(self.kv_latency[kind], quantiles)
+
+    @property
+    def kv_call_sample_period(self) -> int | None:
+        """1 when the KV cache times every call (trace on), else on average one call in this
+        many of each kind is timed; None without a KV cache or a writer of 1.4 on."""
+        if self.kv is None or self.kv_latency is None:
+            return None
+        return int(self.kv["call_sample_period"])
+
     @property
     def hit_rate(self) -> float | None:
         """KV prefix-cache hits over queried tokens; None without a KV cache or queries."""
@@ -401,7 +433,7 @@ class Snapshot:
         # is None also for a region bound to no node, as in ``Pool.stats()``.
         absent = self.absent.get("summary", ())
         summary.update({name: None if name in absent else int(self.summary[name])
-                        for name in SUMMARY_ADDED_1_1})
+                        for name in SUMMARY_ADDED_1_1 + SUMMARY_ADDED_1_4})
         if summary["numa_node"] is not None and summary["numa_node"] < 0:
             summary["numa_node"] = None
         result: dict[str, Any] = {
@@ -432,14 +464,30 @@ class Snapshot:
                        **{f"p{_quantile_label(q)}_ns": bound for q, bound in
                           (self.latency_percentiles(kind) or {}).items()}}
                 for kind in ("alloc", "free")}
-        result["kv"] = None if self.kv is None else {
-            "block_tokens": int(self.kv["block_tokens"]),
-            **{name: int(self.kv[name]) for name in KV_COUNTERS}}
+        result["kv"] = None if self.kv is None else self._kv_dict()
         if trace:
             result["trace_written"] = self.trace_written
             result["trace"] = list(self.trace_records())
         ready: dict[str, Any] = json_ready(result)
         return ready
+
+
+    def _kv_dict(self) -> dict[str, Any]:
+        assert self.kv is not None
+        kv_absent = self.absent.get("kv", ())
+        result: dict[str, Any] = {"block_tokens": int(self.kv["block_tokens"]),
+                                  **{name: int(self.kv[name]) for name in KV_COUNTERS},
+                                  **{name: None if name in kv_absent else int(self.kv[name])
+                                     for name in KV_ADDED_1_4}}
+        result["call_sample_period"] = self.kv_call_sample_period
+        result["latency"] = None if self.kv_latency is None else {
+            kind: {"buckets": [int(n) for n in self.kv_latency[kind]],
+                   "samples": int(self.kv["call_timed"][k]),
+                   "sum_ns": int(self.kv["call_ns"][k]),
+                   **{f"p{_quantile_label(q)}_ns": bound for q, bound in
+                      (self.kv_latency_percentiles(kind) or {}).items()}}
+            for k, kind in enumerate(KV_CALL_KINDS)}
+        return result
 
 
 def _records(array: np.ndarray, absent: tuple[str, ...] = ()) -> list[dict[str, Any]]:

@@ -379,6 +379,29 @@ static void test_config_variants(void) {
     kva_pool_destroy(pool);
 }
 
+/* kva_stats' peaks: the buddy's exact, bytes in use as the stats queries saw it; a reset starts
+ * both from the figures as they stand. */
+static void test_peaks(void) {
+    kva_pool *pool = make_pool((size_t)16 << 20, 4096);
+    kva_stats st;
+    void *big, *exact;
+    CHECK_STATUS(kva_alloc(pool, (size_t)1 << 20, &big), KVA_OK);
+    CHECK_STATUS(kva_alloc_exact(pool, 3 * 4096, &exact), KVA_OK); /* keeps 3 blocks of its 4 */
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    size_t held = ((size_t)1 << 20) + 3 * 4096;
+    CHECK(st.peak_block_bytes == held && st.peak_bytes_in_use == held && st.bytes_in_use == held);
+    CHECK_STATUS(kva_free(pool, big), KVA_OK);
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.bytes_in_use == 3 * 4096 && st.peak_block_bytes == held && st.peak_bytes_in_use == held);
+    CHECK_STATUS(kva_reset_peaks(NULL), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_reset_peaks(pool), KVA_OK);
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.peak_block_bytes == 3 * 4096 && st.peak_bytes_in_use == 3 * 4096);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK_STATUS(kva_free(pool, exact), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 int main(void) {
     test_defaults();
     test_strerror();
@@ -393,5 +416,6 @@ int main(void) {
     test_spares_do_not_cause_oom();
     test_walk();
     test_config_variants();
+    test_peaks();
     return CHECK_DONE();
 }

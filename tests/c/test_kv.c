@@ -609,6 +609,96 @@ static void test_threads(void) {
     kva_kv_destroy(kv);
 }
 
+/* Peaks rise with the figures, stay when they fall, and start afresh at a reset. */
+static void test_peaks_and_reset(void) {
+    kva_kv_config cfg = small_config(16, 4);
+    kva_kv *kv = make_cache(&cfg);
+    uint64_t keys[] = {1, 2, 3};
+    kva_kv_seq a, b;
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 12, keys, 3, NULL, 0, 0, 0, &a, NULL), KVA_OK);
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 20, NULL, 0, NULL, 0, 0, 0, &b, NULL), KVA_OK);
+    kva_kv_stats st = stats(kv);
+    CHECK(st.used_blocks == 8 && st.peak_used_blocks == 8 && st.peak_cached_blocks == 0);
+    CHECK(st.peak_bytes_in_use == 8 * block_bytes(kv));
+    CHECK_STATUS(kva_kv_seq_free(kv, b), KVA_OK);
+    CHECK_STATUS(kva_kv_seq_free(kv, a), KVA_OK); /* its 3 keyed blocks stay cached */
+    st = stats(kv);
+    CHECK(st.used_blocks == 0 && st.cached_blocks == 3);
+    CHECK(st.peak_used_blocks == 8 && st.peak_cached_blocks == 3 && st.peak_bytes_in_use == 8 * block_bytes(kv));
+    CHECK_STATUS(kva_kv_reset_peaks(NULL), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_kv_reset_peaks(kv), KVA_OK);
+    st = stats(kv);
+    CHECK(st.peak_used_blocks == 0 && st.peak_cached_blocks == 3 && st.peak_bytes_in_use == 0);
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 4, NULL, 0, NULL, 0, 0, 0, &a, NULL), KVA_OK);
+    CHECK(stats(kv).peak_used_blocks == 1);
+    CHECK_STATUS(kva_kv_seq_free(kv, a), KVA_OK);
+    kva_kv_destroy(kv);
+
+    /* Contiguous mode: the peak of the buffers' bytes. */
+    cfg = small_config(0, 16);
+    cfg.mode = KVA_KV_CONTIGUOUS;
+    cfg.capacity_bytes = (size_t)1 << 20;
+    cfg.max_context = 1024;
+    kv = make_cache(&cfg);
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 100, NULL, 0, NULL, 0, 0, 0, &a, NULL), KVA_OK);
+    size_t held = stats(kv).bytes_in_use;
+    CHECK(held > 0 && stats(kv).peak_bytes_in_use == held);
+    CHECK_STATUS(kva_kv_seq_free(kv, a), KVA_OK);
+    CHECK(stats(kv).bytes_in_use == 0 && stats(kv).peak_bytes_in_use == held);
+    CHECK_STATUS(kva_kv_reset_peaks(kv), KVA_OK);
+    CHECK(stats(kv).peak_bytes_in_use == 0);
+    kva_kv_destroy(kv);
+}
+
+/* With trace every call is timed, each under its kind; without, a sample of about one in
+ * KVA_KV_CALL_SAMPLE_PERIOD of each kind, whatever the pattern of the calls. */
+static void test_call_latency_kinds(void) {
+    kva_kv_config cfg = small_config(64, 4);
+    cfg.trace = 1;
+    kva_kv *kv = make_cache(&cfg);
+    kva_kv_seq seq;
+    kva_kv_copy copy;
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 4, NULL, 0, NULL, 0, 0, 0, &seq, NULL), KVA_OK);
+    for (int i = 0; i < 3; i++) CHECK_STATUS(kva_kv_seq_append(kv, seq, 1, &copy), KVA_OK);
+    uint32_t evicted;
+    CHECK_STATUS(kva_kv_evict(kv, 1, &evicted), KVA_OK);
+    CHECK_STATUS(kva_kv_seq_free(kv, seq), KVA_OK);
+    CHECK_STATUS(kva_kv_seq_free(kv, seq), KVA_ERR_DOUBLE_FREE); /* refused calls are timed too */
+    kva_kv_stats st = stats(kv);
+    CHECK(st.call_sample_period == 1);
+    CHECK(st.kind_timed_calls[KVA_KV_CALL_ALLOCATE] == 1 && st.kind_timed_calls[KVA_KV_CALL_APPEND] == 3);
+    CHECK(st.kind_timed_calls[KVA_KV_CALL_FREE] == 2 && st.kind_timed_calls[KVA_KV_CALL_EVICT] == 1);
+    CHECK(st.kind_timed_calls[KVA_KV_CALL_LOOKUP] == 0);
+    uint64_t total = 0, in_buckets = 0, ns = 0;
+    for (unsigned k = 0; k < KVA_KV_CALL_KINDS; k++) {
+        uint64_t kind = 0;
+        for (unsigned i = 0; i < KVA_KV_LATENCY_BUCKETS; i++) kind += st.kind_ns_log2[k][i];
+        CHECK(kind == st.kind_timed_calls[k]);
+        total += st.kind_timed_calls[k];
+        ns += st.kind_timed_ns[k];
+    }
+    for (unsigned i = 0; i < KVA_KV_LATENCY_BUCKETS; i++) in_buckets += st.call_ns_log2[i];
+    CHECK(st.timed_calls == total && in_buckets == total && st.timed_ns == ns);
+    kva_kv_destroy(kv);
+
+    cfg.trace = 0;
+    kv = make_cache(&cfg);
+    enum {
+        ROUNDS = 20000
+    };
+    for (int i = 0; i < ROUNDS; i++) { /* allocate and free alternate: a period of 2 */
+        CHECK_STATUS(kva_kv_seq_allocate(kv, 4, NULL, 0, NULL, 0, 0, 0, &seq, NULL), KVA_OK);
+        CHECK_STATUS(kva_kv_seq_free(kv, seq), KVA_OK);
+    }
+    st = stats(kv);
+    CHECK(st.call_sample_period == KVA_KV_CALL_SAMPLE_PERIOD);
+    uint64_t expect = ROUNDS / KVA_KV_CALL_SAMPLE_PERIOD;
+    for (unsigned k = KVA_KV_CALL_ALLOCATE; k <= KVA_KV_CALL_FREE; k += KVA_KV_CALL_FREE - KVA_KV_CALL_ALLOCATE)
+        CHECK(st.kind_timed_calls[k] > expect / 2 && st.kind_timed_calls[k] < expect * 2);
+    CHECK(st.kind_timed_calls[KVA_KV_CALL_APPEND] == 0);
+    kva_kv_destroy(kv);
+}
+
 int main(void) {
     test_config_and_geometry();
     test_layouts();
@@ -624,5 +714,7 @@ int main(void) {
     test_evict_call();
     test_contiguous();
     test_threads();
+    test_peaks_and_reset();
+    test_call_latency_kinds();
     return CHECK_DONE();
 }

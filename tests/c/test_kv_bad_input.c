@@ -30,6 +30,12 @@ static snapshot take(kva_kv *kv) {
     s.stats = stats(kv);
     s.stats.rejected_calls = s.stats.alloc_failures = 0;
     s.stats.metadata_bytes = 0; /* a failed call may keep a grown slot array or table for later */
+    /* every call may be timed, a failed one too: its latency is no state of the cache */
+    s.stats.timed_calls = s.stats.timed_ns = 0;
+    memset(s.stats.call_ns_log2, 0, sizeof s.stats.call_ns_log2);
+    memset(s.stats.kind_timed_calls, 0, sizeof s.stats.kind_timed_calls);
+    memset(s.stats.kind_timed_ns, 0, sizeof s.stats.kind_timed_ns);
+    memset(s.stats.kind_ns_log2, 0, sizeof s.stats.kind_ns_log2);
     uint64_t h = 0xcbf29ce484222325ull;
     for (int i = 0; i < nheld; i++) {
         const uint32_t *table;

@@ -634,6 +634,23 @@ static void test_cuda_backing(const char *fake_driver) {
     kva_pool_destroy(pool);
 }
 
+/* The peak of bytes_used rises with it, stays when it falls, and starts afresh at a reset. */
+static void test_peak(kva_var_policy policy) {
+    kva_var *v = make(policy, 1 << 20);
+    void *a, *b;
+    CHECK_STATUS(kva_var_alloc(v, 3 * ALIGN, &a), KVA_OK);
+    CHECK_STATUS(kva_var_alloc(v, 5 * ALIGN, &b), KVA_OK);
+    CHECK(stats_of(v).peak_bytes_used == 8 * ALIGN);
+    CHECK_STATUS(kva_var_free(v, b), KVA_OK);
+    CHECK(stats_of(v).bytes_used == 3 * ALIGN && stats_of(v).peak_bytes_used == 8 * ALIGN);
+    CHECK_STATUS(kva_var_reset_peaks(NULL), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_var_reset_peaks(v), KVA_OK);
+    CHECK(stats_of(v).peak_bytes_used == 3 * ALIGN);
+    CHECK_STATUS(kva_var_free(v, a), KVA_OK);
+    CHECK(stats_of(v).peak_bytes_used == 3 * ALIGN);
+    kva_var_destroy(v);
+}
+
 int main(int argc, char **argv) {
     if (argc > 1) test_cuda_backing(argv[1]);
     test_config();
@@ -645,6 +662,7 @@ int main(int argc, char **argv) {
         test_round_trip_and_coalescing(policies[i]);
         test_merge_orders(policies[i]);
         test_bad_input(policies[i]);
+        test_peak(policies[i]);
         test_bad_free_deep_inside(policies[i]);
         test_differential(policies[i], policy_names[i], MIX_SPREAD, 100000);
         test_differential(policies[i], policy_names[i], MIX_ONE_CLASS, 100000);

@@ -29,9 +29,11 @@ def small(num_blocks: int = 16, block_tokens: int = 4, **kw) -> pykvalloc.KVCach
 
 
 def state(cache: pykvalloc.KVCache, *seqs: pykvalloc.Sequence) -> tuple:
-    # Everything but the counts of refusals and failures, and the bookkeeping's size.
+    # Everything but the counts of refusals and failures, the bookkeeping's size, and the calls'
+    # latencies (a refused call may be one of the timed sample).
     stats = dataclasses.replace(cache.stats(), rejected_calls=0, alloc_failures=0,
-                                metadata_bytes=0)
+                                metadata_bytes=0, timed_calls=0, timed_ns=0, call_ns_log2=(),
+                                call_latency={})
     return stats, [np.array(s.block_table).tolist() for s in seqs]
 
 

@@ -224,6 +224,11 @@ def test_every_error_is_a_segment_error_naming_the_file(original):
     assert str(path) in str(info.value)
 
 
+KV_1_0_SIZE = stats.KV_DTYPE.fields["peak_used_blocks"][1]  # the KV section ended at block_bytes
+KV_ADDED_1_4 = tuple(name for name in stats.KV_DTYPE.names
+                     if stats.KV_DTYPE.fields[name][1] >= KV_1_0_SIZE)
+
+
 def layout_1_0(original: bytes) -> bytes:
     """``original`` as a writer of layout 1.0 wrote it: the summary without its 1.1 fields (the
     24 bytes after it filled with 0xff, which the reader must not take for them), no entry
@@ -237,6 +242,7 @@ def layout_1_0(original: bytes) -> bytes:
     summary["size"] = stats.SUMMARY_DTYPE.fields["publish_interval_ms"][1]
     start = int(summary["offset"]) + int(summary["size"])
     data[start:start + 24] = b"\xff" * 24
+    section_entry(data, stats.SECTION_KV)["size"] = KV_1_0_SIZE
     for kind, dtype in ((stats.SECTION_CLASSES, stats.COUNTED_DTYPE),
                         (stats.SECTION_ARENAS, stats.COUNTED_DTYPE),
                         (stats.SECTION_TRACE, stats.TRACE_DTYPE)):
@@ -261,9 +267,10 @@ def test_a_segment_of_layout_1_0_reads_with_its_newer_fields_absent(original, ca
     assert "arenas" not in dumped and len(dumped["trace"]) == len(list(snap.trace_records()))
     assert "Pool statistics" in tables
     assert snap.abi == (1, 0)
-    assert snap.absent == {"summary": stats.SUMMARY_ADDED_1_1}
+    assert snap.absent == {"summary": stats.SUMMARY_ADDED_1_1 + stats.SUMMARY_ADDED_1_4,
+                           "kv": KV_ADDED_1_4}
     summary = snap.to_dict()["summary"]
-    assert all(summary[name] is None for name in stats.SUMMARY_ADDED_1_1)
+    assert all(summary[name] is None for name in stats.SUMMARY_ADDED_1_1 + stats.SUMMARY_ADDED_1_4)
     assert {name: summary[name] for name in stats.SUMMARY_COUNTERS} == {
         name: int(current.summary[name]) for name in stats.SUMMARY_COUNTERS}
     assert summary["free_blocks"] == [int(n) for n in current.free_blocks]
