@@ -248,13 +248,13 @@ class Snapshot:
         return self._array(SECTION_SLABS, SLABS_DTYPE.itemsize, SLAB_DTYPE, capacity)[:count]
 
     def _kv_latency(self) -> dict[str, np.ndarray] | None:
-        """The KV cache's call latency histograms by kind (1.4 on), or None."""
+        """The KV cache's call latency histograms by kind (1.4 on), or None: also when the
+        section does not state the kinds its arrays hold (a writer fills call_kinds whenever a
+        cache is attached), since then nothing says what its histograms mean."""
         if self.kv is None or "call_ns_log2" in self.absent.get("kv", ()):
             return None
-        kinds = int(self.kv["call_kinds"])
-        if kinds != len(KV_CALL_KINDS):
-            raise self._corrupt(f"the KV section states {kinds} kinds of call, its layout has "
-                                f"{len(KV_CALL_KINDS)}")
+        if int(self.kv["call_kinds"]) != len(KV_CALL_KINDS):
+            return None
         return {kind: self.kv["call_ns_log2"][k] for k, kind in enumerate(KV_CALL_KINDS)}
 
     def _trace_ring(self) -> np.ndarray | None:

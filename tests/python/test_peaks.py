@@ -124,3 +124,21 @@ def test_reset_peaks_after_close_raises() -> None:
     cache.close()
     with pytest.raises(PoolClosedError):
         cache.reset_peaks()
+
+
+def test_kv_histograms_of_an_unstated_kind_count_are_not_read() -> None:
+    # The histograms' meaning rests on call_kinds: a section that states another count (a
+    # hand-made or damaged one) reads with its counters, without latencies.
+    name = unique_name("kvkinds")
+    with small_cache(name=name, trace=True) as cache:
+        cache.allocate(16).free()
+        cache.publish()
+        with stats.open_segment(name) as segment:
+            data = bytearray(segment.snapshot().data)
+    snap = stats.Snapshot(bytes(data))
+    assert snap.kv_latency is not None
+    at = snap._sections[stats.SECTION_KV][0] + stats.KV_DTYPE.fields["call_kinds"][1]
+    data[at:at + 4] = (5).to_bytes(4, "little")
+    damaged = stats.Snapshot(bytes(data))
+    assert damaged.kv is not None and int(damaged.kv["used_blocks"]) == 0
+    assert damaged.kv_latency is None and damaged.to_dict()["kv"]["latency"] is None
