@@ -91,6 +91,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                         help="plot KV use and hit rate over time (needs matplotlib)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    # The jemalloc configuration of --compare --plot runs in a child process: its samples come
+    # back in its JSON report.
+    parser.add_argument("--with-samples", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--speed", type=positive_number, default=None,
                         help="hold the replay to SPEED simulated seconds per second, to watch it "
                              "live with kvalloc top; no wait between two steps lasts more than "
@@ -142,7 +145,8 @@ def base_config(args: argparse.Namespace) -> ReplayConfig:
     return ReplayConfig(mode=args.mode, block_tokens=args.block_tokens or DEFAULT_BLOCK_TOKENS, capacity_tokens=tokens, geometry=geometry,
                         max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
                         prefix_caching=not args.no_prefix_caching, pool_name=args.name,
-                        sample_every=16 if args.plot else 1 << 30, engine_buffers=args.engine_buffers)
+                        sample_every=16 if args.plot or args.with_samples else 1 << 30,
+                        engine_buffers=args.engine_buffers)
 
 
 def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
@@ -173,6 +177,8 @@ def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str
             argv += ["--requests", str(args.requests)]
         if args.skip_bad:
             argv.append("--skip-bad")
+        if args.plot:
+            argv.append("--with-samples")
         env = {**os.environ, "LD_PRELOAD": str(jemalloc_path())}
         done = subprocess.run(argv, env=env, capture_output=True, text=True)
         # Exit status 1 with a report is the child's verdict on requests it had to reject, which
@@ -261,7 +267,7 @@ def run(args: argparse.Namespace) -> int:
         results = run_all(args, trace, configs, args.quiet, Console(stderr=True), args.speed, stop)
     if wants_table(args):
         print_report(results)
-    emit_json(args, report_json(results))
+    emit_json(args, report_json(results, samples=args.with_samples))
     if args.plot:
         write_plot(results, args.plot)
         wrote(args.plot)

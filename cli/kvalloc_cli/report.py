@@ -2,6 +2,8 @@
 configuration), a PNG plot when matplotlib is installed (the optional ``plot`` extra)."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -52,6 +54,39 @@ def table(results: Sequence[dict[str, Any]]) -> Table:
         out.add_row("status", *("failed" if "error" in r else "ran" for r in results))
     for key, name, fmt in _ROWS:
         out.add_row(name, *(_cell(r.get(key), fmt) for r in results))
+    return out
+
+
+def notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What each dash and each figure that looks odd in the table means, for the configurations
+    that show one: a note per reason, naming them."""
+    ran = [r for r in rows if "error" not in r]
+    out = []
+    reasons: dict[str, list[str]] = {}
+    for r in ran:
+        if r.get("prefix_hit_rate") is None:
+            reasons.setdefault(r.get("hits_unmeasured") or "not measured", []).append(label(r))
+    for reason, names in reasons.items():
+        out.append(f"prefix hit rate - ({', '.join(names)}): {reason} (nor is the re-admissions' measured).")
+    again = [label(r) for r in ran if r.get("prefix_hit_rate") is not None and r.get("readmission_hit_rate") is None]
+    if again:
+        out.append(f"hit rate of re-admissions - ({', '.join(again)}): no request was preempted and admitted again.")
+    unpreempted = [label(r) for r in ran if not r.get("preemptions") and not r["mode"].startswith("malloc-")]
+    if unpreempted:
+        out.append(f"KV use at first preemption - ({', '.join(unpreempted)}): nothing was preempted.")
+    malloc = [r for r in ran if r["mode"].startswith("malloc-")]
+    if malloc:
+        full = [label(r) for r in malloc if r.get("peak_kv_use", 0) >= 0.999]
+        out.append(f"{', '.join(label(r) for r in malloc)}: each request reserves its whole KV (prompt and answer) "
+                   "when admitted, so it never grows and is never preempted (0 preemptions, KV use at first "
+                   "preemption -); a request that does not fit waits for reservations to be freed. KV use counts "
+                   "reservations, written or not"
+                   + (f": the peak of 100.0% ({', '.join(full)}) is the budget full of reservations, and their "
+                      "unwritten part is the internal waste." if full else "; their unwritten part is the internal "
+                      "waste."))
+        if len(malloc) > 1:
+            out.append(f"{', '.join(label(r) for r in malloc)} reserve the same sizes at the same moments: their KV "
+                       "figures agree; only the call times differ.")
     return out
 
 
@@ -116,6 +151,8 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         if row.get("rejected"):
             console.print(f"{label(row)}: rejected {row['rejected']:,} of {row['requests']:,} requests, which can "
                           f"never complete on this KV cache, even alone (give it more: --kv-size)", style="yellow")
+    for note in notes(rows):
+        console.print(note, style="dim")
     by_timing: dict[str, list[str]] = {}
     for r in rows:
         if "error" not in r:
@@ -130,9 +167,12 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         console.print(f"Allocator calls were timed {where}.{about_hits}", style="dim")
 
 
-def report_json(results: Sequence[ReplayResult | dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The report as JSON values: ``{"runs": [...]}``, one run per configuration, however many."""
-    return {"runs": [r.as_dict() if isinstance(r, ReplayResult) else r for r in results]}
+def report_json(results: Sequence[ReplayResult | dict[str, Any]],
+                samples: bool = False) -> dict[str, list[dict[str, Any]]]:
+    """The report as JSON values: ``{"runs": [...]}``, one run per configuration, however many;
+    with ``samples``, each run's usage samples too (ReplayResult.as_dict)."""
+    return {"runs": [r.as_dict(samples) if isinstance(r, ReplayResult) else
+                     {k: v for k, v in r.items() if samples or k != "samples"} for r in results]}
 
 
 def _binned(times: list[float], values: list[float], bins: int) -> tuple[list[float], list[float]]:
@@ -147,34 +187,88 @@ def _binned(times: list[float], values: list[float], bins: int) -> tuple[list[fl
     return [times[0] + (k + 0.5) * span for k in keys], [sum(sums[k]) / len(sums[k]) for k in keys]
 
 
+def _series(result: ReplayResult | dict[str, Any]) -> Optional[tuple[dict[str, Any], list[list[float]]]]:
+    """(the run's JSON row, its samples as [time_s, kv_use, hit_rate, ...] rows), or None for a
+    run without samples (a failed configuration)."""
+    row = result.as_dict(samples=True) if isinstance(result, ReplayResult) else result
+    if "error" in row or not row.get("samples"):
+        return None
+    return row, row["samples"]
+
+
+#: A run whose simulated time is past this many times the median run's stretches the time axis
+#: so far that the others crowd its first part: the axis stops at the longest of the others.
+STRETCH = 1.5
+
+
+@dataclass
+class PlotLayout:
+    """What ``write_plot`` draws: each run with samples (its row and samples) under its legend
+    name, the runs it cannot draw (failed), and where the shared time axis stops."""
+    series: list[tuple[dict[str, Any], list[list[float]]]]
+    names: list[str]
+    not_drawn: list[str]
+    x_max: float
+
+
+def plot_layout(results: Sequence[ReplayResult | dict[str, Any]]) -> PlotLayout:
+    """The runs to draw and the time axis they share (see ``write_plot``)."""
+    series = [found for found in map(_series, results) if found is not None]
+    not_drawn = [label(r.as_dict() if isinstance(r, ReplayResult) else r) for r in results if _series(r) is None]
+    ends = sorted(row["simulated_s"] for row, _ in series)
+    median = ends[(len(ends) - 1) // 2] if ends else 0.0
+    x_max = max([end for end in ends if end <= STRETCH * median] or ends or [1.0])
+    names = [label(row) + (f" (runs to {row['simulated_s']:,.0f} s)" if row["simulated_s"] > x_max else "")
+             for row, _ in series]
+    return PlotLayout(series, names, not_drawn, x_max)
+
+
 def write_plot(results: Sequence[ReplayResult | dict[str, Any]], path: Path, bins: int = 300) -> None:
     """KV use and (where the trace has prefix ids) the prefix hit rate over simulated time, one
-    line per configuration run in this process (one replayed in a child brings no samples)."""
-    runs = [r for r in results if isinstance(r, ReplayResult) and r.samples]
+    line per configuration, those replayed in a child process (jemalloc) included. The time axis
+    is shared, so that the lines compare the same moments of the same traffic; it stops at the
+    longest run but those that outlast the median run by more than ``STRETCH`` times, whose
+    lines go off its right edge (their legend says where they end). The hit-rate axis starts
+    at 0."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise RuntimeError("--plot needs matplotlib: pip install 'pykvalloc[plot]'") from exc
-    with_hits = any(s.hit_rate for r in runs for s in r.samples)
-    figure, axes = plt.subplots(2 if with_hits else 1, 1, sharex=True, figsize=(10, 6 if with_hits else 3.6),
+    layout = plot_layout(results)
+    series, x_max = layout.series, layout.x_max
+    with_hits = any(row.get("prefix_hit_rate") is not None for row, _ in series)
+    figure, axes = plt.subplots(2 if with_hits else 1, 1, sharex=True, figsize=(10, 6.4 if with_hits else 4),
                                 squeeze=False)
     use_axis = axes[0][0]
-    for result in runs:
-        name = label(result.as_dict())
-        times = [s.time_s for s in result.samples]
-        x, y = _binned(times, [100 * s.kv_use for s in result.samples], bins)
-        use_axis.plot(x, y, label=name, linewidth=1.0)
-        if with_hits:
-            x, y = _binned(times, [100 * s.hit_rate for s in result.samples], bins)
-            axes[1][0].plot(x, y, label=name, linewidth=1.0)
+    # The two malloc lines coincide (the same reservations): one wide and pale, one dashed over it.
+    styles: dict[str, dict[str, Any]] = {
+        "malloc-glibc": {"linewidth": 2.6, "alpha": 0.55}, "malloc-jemalloc": {"linestyle": "--", "linewidth": 1.2},
+        "contiguous": {"linestyle": ":", "linewidth": 1.6}}
+    peak_hit = 0.0
+    for (row, samples), name in zip(series, layout.names):
+        style = {"linewidth": 1.0, **styles.get(row["mode"], {})}
+        times = [sample[0] for sample in samples]
+        x, y = _binned(times, [100 * sample[1] for sample in samples], bins)
+        use_axis.plot(x, y, label=name, **style)
+        if with_hits and row.get("prefix_hit_rate") is not None:
+            x, y = _binned(times, [100 * sample[2] for sample in samples], bins)
+            peak_hit = max([peak_hit, *y])
+            axes[1][0].plot(x, y, label=name, **style)
     use_axis.set_ylabel("KV use (%, mean per bin)")
     use_axis.set_ylim(0, 105)
     use_axis.legend(loc="lower right", fontsize="small", ncol=2)
-    use_axis.set_title(f"{Path(runs[0].source).name if runs else ''}: KV use over simulated time")
+    title = f"{Path(series[0][0]['source']).name if series else ''}: KV use over simulated time"
+    if layout.not_drawn:
+        title += f" (not drawn, failed: {', '.join(layout.not_drawn)})"
+    use_axis.set_title(title)
     if with_hits:
-        axes[1][0].set_ylabel("prefix hit rate (%, cumulative,\nfirst admissions)")
+        hit_axis = axes[1][0]
+        hit_axis.set_ylabel("prefix hit rate (%, cumulative,\nfirst admissions)")
+        hit_axis.set_ylim(0, min(100.0, max(5.0, 5 * math.ceil(peak_hit * 1.2 / 5))))
+        hit_axis.legend(loc="lower right", fontsize="small", ncol=2)
+    axes[-1][0].set_xlim(0, x_max * 1.01)
     axes[-1][0].set_xlabel("simulated time (s)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)

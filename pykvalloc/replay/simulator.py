@@ -121,19 +121,26 @@ class ReplayResult:
     stopped: bool = False             # stopped before the end of the trace, as asked (should_stop)
     # What the engine's buffers around the KV cache cost, per kind (engine.py); None without them.
     engine_buffers: Optional[dict[str, dict[str, Any]]] = None
+    # Why the prefix hit rates are None, when they are (``unmeasured_hits``); None when measured.
+    hits_unmeasured: Optional[str] = None
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self, samples: bool = False) -> dict[str, Any]:
+        """The JSON form of the result; ``samples`` adds the usage samples, as rows of
+        [time_s, kv_use, hit_rate, running, waiting] (a replay in a child process brings its
+        samples to the parent's plot this way)."""
         keys = ("requests", "finished", "rejected", "preemptions", "kv_use_at_first_preemption", "peak_kv_use",
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "readmission_hit_rate",
                 "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps",
-                "stopped", "engine_buffers")
+                "stopped", "engine_buffers", "hits_unmeasured")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
         out["mode"] = self.config.mode
         out["block_tokens"] = self.config.block_tokens
         out["capacity_tokens"] = self.config.capacity_tokens
         out["capacity_bytes"] = self.config.capacity_tokens * self.config.geometry.bytes_per_token
         out["source"] = self.source
+        if samples:
+            out["samples"] = [[s.time_s, s.kv_use, s.hit_rate, s.running, s.waiting] for s in self.samples]
         return out
 
 
@@ -175,6 +182,23 @@ def block_keys(request: Request, block_tokens: int) -> Optional[list[int]]:
     per_id = MOONCAKE_BLOCK_TOKENS // block_tokens
     full = min(request.input_tokens // block_tokens, len(ids) * per_id)
     return [_key((ids[j // per_id],), j % per_id) for j in range(full)]
+
+
+def unmeasured_hits(config: ReplayConfig, trace: Trace) -> Optional[str]:
+    """Why a replay of ``trace`` under ``config`` measures no prefix hit rate, or None when it
+    does: the report says so beside its dashes."""
+    if config.mode.startswith("malloc-"):
+        return "malloc has no prefix cache"
+    if config.mode == "contiguous":
+        return "contiguous buffers are private to their request: no prefix sharing"
+    if not config.prefix_caching:
+        return "prefix caching was turned off (--no-prefix-caching)"
+    if not any(request.hash_ids for request in trace.requests):
+        return "the trace carries no prefix ids (hash ids) to key blocks by"
+    if not keyable(config.block_tokens):
+        return (f"blocks of {config.block_tokens} tokens neither divide nor are a multiple of the trace's "
+                f"512-token hash blocks")
+    return None
 
 
 def make_backend(config: ReplayConfig, timings: Timings) -> Any:
@@ -417,10 +441,12 @@ def replay(trace: Trace, config: ReplayConfig,
         internal_waste=waste_time / elapsed if elapsed else 0.0,
         fragmentation=frag_time / elapsed if elapsed else 0.0,
         prefix_hit_rate=first_lookups[0] / first_lookups[1] if keyed and first_lookups[1] else None,
-        readmission_hit_rate=again_lookups[0] / again_lookups[1] if again_lookups[1] else None,
+        # Without keys nothing can hit: a re-admission's 0.0 % would be a figure never measured.
+        readmission_hit_rate=again_lookups[0] / again_lookups[1] if keyed and again_lookups[1] else None,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped,
-        engine_buffers=buffer_costs)
+        engine_buffers=buffer_costs, hits_unmeasured=None if keyed else (
+            unmeasured_hits(config, trace) or "no prompt filled a whole block to key"))
 
 
 #: The longest a paced replay waits between two steps, in wall seconds. A busy step is a fraction

@@ -532,3 +532,74 @@ def test_engine_buffers_are_in_the_report_and_only_for_a_paged_cache(capsys) -> 
         replay(default_workload(5), ReplayConfig(mode="contiguous", capacity_tokens=4096, engine_buffers=True))
     assert main(["replay", "--mode", "contiguous", "--engine-buffers", "--requests", "5"]) == 2
     assert "--engine-buffers applies to --mode paged" in capsys.readouterr().err
+
+
+def test_every_dash_and_odd_figure_of_the_report_is_explained(capsys) -> None:
+    # The Azure trace has no prefix ids: every hit rate is '-' (re-admissions said 0.0 %, a
+    # figure never measured), and the malloc columns peak at 100 % KV use with no preemption.
+    from kvalloc_cli.report import notes, print_report
+    no_ids = burst(30, 500, 400, gap=0.05)
+    results = [replay(no_ids, ReplayConfig(mode=mode, capacity_tokens=6_000, geometry=SMALL_MODEL))
+               for mode in ("paged", "malloc-glibc")]
+    paged, malloc = (r.as_dict() for r in results)
+    assert paged["preemptions"] > 0                     # re-admissions happened: not measured
+    assert paged["prefix_hit_rate"] is None and paged["readmission_hit_rate"] is None
+    assert paged["hits_unmeasured"] == "the trace carries no prefix ids (hash ids) to key blocks by"
+    assert malloc["hits_unmeasured"] == "malloc has no prefix cache"
+    assert malloc["preemptions"] == 0 and malloc["kv_use_at_first_preemption"] is None
+    said = notes([paged, malloc])
+    assert any(n.startswith("prefix hit rate - (paged/16): the trace carries no prefix ids") for n in said)
+    assert any(n.startswith("malloc-glibc: each request reserves its whole KV") for n in said)
+    full = notes([dict(malloc, peak_kv_use=1.0)])
+    assert any("the peak of 100.0% (malloc-glibc) is the budget full of reservations" in n for n in full)
+    print_report(results)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "the trace carries no prefix ids" in out and "never preempted" in out
+
+    keyed = replay(default_workload(60, seed=2), ReplayConfig(mode="paged", capacity_tokens=60_000,
+                                                               geometry=SMALL_MODEL)).as_dict()
+    assert keyed["preemptions"] == 0 and keyed["hits_unmeasured"] is None
+    assert keyed["prefix_hit_rate"] is not None and keyed["readmission_hit_rate"] is None
+    said = notes([keyed])
+    assert any("re-admissions - (paged/16): no request was preempted" in n for n in said)
+    assert any("KV use at first preemption - (paged/16): nothing was preempted" in n for n in said)
+
+
+def test_the_plot_draws_every_configuration_on_a_shared_sensible_time_axis(tmp_path: Path) -> None:
+    from kvalloc_cli.report import plot_layout, report_json
+    trace = default_workload(80, seed=4)
+    paged = replay(trace, ReplayConfig(mode="paged", capacity_tokens=20_000, geometry=SMALL_MODEL, sample_every=4))
+    # A configuration replayed in a child process (jemalloc) comes back as its JSON, samples in it.
+    child = report_json([replay(trace, ReplayConfig(mode="malloc-glibc", capacity_tokens=20_000,
+                                                    geometry=SMALL_MODEL, sample_every=4))], samples=True)["runs"][0]
+    child["mode"] = "malloc-jemalloc"
+    assert child["samples"] and len(child["samples"][0]) == 5
+    stretched = dict(child, mode="contiguous", simulated_s=10 * paged.simulated_s,
+                     samples=[[10 * s[0], *s[1:]] for s in child["samples"]])
+    failed = {"mode": "contiguous", "block_tokens": 16, "error": "too small"}
+    layout = plot_layout([paged, child, stretched, failed])
+    assert [row["mode"] for row, _ in layout.series] == ["paged", "malloc-jemalloc", "contiguous"]
+    assert layout.not_drawn == ["contiguous"]
+    # The run ten times longer does not stretch the axis: it goes off its edge, and says so.
+    assert layout.x_max == max(paged.simulated_s, child["simulated_s"])
+    assert layout.names[2] == f"contiguous (runs to {stretched['simulated_s']:,.0f} s)"
+    assert "samples" not in report_json([child])["runs"][0]  # only the child's report carries them
+
+
+def test_the_plot_file_is_written_with_every_configuration(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (matplotlib)")
+    from kvalloc_cli.report import write_plot
+    trace = default_workload(60, seed=4)
+    results = [replay(trace, ReplayConfig(mode=mode, capacity_tokens=20_000, geometry=SMALL_MODEL, sample_every=4))
+               for mode in ("paged", "malloc-glibc")]
+    write_plot(results, tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_replay_asked_for_its_samples_writes_them_in_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "child.json"
+    done = run_kvalloc("replay", "--mode", "malloc-glibc", "--requests", "40", "--quiet", "--with-samples",
+                       "-o", str(out))
+    assert done.returncode == 0, done.stderr
+    run = json.loads(out.read_text())["runs"][0]
+    assert run["samples"] and all(len(sample) == 5 for sample in run["samples"])
