@@ -66,6 +66,7 @@ from .pool import (
     Stats,
     WalkKind,
 )
+from .shared import SharedMapping
 from .sizes import format_size, parse_size, size_class_of, size_classes
 from .tensor import ExportError, Tensor, TensorDType
 from .varpool import VarPool, VarStats
@@ -102,6 +103,7 @@ __all__ = [
     "KVMode",
     "TableInUseError",
     "Pool",
+    "SharedMapping",
     "VarPool",
     "VarStats",
     "Allocation",

@@ -82,6 +82,8 @@ class KvaConfig(Structure):
         ("trim_watermark", c_size_t),
         ("checked", c_int),
         ("arenas", c_uint),
+        ("external", c_void_p),
+        ("shared", c_int),
     ]
 
 
@@ -390,6 +392,7 @@ def _plain(restype: Any, *argtypes: Any) -> Any:
 _pool = c_void_p  # kva_pool *, kva_kv * and kva_var * are opaque: only passed back to the library
 _kv = c_void_p
 _var = c_void_p
+_shared = c_void_p  # kva_shared_map *
 _seq = c_uint64  # kva_kv_seq
 
 
@@ -431,6 +434,11 @@ class KvaLib:
     kva_struct_size: Callable[[int], int] = _plain(c_size_t, c_enum)
     kva_stats_publish: Callable[[Handle], int] = _status(_pool)
     kva_stats_segment_name: Callable[[Handle], bytes | None] = _plain(c_char_p, _pool)
+    kva_pool_shared_fd: Callable[[Handle, Ref], int] = _status(_pool, POINTER(c_int))
+    kva_shared_attach: Callable[[int, Ref], int] = _status(c_int, POINTER(_shared))
+    kva_shared_base: Callable[[Handle], int | None] = _plain(c_void_p, _shared)
+    kva_shared_length: Callable[[Handle], int] = _plain(c_size_t, _shared)
+    kva_shared_detach: Callable[[Handle], None] = _plain(None, _shared)
 
     # -- the KV-cache manager (kva_kv_*) ------------------------------------------------------
     kva_kv_config_init: Callable[[Ref], None] = _plain(None, POINTER(KvaKvConfig))

@@ -47,7 +47,8 @@ import re
 import weakref
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from ctypes import Structure, byref, c_size_t, c_void_p, sizeof
+from ctypes import Structure, byref, c_char, c_int, c_size_t, c_void_p, sizeof
+from ctypes import addressof as ctypes_address
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, SupportsIndex, TypedDict, TypeVar
 
@@ -114,11 +115,13 @@ class PageKind(enum.IntEnum):
     THP = 2
     SMALL = 3
     DEVICE = 4  # GPU memory of a CUDA pool; page_size is the mapping granularity
+    EXTERNAL = 5  # memory the caller owns (Pool.over, external=); page_size is the base page
 
     @property
     def label(self) -> str:
         return {PageKind.HUGETLB: "hugetlb", PageKind.THP: "transparent huge pages",
-                PageKind.SMALL: "small pages", PageKind.DEVICE: "GPU memory"}[self]
+                PageKind.SMALL: "small pages", PageKind.DEVICE: "GPU memory",
+                PageKind.EXTERNAL: "memory the caller owns"}[self]
 
 
 class Backend(enum.IntEnum):
@@ -339,6 +342,47 @@ def _strides_arg(strides: Sequence[int]) -> Iterator[int]:
             yield step
     except TypeError:
         raise TypeError(f"strides must be a sequence of ints, not {strides!r}") from None
+
+
+def _external_memory(memory: object) -> tuple[int, int, Backend, object]:
+    """The address, length and backend of memory handed to ``Pool.over``, and the object that
+    keeps it alive."""
+    cuda = getattr(memory, "__cuda_array_interface__", None)
+    interface = cuda if cuda is not None else getattr(memory, "__array_interface__", None)
+    if isinstance(interface, dict):
+        address, readonly = interface["data"]
+        strides = interface.get("strides")
+        shape = tuple(interface["shape"])
+        itemsize = np.dtype(interface["typestr"]).itemsize
+        if readonly:
+            raise InvalidArgument(f"{type(memory).__name__} memory is read-only; a pool hands "
+                                  "out blocks to write")
+        if strides is not None and strides != _contiguous_strides(shape, itemsize):
+            raise InvalidArgument(f"{type(memory).__name__} memory is not contiguous")
+        backend = Backend.CUDA if cuda is not None else Backend.HOST
+        return int(address or 0), math.prod(shape) * itemsize, backend, memory
+    try:
+        view = memoryview(memory)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{type(memory).__name__} is not memory a pool can manage: give "
+                              "a numpy or CUDA array, a writable buffer, or external= an "
+                              "address") from None
+    with view:
+        if view.readonly or not view.contiguous:
+            raise InvalidArgument(f"{type(memory).__name__} memory is read-only or not "
+                                  "contiguous")
+        length = view.nbytes
+    # A ctypes array over the buffer holds an export of it for as long as the pool keeps it.
+    keeper = (c_char * length).from_buffer(memory)  # type: ignore[arg-type]
+    return ctypes_address(keeper), length, Backend.HOST, keeper
+
+
+def _contiguous_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    strides, step = [], itemsize
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(reversed(strides))
 
 
 def _returned_address(out: c_void_p, function: str) -> int:
@@ -634,12 +678,28 @@ class Pool(_Allocator):
     past an allocation's ends raises ``CorruptionError`` (kvalloc.h, kva_config.checked).
     ``arenas`` sets the number of per-CPU arenas (0, the default: one per CPU).
 
+    Memory you already own. ``external`` (an address) makes the pool manage the ``capacity``
+    bytes there instead of mapping its own: host memory, or device memory with
+    ``backend="cuda"``. The library never maps, frees, binds, locks or writes that range, so it
+    must outlive the pool: pass the object that owns it as ``owner`` and the pool keeps it alive
+    (``Pool.over`` does this for a numpy array, a CUDA array or a writable buffer). The base must
+    be a multiple of 64 KiB (and of the slab chunk), the length a multiple of the page size, the
+    largest block is the largest power of two dividing the base, ``pages``, ``prefault``,
+    ``lock``, ``pin``, ``numa_node``, ``trim_watermark``, ``checked`` and ``shared`` do not
+    apply, and two live pools of a process never share a byte (kvalloc.h, kva_config.external).
+
+    Memory shared with other processes. ``shared=True`` puts a host pool in a shared memory
+    object (a sealed memfd) with the same page, NUMA, prefault and lock choices;
+    ``shared_fd()`` returns a descriptor another process passes to ``SharedMapping`` to map the
+    same memory at its own address. This process alone allocates; the others read and write the
+    blocks it tells them about, by offset.
+
     Use it as a context manager or call ``close()``; see the module docstring for what happens
     to views that outlive the pool.
     """
 
     __slots__ = ("_lib", "_base", "_capacity", "_min_block", "_slab_chunk", "_name", "_backend",
-                 "_dl_device")
+                 "_dl_device", "_owner")
 
     _fork_rank = 1
 
@@ -651,7 +711,15 @@ class Pool(_Allocator):
                  numa_policy: str | NumaPolicy = "bind",
                  hugepages: bool | str | PageMode | None = None, lock: bool = False,
                  pin: bool = False, trim_watermark: int = 0, checked: bool = False,
-                 arenas: int = 0) -> None:
+                 arenas: int = 0, external: int | None = None, owner: object = None,
+                 shared: bool = False) -> None:
+        if external is not None:
+            external = _size_arg("external", external)
+            if external == 0:
+                raise InvalidArgument("external address 0 is NULL: a range the caller owns "
+                                      "has a real address")
+        elif owner is not None:
+            raise InvalidArgument("owner keeps external memory alive; this pool has none")
         lib = _ffi.load()
         config = _ffi.KvaConfig()
         lib.kva_config_init(byref(config))
@@ -672,6 +740,8 @@ class Pool(_Allocator):
         config.trim_watermark = _size_arg("trim_watermark", trim_watermark)
         config.checked = 1 if checked else 0
         config.arenas = _int_arg("arenas", arenas, 0)
+        config.external = external
+        config.shared = 1 if shared else 0
         config.trace = 1 if trace else 0
         if publish_interval_ms is not None:
             interval = _size_arg("publish_interval_ms", publish_interval_ms)
@@ -682,6 +752,8 @@ class Pool(_Allocator):
         handle = c_void_p()
         lib.kva_pool_create(byref(config), byref(handle))
         self._own(_returned_address(handle, "kva_pool_create"), lib.kva_pool_destroy)
+        # Held for the pool's whole life, views included: the memory is the owner's.
+        self._owner = owner
         self._lib = lib
         self._c_free = lib.kva_free
         self._c_usable_size = lib.kva_usable_size
@@ -700,6 +772,29 @@ class Pool(_Allocator):
         self._dl_device = ((DEVICE_CUDA, config.device) if stats.backend is Backend.CUDA else
                            (DEVICE_CUDA_HOST, 0) if stats.pinned else (DEVICE_CPU, 0))
         _open_pools.add(self)
+
+    @classmethod
+    def over(cls, memory: object, *, device: int = 0, **options: Any) -> Pool:
+        """A pool over memory the caller already owns, kept alive by the pool: a numpy array
+        (``__array_interface__``), a CUDA array such as a torch CUDA tensor
+        (``__cuda_array_interface__``: a ``backend="cuda"`` pool on ``device``) or a writable
+        buffer (``mmap.mmap``, ``bytearray``; the pool holds an export of it, so an mmap cannot
+        be closed under the pool). The memory must be contiguous and writable; the rules of
+        ``external`` apply to its address and length. ``options`` are Pool's other keywords
+        (``min_block``, ``slab_chunk``, ``name``, ``arenas``, ...)."""
+        address, length, backend, keeper = _external_memory(memory)
+        return cls(length, external=address, owner=keeper, backend=backend, device=device,
+                   **options)
+
+    def shared_fd(self) -> int:
+        """A new descriptor of a ``shared=True`` pool's memory for another process (send it
+        with ``socket.send_fds`` or let a child inherit it with ``pass_fds``); the caller
+        closes it. The memory object is sealed: no holder can shrink or grow it.
+        InvalidArgument for a pool that is not shared."""
+        fd = c_int(-1)
+        with self._lock:
+            self._lib.kva_pool_shared_fd(self._open_handle(), byref(fd))
+        return fd.value
 
     @property
     def _mapping(self) -> Pool:

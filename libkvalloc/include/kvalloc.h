@@ -103,7 +103,10 @@ typedef enum kva_page_kind {
     KVA_PAGE_KIND_HUGETLB = 1,
     KVA_PAGE_KIND_THP = 2,
     KVA_PAGE_KIND_SMALL = 3,
-    KVA_PAGE_KIND_DEVICE = 4 /* GPU memory (a CUDA pool); page_size is the mapping granularity */
+    KVA_PAGE_KIND_DEVICE = 4, /* GPU memory (a CUDA pool); page_size is the mapping granularity */
+    /* memory the caller owns (kva_config.external), host or device memory as the backend says;
+     * page_size is the base page size the range was checked against */
+    KVA_PAGE_KIND_EXTERNAL = 5
 } kva_page_kind;
 
 /* Where a pool's memory lives. */
@@ -187,6 +190,34 @@ typedef struct kva_config {
     /* per-CPU arenas the slabs are spread over, 1 .. KVA_MAX_ARENAS; a thread's slow paths use the
      * arena of the CPU it runs on. Default 0: one per CPU this process may run on */
     unsigned arenas;
+    /* Memory the caller owns: the pool manages the blocks of [external, external + capacity), host
+     * memory or (backend CUDA) device memory, with all its metadata beside it as always, and never
+     * maps, unmaps, trims, discards, populates, binds, locks, registers, writes or frees that
+     * range: it stays the caller's, and must outlive the pool. No driver is loaded for a CUDA
+     * external pool. The rules (each refusal is KVA_ERR_INVALID, and nothing changes):
+     *  - capacity (the range's length) is a multiple of the base page size, and the range does not
+     *    wrap around the address space;
+     *  - external is a multiple of the slab chunk, so at least of 64 KiB: with the automatic
+     *    slab_chunk the chunk shrinks to the range's alignment (down to 64 KiB). The largest block
+     *    is the largest power of two that divides external (and fits the capacity), so that every
+     *    block is aligned to its size in absolute addresses as in any pool: a 2 MiB-aligned range
+     *    hands out blocks of at most 2 MiB (kva_stats.max_alloc_size says it);
+     *  - pages (other than AUTO), prefault, lock, pin, numa_node, trim_watermark, checked and
+     *    shared do not apply;
+     *  - the range overlaps no other live external pool's range in this process (the library
+     *    keeps a registry of them; a range of memory is one pool's).
+     * kva_stats reports page_kind KVA_PAGE_KIND_EXTERNAL and mapped_bytes the whole range.
+     * Default NULL: the library maps the memory itself */
+    void *external;
+    /* host: the region is a shared memory object (a memfd, sealed against growing and shrinking)
+     * instead of private memory, with the same page choices (hugetlb memfd, transparent huge
+     * pages where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them, base pages),
+     * NUMA binding, prefault, lock and pin. kva_pool_shared_fd exports a descriptor of it, which
+     * another process passes to kva_shared_attach to map the same memory at its own address: the
+     * blocks are the same at the same offsets. Allocation stays with the owning process (the
+     * metadata is its own); attached processes read and write the contents of blocks the owner
+     * told them about, by offset. Not with CUDA pools or external. Default 0 */
+    int shared;
 } kva_config;
 
 #define KVA_MAX_ARENAS 256
@@ -229,15 +260,20 @@ typedef struct kva_pool kva_pool;
  * Without prefault, metadata the kernel (or a memory cgroup) will not commit now stays lazy and
  * the pool is made all the same. On failure *out is untouched and nothing is left mapped,
  * reserved or registered. Errors: KVA_ERR_INVALID (the config, a NUMA
- * node this process cannot use, a GPU ordinal that does not exist), KVA_ERR_NOMEM (host memory
+ * node this process cannot use, a GPU ordinal that does not exist; an external range that breaks
+ * its rules or overlaps another live pool's, kva_config.external), KVA_ERR_NOMEM (host memory
  * for the metadata; for prefault, lock or pin, host memory the kernel cannot back: such a pool is
  * counted by its overcommit accounting at once, where a pool touched lazily is not; GPU memory
- * for prefault), KVA_ERR_BACKEND (mmap, hugetlb, mbind, mlock;
- * for CUDA: no driver, no GPU, a driver call refused), each explained by kva_last_error(). */
+ * for prefault), KVA_ERR_BACKEND (mmap, hugetlb, mbind, mlock; for a shared pool memfd_create,
+ * ftruncate, the seals or the shared mapping; for CUDA: no driver, no GPU, a driver call
+ * refused), each explained by kva_last_error(). An external pool maps, reserves and registers
+ * nothing: its metadata is all it makes. */
 KVA_API kva_status kva_pool_create(const kva_config *cfg, kva_pool **out);
 
-/* Unmaps the region and releases all metadata. Outstanding allocations become invalid.
- * NULL is accepted and ignored. No other call on this pool may be running or start afterwards;
+/* Unmaps the region and releases all metadata. Outstanding allocations become invalid. An
+ * external range is left as it is (still the caller's, with what was written in it) and free for
+ * a new pool; a shared pool's memory stays with the processes that attached it until they
+ * detach. NULL is accepted and ignored. No other call on this pool may be running or start afterwards;
  * other threads' caches of it are freed when those threads next look one up, or exit. */
 KVA_API void kva_pool_destroy(kva_pool *pool);
 
@@ -304,6 +340,40 @@ KVA_API kva_status kva_check(kva_pool *pool);
 /* The start of the managed region (offset 0). Useful to turn addresses into offsets. In a CUDA
  * pool it is a device address. KVA_ERR_INVALID for a NULL pool or base. */
 KVA_API kva_status kva_pool_base(kva_pool *pool, void **base);
+
+/* ------------------------------------------------------------------------------------------ */
+/* Memory shared with other processes (kva_config.shared)                                      */
+/* ------------------------------------------------------------------------------------------ */
+
+/* A new descriptor (close on exec) of a shared pool's memory object, for another process: send
+ * it over a Unix socket (SCM_RIGHTS) or let a child inherit it; the caller closes it. The object
+ * is sealed (F_SEAL_GROW, F_SEAL_SHRINK, F_SEAL_SEAL): whoever holds the descriptor can read and
+ * write the pool's memory but can never shrink it under the pool (a SIGBUS in the owner) or
+ * grow it. Errors: KVA_ERR_INVALID (NULL pool or fd, a pool that is not shared), KVA_ERR_BACKEND
+ * (no descriptor left: dup refused). */
+KVA_API kva_status kva_pool_shared_fd(kva_pool *pool, int *fd);
+
+/* A shared pool's memory mapped in this process. */
+typedef struct kva_shared_map kva_shared_map;
+
+/* Maps the shared pool memory that fd (from kva_pool_shared_fd, in this process or another)
+ * describes, read-write, at an address of this process's choosing. The map is memory only: it
+ * takes no part in the owner's allocator (its metadata stays in the owning process, which alone
+ * allocates and frees); offset o of the owner's pool is kva_shared_base + o here. The fd is not
+ * taken over: the caller may close it once this returns. The memory stays mapped, whatever the
+ * owner does, until kva_shared_detach. Errors: KVA_ERR_INVALID (NULL out, a negative fd, or a
+ * descriptor that is not a kvalloc shared pool: not a memfd this library made, or not sealed as
+ * it seals them; nothing is mapped), KVA_ERR_BACKEND (fstat or mmap refused), KVA_ERR_NOMEM (no
+ * host memory for the map record). */
+KVA_API kva_status kva_shared_attach(int fd, kva_shared_map **out);
+
+/* The map's start (the owner's offset 0) and its length in bytes (the owner's region, at least
+ * its capacity). NULL / 0 for a NULL map. */
+KVA_API void *kva_shared_base(const kva_shared_map *map);
+KVA_API size_t kva_shared_length(const kva_shared_map *map);
+
+/* Unmaps and frees the map. NULL is accepted and ignored. */
+KVA_API void kva_shared_detach(kva_shared_map *map);
 
 /* ------------------------------------------------------------------------------------------ */
 /* Statistics                                                                                 */

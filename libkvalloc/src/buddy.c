@@ -31,21 +31,22 @@ static void list_unlink(kva_buddy *buddy, uint32_t index, unsigned order) {
     if (--buddy->free_count[order] == 0) buddy->nonempty &= ~((uint64_t)1 << order);
 }
 
-kva_status kva_buddy_init(kva_buddy *buddy, uint32_t nblocks, unsigned min_shift) {
+kva_status kva_buddy_init(kva_buddy *buddy, uint32_t nblocks, unsigned min_shift, unsigned num_orders) {
     size_t bytes = (size_t)nblocks * sizeof(kva_page);
     void *pages;
     kva_status st = kva_os_map_metadata(bytes, &pages);
     if (st != KVA_OK) return st;
     *buddy = (kva_buddy){.pages = pages, .nblocks = nblocks, .min_shift = min_shift, .pages_bytes = bytes};
-    buddy->num_orders = kva_log2(nblocks) + 1;
+    buddy->num_orders = num_orders;
     for (unsigned k = 0; k < KVA_MAX_ORDERS; k++) buddy->free_head[k] = KVA_NIL;
     /* Any capacity, not only powers of two: cover [0, nblocks) with the largest blocks that are
-     * aligned to their own size and fit. The mapping is zero, so every other record is NONE. */
+     * aligned to their own size, fit, and are of an order below num_orders. The mapping is zero, so every other record is NONE. */
     uint32_t at = 0;
     while (at < nblocks) {
         unsigned fit = kva_log2(nblocks - at);
         unsigned align = at == 0 ? fit : kva_ctz64(at);
         unsigned order = fit < align ? fit : align;
+        if (order >= num_orders) order = num_orders - 1;
         list_push(buddy, at, order);
         at += (uint32_t)1 << order;
     }

@@ -53,9 +53,10 @@ typedef struct kva_buddy {
     size_t pages_bytes; /* size of the pages mapping */
 } kva_buddy;
 
-/* Builds the metadata for nblocks minimum blocks (>= 1, < 2^32) and covers them with maximal
- * aligned free blocks. */
-kva_status kva_buddy_init(kva_buddy *buddy, uint32_t nblocks, unsigned min_shift);
+/* Builds the metadata for nblocks minimum blocks (>= 1, < 2^32) with orders 0 .. num_orders-1
+ * (1 <= num_orders <= log2(nblocks) + 1: fewer where the region's base is aligned to less than
+ * the largest block that would fit), and covers them with maximal aligned free blocks. */
+kva_status kva_buddy_init(kva_buddy *buddy, uint32_t nblocks, unsigned min_shift, unsigned num_orders);
 void kva_buddy_fini(kva_buddy *buddy);
 
 /* Takes a block of the given order, marks its head with state (USED or SLAB) and returns its

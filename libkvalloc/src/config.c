@@ -4,6 +4,7 @@
 #include <string.h>
 
 #include "config.h"
+#include "os.h"
 
 #define MIN_BLOCK_LOW ((size_t)256)
 #define CHUNK_LOW ((size_t)64 << 10)
@@ -27,6 +28,8 @@ void kva_config_init(kva_config *cfg) {
         .lock = 0,
         .pin = 0,
         .trim_watermark = 0,
+        .external = NULL,
+        .shared = 0,
     };
 }
 
@@ -69,9 +72,47 @@ static kva_status validate_backing(const kva_config *cfg) {
                                                                : NULL;
         if (host_only)
             return kva_fail(KVA_ERR_INVALID, "%s applies to host memory; a CUDA pool cannot use it", host_only);
-    } else if (cfg->trim_watermark) {
+    } else if (cfg->trim_watermark && !cfg->external) {
         return kva_fail(KVA_ERR_INVALID, "trim_watermark applies to CUDA pools; host memory is never unmapped");
     }
+    if (cfg->shared && cfg->backend != KVA_BACKEND_HOST)
+        return kva_fail(KVA_ERR_INVALID, "shared applies to host memory; a CUDA pool cannot use it");
+    return KVA_OK;
+}
+
+/* An external range (kva_config.external): what does not apply to memory the library never
+ * touches, the page rule, and the slab chunk the base's alignment allows. *chunk is the slab
+ * size the config asked for, or 0 for automatic; it comes back as the one to use. */
+static kva_status validate_external(const kva_config *cfg, size_t *chunk) {
+    const char *not_here = cfg->pages != KVA_PAGES_AUTO ? "pages"
+                           : cfg->prefault              ? "prefault"
+                           : cfg->lock                  ? "lock"
+                           : cfg->pin                   ? "pin"
+                           : cfg->numa_node >= 0        ? "numa_node"
+                           : cfg->trim_watermark        ? "trim_watermark"
+                           : cfg->checked               ? "checked"
+                           : cfg->shared                ? "shared"
+                                                        : NULL;
+    if (not_here)
+        return kva_fail(KVA_ERR_INVALID, "%s does not apply to an external range: its memory is the caller's",
+                        not_here);
+    uintptr_t base = (uintptr_t)cfg->external;
+    size_t page = kva_os_page_size();
+    if (cfg->capacity % page)
+        return kva_fail(KVA_ERR_INVALID, "external range of %zu bytes is not a multiple of the %zu-byte page",
+                        cfg->capacity, page);
+    if (base + cfg->capacity < base)
+        return kva_fail(KVA_ERR_INVALID, "external range at %p of %zu bytes wraps around the address space",
+                        cfg->external, cfg->capacity);
+    size_t aligned = (size_t)1 << kva_ctz64(base);
+    size_t want = *chunk ? *chunk : auto_chunk(cfg->capacity, cfg->min_block);
+    if (!*chunk && want > aligned) want = aligned > cfg->min_block ? aligned : cfg->min_block;
+    if (base % page || aligned < CHUNK_LOW || aligned < want)
+        return kva_fail(KVA_ERR_INVALID,
+                        "external base %p is not a multiple of the slab chunk (%zu bytes; at least 64 KiB, and "
+                        "of the %zu-byte page)",
+                        cfg->external, want < CHUNK_LOW ? CHUNK_LOW : want, page);
+    *chunk = want;
     return KVA_OK;
 }
 
@@ -80,7 +121,13 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     if (!kva_is_pow2(cfg->min_block) || cfg->min_block < MIN_BLOCK_LOW || cfg->min_block > KVA_MIN_BLOCK_MAX)
         return kva_fail(KVA_ERR_INVALID, "min_block %zu is not a power of two in [%zu, %zu]", cfg->min_block,
                         MIN_BLOCK_LOW, KVA_MIN_BLOCK_MAX);
-    size_t chunk = cfg->slab_chunk ? cfg->slab_chunk : auto_chunk(cfg->capacity, cfg->min_block);
+    size_t chunk = cfg->slab_chunk;
+    if (cfg->external) {
+        kva_status st = validate_external(cfg, &chunk);
+        if (st != KVA_OK) return st;
+    } else if (!chunk) {
+        chunk = auto_chunk(cfg->capacity, cfg->min_block);
+    }
     if (!kva_is_pow2(chunk) || chunk < CHUNK_LOW || chunk > KVA_SLAB_CHUNK_MAX)
         return kva_fail(KVA_ERR_INVALID, "slab_chunk %zu is not a power of two in [%zu, %zu]", chunk, CHUNK_LOW,
                         KVA_SLAB_CHUNK_MAX);
@@ -106,5 +153,11 @@ kva_status kva_config_validate(const kva_config *cfg, kva_geometry *out) {
     out->nblocks = (uint32_t)nblocks;
     out->capacity = nblocks << min_shift;
     out->chunk_shift = kva_log2(chunk);
+    out->num_orders = kva_log2((uint32_t)nblocks) + 1;
+    if (cfg->external) {
+        /* P1: the largest block divides the base. validate_external saw it holds a slab. */
+        unsigned base_orders = kva_ctz64((uintptr_t)cfg->external) - min_shift + 1;
+        if (base_orders < out->num_orders) out->num_orders = base_orders;
+    }
     return KVA_OK;
 }

@@ -16,6 +16,9 @@ typedef struct kva_geometry {
     uint32_t nblocks; /* minimum blocks */
     unsigned min_shift;
     unsigned chunk_shift;
+    /* buddy orders: log2(nblocks) + 1, fewer for an external range whose base is aligned to less
+     * than the largest block that would fit (pool.h, P1) */
+    unsigned num_orders;
 } kva_geometry;
 
 /* Checks every field of cfg; KVA_ERR_INVALID naming the first bad one, else fills *out. */

@@ -35,11 +35,13 @@ static void prepare(void) {
         for (unsigned a = 0; a < p->slabs.narenas; a++) pthread_mutex_lock(&p->slabs.arenas[a].lock);
         pthread_mutex_lock(&p->lock);
     }
-    kva_segments_lock(); /* leaves: nothing is taken under either */
+    kva_segments_lock(); /* leaves: nothing is taken under any of them */
     kva_lock_flags_lock();
+    kva_external_registry_lock();
 }
 
 static void release_all(void) {
+    kva_external_registry_unlock();
     kva_lock_flags_unlock();
     kva_segments_unlock();
     for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {

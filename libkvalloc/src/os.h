@@ -104,6 +104,33 @@ kva_status kva_os_shm_create(const char *name, size_t length, kva_os_shm_own_fn 
 void kva_os_shm_unlink(const char *name);
 void kva_os_close(int fd);
 
+/* ---- shared memory objects (kva_config.shared) ---------------------------------------------
+ * A pool's shared memory is a memfd named "kvalloc.pool" (KVA_OS_SHARED_NAME), of the length
+ * asked for, sealed against growing and shrinking (F_SEAL_GROW | F_SEAL_SHRINK) and against
+ * further seals (F_SEAL_SEAL): a process it is passed to can write the pages but never truncate
+ * them away under the owner's mapping (a SIGBUS there). Nothing is in the file system. */
+#define KVA_OS_SHARED_NAME "kvalloc.pool"
+
+/* Creates the object (hugetlb: of 2 MiB pages, length a multiple of them), close on exec. */
+kva_status kva_os_shared_create(size_t length, int hugetlb, int *fd_out);
+
+/* Replaces [addr, addr+length) of a reservation with the object's first length bytes, shared
+ * and read-write. */
+kva_status kva_os_shared_commit(void *addr, size_t length, int fd);
+
+/* Why a shared (shmem) range gets no transparent huge pages when advised (a phrase), or NULL
+ * if it may: /sys/kernel/mm/transparent_hugepage/shmem_enabled (and its 2 MiB size's own
+ * setting) "never" or "deny", or the process's prctl. */
+const char *kva_os_shmem_thp_unavailable(void);
+
+/* A new close-on-exec descriptor of the same object. */
+kva_status kva_os_shared_dup(int fd, int *out);
+
+/* Maps a descriptor that must be one of these objects: a memfd of that name whose seals are
+ * exactly the three above; anything else is KVA_ERR_INVALID naming what it is, and nothing is
+ * mapped. *addr and *length receive the read-write shared mapping of the whole object. */
+kva_status kva_os_shared_map(int fd, void **addr, size_t *length);
+
 /* Sets the NUMA memory policy of [addr, addr+length) (mbind(2), the raw system call: no libnuma).
  * nodemask holds maxnode bits. Call before the range is first touched. */
 kva_status kva_os_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask, unsigned long maxnode);
@@ -158,7 +185,8 @@ typedef enum kva_os_call {
     KVA_OS_MBIND,       /* kva_os_mbind */
     KVA_OS_LOCK,        /* kva_os_lock */
     KVA_OS_LIBRARY,     /* kva_os_library_open */
-    KVA_OS_SHM          /* kva_os_shm_create */
+    KVA_OS_SHM,         /* kva_os_shm_create */
+    KVA_OS_SHARED       /* kva_os_shared_create and kva_os_shared_commit */
 } kva_os_call;
 
 unsigned kva_os_fail_nth(kva_os_call call, unsigned n, int error);

@@ -24,6 +24,9 @@
 #ifndef MAP_HUGE_2MB
 #define MAP_HUGE_2MB (21 << MAP_HUGE_SHIFT)
 #endif
+#ifndef MFD_HUGE_2MB
+#define MFD_HUGE_2MB MAP_HUGE_2MB /* the memfd flag is the mmap one (linux/memfd.h) */
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif
@@ -393,6 +396,93 @@ void kva_os_close(int fd) {
 }
 
 void kva_os_shm_unlink(const char *name) { shm_unlink(name); }
+
+kva_status kva_os_shared_create(size_t length, int hugetlb, int *fd_out) {
+    unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (hugetlb ? MFD_HUGETLB | MFD_HUGE_2MB : 0);
+    int fd = fails_now(KVA_OS_SHARED) ? -1 : memfd_create(KVA_OS_SHARED_NAME, flags);
+    if (fd < 0)
+        return kva_fail(KVA_ERR_BACKEND, "memfd_create(%s%s): %s", KVA_OS_SHARED_NAME, hugetlb ? ", MFD_HUGETLB" : "",
+                        strerror(errno));
+    if (ftruncate(fd, (off_t)length) != 0) {
+        int err = errno;
+        close(fd);
+        return kva_fail(KVA_ERR_BACKEND, "ftruncate of the shared memory object to %zu bytes: %s", length,
+                        strerror(err));
+    }
+    if (fcntl(fd, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+        int err = errno;
+        close(fd);
+        return kva_fail(KVA_ERR_BACKEND, "sealing the shared memory object: %s", strerror(err));
+    }
+    *fd_out = fd;
+    return KVA_OK;
+}
+
+kva_status kva_os_shared_commit(void *addr, size_t length, int fd) {
+    void *p = fails_now(KVA_OS_SHARED) ? MAP_FAILED
+                                       : mmap(addr, length, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+    if (p == MAP_FAILED)
+        return kva_fail(KVA_ERR_BACKEND, "mmap MAP_SHARED of %zu bytes of the shared memory object: %s", length,
+                        strerror(errno));
+    return KVA_OK;
+}
+
+const char *kva_os_shmem_thp_unavailable(void) {
+    int disabled = prctl(PR_GET_THP_DISABLE, 0, 0, 0, 0);
+    if (disabled > 0 && !(disabled & (1 << 1))) return "disabled for this process (prctl PR_SET_THP_DISABLE)";
+    char line[128];
+    const char *size_setting = thp_setting("/sys/kernel/mm/transparent_hugepage/hugepages-2048kB/shmem_enabled", line,
+                                           sizeof line);
+    const char *setting = size_setting && strncmp(size_setting, "[inherit]", 9) != 0
+                              ? size_setting
+                              : thp_setting("/sys/kernel/mm/transparent_hugepage/shmem_enabled", line, sizeof line);
+    /* Unreadable: a kernel without THP for shmem at all. */
+    if (!setting || strncmp(setting, "[never]", 7) == 0 || strncmp(setting, "[deny]", 6) == 0)
+        return "not given to shared memory (/sys/kernel/mm/transparent_hugepage/shmem_enabled)";
+    return NULL;
+}
+
+kva_status kva_os_shared_dup(int fd, int *out) {
+    int copy = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (copy < 0) return kva_fail(KVA_ERR_BACKEND, "dup of the shared memory descriptor: %s", strerror(errno));
+    *out = copy;
+    return KVA_OK;
+}
+
+/* Whether fd is a memfd named KVA_OS_SHARED_NAME: its /proc link reads
+ * "/memfd:kvalloc.pool (deleted)". */
+static int named_ours(int fd) {
+    char link[64], target[128];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) return 0;
+    target[n] = '\0';
+    static const char want[] = "/memfd:" KVA_OS_SHARED_NAME " (deleted)";
+    return strcmp(target, want) == 0;
+}
+
+kva_status kva_os_shared_map(int fd, void **addr, size_t *length) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) return kva_fail(KVA_ERR_INVALID, "descriptor %d: fstat: %s", fd, strerror(errno));
+    if (!S_ISREG(st.st_mode))
+        return kva_fail(KVA_ERR_INVALID, "descriptor %d is %s, not a kvalloc shared pool", fd, file_kind(st.st_mode));
+    /* F_GET_SEALS fails on anything but a memfd (or other sealable shmem). */
+    int seals = fcntl(fd, F_GET_SEALS);
+    int want = F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL;
+    if (seals != want || !named_ours(fd))
+        return kva_fail(KVA_ERR_INVALID, "descriptor %d is not a kvalloc shared pool (%s)", fd,
+                        seals < 0       ? "not a memfd"
+                        : seals != want ? "its seals are not the pool's"
+                                        : "not named " KVA_OS_SHARED_NAME);
+    if (st.st_size <= 0) return kva_fail(KVA_ERR_INVALID, "descriptor %d is an empty object", fd);
+    size_t size = (size_t)st.st_size;
+    void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED)
+        return kva_fail(KVA_ERR_BACKEND, "mmap of the %zu-byte shared pool: %s", size, strerror(errno));
+    *addr = p;
+    *length = size;
+    return KVA_OK;
+}
 
 kva_status kva_os_mbind(void *addr, size_t length, int mode, const unsigned long *nodemask, unsigned long maxnode) {
     if (fails_now(KVA_OS_MBIND) || syscall(SYS_mbind, addr, length, mode, nodemask, maxnode, 0u) != 0)

@@ -74,7 +74,7 @@ void kva_pool_destroy(kva_pool *pool) {
  * c % narenas: each arena takes the node of the first CPU this process may run on that maps to
  * it (so that under taskset or numactl the arenas follow the CPUs actually used). */
 static void place_arenas(kva_pool *pool, const kva_config *cfg) {
-    if (cfg->backend != KVA_BACKEND_HOST || cfg->numa_node >= 0 || cfg->prefault) return;
+    if (cfg->backend != KVA_BACKEND_HOST || cfg->numa_node >= 0 || cfg->prefault || cfg->external) return;
     if (pool->region.page_kind == KVA_PAGE_KIND_HUGETLB && (pool->slabs.chunk_mask + 1) % KVA_HUGE_PAGE_SIZE) return;
     if (!kva_numa_arenas_wanted()) return;
     unsigned cpus[1024], count = kva_cpu_allowed(cpus, 1024), n = pool->slabs.narenas;
@@ -146,7 +146,7 @@ kva_status kva_pool_make(const kva_config *cfg, kva_pool **out) {
 
     pool->uid = __atomic_add_fetch(&next_uid, 1, __ATOMIC_RELAXED);
     pthread_mutex_init(&pool->lock, NULL);
-    st = kva_buddy_init(&pool->buddy, geo.nblocks, geo.min_shift);
+    st = kva_buddy_init(&pool->buddy, geo.nblocks, geo.min_shift, geo.num_orders);
     if (st != KVA_OK) goto fail_pool;
     pool->max_alloc_size = (size_t)1 << (geo.min_shift + pool->buddy.num_orders - 1);
     size_t chunk = (size_t)1 << geo.chunk_shift;

@@ -10,9 +10,11 @@ size_t kva_pool_range_unit(kva_pool *pool) {
     /* Prefaulted memory was promised to stay; locked or pinned host memory cannot be discarded;
      * a checked pool's free bytes must keep their poison; hugetlb pages were reserved up front
      * on purpose, and a discarded one may not come back (the reservation is not restored on
-     * every kernel: a later touch would be a SIGBUS, not an error). */
+     * every kernel: a later touch would be a SIGBUS, not an error); an external range is the
+     * caller's, never the library's to give back; a shared object's pages stay while another
+     * process maps them (MADV_DONTNEED would only unmap them here). */
     if (pool->config.prefault || pool->region.locked || pool->region.pinned || pool->checked ||
-        pool->region.page_kind == KVA_PAGE_KIND_HUGETLB)
+        pool->region.page_kind == KVA_PAGE_KIND_HUGETLB || pool->region.external || pool->region.shared_fd >= 0)
         return 0;
     return pool->region.page_size;
 }

@@ -4,12 +4,14 @@
 #include "region.h"
 
 kva_status kva_region_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out) {
+    if (cfg->external) return kva_region_external_create(cfg, length, alignment, out);
     return cfg->backend == KVA_BACKEND_CUDA ? kva_region_cuda_create(cfg, length, alignment, out)
                                             : kva_region_host_create(cfg, length, alignment, out);
 }
 
 void kva_region_destroy(kva_region *region) {
-    if (region->device) kva_region_cuda_destroy(region);
+    if (region->external) kva_region_external_destroy(region);
+    else if (region->device) kva_region_cuda_destroy(region);
     else kva_region_host_destroy(region);
 }
 

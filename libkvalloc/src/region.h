@@ -1,6 +1,9 @@
 /*
  * region.h — the backing memory of a pool: one contiguous range of addresses, aligned, either
- * host memory (region_host.c) or the memory of one GPU (region_cuda.c).
+ * host memory (region_host.c: private, or a shared memory object another process can map), the
+ * memory of one GPU (region_cuda.c), or a range of either that the caller owns
+ * (region_external.c: created and destroyed without touching the range, and no commit, decommit
+ * or trim does anything to it).
  *
  * The pool sees one interface whatever backs it:
  *   create     reserves the whole range; host memory is backed at once (the page-size fallback
@@ -33,6 +36,10 @@ typedef struct kva_region {
     int locked;              /* host: mlocked */
     kva_cuda_device *pinned; /* host: the GPU whose driver registered the range, or NULL */
     kva_cuda_region *device; /* CUDA: the mapping state; NULL for host memory */
+    /* a range the caller owns: its entry in the process's registry of external ranges; NULL
+     * otherwise */
+    struct kva_external_range *external;
+    int shared_fd; /* host: the shared memory object's descriptor, -1 for private memory */
 } kva_region;
 
 /* Reserves at least length bytes aligned to alignment and backs them as cfg says (backend,
@@ -43,6 +50,13 @@ void kva_region_destroy(kva_region *region);
 
 kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
 void kva_region_host_destroy(kva_region *region);
+/* [cfg->external, + length): checked against the other live external ranges and registered;
+ * KVA_ERR_INVALID if it overlaps one. Nothing in the range is touched. */
+kva_status kva_region_external_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
+void kva_region_external_destroy(kva_region *region);
+/* The registry's lock, a leaf taken around fork (fork.c). */
+void kva_external_registry_lock(void);
+void kva_external_registry_unlock(void);
 kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
 void kva_region_cuda_destroy(kva_region *region);
 

@@ -304,7 +304,8 @@ kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t a
                         .page_kind = KVA_PAGE_KIND_DEVICE,
                         .page_size = granule_size(r),
                         .numa_node = -1,
-                        .device = r};
+                        .device = r,
+                        .shared_fd = -1};
     return KVA_OK;
 }
 

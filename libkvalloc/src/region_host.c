@@ -1,6 +1,9 @@
 /*
  * region_host.c — host memory for a pool: the huge-page fallback chain, then NUMA binding,
  * first-touch faults, mlock and registration with the CUDA driver, each as the config asks.
+ * The memory is private, or (kva_config.shared) a shared memory object mapped over the same
+ * reservation, made anew for each page kind the chain tries (a hugetlb memfd, or a normal one
+ * advised for transparent huge pages or not).
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +20,14 @@ static size_t round_up(size_t value, size_t multiple) { return (value + multiple
  * page) is counted by the kernel at once (KVA_OS_CHARGED). */
 static kva_status commit_kind(const kva_config *cfg, unsigned char *base, size_t length, kva_page_kind kind) {
     kva_os_backing backing = cfg->prefault || cfg->lock || cfg->pin ? KVA_OS_CHARGED : KVA_OS_LAZY;
+    if (kind == KVA_PAGE_KIND_THP && cfg->shared) {
+        /* Whether a shared object gets huge pages is shmem's own setting. */
+        kva_status st = kva_os_advise_thp(base, length);
+        if (st != KVA_OK) return st;
+        const char *why = kva_os_shmem_thp_unavailable();
+        return why ? kva_fail(KVA_ERR_BACKEND, "transparent huge pages are %s", why) : KVA_OK;
+    }
+    if (cfg->shared) return KVA_OK; /* base pages or hugetlb: the object's own, mapped already */
     switch (kind) {
     case KVA_PAGE_KIND_HUGETLB: return kva_os_commit(base, length, KVA_OS_HUGETLB);
     case KVA_PAGE_KIND_THP: {
@@ -24,7 +35,8 @@ static kva_status commit_kind(const kva_config *cfg, unsigned char *base, size_t
         return st == KVA_OK ? kva_os_advise_thp(base, length) : st;
     }
     case KVA_PAGE_KIND_SMALL: return kva_os_commit(base, length, backing);
-    case KVA_PAGE_KIND_DEVICE: break;
+    case KVA_PAGE_KIND_DEVICE:
+    case KVA_PAGE_KIND_EXTERNAL: break;
     }
     return kva_fail(KVA_ERR_INVALID, "unknown page kind %d", (int)kind);
 }
@@ -42,10 +54,26 @@ static size_t mapped_length(size_t length, kva_page_kind kind) {
     return round_up(length, kind == KVA_PAGE_KIND_HUGETLB ? KVA_HUGE_PAGE_SIZE : kva_os_page_size());
 }
 
+/* A shared region's object for one attempt of the chain, mapped over the reservation: hugetlb
+ * pages or normal ones (which commit_kind then advises for transparent huge pages or not). */
+static kva_status map_shared(void *reserved, size_t mapped, kva_page_kind kind, int *fd_out) {
+    int fd;
+    kva_status st = kva_os_shared_create(mapped, kind == KVA_PAGE_KIND_HUGETLB, &fd);
+    if (st != KVA_OK) return st;
+    st = kva_os_shared_commit(reserved, mapped, fd);
+    if (st != KVA_OK) {
+        kva_os_close(fd);
+        return st;
+    }
+    *fd_out = fd;
+    return KVA_OK;
+}
+
 /* One attempt of the chain: reserve, commit with `kind`, bind, prefault. On failure nothing
- * stays mapped; *fall_through says whether the next page kind may still succeed. */
+ * stays mapped or open; *fall_through says whether the next page kind may still succeed.
+ * *fd_out: the shared object's descriptor, -1 for private memory. */
 static kva_status map_kind(const kva_config *cfg, size_t length, size_t alignment, kva_page_kind kind,
-                           unsigned char **out, int *fall_through) {
+                           unsigned char **out, int *fd_out, int *fall_through) {
     /* A fresh reservation per attempt: a failed MAP_FIXED may already have discarded part of the
      * range it was meant to replace, so a reservation is never reused after one. */
     void *reserved;
@@ -54,7 +82,9 @@ static kva_status map_kind(const kva_config *cfg, size_t length, size_t alignmen
     kva_status st = kva_os_reserve(mapped, alignment, &reserved);
     if (st != KVA_OK) return st;
     *fall_through = 1;
-    st = commit_kind(cfg, reserved, mapped, kind);
+    int fd = -1;
+    if (cfg->shared) st = map_shared(reserved, mapped, kind, &fd);
+    if (st == KVA_OK) st = commit_kind(cfg, reserved, mapped, kind);
     /* The policy is set before anything touches the memory, so every page obeys it. A refusal
      * is no matter of page size: the chain stops. */
     if (st == KVA_OK && cfg->numa_node >= 0) {
@@ -64,9 +94,11 @@ static kva_status map_kind(const kva_config *cfg, size_t length, size_t alignmen
     if (st == KVA_OK && cfg->prefault) st = kva_os_populate(reserved, mapped);
     if (st != KVA_OK) {
         kva_os_unmap(reserved, mapped);
+        kva_os_close(fd);
         return st;
     }
     *out = reserved;
+    *fd_out = fd;
     return KVA_OK;
 }
 
@@ -88,9 +120,10 @@ kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t a
      * page; the pool still manages exactly its capacity. */
     if (alignment < KVA_HUGE_PAGE_SIZE) alignment = KVA_HUGE_PAGE_SIZE;
     unsigned char *base = NULL;
+    int fd = -1;
     size_t i = first;
     for (int fall_through = 1; i <= last; i++) {
-        st = map_kind(cfg, length, alignment, chain[i], &base, &fall_through);
+        st = map_kind(cfg, length, alignment, chain[i], &base, &fd, &fall_through);
         if (st == KVA_OK || !fall_through) break;
     }
     if (st != KVA_OK) return st;
@@ -101,7 +134,8 @@ kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t a
                          .backend = KVA_BACKEND_HOST,
                          .page_kind = chain[i],
                          .page_size = page_size_of(chain[i]),
-                         .numa_node = cfg->numa_node};
+                         .numa_node = cfg->numa_node,
+                         .shared_fd = fd};
     if (cfg->lock) {
         st = kva_os_lock(base, mapped);
         if (st != KVA_OK) goto fail;
@@ -132,6 +166,7 @@ kva_status kva_region_host_create(const kva_config *cfg, size_t length, size_t a
 
 fail:
     kva_os_unmap(base, mapped);
+    kva_os_close(fd);
     return st;
 }
 
@@ -143,6 +178,8 @@ void kva_region_host_destroy(kva_region *region) {
         region->pinned = NULL;
     }
     kva_os_unmap(region->base, region->length);
+    kva_os_close(region->shared_fd);
+    region->shared_fd = -1;
     region->base = NULL;
     region->length = 0;
 }

@@ -1,7 +1,10 @@
 /*
  * fuzz_pool_config.c — the pool across its configurations, where fuzz_pool keeps one: the
  * input's first bytes choose min_block (256 B .. 16 KiB), slab_chunk (64 .. 256 KiB), one or
- * two arenas, checked mode and a capacity that is no multiple of anything; the rest drives every
+ * two arenas, checked mode, an external range (memory the harness owns, at a base aligned to
+ * 64 KiB .. 2 MiB: refused when its rules are broken, and a second pool over it always refused)
+ * and a capacity that is no multiple of anything (rounded to pages for most external ranges);
+ * the rest drives every
  * allocation entry point (kva_alloc_array with overflowing counts too), frees of live, stale,
  * interior and foreign pointers, red-zone overruns in checked pools, kva_walk, kva_trim,
  * kva_thread_flush and the class statistics, against a model of the live allocations.
@@ -16,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "fuzz_input.h"
 #include "kvalloc.h"
@@ -110,6 +114,21 @@ static kva_status allocate(kva_pool *pool, unsigned how, input *in, size_t *want
     }
 }
 
+#define EXTERNAL_SPAN ((size_t)8 << 20)
+
+/* The harness's own memory for external pools: 2 MiB aligned, mapped once for the run. */
+static unsigned char *external_memory(void) {
+    static unsigned char *memory;
+    if (!memory) {
+        size_t align = (size_t)2 << 20;
+        unsigned char *raw = mmap(NULL, EXTERNAL_SPAN + align, PROT_READ | PROT_WRITE,
+                                  MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+        if (raw == MAP_FAILED) abort();
+        memory = (unsigned char *)(((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1));
+    }
+    return memory;
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     input in = {data, size, 0};
     kva_config cfg;
@@ -122,11 +141,24 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     cfg.capacity = ((size_t)1 << 20) * (1 + next_byte(&in) % 4) + (size_t)(next_byte(&in) % 8) * 256 +
                    next_byte(&in) % 3;
     cfg.pages = KVA_PAGES_SMALL;
+    int external = choice >> 7;
+    if (external) {
+        unsigned where = next_byte(&in);
+        cfg.pages = KVA_PAGES_AUTO;
+        cfg.slab_chunk = where & 1 ? 0 : cfg.slab_chunk; /* automatic: follows the base */
+        cfg.external = external_memory() + ((size_t)64 << 10) * ((where >> 1) % 32);
+        if ((where >> 6) != 0) cfg.capacity &= ~(size_t)4095;
+    }
     kva_pool *pool;
     kva_status created = kva_pool_create(&cfg, &pool);
     if (created != KVA_OK) {
         ORACLE(created == KVA_ERR_INVALID);
+        ORACLE(!external || cfg.checked || cfg.capacity % 4096 || cfg.slab_chunk);
         return 0;
+    }
+    if (external) {
+        kva_pool *twin = (kva_pool *)0x1;
+        ORACLE(kva_pool_create(&cfg, &twin) == KVA_ERR_INVALID && twin == (kva_pool *)0x1);
     }
     void *b;
     kva_pool_base(pool, &b);

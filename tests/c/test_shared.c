@@ -1,0 +1,293 @@
+/*
+ * test_shared.c — host pools in a shared memory object (kva_config.shared). Two real
+ * processes: the owner allocates and writes, then passes the pool's descriptor over a Unix socket
+ * (SCM_RIGHTS) to a second process, this test executed anew (so it inherits nothing but the
+ * socket), which attaches, reads the owner's bytes at its own address and writes its answer
+ * into another block, which the owner then reads. Also: the seals that keep an attacher from
+ * shrinking the memory under the owner, every descriptor that is not a kvalloc shared pool
+ * refused with nothing mapped, the page choices, fault injection on the memfd path, and what
+ * does not apply (CUDA, external, a pool that is not shared).
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include "check.h"
+#include "os.h"
+#include "pool_fingerprint.h"
+
+#define MiB ((size_t)1 << 20)
+
+typedef struct handoff {
+    uint64_t read_offset, write_offset, length;
+    uintptr_t owner_base;
+} handoff;
+
+static void send_fd(int sock, int fd, const handoff *h) {
+    char control[CMSG_SPACE(sizeof(int))];
+    memset(control, 0, sizeof control);
+    struct iovec iov = {.iov_base = (void *)h, .iov_len = sizeof *h};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(c), &fd, sizeof fd);
+    REQUIRE(sendmsg(sock, &msg, 0) == (ssize_t)sizeof *h);
+}
+
+static int receive_fd(int sock, handoff *h) {
+    char control[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {.iov_base = h, .iov_len = sizeof *h};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
+    REQUIRE(recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) == (ssize_t)sizeof *h);
+    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+    REQUIRE(c && c->cmsg_type == SCM_RIGHTS);
+    int fd;
+    memcpy(&fd, CMSG_DATA(c), sizeof fd);
+    return fd;
+}
+
+/* The second process: attaches, checks the owner's pattern, answers with its own. */
+static int attacher(int sock) {
+    hang_guard("the attaching process", HANG_GUARD_SECONDS);
+    handoff h;
+    int fd = receive_fd(sock, &h);
+    kva_shared_map *map = NULL;
+    CHECK_STATUS(kva_shared_attach(fd, &map), KVA_OK);
+    REQUIRE(map);
+    /* The descriptor reached this process sealed: it cannot shrink the memory under the owner. */
+    CHECK(ftruncate(fd, 4096) != 0 && errno == EPERM);
+    close(fd); /* the map does not need it */
+    unsigned char *base = kva_shared_base(map);
+    CHECK(kva_shared_length(map) >= h.read_offset + h.length);
+    CHECK((uintptr_t)base != h.owner_base); /* its own address: a fresh process maps where it may */
+    size_t wrong = 0;
+    for (size_t i = 0; i < h.length; i++) wrong += base[h.read_offset + i] != (unsigned char)(i * 7 + 1);
+    CHECK(wrong == 0);
+    for (size_t i = 0; i < h.length; i++) base[h.write_offset + i] = (unsigned char)(i * 3 + 5);
+    char byte = 1;
+    REQUIRE(write(sock, &byte, 1) == 1);
+    kva_shared_detach(map);
+    return CHECK_DONE();
+}
+
+static void test_two_processes(const char *self) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 64 * MiB;
+    cfg.shared = 1;
+    cfg.name = "shared-test";
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    REQUIRE(pool);
+    unsigned char *base = NULL;
+    CHECK_STATUS(kva_pool_base(pool, (void **)&base), KVA_OK);
+    size_t length = 3 * MiB + 123;
+    unsigned char *mine = NULL, *theirs = NULL;
+    CHECK_STATUS(kva_alloc(pool, length, (void **)&mine), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, length, (void **)&theirs), KVA_OK);
+    for (size_t i = 0; i < length; i++) mine[i] = (unsigned char)(i * 7 + 1);
+
+    int fd = -1;
+    CHECK_STATUS(kva_pool_shared_fd(pool, &fd), KVA_OK);
+    REQUIRE(fd >= 0);
+    CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
+    /* The seals hold for whoever has the descriptor. */
+    CHECK(ftruncate(fd, 4096) != 0 && errno == EPERM);
+    CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE) != 0);
+
+    int socks[2];
+    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, socks) == 0);
+    fflush(stderr);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        close(socks[0]);
+        char arg[16];
+        snprintf(arg, sizeof arg, "%d", socks[1]);
+        execl(self, self, "--attach", arg, (char *)NULL);
+        _exit(127);
+    }
+    close(socks[1]);
+    handoff h = {.read_offset = (uint64_t)(mine - base),
+                 .write_offset = (uint64_t)(theirs - base),
+                 .length = length,
+                 .owner_base = (uintptr_t)base};
+    send_fd(socks[0], fd, &h);
+    close(fd);
+    char byte = 0;
+    CHECK(read(socks[0], &byte, 1) == 1 && byte == 1);
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    close(socks[0]);
+    size_t wrong = 0;
+    for (size_t i = 0; i < length; i++) wrong += theirs[i] != (unsigned char)(i * 3 + 5);
+    CHECK(wrong == 0);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
+/* An attached map outlives the owner's pool: the object lives while a mapping does. */
+static void test_map_outlives_pool(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 4 * MiB;
+    cfg.shared = 1;
+    cfg.pages = KVA_PAGES_SMALL;
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    REQUIRE(pool);
+    unsigned char *block = NULL;
+    CHECK_STATUS(kva_alloc(pool, 8192, (void **)&block), KVA_OK);
+    void *base = NULL;
+    kva_pool_base(pool, &base);
+    size_t offset = (size_t)(block - (unsigned char *)base);
+    memset(block, 0x3c, 8192);
+    int fd = -1;
+    CHECK_STATUS(kva_pool_shared_fd(pool, &fd), KVA_OK);
+    kva_shared_map *map = NULL;
+    CHECK_STATUS(kva_shared_attach(fd, &map), KVA_OK);
+    close(fd);
+    REQUIRE(map);
+    CHECK(kva_shared_base(map) != base);
+    kva_pool_destroy(pool);
+    unsigned char *seen = (unsigned char *)kva_shared_base(map) + offset;
+    CHECK(seen[0] == 0x3c && seen[8191] == 0x3c);
+    kva_shared_detach(map);
+    kva_shared_detach(NULL);
+    CHECK(kva_shared_base(NULL) == NULL && kva_shared_length(NULL) == 0);
+}
+
+static int open_fds(void) {
+    int n = 0;
+    for (int fd = 0; fd < 1024; fd++) n += fcntl(fd, F_GETFD) >= 0;
+    return n;
+}
+
+static void expect_not_pool(int fd, const char *what) {
+    kva_shared_map *map = (kva_shared_map *)&fd; /* must stay as it is */
+    kva_status st = kva_shared_attach(fd, &map);
+    if (st != KVA_ERR_INVALID || map != (kva_shared_map *)&fd) {
+        fprintf(stderr, "attach to %s: expected KVA_ERR_INVALID, got %d (%s)\n", what, (int)st, kva_last_error());
+        check_failures++;
+    }
+}
+
+static void test_not_a_pool(void) {
+    expect_not_pool(-1, "a negative descriptor");
+    expect_not_pool(1000, "a closed descriptor");
+    int pipes[2];
+    REQUIRE(pipe(pipes) == 0);
+    expect_not_pool(pipes[0], "a pipe");
+    close(pipes[0]);
+    close(pipes[1]);
+    char path[] = "/tmp/kva-test-shared-XXXXXX";
+    int file = mkstemp(path);
+    REQUIRE(file >= 0);
+    unlink(path);
+    REQUIRE(ftruncate(file, 1 << 20) == 0);
+    expect_not_pool(file, "a regular file");
+    close(file);
+    /* A memfd of another name, or of the pool's name without the pool's seals. */
+    int other = memfd_create("not-kvalloc", MFD_ALLOW_SEALING);
+    REQUIRE(other >= 0 && ftruncate(other, 1 << 20) == 0);
+    REQUIRE(fcntl(other, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) == 0);
+    expect_not_pool(other, "a memfd of another name");
+    close(other);
+    int unsealed = memfd_create(KVA_OS_SHARED_NAME, MFD_ALLOW_SEALING);
+    REQUIRE(unsealed >= 0 && ftruncate(unsealed, 1 << 20) == 0);
+    expect_not_pool(unsealed, "an unsealed memfd of the pool's name");
+    close(unsealed);
+    CHECK_STATUS(kva_shared_attach(3, NULL), KVA_ERR_INVALID);
+
+    /* A pool that is not shared has no descriptor; the call changes nothing. */
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 4 * MiB;
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    REQUIRE(pool);
+    void *p = NULL;
+    CHECK_STATUS(kva_alloc(pool, 4096, &p), KVA_OK);
+    snapshot before = take(pool);
+    int fd = 12345;
+    CHECK_STATUS(kva_pool_shared_fd(pool, &fd), KVA_ERR_INVALID);
+    CHECK(fd == 12345);
+    CHECK(unchanged(pool, &before));
+    CHECK_STATUS(kva_pool_shared_fd(pool, NULL), KVA_ERR_INVALID);
+    CHECK_STATUS(kva_pool_shared_fd(NULL, &fd), KVA_ERR_INVALID);
+    kva_pool_destroy(pool);
+
+    /* What a shared pool cannot be. */
+    cfg.shared = 1;
+    cfg.backend = KVA_BACKEND_CUDA;
+    pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_ERR_INVALID);
+    CHECK(pool == NULL);
+}
+
+static void test_pages_and_options(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 8 * MiB;
+    cfg.shared = 1;
+    /* hugetlb: where the machine reserves none, the refusal is the backend's. */
+    cfg.pages = KVA_PAGES_HUGETLB;
+    kva_pool *pool = NULL;
+    kva_status st = kva_pool_create(&cfg, &pool);
+    CHECK(st == KVA_OK || st == KVA_ERR_BACKEND);
+    if (st == KVA_OK) {
+        kva_stats s;
+        kva_get_stats(pool, &s);
+        CHECK(s.page_kind == KVA_PAGE_KIND_HUGETLB);
+        kva_pool_destroy(pool);
+    }
+    /* Transparent huge pages follow shmem's own setting. */
+    cfg.pages = KVA_PAGES_THP;
+    pool = NULL;
+    st = kva_pool_create(&cfg, &pool);
+    CHECK(st == (kva_os_shmem_thp_unavailable() ? KVA_ERR_BACKEND : KVA_OK));
+    kva_pool_destroy(pool);
+    /* Automatic: some kind always works, and prefault and lock apply to the shared pages. */
+    cfg.pages = KVA_PAGES_AUTO;
+    cfg.prefault = 1;
+    pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    if (pool) {
+        kva_stats s;
+        kva_get_stats(pool, &s);
+        CHECK(s.page_kind != KVA_PAGE_KIND_EXTERNAL && s.page_kind != KVA_PAGE_KIND_DEVICE);
+        CHECK_STATUS(kva_check(pool), KVA_OK);
+        kva_pool_destroy(pool);
+    }
+
+    /* The memfd refused, or its mapping: the pool is refused and nothing stays open. */
+    cfg.prefault = 0;
+    cfg.pages = KVA_PAGES_SMALL;
+    int before = open_fds();
+    for (unsigned nth = 1; nth <= 2; nth++) {
+        kva_os_fail_nth(KVA_OS_SHARED, nth, ENOMEM);
+        pool = NULL;
+        CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_ERR_BACKEND);
+        CHECK(pool == NULL);
+        CHECK(kva_os_fail_nth(KVA_OS_ANY, 0, 0) == 0); /* it fired */
+    }
+    CHECK(open_fds() == before);
+}
+
+int main(int argc, char **argv) {
+    if (argc == 3 && strcmp(argv[1], "--attach") == 0) return attacher(atoi(argv[2]));
+    hang_guard("test_shared", HANG_GUARD_SECONDS);
+    test_two_processes("/proc/self/exe");
+    test_map_outlives_pool();
+    test_not_a_pool();
+    test_pages_and_options();
+    return CHECK_DONE();
+}
