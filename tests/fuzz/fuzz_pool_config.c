@@ -15,6 +15,7 @@
  * Checked mode and kva_walk are reached here only: fuzz_pool's single configuration covers
  * neither.
  */
+#define _GNU_SOURCE /* MAP_ANONYMOUS, MAP_NORESERVE */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
