@@ -436,6 +436,8 @@ class KvaLib:
     kva_stats_segment_name: Callable[[Handle], bytes | None] = _plain(c_char_p, _pool)
     kva_pool_shared_fd: Callable[[Handle, Ref], int] = _status(_pool, POINTER(c_int))
     kva_shared_attach: Callable[[int, Ref], int] = _status(c_int, POINTER(_shared))
+    kva_shared_attach_cuda: Callable[[int, int, int, Ref], int] = _status(c_int, c_int, c_size_t,
+                                                                          POINTER(_shared))
     kva_shared_base: Callable[[Handle], int | None] = _plain(c_void_p, _shared)
     kva_shared_length: Callable[[Handle], int] = _plain(c_size_t, _shared)
     kva_shared_detach: Callable[[Handle], None] = _plain(None, _shared)

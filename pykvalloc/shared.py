@@ -50,26 +50,51 @@ class _MappingAnchor:
 
 class SharedMapping(HandleOwner):
     """A shared pool's memory, mapped from the descriptor ``fd`` (which stays the caller's to
-    close: the mapping does not need it)."""
+    close: the mapping does not need it).
 
-    __slots__ = ("_lib", "_base", "_length")
+    ``backend="cuda"`` imports a shared CUDA pool's allocation instead (the owner's
+    ``shared_fd()`` of a ``Pool(backend="cuda", shared=True)``) and maps it for GPU ``device``:
+    ``length`` is the owner's ``stats().mapped_bytes``, and ``base`` is a device address, which
+    ``view()`` refuses as a CUDA pool's allocations do. One allocation is imported at most once
+    per process at a time (``InvalidArgument`` for a second import)."""
+
+    __slots__ = ("_lib", "_base", "_length", "_backend")
 
     _fork_rank = 1
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, *, backend: str = "host", length: int | None = None,
+                 device: int = 0) -> None:
         if isinstance(fd, bool) or not isinstance(fd, int):
             raise TypeError(f"fd must be an int, not {type(fd).__name__}")
         if fd < 0 or fd > 0x7FFFFFFF:
             raise InvalidArgument(f"descriptor {fd} is not a file descriptor")
+        if backend not in ("host", "cuda"):
+            raise InvalidArgument(f"backend {backend!r}: 'host' or 'cuda'")
+        if (length is not None) != (backend == "cuda"):
+            raise InvalidArgument("length is the imported CUDA allocation's, and only for "
+                                  "backend='cuda'")
         lib = _ffi.load()
         handle = c_void_p()
-        lib.kva_shared_attach(fd, byref(handle))
+        if backend == "cuda":
+            if isinstance(device, bool) or not 0 <= device <= 0x7FFFFFFF:
+                raise InvalidArgument(f"device {device} is not a GPU ordinal")
+            if length is None or isinstance(length, bool) or not 0 < length < 1 << 64:
+                raise InvalidArgument(f"length {length} is not a size")
+            lib.kva_shared_attach_cuda(device, fd, length, byref(handle))
+        else:
+            lib.kva_shared_attach(fd, byref(handle))
         if not handle.value:
             raise InvalidArgument("kva_shared_attach returned no map")
         self._own(handle.value, lib.kva_shared_detach)
         self._lib = lib
         self._base = lib.kva_shared_base(handle.value) or 0
         self._length = lib.kva_shared_length(handle.value)
+        self._backend = backend
+
+    @property
+    def backend(self) -> str:
+        """``"host"``, or ``"cuda"`` for an imported CUDA allocation (device addresses)."""
+        return self._backend
 
     def _describe(self) -> str:
         return f"{format_size(self._length)} at {self._base:#x}"
@@ -88,6 +113,9 @@ class SharedMapping(HandleOwner):
              dtype: npt.DTypeLike = np.uint8) -> npt.NDArray[Any]:
         """A writable numpy array over ``nbytes`` bytes at the owner's ``offset``; it keeps the
         mapping alive."""
+        if self._backend == "cuda":
+            raise InvalidArgument(f"{self!r} is GPU memory, which the CPU cannot access: copy "
+                                  "it with the CUDA API, or wrap the address in a GPU array")
         dt = np.dtype(dtype)
         if dt.hasobject or dt.itemsize == 0:
             raise InvalidArgument(f"dtype {dt} cannot view raw memory")

@@ -21,7 +21,12 @@ It checks, in order:
      at creation; with ``trim_watermark`` a free unmaps what lies idle beyond it by itself; a
      host pool pinned for the device (``pin=True``, cuMemHostRegister) copies to and from a
      device allocation intact;
-  6. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
+  6. a shared pool (``Pool(backend="cuda", shared=True)``): its allocation exported as a POSIX
+     file descriptor (GPUDirect RDMA capable where the device says so), passed over a Unix
+     socket to a second process (this script again, ``--import-shared``), which imports it at
+     its own device address (``SharedMapping(fd, backend="cuda")``), reads back the pattern the
+     owner wrote and writes its own, which the owner then reads: both see the same device bytes;
+  7. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
      pays the same call overhead (the ctypes floor is reported beside them): for each size, the
      first call (which maps device memory for kvalloc) and the median and p99 of warm calls.
 It prints a short report, then one line of JSON (``{"gpu_check": ...}``) for the record.
@@ -40,7 +45,9 @@ import argparse
 import ctypes
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import time
 from ctypes import POINTER, byref, c_char, c_int, c_size_t, c_uint, c_ulonglong, c_void_p
@@ -94,6 +101,7 @@ class Driver:
             "cuMemFree_v2": [CUdeviceptr],
             "cuMemcpyHtoD_v2": [CUdeviceptr, c_void_p, c_size_t],
             "cuMemcpyDtoH_v2": [c_void_p, CUdeviceptr, c_size_t],
+            "cuDeviceGetAttribute": [POINTER(c_int), c_int, c_int],
         }
         for name, argtypes in signatures.items():
             function = getattr(self.lib, name)
@@ -230,6 +238,71 @@ def other_mappings(driver: Driver, device: int, granularity: int) -> dict[str, A
     return result
 
 
+RDMA_WITH_VMM_ATTRIBUTE = 110  # CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+SHARED_BYTES = 4 * MiB
+
+
+def shared_pattern(seed: int) -> bytes:
+    return (np.arange(SHARED_BYTES, dtype=np.uint64) * seed + 1).astype(np.uint8).tobytes()
+
+
+def shared_pool(driver: Driver, device: int) -> dict[str, Any]:
+    """Step 6: one shared CUDA pool, its allocation imported by a second process."""
+    rdma = c_int()
+    rdma_known = driver.cuDeviceGetAttribute(byref(rdma), RDMA_WITH_VMM_ATTRIBUTE, driver.device) == 0
+    with pykvalloc.Pool(64 * MiB, backend="cuda", device=device, shared=True) as pool:
+        mapped = pool.stats().mapped_bytes
+        check(mapped >= pool.capacity, "a shared CUDA pool does not map its capacity at creation")
+        block = pool.alloc(SHARED_BYTES)
+        written = shared_pattern(7)
+        driver.call("cuMemcpyHtoD", block.address, written, SHARED_BYTES)
+        fd = pool.shared_fd()
+        parent, child = socket.socketpair()
+        try:
+            worker = subprocess.Popen(
+                [sys.executable, __file__, "--device", str(device), "--import-shared",
+                 str(child.fileno())], pass_fds=[child.fileno()], stderr=subprocess.PIPE, text=True)
+            child.close()
+            socket.send_fds(parent, [f"{block.offset} {mapped} {pool.base}".encode()], [fd])
+            parent.settimeout(120)  # a bound against a hang, never a measure
+            answer = parent.recv(64).decode()
+            _, errors = worker.communicate(timeout=120)
+        finally:
+            os.close(fd)
+            parent.close()
+        check(worker.returncode == 0, f"the importing process failed: {errors.strip()}")
+        imported_base = int(answer)
+        seen = ctypes.create_string_buffer(SHARED_BYTES)
+        driver.call("cuMemcpyDtoH", seen, block.address, SHARED_BYTES)
+        check(seen.raw == shared_pattern(3), "the owner does not see what the importer wrote")
+        pool.free(block)
+        pool.check()
+    return {"bytes": SHARED_BYTES, "owner_base": hex(pool.base), "importer_base": hex(imported_base),
+            "rdma_with_vmm": bool(rdma.value) if rdma_known else None}
+
+
+def import_shared(device: int, sock_fd: int) -> int:
+    """The second process of step 6: import, compare, answer with its own pattern."""
+    driver = Driver(device)
+    try:
+        sock = socket.socket(fileno=sock_fd)
+        message, fds, _, _ = socket.recv_fds(sock, 256, 1)
+        offset, mapped, owner_base = (int(x) for x in message.decode().split())
+        with pykvalloc.SharedMapping(fds[0], backend="cuda", length=mapped, device=device) as mapping:
+            os.close(fds[0])
+            seen = ctypes.create_string_buffer(SHARED_BYTES)
+            driver.call("cuMemcpyDtoH", seen, mapping.base + offset, SHARED_BYTES)
+            check(seen.raw == shared_pattern(7), "the importer does not see the owner's bytes")
+            driver.call("cuMemcpyHtoD", mapping.base + offset, shared_pattern(3), SHARED_BYTES)
+            sock.sendall(str(mapping.base).encode())
+        return 0
+    except (CheckFailed, pykvalloc.KvallocError) as exc:
+        print(f"import: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        driver.close()
+
+
 def percentile(samples: list[int], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
@@ -354,6 +427,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               "device_free_gain": gained}
 
         report["other_mappings"] = other_mappings(driver, args.device, granularity)
+        report["shared"] = shared_pool(driver, args.device)
         sizes = [256, 64 << 10, 2 * MiB, 64 * MiB] if not args.quick else [256, 2 * MiB]
         report["latency"] = latency(driver, args.capacity, args.device, sizes, args.iterations,
                                     deadline)
@@ -377,6 +451,10 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"prefault maps {other['prefault_mapped'] >> 20} MiB at creation; with a watermark "
           f"{other['watermark_idle_mapped'] >> 10} KiB stay mapped once freed; "
           f"{other['pinned_copy_bytes'] >> 20} MiB copied through pinned host memory")
+    shared = report["shared"]
+    rdma = {True: "RDMA capable", False: "no RDMA with VMM", None: "RDMA unknown"}[shared["rdma_with_vmm"]]
+    print(f"shared pool: {shared['bytes'] >> 20} MiB written by the owner at {shared['owner_base']} "
+          f"read by a second process at {shared['importer_base']}, and back ({rdma})")
     trim = report["trim"]
     print(f"trim: {trim['mapped_before'] >> 20} MiB mapped -> {trim['mapped_after']}; "
           f"device free memory +{trim['device_free_gain'] >> 20} MiB")
@@ -401,7 +479,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=1000,
                         help="timed alloc/free pairs per size and allocator")
     parser.add_argument("--quick", action="store_true", help="small sizes, 30 s budget")
+    parser.add_argument("--import-shared", type=int, metavar="SOCKET_FD", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.import_shared is not None:
+        return import_shared(args.device, args.import_shared)
     if args.quick:
         args.capacity = min(args.capacity, 256 * MiB)
         args.iterations = min(args.iterations, 50)

@@ -209,14 +209,19 @@ typedef struct kva_config {
      * kva_stats reports page_kind KVA_PAGE_KIND_EXTERNAL and mapped_bytes the whole range.
      * Default NULL: the library maps the memory itself */
     void *external;
-    /* host: the region is a shared memory object (a memfd, sealed against growing and shrinking)
-     * instead of private memory, with the same page choices (hugetlb memfd, transparent huge
-     * pages where /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them, base pages),
-     * NUMA binding, prefault, lock and pin. kva_pool_shared_fd exports a descriptor of it, which
-     * another process passes to kva_shared_attach to map the same memory at its own address: the
-     * blocks are the same at the same offsets. Allocation stays with the owning process (the
-     * metadata is its own); attached processes read and write the contents of blocks the owner
-     * told them about, by offset. Not with CUDA pools or external. Default 0 */
+    /* Memory another process can map. Host: the region is a shared memory object (a memfd,
+     * sealed against growing and shrinking) instead of private memory, with the same page
+     * choices (hugetlb memfd, transparent huge pages where
+     * /sys/kernel/mm/transparent_hugepage/shmem_enabled allows them, base pages), NUMA binding,
+     * prefault, lock and pin. CUDA: the whole capacity is one allocation made shareable by POSIX
+     * file descriptor (and GPUDirect RDMA capable where the device reports
+     * CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED), mapped at creation and for the
+     * pool's life as with prefault; KVA_ERR_BACKEND where the driver or device cannot share.
+     * kva_pool_shared_fd exports a descriptor, which another process passes to
+     * kva_shared_attach (host) or kva_shared_attach_cuda to map the same memory at its own
+     * address: the blocks are the same at the same offsets. Allocation stays with the owning
+     * process (the metadata is its own); attached processes read and write the contents of
+     * blocks the owner told them about, by offset. Not with external. Default 0 */
     int shared;
 } kva_config;
 
@@ -345,12 +350,15 @@ KVA_API kva_status kva_pool_base(kva_pool *pool, void **base);
 /* Memory shared with other processes (kva_config.shared)                                      */
 /* ------------------------------------------------------------------------------------------ */
 
-/* A new descriptor (close on exec) of a shared pool's memory object, for another process: send
- * it over a Unix socket (SCM_RIGHTS) or let a child inherit it; the caller closes it. The object
- * is sealed (F_SEAL_GROW, F_SEAL_SHRINK, F_SEAL_SEAL): whoever holds the descriptor can read and
- * write the pool's memory but can never shrink it under the pool (a SIGBUS in the owner) or
- * grow it. Errors: KVA_ERR_INVALID (NULL pool or fd, a pool that is not shared), KVA_ERR_BACKEND
- * (no descriptor left: dup refused). */
+/* A new descriptor (close on exec) of a shared pool's memory, for another process: send it over
+ * a Unix socket (SCM_RIGHTS) or let a child inherit it; the caller closes it. For a host pool it
+ * is the memory object, sealed (F_SEAL_GROW, F_SEAL_SHRINK, F_SEAL_SEAL): whoever holds the
+ * descriptor can read and write the pool's memory but can never shrink it under the pool (a
+ * SIGBUS in the owner) or grow it; the other process passes it to kva_shared_attach. For a CUDA
+ * pool it is the allocation exported by the driver (cuMemExportToShareableHandle, a POSIX file
+ * descriptor), for kva_shared_attach_cuda. Errors: KVA_ERR_INVALID (NULL pool or fd, a pool that
+ * is not shared), KVA_ERR_BACKEND (no descriptor left: dup refused; the driver refused the
+ * export, or the pool is a forked child's copy). */
 KVA_API kva_status kva_pool_shared_fd(kva_pool *pool, int *fd);
 
 /* A shared pool's memory mapped in this process. */
@@ -366,6 +374,18 @@ typedef struct kva_shared_map kva_shared_map;
  * it seals them; nothing is mapped), KVA_ERR_BACKEND (fstat or mmap refused), KVA_ERR_NOMEM (no
  * host memory for the map record). */
 KVA_API kva_status kva_shared_attach(int fd, kva_shared_map **out);
+
+/* As kva_shared_attach, for a shared CUDA pool (kva_config.shared with KVA_BACKEND_CUDA): fd is
+ * the allocation's exported handle (kva_pool_shared_fd in the owner), imported with the driver
+ * and mapped read-write for GPU `device` at a device address of this process; length is the
+ * owner's kva_stats.mapped_bytes (the whole allocation). The caller may close fd once this
+ * returns. One allocation is imported at most once per process at a time. Errors:
+ * KVA_ERR_INVALID (NULL out, a negative fd or device, a descriptor that is not open, one this
+ * process imported already and has not detached, a length that is no positive multiple of the
+ * device's granularity, a descriptor the driver does not take as a shareable allocation: nothing
+ * is imported), KVA_ERR_BACKEND (no driver or GPU, no shareable handles in the driver, the
+ * reservation or the mapping refused), KVA_ERR_NOMEM (host memory for the record). */
+KVA_API kva_status kva_shared_attach_cuda(int device, int fd, size_t length, kva_shared_map **out);
 
 /* The map's start (the owner's offset 0) and its length in bytes (the owner's region, at least
  * its capacity). NULL / 0 for a NULL map. */

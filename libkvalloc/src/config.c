@@ -75,8 +75,6 @@ static kva_status validate_backing(const kva_config *cfg) {
     } else if (cfg->trim_watermark && !cfg->external) {
         return kva_fail(KVA_ERR_INVALID, "trim_watermark applies to CUDA pools; host memory is never unmapped");
     }
-    if (cfg->shared && cfg->backend != KVA_BACKEND_HOST)
-        return kva_fail(KVA_ERR_INVALID, "shared applies to host memory; a CUDA pool cannot use it");
     return KVA_OK;
 }
 

@@ -41,6 +41,8 @@ static const struct {
     FN(cuMemHostRegister, "cuMemHostRegister_v2"),
     FN(cuMemHostUnregister, "cuMemHostUnregister"),
 #undef FN
+    {"cuMemExportToShareableHandle", offsetof(kva_cuda_driver, cuMemExportToShareableHandle), 1},
+    {"cuMemImportFromShareableHandle", offsetof(kva_cuda_driver, cuMemImportFromShareableHandle), 1},
     {"cuGetErrorName", offsetof(kva_cuda_driver, cuGetErrorName), 1},
 };
 

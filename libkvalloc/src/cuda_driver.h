@@ -44,12 +44,15 @@ enum {
 
 #define CU_MEM_ALLOCATION_TYPE_PINNED 0x1
 #define CU_MEM_HANDLE_TYPE_NONE 0x0
+#define CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR 0x1
 #define CU_MEM_LOCATION_TYPE_DEVICE 0x1
 #define CU_MEM_ACCESS_FLAGS_PROT_READ 0x1
 #define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 0x3
 #define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0x0
 #define CU_MEMHOSTREGISTER_PORTABLE 0x01
 #define CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED 102
+#define CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED 103
+#define CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED 110
 
 typedef struct CUmemLocation_st {
     int type; /* CUmemLocationType */
@@ -103,6 +106,13 @@ typedef struct kva_cuda_driver {
     CUresult (*cuMemSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
     CUresult (*cuMemHostRegister)(void *p, size_t size, unsigned flags);
     CUresult (*cuMemHostUnregister)(void *p);
+    /* Shareable handles (shared CUDA pools); may be NULL in an old driver, and then such a
+     * pool is refused with KVA_ERR_BACKEND. For CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR the
+     * exported handle is an int written at shareableHandle, and the imported one is passed as
+     * the descriptor's value cast to a pointer. */
+    CUresult (*cuMemExportToShareableHandle)(void *shareableHandle, CUmemGenericAllocationHandle handle, int handleType,
+                                             unsigned long long flags);
+    CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *handle, void *osHandle, int shHandleType);
     CUresult (*cuGetErrorName)(CUresult error, const char **name); /* may be NULL */
     void *library;
     char path[256];

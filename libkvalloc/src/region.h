@@ -80,6 +80,21 @@ static inline void kva_region_decommit(kva_region *region, uint64_t offset, uint
     if (region->device) kva_cuda_region_decommit(region->device, offset, length);
 }
 
+/* A new descriptor (close on exec) of a shared region's memory for another process: a dup of
+ * the host region's memfd, or the CUDA region's allocation exported as a POSIX file descriptor.
+ * KVA_ERR_INVALID for a region that is not shared; KVA_ERR_BACKEND if dup or the driver
+ * refused. */
+kva_status kva_region_share(kva_region *region, int *fd);
+
+/* Another process's shared CUDA region imported here: the allocation fd describes, its first
+ * length bytes (a positive multiple of device's granularity) mapped read-write at *base.
+ * KVA_ERR_INVALID for such a length or a descriptor the driver does not take;
+ * KVA_ERR_BACKEND for no driver or a refused reservation or mapping. On failure nothing is left
+ * imported, reserved or retained. */
+typedef struct kva_cuda_import kva_cuda_import;
+kva_status kva_cuda_import_map(int device, int fd, size_t length, void **base, kva_cuda_import **out);
+void kva_cuda_import_unmap(kva_cuda_import *imp);
+
 /* Gives back the memory no block uses (device memory: unmaps and releases the granules no live
  * block touches). KVA_ERR_BACKEND if the driver refused; what it did release stays released. */
 kva_status kva_region_trim(kva_region *region);

@@ -215,6 +215,11 @@ size_t kva_cuda_region_mapped_bytes(const kva_cuda_region *r) { return (size_t)r
  * to unmap or release stays in kva_last_error for a caller that looks. */
 static void release_all(kva_cuda_region *r) {
     const kva_cuda_driver *d = r->dev.driver;
+    if (r->shareable && r->mapped) {
+        d->cuMemUnmap(r->base, r->reserved);
+        d->cuMemRelease(r->whole);
+        r->mapped = 0;
+    }
     for (uint32_t g = 0; g < r->ngranules && r->mapped; g++) {
         kva_granule *gr = &r->granules[g];
         if (gr->state == KVA_GRANULE_UNMAPPED || unmap_granule(r, g) == KVA_OK || gr->state == KVA_GRANULE_UNMAPPED)
@@ -222,6 +227,28 @@ static void release_all(kva_cuda_region *r) {
         d->cuMemRelease(gr->handle); /* unmap refused: the handle goes all the same */
     }
     d->cuMemAddressFree(r->base, r->reserved);
+}
+
+/* A shareable region's one allocation over the whole reservation, mapped (the context is
+ * current). On failure nothing is left behind. */
+static kva_status map_whole(kva_cuda_region *r) {
+    const kva_cuda_driver *d = r->dev.driver;
+    CUresult res = d->cuMemCreate(&r->whole, r->reserved, &r->prop, 0);
+    if (res != CUDA_SUCCESS)
+        return kva_cuda_fail(d, res, "cuMemCreate of %zu shareable bytes on CUDA device %d", r->reserved,
+                             r->dev.ordinal);
+    res = d->cuMemMap(r->base, r->reserved, 0, r->whole, 0);
+    if (res == CUDA_SUCCESS) {
+        res = d->cuMemSetAccess(r->base, r->reserved, &r->access, 1);
+        if (res == CUDA_SUCCESS) {
+            r->mapped = r->ngranules;
+            return KVA_OK;
+        }
+        d->cuMemUnmap(r->base, r->reserved);
+    }
+    kva_status st = kva_cuda_fail(d, res, "mapping the %zu-byte shareable allocation", r->reserved);
+    d->cuMemRelease(r->whole);
+    return st;
 }
 
 /* The reservation, the granule records and, for a resident region, every granule's memory. */
@@ -264,14 +291,130 @@ static kva_status reserve(kva_cuda_region *r, size_t length, size_t alignment, i
     }
     r->granules = records;
     r->idle_head = r->idle_tail = KVA_NIL;
-    for (uint32_t g = 0; prefault && g < r->ngranules && st == KVA_OK; g++) st = map_granule(r, g);
+    if (r->shareable) st = map_whole(r);
+    for (uint32_t g = 0; prefault && !r->shareable && g < r->ngranules && st == KVA_OK; g++) st = map_granule(r, g);
     if (st != KVA_OK) {
         release_all(r);
         kva_os_unmap(r->granules, r->granules_bytes);
         return st;
     }
-    r->resident = prefault;
+    r->resident = prefault || r->shareable;
     return KVA_OK;
+}
+
+/* What a shared region asks of the driver: the export and import entry points and POSIX file
+ * descriptor handles; GPUDirect RDMA on the allocation where the device offers it with VMM. */
+static kva_status shareable_prop(kva_cuda_region *r) {
+    const kva_cuda_driver *d = r->dev.driver;
+    if (!d->cuMemExportToShareableHandle || !d->cuMemImportFromShareableHandle)
+        return kva_fail(KVA_ERR_BACKEND, "the CUDA driver %s has no shareable allocation handles", d->path);
+    int fd_handles = 0, rdma = 0;
+    CUresult res = d->cuDeviceGetAttribute(&fd_handles, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                                           r->dev.device);
+    if (res != CUDA_SUCCESS)
+        return kva_cuda_fail(d, res, "cuDeviceGetAttribute(HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED)");
+    if (!fd_handles)
+        return kva_fail(KVA_ERR_BACKEND, "CUDA device %d does not share memory by POSIX file descriptor",
+                        r->dev.ordinal);
+    /* Not offered is no error: the memory is shared all the same, without RDMA registration. */
+    if (d->cuDeviceGetAttribute(&rdma, CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED, r->dev.device) !=
+        CUDA_SUCCESS)
+        rdma = 0;
+    r->prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    r->prop.allocFlags.gpuDirectRDMACapable = rdma ? 1 : 0;
+    r->shareable = 1;
+    return KVA_OK;
+}
+
+kva_status kva_cuda_region_export(kva_cuda_region *r, int *fd) {
+    const kva_cuda_driver *d = r->dev.driver;
+    kva_status st = kva_cuda_enter(&r->dev);
+    if (st != KVA_OK) return st;
+    int exported = -1;
+    CUresult res = d->cuMemExportToShareableHandle(&exported, r->whole, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+    kva_cuda_leave(&r->dev);
+    if (res != CUDA_SUCCESS) return kva_cuda_fail(d, res, "cuMemExportToShareableHandle");
+    *fd = exported;
+    return KVA_OK;
+}
+
+kva_status kva_cuda_import_map(int device, int fd, size_t length, void **base, kva_cuda_import **out) {
+    kva_cuda_import imp = {.length = length};
+    kva_status st = kva_cuda_device_open(device, 1, &imp.dev);
+    if (st != KVA_OK) return st;
+    const kva_cuda_driver *d = imp.dev.driver;
+    if (!d->cuMemImportFromShareableHandle) {
+        kva_cuda_device_close(&imp.dev);
+        return kva_fail(KVA_ERR_BACKEND, "the CUDA driver %s has no shareable allocation handles", d->path);
+    }
+    st = kva_cuda_enter(&imp.dev);
+    if (st != KVA_OK) {
+        kva_cuda_device_close(&imp.dev);
+        return st;
+    }
+    CUmemLocation here = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = device};
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                                .location = here};
+    CUmemAccessDesc access = {.location = here, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    size_t granularity = 0;
+    CUresult res = d->cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    int stage = 0; /* how far it got: 1 imported, 2 reserved, 3 mapped */
+    if (res != CUDA_SUCCESS) {
+        st = kva_cuda_fail(d, res, "cuMemGetAllocationGranularity of CUDA device %d", device);
+    } else if (length == 0 || !kva_is_pow2(granularity) || length % granularity) {
+        st = kva_fail(KVA_ERR_INVALID, "length %zu is not a positive multiple of the %zu-byte granularity", length,
+                      granularity);
+    } else if ((res = d->cuMemImportFromShareableHandle(&imp.handle, (void *)(intptr_t)fd,
+                                                        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) != CUDA_SUCCESS) {
+        st = kva_cuda_fail(d, res, "descriptor %d is not a shareable CUDA allocation this driver takes", fd);
+        st = KVA_ERR_INVALID;
+    } else if (stage = 1, (res = d->cuMemAddressReserve(&imp.base, length, granularity, 0, 0)) != CUDA_SUCCESS) {
+        st = kva_cuda_fail(d, res, "cuMemAddressReserve of %zu bytes", length);
+        st = KVA_ERR_BACKEND;
+    } else if (stage = 2, (res = d->cuMemMap(imp.base, length, 0, imp.handle, 0)) != CUDA_SUCCESS) {
+        st = kva_cuda_fail(d, res, "cuMemMap of %zu bytes of the imported allocation", length);
+        st = KVA_ERR_BACKEND;
+    } else if (stage = 3, (res = d->cuMemSetAccess(imp.base, length, &access, 1)) != CUDA_SUCCESS) {
+        st = kva_cuda_fail(d, res, "cuMemSetAccess of the imported allocation");
+        st = KVA_ERR_BACKEND;
+    } else {
+        stage = 4;
+    }
+    if (stage < 4) {
+        if (stage >= 3) d->cuMemUnmap(imp.base, length);
+        if (stage >= 2) d->cuMemAddressFree(imp.base, length);
+        if (stage >= 1) d->cuMemRelease(imp.handle);
+    }
+    kva_cuda_import *record = NULL;
+    if (st == KVA_OK && !(record = malloc(sizeof *record))) {
+        d->cuMemUnmap(imp.base, length);
+        d->cuMemAddressFree(imp.base, length);
+        d->cuMemRelease(imp.handle);
+        st = kva_fail(KVA_ERR_NOMEM, "no host memory for the import record");
+    }
+    kva_cuda_leave(&imp.dev);
+    if (st != KVA_OK) {
+        kva_cuda_device_close(&imp.dev);
+        return st;
+    }
+    *record = imp;
+    *base = (void *)(uintptr_t)imp.base;
+    *out = record;
+    return KVA_OK;
+}
+
+void kva_cuda_import_unmap(kva_cuda_import *imp) {
+    const kva_cuda_driver *d = imp->dev.driver;
+    if (!kva_cuda_inherited(&imp->dev)) {
+        int entered = kva_cuda_enter(&imp->dev) == KVA_OK;
+        d->cuMemUnmap(imp->base, imp->length);
+        d->cuMemAddressFree(imp->base, imp->length);
+        d->cuMemRelease(imp->handle);
+        if (entered) kva_cuda_leave(&imp->dev);
+    }
+    kva_cuda_device_close(&imp->dev);
+    free(imp);
 }
 
 kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out) {
@@ -288,7 +431,8 @@ kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t a
                                     .location = here};
     r->access = (CUmemAccessDesc){.location = here, .flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     r->watermark = cfg->trim_watermark;
-    st = kva_cuda_enter(&r->dev);
+    st = cfg->shared ? shareable_prop(r) : KVA_OK;
+    if (st == KVA_OK) st = kva_cuda_enter(&r->dev);
     if (st == KVA_OK) {
         st = reserve(r, length, alignment, cfg->prefault);
         kva_cuda_leave(&r->dev);

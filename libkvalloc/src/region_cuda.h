@@ -10,7 +10,9 @@
  *  R3  The idle list holds exactly the IDLE granules, doubly linked, oldest at the head; idle
  *      counts them, mapped counts the MAPPED and IDLE ones.
  * A resident region (prefault) maps every granule at creation and keeps them all mapped for its
- * life; it keeps no references, and commit, decommit and trim do nothing.
+ * life; it keeps no references, and commit, decommit and trim do nothing. A shareable region
+ * (kva_config.shared) is resident, with one allocation over the whole reservation so that one
+ * exported descriptor describes all of it.
  */
 #ifndef KVA_REGION_CUDA_H
 #define KVA_REGION_CUDA_H
@@ -47,6 +49,22 @@ struct kva_cuda_region {
     uint32_t mapped, idle;
     size_t watermark; /* unmap idle granules above this many idle bytes; 0: never */
     int resident;
+    /* shared (kva_config.shared): the whole reservation is one shareable allocation, mapped at
+     * creation (the region is resident); its granule records stay UNMAPPED and unused */
+    int shareable;
+    CUmemGenericAllocationHandle whole;
 };
+
+/* A shared CUDA pool's memory imported into this process (kva_cuda_import_map, region.h):
+ * the allocation's handle, mapped read-write for the device at an address reserved here. */
+struct kva_cuda_import {
+    kva_cuda_device dev;
+    CUmemGenericAllocationHandle handle;
+    CUdeviceptr base;
+    size_t length;
+};
+
+/* A new descriptor of a shareable region's allocation (cuMemExportToShareableHandle). */
+kva_status kva_cuda_region_export(kva_cuda_region *r, int *fd);
 
 #endif

@@ -5,8 +5,8 @@
  * socket), which attaches, reads the owner's bytes at its own address and writes its answer
  * into another block, which the owner then reads. Also: the seals that keep an attacher from
  * shrinking the memory under the owner, every descriptor that is not a kvalloc shared pool
- * refused with nothing mapped, the page choices, fault injection on the memfd path, and what
- * does not apply (CUDA, external, a pool that is not shared).
+ * refused with nothing mapped, the page choices, fault injection on the memfd path, and a pool
+ * that is not shared. Shared CUDA pools: test_cuda_shared.
  */
 #include <errno.h>
 #include <fcntl.h>
@@ -224,13 +224,6 @@ static void test_not_a_pool(void) {
     CHECK_STATUS(kva_pool_shared_fd(pool, NULL), KVA_ERR_INVALID);
     CHECK_STATUS(kva_pool_shared_fd(NULL, &fd), KVA_ERR_INVALID);
     kva_pool_destroy(pool);
-
-    /* What a shared pool cannot be. */
-    cfg.shared = 1;
-    cfg.backend = KVA_BACKEND_CUDA;
-    pool = NULL;
-    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_ERR_INVALID);
-    CHECK(pool == NULL);
 }
 
 static void test_pages_and_options(void) {

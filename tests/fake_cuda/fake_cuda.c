@@ -17,13 +17,23 @@
  *  - device memory is finite: cuMemCreate beyond it returns CUDA_ERROR_OUT_OF_MEMORY;
  *  - the last release of a device's primary context resets the device: its memory is freed,
  *    mapped or not (reservations stay).
- * cuMemcpyHtoD/DtoH copy to and from a host shadow of each allocation, made on first use.
+ *  - shareable allocations (requestedHandleTypes CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) are
+ *    backed by a memfd: cuMemExportToShareableHandle gives a new descriptor of it, only for an
+ *    allocation that asked for that handle type, flags 0; cuMemImportFromShareableHandle takes
+ *    only such a descriptor (anything else is CUDA_ERROR_INVALID_VALUE) and makes a handle of
+ *    this process over the same memory, which another process's copies then see; imported
+ *    memory is counted on the exporter's device, not again. allocFlags.gpuDirectRDMACapable is
+ *    refused (CUDA_ERROR_NOT_SUPPORTED) unless the device reports
+ *    CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (FAKE_CUDA_RDMA=1).
+ * cuMemcpyHtoD/DtoH copy to and from a host shadow of each allocation, made on first use (the
+ * memfd's pages for a shareable one).
  *
  * Control. The environment, read when the library is loaded:
  *   FAKE_CUDA_DEVICES=n        GPUs (default 1; 0 is a machine without one)
  *   FAKE_CUDA_MEMORY=bytes     memory of each GPU (default 1 GiB)
  *   FAKE_CUDA_GRANULARITY=b    allocation granularity, a power of two (default 2 MiB)
  *   FAKE_CUDA_NO_VMM=1         devices without virtual memory management
+ *   FAKE_CUDA_RDMA=1           devices that report GPUDirect RDMA with VMM allocations
  *   FAKE_CUDA_FAIL=fn:n:code[,fn:n:code...]   the n-th call of fn returns code ("*": of any fn)
  *   FAKE_CUDA_ALIAS=n          a broken driver: the n-th cuMemMap (n >= 2) maps the memory the
  *                              one before it mapped instead of the allocation named, so that two
@@ -36,9 +46,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "cuda_driver.h"
+
+#define SHAREABLE_NAME "fake-cuda-allocation" /* the memfd behind a shareable allocation */
 
 #define API __attribute__((visibility("default")))
 #define MAX_DEVICES 16
@@ -64,6 +79,9 @@ typedef struct {
     int freed;    /* the memory is gone too */
     unsigned maps;
     unsigned char *shadow;
+    int fd;       /* shareable: the memfd holding the memory; -1 otherwise */
+    int imported; /* made by cuMemImportFromShareableHandle: counted on the exporter's device */
+    int rdma;     /* allocFlags.gpuDirectRDMACapable */
 } allocation;
 
 typedef struct {
@@ -90,6 +108,7 @@ static struct {
     int devices;
     size_t memory, granularity;
     int vmm;
+    int rdma;
     unsigned long alias;
 } config, env_config;
 static int initialized;
@@ -204,6 +223,8 @@ __attribute__((constructor)) static void read_environment(void) {
     env_config.vmm = !(no_vmm && *no_vmm && strcmp(no_vmm, "0") != 0);
     const char *alias = getenv("FAKE_CUDA_ALIAS");
     env_config.alias = alias && *alias ? strtoul(alias, NULL, 10) : 0;
+    const char *rdma = getenv("FAKE_CUDA_RDMA");
+    env_config.rdma = rdma && *rdma && strcmp(rdma, "0") != 0;
     config = env_config;
     parse_rules(getenv("FAKE_CUDA_FAIL"));
 }
@@ -218,8 +239,10 @@ static int current_device(void) { return stack[depth - 1]->device; }
 
 static int valid_prop(const CUmemAllocationProp *prop) {
     return prop && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-           prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_NONE &&
-           prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->win32HandleMetaData == NULL;
+           (prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_NONE ||
+            prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) &&
+           prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->win32HandleMetaData == NULL &&
+           prop->allocFlags.gpuDirectRDMACapable <= 1;
 }
 
 static int aligned(uintptr_t value) { return (value & (config.granularity - 1)) == 0; }
@@ -242,9 +265,11 @@ static int overlaps(uintptr_t a, size_t asize, uintptr_t b, size_t bsize) { retu
 static void free_if_done(allocation *a) {
     if (!a->released || a->maps || a->freed) return;
     a->freed = 1;
-    used[a->device] -= a->size;
+    if (!a->imported) used[a->device] -= a->size;
     if (a->shadow) munmap(a->shadow, a->size);
     a->shadow = NULL;
+    if (a->fd >= 0) close(a->fd);
+    a->fd = -1;
 }
 
 /* ---- initialization, devices, contexts ---------------------------------------------------- */
@@ -291,8 +316,12 @@ API CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice device) {
     BEGIN(NEED_INIT);
     if (!value) return finish(CUDA_ERROR_INVALID_VALUE);
     if (!valid_device(device)) return finish(CUDA_ERROR_INVALID_DEVICE);
-    if (attribute != CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED) return finish(CUDA_ERROR_INVALID_VALUE);
-    *value = config.vmm;
+    switch (attribute) {
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *value = config.vmm; break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED: *value = config.vmm; break;
+    case CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED: *value = config.vmm && config.rdma; break;
+    default: return finish(CUDA_ERROR_INVALID_VALUE);
+    }
     return finish(CUDA_SUCCESS);
 }
 
@@ -434,7 +463,7 @@ static CUresult create(size_t size, int device, size_t *index) {
     if (size == 0 || !aligned(size)) return CUDA_ERROR_INVALID_VALUE;
     if (used[device] + size > config.memory) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!grow((void **)&allocs, &nallocs, &allocs_cap, sizeof *allocs)) return CUDA_ERROR_OUT_OF_MEMORY;
-    allocs[nallocs - 1] = (allocation){.size = size, .device = device};
+    allocs[nallocs - 1] = (allocation){.size = size, .device = device, .fd = -1};
     used[device] += size;
     *index = nallocs - 1;
     return CUDA_SUCCESS;
@@ -445,10 +474,70 @@ API CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, cons
     BEGIN(NEED_CONTEXT);
     if (!handle || !valid_prop(prop) || flags != 0) return finish(CUDA_ERROR_INVALID_VALUE);
     if (!valid_device(prop->location.id)) return finish(CUDA_ERROR_INVALID_DEVICE);
+    if (prop->allocFlags.gpuDirectRDMACapable && !config.rdma) return finish(CUDA_ERROR_NOT_SUPPORTED);
+    int fd = -1;
+    if (prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+        fd = memfd_create(SHAREABLE_NAME, MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+            if (fd >= 0) close(fd);
+            return finish(CUDA_ERROR_OUT_OF_MEMORY);
+        }
+    }
     size_t index;
     CUresult r = create(size, prop->location.id, &index);
-    if (r == CUDA_SUCCESS) *handle = index + HANDLE_BASE;
-    return finish(r);
+    if (r != CUDA_SUCCESS) {
+        if (fd >= 0) close(fd);
+        return finish(r);
+    }
+    allocs[index].fd = fd;
+    allocs[index].rdma = prop->allocFlags.gpuDirectRDMACapable;
+    *handle = index + HANDLE_BASE;
+    return finish(CUDA_SUCCESS);
+}
+
+API CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle, int type,
+                                          unsigned long long flags) {
+    BEGIN(NEED_INIT);
+    allocation *a = alloc_of(handle);
+    if (!shareable || !a || flags != 0) return finish(CUDA_ERROR_INVALID_VALUE);
+    /* Only the type the allocation was made for can be exported. */
+    if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || a->fd < 0) return finish(CUDA_ERROR_INVALID_VALUE);
+    int fd = fcntl(a->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) return finish(CUDA_ERROR_OUT_OF_MEMORY);
+    *(int *)shareable = fd;
+    return finish(CUDA_SUCCESS);
+}
+
+/* Whether fd is a descriptor this fake exported: a memfd of SHAREABLE_NAME. */
+static int exported_here(int fd, size_t *size) {
+    struct stat st;
+    char link[64], target[128];
+    if (fd < 0 || fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) return 0;
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n <= 0) return 0;
+    target[n] = '\0';
+    if (strcmp(target, "/memfd:" SHAREABLE_NAME " (deleted)") != 0) return 0;
+    *size = (size_t)st.st_size;
+    return 1;
+}
+
+API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle, int type) {
+    BEGIN(NEED_INIT);
+    int fd = (int)(intptr_t)os_handle;
+    size_t size;
+    if (!handle || type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !exported_here(fd, &size))
+        return finish(CUDA_ERROR_INVALID_VALUE);
+    int mine = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (mine < 0) return finish(CUDA_ERROR_OUT_OF_MEMORY);
+    if (!grow((void **)&allocs, &nallocs, &allocs_cap, sizeof *allocs)) {
+        close(mine);
+        return finish(CUDA_ERROR_OUT_OF_MEMORY);
+    }
+    /* The device the memory lives on is the exporter's; this fake has one numbering for all. */
+    allocs[nallocs - 1] = (allocation){.size = size, .device = 0, .fd = mine, .imported = 1};
+    *handle = nallocs - 1 + HANDLE_BASE;
+    return finish(CUDA_SUCCESS);
 }
 
 API CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
@@ -583,7 +672,9 @@ static CUresult copy(uintptr_t va, unsigned char *host, size_t size, int to_devi
         while (!(mappings[m].va <= va && va < mappings[m].va + mappings[m].size)) m++;
         allocation *a = &allocs[mappings[m].alloc];
         if (!a->shadow) {
-            void *p = mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+            void *p = a->fd >= 0 ? mmap(NULL, a->size, PROT_READ | PROT_WRITE, MAP_SHARED, a->fd, 0)
+                                 : mmap(NULL, a->size, PROT_READ | PROT_WRITE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
             if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
             a->shadow = p;
         }
@@ -682,8 +773,10 @@ API void fake_cuda_reset(void) {
     for (size_t i = 0; i < nreservations; i++) munmap((void *)reservations[i].base, reservations[i].size);
     for (size_t m = 0; m < nmappings; m++)
         if (mappings[m].legacy) munmap((void *)mappings[m].va, mappings[m].size);
-    for (size_t i = 0; i < nallocs; i++)
+    for (size_t i = 0; i < nallocs; i++) {
         if (allocs[i].shadow) munmap(allocs[i].shadow, allocs[i].size);
+        if (allocs[i].fd >= 0 && !allocs[i].freed) close(allocs[i].fd);
+    }
     nreservations = nallocs = nmappings = nregistrations = 0;
     memset(used, 0, sizeof used);
     memset(contexts, 0, sizeof contexts);
@@ -711,6 +804,21 @@ API void fake_cuda_set_granularity(size_t bytes) {
     pthread_mutex_lock(&lock);
     config.granularity = bytes;
     pthread_mutex_unlock(&lock);
+}
+
+API void fake_cuda_set_rdma(int supported) {
+    pthread_mutex_lock(&lock);
+    config.rdma = supported;
+    pthread_mutex_unlock(&lock);
+}
+
+/* Live allocations made GPUDirect RDMA capable. */
+API size_t fake_cuda_rdma_allocations(void) {
+    pthread_mutex_lock(&lock);
+    size_t n = 0;
+    for (size_t i = 0; i < nallocs; i++) n += allocs[i].rdma && !allocs[i].freed;
+    pthread_mutex_unlock(&lock);
+    return n;
 }
 
 API void fake_cuda_set_vmm(int supported) {

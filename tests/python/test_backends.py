@@ -238,6 +238,91 @@ def test_pinned_host_pool(fake_driver):
         """, fake_driver)
 
 
+SHARED_CUDA_COMMON = """
+    import ctypes, os, socket, subprocess, sys
+    import pykvalloc
+    fake = ctypes.CDLL(os.environ["KVA_CUDA_DRIVER"])
+    ctx = ctypes.c_void_p()
+
+    def copy(host, device, n, to_device):
+        if not ctx.value:
+            assert fake.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+        assert fake.cuCtxPushCurrent_v2(ctx) == 0
+        call = fake.cuMemcpyHtoD_v2 if to_device else fake.cuMemcpyDtoH_v2
+        call.argtypes = ([ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t] if to_device else
+                         [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t])
+        assert (call(device, host, n) if to_device else call(host, device, n)) == 0
+        assert fake.cuCtxPopCurrent_v2(None) == 0
+"""
+
+
+def test_shared_cuda_pool_in_two_processes(fake_driver):
+    """The owner exports a shared CUDA pool's allocation; a second process imports it at its own
+    device address and sees the owner's bytes (the fake's shareable memory is a memfd)."""
+    importer = textwrap.dedent(SHARED_CUDA_COMMON) + textwrap.dedent("""
+        sock = socket.socket(fileno=int(sys.argv[1]))
+        message, fds, _, _ = socket.recv_fds(sock, 128, 1)
+        offset, n, mapped, owner_base = (int(x) for x in message.decode().split())
+        mapping = pykvalloc.SharedMapping(fds[0], backend="cuda", length=mapped)
+        try:
+            pykvalloc.SharedMapping(fds[0], backend="cuda", length=mapped)
+        except pykvalloc.InvalidArgument:
+            pass
+        else:
+            raise AssertionError("the allocation was imported twice")
+        try:
+            mapping.view(0, 16)
+        except pykvalloc.InvalidArgument:
+            pass
+        else:
+            raise AssertionError("a CPU view of device memory")
+        seen = ctypes.create_string_buffer(n)
+        copy(seen, mapping.base + offset, n, False)
+        assert seen.raw == bytes(range(256)) * (n // 256), "the owner's bytes differ"
+        copy(b"answer!!" * (n // 8), mapping.base + offset, n, True)
+        mapping.close()
+        os.close(fds[0])
+        sock.sendall(b"done")
+    """)
+    owner = textwrap.dedent(SHARED_CUDA_COMMON) + textwrap.dedent(f"""
+        importer = {importer!r}
+        with pykvalloc.Pool(32 << 20, backend="cuda", shared=True) as pool:
+            mapped = pool.stats().mapped_bytes
+            block = pool.alloc(1 << 20)
+            n = 1 << 20
+            copy(bytes(range(256)) * (n // 256), block.address, n, True)
+            fd = pool.shared_fd()
+            parent, child = socket.socketpair()
+            worker = subprocess.Popen([sys.executable, "-c", importer, str(child.fileno())],
+                                      pass_fds=[child.fileno()], stderr=subprocess.PIPE, text=True)
+            child.close()
+            socket.send_fds(parent, [f"{{block.offset}} {{n}} {{mapped}} {{pool.base}}".encode()], [fd])
+            os.close(fd)
+            parent.settimeout(120)  # a bound against a hang
+            assert parent.recv(4) == b"done"
+            _, errors = worker.communicate(timeout=120)
+            assert worker.returncode == 0, errors
+            seen = ctypes.create_string_buffer(n)
+            copy(seen, block.address, n, False)
+            assert seen.raw == b"answer!!" * (n // 8)
+            pool.check()
+        print("ok")
+    """)
+    result = run_python(owner, env=clean_env(KVA_CUDA_DRIVER=str(fake_driver),
+                                             PYKVALLOC_LIB=str(pykvalloc._ffi.load().path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip() == "ok"
+
+
+def test_shared_mapping_cuda_arguments():
+    with pytest.raises(pykvalloc.InvalidArgument, match="length"):
+        pykvalloc.SharedMapping(3, backend="cuda")
+    with pytest.raises(pykvalloc.InvalidArgument, match="length"):
+        pykvalloc.SharedMapping(3, length=4096)
+    with pytest.raises(pykvalloc.InvalidArgument, match="backend"):
+        pykvalloc.SharedMapping(3, backend="rocm")
+
+
 def test_gpu_check_runs_end_to_end_on_the_fake_driver(fake_driver):
     result = subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "gpu_check.py"), "--quick"],
                             capture_output=True, text=True, timeout=120,
