@@ -57,6 +57,9 @@ static int attacher(int sock) {
     hang_guard("the attaching process", HANG_GUARD_SECONDS);
     handoff h;
     int fd = receive_fd(sock, &h);
+    /* The owner's address is taken here first: the map must land elsewhere. */
+    void *taken = mmap((void *)h.owner_base, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    CHECK(taken == (void *)h.owner_base);
     kva_shared_map *map = NULL;
     CHECK_STATUS(kva_shared_attach(fd, &map), KVA_OK);
     REQUIRE(map);
@@ -65,7 +68,7 @@ static int attacher(int sock) {
     close(fd); /* the map does not need it */
     unsigned char *base = kva_shared_base(map);
     CHECK(kva_shared_length(map) >= h.read_offset + h.length);
-    CHECK((uintptr_t)base != h.owner_base); /* its own address: a fresh process maps where it may */
+    CHECK((uintptr_t)base != h.owner_base);
     size_t wrong = 0;
     for (size_t i = 0; i < h.length; i++) wrong += base[h.read_offset + i] != (unsigned char)(i * 7 + 1);
     CHECK(wrong == 0);
