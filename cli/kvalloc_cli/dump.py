@@ -24,6 +24,7 @@ from kvalloc_tui import render
 
 from pykvalloc.pool import PageKind
 from pykvalloc.sizes import format_size
+from pykvalloc import stats
 from pykvalloc.stats import Snapshot, format_age, open_segment, process_name
 
 from .arguments import add_command
@@ -62,6 +63,7 @@ def _print_tables(snap: Snapshot, process: str | None, trace: bool) -> None:
                        f"sequence {snap.sequence:,}", "dim"))
     if snap.kv is not None:
         console.print(_kv_table(snap, console.width))  # a pool holding a KV cache: that first
+        console.print(_kv_latency_table(snap))
     console.print(_summary_table(snap))
     console.print(_orders_table(snap))
     console.print(_heap_map(snap, console.width))
@@ -74,7 +76,9 @@ def _print_tables(snap: Snapshot, process: str | None, trace: bool) -> None:
 
 
 def _summary_table(snap: Snapshot) -> Table:
-    table = Table(title="Pool statistics", title_justify="left")
+    table = Table(title="Pool statistics", title_justify="left",
+                  caption="peaks: since the pool's creation or its last reset_peaks()"
+                  if snap.pool_peaks is not None else None, caption_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_column("of capacity", justify="right")
@@ -92,6 +96,7 @@ def _summary_table(snap: Snapshot) -> Table:
         ("backing", f"{backing}, {format_size(int(s['page_size']))} pages", ""),
         ("capacity", format_size(capacity), ""),
         ("in use (usable bytes)", *share("bytes_in_use")),
+        *_pool_peak_rows(snap, capacity),
         ("free buddy blocks", *share("bytes_free")),
         ("held by slabs", *share("slab_bytes")),
         ("  free inside slabs", format_size(int(s["slab_free_bytes"])), ""),
@@ -105,6 +110,35 @@ def _summary_table(snap: Snapshot) -> Table:
         ("host metadata", format_size(int(s["metadata_bytes"])), ""),
     ):
         table.add_row(*row)
+    return table
+
+
+def _pool_peak_rows(snap: Snapshot, capacity: int) -> list[tuple[str, str, str]]:
+    peaks = snap.pool_peaks
+    if peaks is None:
+        return []  # a writer before layout 1.4
+    blocks, in_use = peaks
+    return [("  peak", format_size(in_use), render.percent(in_use, capacity)),
+            ("peak in buddy blocks", format_size(blocks), render.percent(blocks, capacity))]
+
+
+def _kv_latency_table(snap: Snapshot) -> Table | Text:
+    if snap.kv_latency is None:
+        return Text("This writer publishes no KV call latencies (layout 1.4 on).", "dim")
+    period = snap.kv_call_sample_period
+    table = Table(title="KV call latency (upper bounds of log2 buckets)", title_justify="left",
+                  min_width=60)
+    for name in ("call", "timed", "p50", "p99", "p999"):
+        table.add_column(name, justify="right")
+    assert snap.kv is not None
+    for index, kind in enumerate(stats.KV_CALL_KINDS):
+        bounds = snap.kv_latency_percentiles(kind)
+        cells = (["-"] * 3 if bounds is None else
+                 [f"≤{render.format_ns(bounds[q])}" for q in (0.5, 0.99, 0.999)])
+        table.add_row(kind, f"{int(snap.kv['call_timed'][index]):,}", *cells)
+    if period and period > 1:
+        table.caption = f"a sample: about one call in {period} of each kind is timed (trace on times all)"
+        table.caption_justify = "left"
     return table
 
 
@@ -177,6 +211,9 @@ def _kv_table(snap: Snapshot, width: int) -> Table | Text:
     kv = snap.kv
     hit = snap.hit_rate
     table.add_row("blocks: used, cached, free", render.kv_bar(snap, min(40, max(8, width - 36))))
+    if snap.kv_peaks is not None:
+        table.caption = "peaks: since the cache's creation or its last reset_peaks()"
+        table.caption_justify = "left"
     for label, value in (
         ("use", snap.use_label),
         ("blocks", f"{int(kv['total_blocks']):,} × {int(kv['block_tokens'])} tokens, "
@@ -185,12 +222,25 @@ def _kv_table(snap: Snapshot, width: int) -> Table | Text:
                                  f"{int(kv['free_blocks']):,}"),
         ("prefix hit rate", "-" if hit is None else
          f"{hit:.1%} ({int(kv['hit_tokens']):,} of {int(kv['query_tokens']):,} tokens)"),
+        *_kv_peak_rows(snap),
         ("live sequences", f"{int(kv['live_sequences']):,}"),
         ("evictions", f"{int(kv['evictions']):,}"),
         ("forks / copies on write", f"{int(kv['forks']):,} / {int(kv['cow_copies']):,}"),
     ):
         table.add_row(label, value)
     return table
+
+
+def _kv_peak_rows(snap: Snapshot) -> list[tuple[str, str]]:
+    peaks = snap.kv_peaks
+    blocks = snap.kv_blocks
+    if peaks is None or blocks is None:
+        return []  # a writer before layout 1.4
+    used, cached, in_use = peaks
+    total = blocks[2]
+    return [("peak used / cached",
+             f"{used:,} ({render.percent(used, total)}) / {cached:,} ({render.percent(cached, total)})"),
+            ("peak bytes in use", format_size(in_use))]
 
 
 def _trace_table(snap: Snapshot) -> Table:

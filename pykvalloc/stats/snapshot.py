@@ -349,6 +349,23 @@ class Snapshot:
         return None if blocks is None else kv_shares(*blocks)
 
     @property
+    def kv_peaks(self) -> tuple[int, int, int] | None:
+        """The KV cache's peaks since its creation or its last reset: (used blocks, cached
+        blocks, bytes in use); None without a KV cache or from a writer before layout 1.4."""
+        if self.kv is None or "peak_used_blocks" in self.absent.get("kv", ()):
+            return None
+        return (int(self.kv["peak_used_blocks"]), int(self.kv["peak_cached_blocks"]),
+                int(self.kv["peak_bytes_in_use"]))
+
+    @property
+    def pool_peaks(self) -> tuple[int, int] | None:
+        """The pool's peaks since its creation or its last reset: (bytes in buddy blocks, bytes
+        in use); None from a writer before layout 1.4."""
+        if "peak_block_bytes" in self.absent.get("summary", ()):
+            return None
+        return int(self.summary["peak_block_bytes"]), int(self.summary["peak_bytes_in_use"])
+
+    @property
     def use_label(self) -> str:
         """The pool's use as ``kvalloc ls``, ``top`` and ``dump`` show it (``use_label``)."""
         return use_label(self.bytes_in_use, self.capacity, self.kv_blocks)

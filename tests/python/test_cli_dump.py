@@ -154,4 +154,10 @@ def test_a_kv_cache_comes_first_with_the_use_ls_shows_at_80_columns():
         assert titles.index("KV cache") < titles.index("Pool statistics")  # the KV cache first
         kv_table = lines[next(i for i, line in enumerate(lines) if line.startswith("KV cache")):]
         assert any("KV 25.0% +12.5% cached" in line for line in kv_table[:10])
+        # Peaks (24 used at most, before the 8 went to the prefix cache) and the calls by kind.
+        assert any("peak used / cached" in line and "24 (37.5%) / 8 (12.5%)" in line for line in lines)
+        assert any(line.startswith("KV call latency (upper bounds of log2 buckets)") for line in lines)
+        calls = {line.split()[1]: line for line in lines if line.startswith("│") and len(line.split()) > 3}
+        assert {"allocate", "append", "free", "lookup", "evict"} <= set(calls)
+        assert any("peak in buddy blocks" in line for line in lines)
         held.free()

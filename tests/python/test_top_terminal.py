@@ -71,7 +71,7 @@ def engine() -> Iterator[tuple[str, pykvalloc.KVCache]]:
     with pykvalloc.Pool(64 * MiB, name=name, trace=True, pages="small",
                         publish_interval_ms=50) as pool, \
             pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64,
-                              pool=pool) as cache:
+                              pool=pool, trace=True) as cache:
         held = [cache.allocate(4 * 16), cache.allocate(4 * 16, block_keys=[1, 2, 3, 4])]
         buffers = [pool.alloc(size) for size in (3 * MiB, 700 << 10)]
         metadata = [pool.alloc(64) for _ in range(100)]
@@ -97,6 +97,9 @@ def test_top_at_80x24_in_a_real_terminal(engine):
             assert any(title in line for line in lines), title
         assert any("used 8 12.5%" in line for line in lines)
         assert any("64 B ▕" in line for line in lines)
+        assert any(line.strip().startswith("peak used 8 12.5%") for line in lines)
+        latency = next(line for line in lines if "KV allocate" in line)
+        assert "≤" in latency  # the KV cache's call latencies, beside the slab classes
         assert "refresh 0.2 s" in terminal.wait_for(lambda lines: "refresh" in lines[-1])[-1]
 
         # The KV figures move with the cache: a third sequence, and the screen follows.

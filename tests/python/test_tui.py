@@ -356,7 +356,7 @@ def test_figures_out_of_range_are_drawn_clamped():
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.current and len(app.current.fragmentation) >= 2)
             frag = next(line for line in shown(app, "#trends").plain.splitlines()
-                        if line.startswith("frag"))
+                        if "frag" in line)  # beside the heap's use, for a pool with a KV cache
             assert frag.endswith("██")  # full, not an overflow
             width = app.screen.query_one("#kv").content_size.width
             state_bar = shown(app, "#kv").plain.splitlines()[0]
@@ -721,8 +721,14 @@ def test_a_kv_cache_in_a_pool_with_buffers_lights_every_panel_at_80x24():
             assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
             assert app.screen.query_one("#kv").display
             kv = shown(app, "#kv").plain.splitlines()
-            assert len(kv) == 4 and "used 8 12.5%" in kv[1] and kv[2].startswith("hit ")
+            assert len(kv) == 5 and "used 8 12.5%" in kv[1] and kv[2].startswith("hit ")
             assert "seqs 2" in kv[3]
+            assert kv[4].startswith("peak used 8 12.5%  cached 0 0.0%  bytes 128 KiB")
+            # The KV cache's call latencies (timed: the pool traces), then the pool's.
+            trends = shown(app, "#trends").plain.splitlines()
+            assert trends[1].split() == ["latency", "p50", "p99", "p999"]
+            assert trends[2].startswith("KV allocate") and "≤" in trends[2]
+            assert any(line.startswith("pool alloc") for line in trends)
             assert "KV 12.5% +0.0% cached" in shown(app, "#header").plain
             classes = shown(app, "#classes").plain
             assert "64 B ▕" in classes and "64 KiB ▕" in classes
@@ -732,7 +738,7 @@ def test_a_kv_cache_in_a_pool_with_buffers_lights_every_panel_at_80x24():
 
     with pykvalloc.Pool(64 * MiB, name=name, trace=True, pages="small") as pool, \
             pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64,
-                              pool=pool) as cache:
+                              pool=pool, trace=True) as cache:
         first, second = cache.allocate(4 * 16), cache.allocate(4 * 16)
         buffers = [pool.alloc(size) for size in (3 * MiB, 700 << 10, 5 * MiB)]
         metadata = [pool.alloc(64) for _ in range(300)]

@@ -107,10 +107,11 @@ def resample(values: np.ndarray, width: int) -> np.ndarray:
 
 
 def format_ns(ns: float) -> str:
-    """``64 ns``, ``8.2 µs``, ``1.0 ms``, ``2.1 s``."""
+    """``64 ns``, ``8.2 µs``, ``524 µs``, ``1.0 ms``, ``2.1 s``: at most three digits."""
     for unit, scale in (("s", 1e9), ("ms", 1e6), ("µs", 1e3)):
         if ns >= scale:
-            return f"{ns / scale:.1f} {unit}"
+            value = ns / scale
+            return f"{value:.0f} {unit}" if value >= 99.95 else f"{value:.1f} {unit}"
     return f"{ns:.0f} ns"
 
 
@@ -284,25 +285,44 @@ def class_lines(snap: Snapshot, width: int) -> list[Text]:
 UNTIMED_NOTE = "not timed: a pool times its calls only with trace on"
 
 
+LATENCY_NAME, LATENCY_CELL = 11, 9  # "KV allocate" then three "≤16.4 µs" (38 columns in all)
+
+
+def _latency_row(name: str, bounds: dict[float, int] | None) -> Text:
+    line = Text(f"{name:<{LATENCY_NAME}}", "bold", no_wrap=True, overflow="crop")
+    if bounds is None:
+        line.append("".join(f"{'-':>{LATENCY_CELL}}" for _ in range(3)), "dim")
+    else:
+        for q in (0.5, 0.99, 0.999):
+            line.append(f"{'≤' + format_ns(bounds[q]):>{LATENCY_CELL}}")
+    return line
+
+
 def latency_lines(snap: Snapshot) -> list[Text]:
-    """p50/p99/p999 of alloc and free calls as the upper bounds of their log2 buckets. A pool
-    without trace reads no clock, so its histograms stay empty: a line says why."""
+    """p50/p99/p999 as the upper bounds of their log2 buckets: a KV cache's calls first (the
+    kinds that were timed, of allocate, append, free, lookup, evict, other), then the pool's
+    alloc and free calls. A KV cache without trace times one call in ``kv_call_sample_period``
+    of each kind (the heading says "1/64"); a pool without trace reads no clock, so its
+    histograms stay empty: a line says why."""
+    kv_rows = []
+    if snap.kv_latency is not None:
+        kv_rows = [_latency_row(f"KV {kind}", snap.kv_latency_percentiles(kind))
+                   for kind in stats.KV_CALL_KINDS if int(snap.kv_latency[kind].sum())]
+    period = snap.kv_call_sample_period
+    name = "latency" + (f" 1/{period}" if kv_rows and period and period > 1 else "")
+    heading = Text(f"{name:<{LATENCY_NAME}}", "bold", no_wrap=True, overflow="crop")
+    heading.append("".join(f"{q:>{LATENCY_CELL}}" for q in ("p50", "p99", "p999")), "bold")
+    pool = "pool " if kv_rows else ""
     if not snap.calls_are_timed():
-        return [Text("latency  -", "dim", no_wrap=True),
-                Text(UNTIMED_NOTE, "dim italic", no_wrap=True)]
-    if snap.latency_samples("alloc") + snap.latency_samples("free") == 0:
-        return [Text("latency  no calls timed yet", "dim", no_wrap=True)]
-    lines = [Text(f"{'latency':<7}{'p50':>10}{'p99':>10}{'p999':>10}", "bold", no_wrap=True)]
-    for kind in ("alloc", "free"):
-        bounds = snap.latency_percentiles(kind)
-        line = Text(f"{kind:<7}", "bold", no_wrap=True, overflow="crop")
-        if bounds is None:
-            line.append(f"{'-':>10}{'-':>10}{'-':>10}", "dim")
-        else:
-            for q in (0.5, 0.99, 0.999):
-                line.append(f"{'≤' + format_ns(bounds[q]):>10}")
-        lines.append(line)
-    return lines
+        pool_rows = [Text(UNTIMED_NOTE, "dim italic", no_wrap=True)]
+    elif snap.latency_samples("alloc") + snap.latency_samples("free") == 0:
+        pool_rows = [Text(f"{pool}no calls timed yet", "dim", no_wrap=True)]
+    else:
+        pool_rows = [_latency_row(f"{pool}{kind}", snap.latency_percentiles(kind))
+                     for kind in ("alloc", "free")]
+    if not kv_rows and not snap.calls_are_timed():
+        return [Text("latency  -", "dim", no_wrap=True), *pool_rows]
+    return [heading, *kv_rows, *pool_rows]
 
 
 def kv_bar(snap: Snapshot, width: int) -> Text:
@@ -366,7 +386,16 @@ def kv_lines(snap: Snapshot, width: int, hit_history: Iterable[float | None] = (
     top = max(recent[-spark_room:], default=0.0) if spark_room else 0.0
     evictions = evict_label + sparkline([v / top if top else 0.0 for v in recent], spark_room,
                                         "yellow3")
-    return [kv_bar(snap, width), counts, hits, evictions]
+    lines = [kv_bar(snap, width), counts, hits, evictions]
+    peaks = snap.kv_peaks
+    if peaks is not None:
+        peak_used, peak_cached, peak_bytes = peaks
+        lines.append(Text.assemble(
+            ("peak ", "bold"), ("used ", "bold"), f"{peak_used:,} {percent(peak_used, total)}",
+            ("  cached ", "bold"), f"{peak_cached:,} {percent(peak_cached, total)}",
+            ("  bytes ", "bold"), format_size(peak_bytes), (" (since start or reset)", "dim"),
+            no_wrap=True, overflow="crop"))
+    return lines
 
 
 def op_line(record: dict[str, Any]) -> Text:

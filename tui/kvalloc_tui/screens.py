@@ -34,19 +34,20 @@ from .widgets import (
 
 class PoolScreen(Screen[None]):
     """Every panel of one pool, the KV cache's first when the pool holds one (hidden when it
-    does not). The rows share the height 3:5:5:6:3, which at 24 lines leaves each panel its
+    does not). The rows share the height 3:6:5:6:2, which at 24 lines leaves each panel its
     title and the lines it needs (the heap map one row and its legend; the KV cache its bar,
-    counts, hit rate and evictions; the orders two rows of counts, a bar and the sizes); taller
-    terminals give all of them more. The orders span the width: 20 of them in 80 columns."""
+    counts, hit rate, evictions and peaks; the orders two rows of counts, a bar and the sizes;
+    the latencies of the KV cache's main calls; the latest operation); taller terminals give
+    all of them more. The orders span the width: 20 of them in 80 columns."""
 
     DEFAULT_CSS = """
     PoolScreen #heap { height: 3fr; min-height: 3; }
-    PoolScreen #kv { height: 5fr; min-height: 4; display: none; }
+    PoolScreen #kv { height: 6fr; min-height: 4; display: none; }
     PoolScreen #kv.-present { display: block; }
     PoolScreen #orders { height: 5fr; min-height: 4; }
     PoolScreen #middle { height: 6fr; min-height: 4; }
     PoolScreen #middle > Panel { width: 1fr; height: 1fr; }
-    PoolScreen #ops { height: 3fr; min-height: 2; }
+    PoolScreen #ops { height: 2fr; min-height: 2; }
     """
 
     def compose(self) -> ComposeResult:
@@ -195,7 +196,9 @@ class HelpScreen(ModalScreen[None]):
             "  cached (kept by the prefix cache, evictable) and free; hit rate:\n"
             "  overall, and per refresh in the sparkline; evictions per second\n"
             "free blocks per order: count (top), free bytes (bars), block size\n"
-            "latency: upper bounds of the log2 buckets holding p50, p99, p999",
+            "KV cache peaks: since its creation or its last reset_peaks()\n"
+            "latency: upper bounds of the log2 buckets holding p50, p99, p999;\n"
+            "  the KV cache's calls by kind first (1/64: a sample), then the pool's",
             "dim")
         help_text = Static(Group(keys, Text(), panels), id="help")
         help_text.border_title = "kvalloc top: keys"

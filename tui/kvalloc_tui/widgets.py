@@ -165,18 +165,27 @@ class TrendsPanel(Panel):
 
     def draw(self, snap: Snapshot, width: int, height: int) -> Text:
         assert self.pool is not None
-        spark_width = max(0, width - 11)
-        # A pool holding a KV cache: "heap" is its bytes in use, the KV region counted whole;
-        # the KV cache's own use is in its panel and the header.
-        label = "heap " if snap.kv is not None else "use  "
-        lines = [
-            Text.assemble((label, "bold"), f"{snap.use_fraction:>5.1%} ",
-                          render.sparkline(self.pool.use, spark_width)),
-            Text.assemble(("frag ", "bold"), f"{snap.fragmentation:>5.1%} ",
-                          render.sparkline(self.pool.fragmentation, spark_width, "yellow3")),
-            *render.latency_lines(snap),
-        ]
-        return _lines(lines, height)
+        if snap.kv is not None:
+            # A pool holding a KV cache: "heap" is its bytes in use, the KV region counted
+            # whole (the cache's own use is in its panel and the header); one line with the
+            # fragmentation, to leave room for the cache's call latencies.
+            half = width // 2
+            spark = max(0, half - 12)
+            lines = [Text.assemble(("heap ", "bold"), f"{snap.use_fraction:>5.1%} ",
+                                   render.sparkline(self.pool.use, spark), " ",
+                                   ("frag ", "bold"), f"{snap.fragmentation:>5.1%} ",
+                                   render.sparkline(self.pool.fragmentation,
+                                                    max(0, width - half - 12), "yellow3"),
+                                   no_wrap=True, overflow="crop")]
+        else:
+            spark_width = max(0, width - 11)
+            lines = [
+                Text.assemble(("use  ", "bold"), f"{snap.use_fraction:>5.1%} ",
+                              render.sparkline(self.pool.use, spark_width)),
+                Text.assemble(("frag ", "bold"), f"{snap.fragmentation:>5.1%} ",
+                              render.sparkline(self.pool.fragmentation, spark_width, "yellow3")),
+            ]
+        return _lines([*lines, *render.latency_lines(snap)], height)
 
 
 class KvPanel(Panel):
