@@ -137,6 +137,32 @@ class KvaClassStats(Structure):
     ]
 
 
+class KvaKvGroup(Structure):
+    """struct kva_kv_group."""
+
+    _fields_ = [
+        ("layers", c_uint32),
+        ("parts", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+    ]
+
+
+class KvaKvLayer(Structure):
+    """struct kva_kv_layer."""
+
+    _fields_ = [
+        ("group", c_uint32),
+        ("parts", c_uint32),
+        ("kv_heads", c_uint32),
+        ("head_dim", c_uint32),
+        ("slot_bytes", c_size_t),
+        ("part_bytes", c_size_t),
+        ("block_stride", c_size_t),
+        ("offset", c_size_t),
+    ]
+
+
 class KvaKvConfig(Structure):
     """struct kva_kv_config."""
 
@@ -158,6 +184,8 @@ class KvaKvConfig(Structure):
         ("name", c_char_p),
         ("trace", c_int),
         ("event_medium", c_uint32),
+        ("groups", POINTER(KvaKvGroup)),
+        ("num_groups", c_uint32),
     ]
 
 
@@ -342,7 +370,7 @@ POOL_STRUCTS = {"kva_config": KvaConfig, "kva_stats": KvaStats, "kva_class_stats
 KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_copy": KvaKvCopy,
               "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats,
               "kva_kv_content": KvaKvContent, "kva_kv_block_copy": KvaKvBlockCopy,
-              "kva_kv_event": KvaKvEvent}
+              "kva_kv_event": KvaKvEvent, "kva_kv_group": KvaKvGroup, "kva_kv_layer": KvaKvLayer}
 VAR_STRUCTS = {"kva_var_config": KvaVarConfig, "kva_var_stats": KvaVarStats}
 # Every mirrored struct, for the ABI test that compiles a probe against the header.
 STRUCTS = {**POOL_STRUCTS, **KV_STRUCTS, **VAR_STRUCTS}
@@ -452,6 +480,8 @@ class KvaLib:
     kva_kv_get_info: Callable[[Handle, Ref], int] = _status(_kv, POINTER(KvaKvInfo))
     kva_kv_block_address: Callable[[Handle, int, int, int, Ref], int] = _status(
         _kv, c_uint32, c_uint32, c_enum, POINTER(c_void_p))
+    kva_kv_layer_info: Callable[[Handle, int, Ref], int] = _status(
+        _kv, c_uint32, POINTER(KvaKvLayer))
     kva_kv_seq_allocate: Callable[[Handle, int, Keys, int, Tokens, int, int, int, Ref, Ref],
                                   int] = _status(
         _kv, c_uint32, POINTER(c_uint64), c_uint32, POINTER(c_uint32), c_uint32, c_uint32,

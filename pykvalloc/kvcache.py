@@ -83,7 +83,7 @@ from .pool import (
     _snapshot,
 )
 
-__all__ = ["KVCache", "KVStats", "KVCallLatency", "KV_CALL_KINDS", "KVInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
+__all__ = ["KVCache", "KVStats", "KVCallLatency", "KV_CALL_KINDS", "KVInfo", "KVGroup", "KVLayerInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
            "KVMode", "TableInUseError", "dtype_bytes", "DEFAULT_BLOCK_TOKENS", "Blocks",
            "Admitted", "Extended", "Lookup", "LookupMany", "BlockStored", "BlockRemoved",
            "AllBlocksCleared", "KVEvent", "KVEvents", "EVENT_DTYPE", "MEDIA",
@@ -109,6 +109,63 @@ _DTYPE_BYTES = {
     "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e4m3": 1, "float8_e5m2": 1,
     "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
+
+
+class KVGroup(NamedTuple):
+    """Layers of one shape (``KVCache(groups=[...])``): ``parts`` vectors per token and layer
+    (2: K and V; 1: one vector), each of ``kv_heads`` heads of ``head_dim`` elements."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    parts: int = 2
+
+    @classmethod
+    def mla(cls, layers: int, kv_lora_rank: int, rope_dim: int) -> KVGroup:
+        """Multi-head latent attention (DeepSeek V2/V3): one latent vector of ``kv_lora_rank +
+        rope_dim`` elements per token and layer (a Hugging Face config's ``kv_lora_rank`` and
+        ``qk_rope_head_dim``), no separate K and V."""
+        return cls(layers, 1, _u32("kv_lora_rank", kv_lora_rank) + _u32("rope_dim", rope_dim),
+                   parts=1)
+
+
+@dataclass(frozen=True)
+class KVLayerInfo:
+    """One layer's geometry (``kva_kv_layer``; kvalloc_kv.h describes each figure)."""
+
+    group: int
+    parts: int
+    kv_heads: int
+    head_dim: int
+    slot_bytes: int
+    part_bytes: int
+    block_stride: int
+    offset: int
+
+
+def _group_arg(group: object) -> KVGroup:
+    if not isinstance(group, tuple) or len(group) not in (3, 4):
+        raise InvalidArgument(f"a group is a KVGroup(layers, kv_heads, head_dim, parts), not "
+                              f"{group!r}")
+    return KVGroup(*(_u32(name, value) for name, value in zip(KVGroup._fields, group)))
+
+
+def _layer_shape(info: KVInfo, layer: _ffi.KvaKvLayer, hnd: bool
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides (elements) of one layer's KV tensor; see KVCache.kv_tensor."""
+    size = info.dtype_bytes
+    tokens, heads, dim = info.block_tokens, layer.kv_heads, layer.head_dim
+    inner: tuple[int, ...]
+    inner_strides: tuple[int, ...]
+    if layer.parts == 1 and heads == 1:
+        inner, inner_strides = (tokens, dim), (dim, 1)
+    elif hnd:
+        inner, inner_strides = (heads, tokens, dim), (tokens * dim, dim, 1)
+    else:
+        inner, inner_strides = (tokens, heads, dim), (heads * dim, dim, 1)
+    if layer.parts == 2:
+        inner, inner_strides = (2,) + inner, (layer.part_bytes // size,) + inner_strides
+    return (info.num_blocks,) + inner, (layer.block_stride // size,) + inner_strides
 
 
 class _TensorCount:
@@ -776,6 +833,13 @@ class KVCache(HandleOwner):
     which then publishes the pool's and the cache's statistics for ``kvalloc top`` (``trace``
     also times every call); a given ``pool`` brings its own name.
 
+    ``groups`` describes a model whose layers are not all ``kv_heads`` x ``head_dim`` K and V
+    (then leave ``layers``, ``kv_heads`` and ``head_dim`` out): a list of ``KVGroup(layers,
+    kv_heads, head_dim, parts=2)``, layers numbered through them in order, and
+    ``KVGroup.mla(layers, kv_lora_rank, rope_dim)`` for DeepSeek's latent attention (one vector
+    per token and layer). ``kv_tensor`` gives the memory as tensors in the layouts attention
+    kernels read; ``layer_info`` each layer's geometry.
+
     For engines: ``max_key_bytes`` (1 .. 32) lets the cache take the engine's own block keys
     (``keys=``: vLLM's block hashes, SGLang's digests), stored exactly, that many host bytes per
     block. ``events`` keeps KV events (``take_events``) in a ring of that many (True: 65,536;
@@ -784,11 +848,12 @@ class KVCache(HandleOwner):
     """
 
     __slots__ = ("_lib", "_pool_lock", "_guard", "_info", "_pool_handle", "_max_key_bytes", "_step",
-                 "_dtype", "_dl_device", "_kv_tensors")
+                 "_dtype", "_dl_device", "_kv_tensors", "_groups")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 layers: int = 32, kv_heads: int = 8, head_dim: int = 128,
-                 dtype: object = "float16", *, capacity_bytes: int | None = None,
+                 layers: int | None = None, kv_heads: int | None = None,
+                 head_dim: int | None = None, dtype: object = "float16", *,
+                 groups: Iterable[KVGroup] | None = None, capacity_bytes: int | None = None,
                  layout: str | KVLayout = "layers", mode: str | KVMode = "paged",
                  max_context: int | None = None, hash_seed: int = 0, pool: Pool | None = None,
                  pages: str | PageMode = "thp", name: str | None = None,
@@ -797,9 +862,22 @@ class KVCache(HandleOwner):
         lib = _ffi.load()
         config = _ffi.KvaKvConfig()
         lib.kva_kv_config_init(byref(config))
-        config.layers = _u32("layers", layers)
-        config.kv_heads = _u32("kv_heads", kv_heads)
-        config.head_dim = _u32("head_dim", head_dim)
+        if groups is None:
+            config.layers = _u32("layers", 32 if layers is None else layers)
+            config.kv_heads = _u32("kv_heads", 8 if kv_heads is None else kv_heads)
+            config.head_dim = _u32("head_dim", 128 if head_dim is None else head_dim)
+            shapes: tuple[KVGroup, ...] = (KVGroup(config.layers, config.kv_heads,
+                                                   config.head_dim),)
+            group_array = None
+        else:
+            if layers is not None or kv_heads is not None or head_dim is not None:
+                raise InvalidArgument("give layers, kv_heads and head_dim, or groups, not both")
+            shapes = tuple(_group_arg(group) for group in groups)
+            group_array = (_ffi.KvaKvGroup * max(len(shapes), 1))(
+                *(_ffi.KvaKvGroup(group.layers, group.parts, group.kv_heads, group.head_dim)
+                  for group in shapes))
+            config.groups = group_array
+            config.num_groups = _u32("the number of groups", len(shapes))
         config.dtype_bytes = dtype_bytes(dtype)
         config.block_tokens = _u32("block_tokens", block_tokens)
         config.num_blocks = 0 if num_blocks is None else _u32("num_blocks", num_blocks)
@@ -859,6 +937,7 @@ class KVCache(HandleOwner):
         self._dtype = element
         self._dl_device = pool._dl_device if pool is not None else (DEVICE_CPU, 0)
         self._kv_tensors = _TensorCount()
+        self._groups = shapes
 
     def _describe(self) -> str:
         info = self._info
@@ -1348,8 +1427,8 @@ class KVCache(HandleOwner):
                                            _u32("layer", layer), part, byref(out))
         return out.value or 0
 
-    def kv_tensor(self, layer: int | None = None, *, layout: str = "NHD",
-                  dtype: object = None) -> Tensor:
+    def kv_tensor(self, layer: int | None = None, *, group: int | None = None,
+                  layout: str = "NHD", dtype: object = None) -> Tensor:
         """The KV memory as a ``pykvalloc.Tensor`` in the layout attention kernels read, indexed
         by block id: the ids of a block table index its first dimension as they are.
 
@@ -1357,12 +1436,18 @@ class KVCache(HandleOwner):
         head_dim)`` for ``layout="NHD"`` (vLLM's and FlashInfer's NHD) or ``(num_blocks, 2,
         kv_heads, block_tokens, head_dim)`` for ``"HND"``; ``[b, 0]`` is the K part of block b
         and starts at ``block_address(b, layer, "K")``, ``[b, 1]`` at ``block_address(b, layer,
-        "V")``. ``layer=None``: every layer, one more leading dimension, ``[l]`` being layer l's
-        tensor. With the cache's ``layout="layers"`` (the default) a layer's tensor and the
-        all-layer tensor are contiguous; with ``layout="blocks"`` they have the honest strides
-        of memory where a block holds all its layers (``block_stride`` between blocks), and are
-        not contiguous (the permutation ``(num_blocks, layers, 2, ...)`` of the all-layer one
-        is).
+        "V")``. A layer of one part (``KVGroup.mla``) has no K/V dimension: ``(num_blocks,
+        block_tokens, head_dim)`` for MLA's latent vectors (one head; what vLLM's MLA backends
+        read), ``(num_blocks, block_tokens, kv_heads, head_dim)`` (or HND) with more heads.
+        ``group``: the layers of that group (``groups=``) with one more leading dimension;
+        neither: every layer, which needs all layers to have one shape. ``[l]`` of either is
+        that layer's tensor.
+
+        With the cache's ``layout="layers"`` (the default) a layer's and a group's tensors are
+        contiguous, and so is the all-layer tensor of a cache without groups; with
+        ``layout="blocks"`` they have the honest strides of memory where a block holds all its
+        layers (``block_bytes`` between blocks), and are not contiguous (the permutation
+        ``(num_blocks, layers, ...)`` of an all-layer tensor is).
 
         NHD and HND are two readings of the same bytes: the library never reads or copies what
         a part holds (in paged mode), so the order of tokens and heads inside a part is the
@@ -1384,29 +1469,61 @@ class KVCache(HandleOwner):
         if info.mode is not KVMode.PAGED:
             raise InvalidArgument("KV tensors need a paged cache: a contiguous one has no block "
                                   "ids to index")
-        if layer is not None:
-            layer = _u32("layer", layer)
-            if layer >= info.layers:
-                raise InvalidArgument(f"layer {layer} is out of range ({info.layers} layers)")
-        size = info.dtype_bytes
-        tokens, heads, dim = info.block_tokens, info.kv_heads, info.head_dim
-        if layout.upper() == "NHD":
-            part_shape, part_strides = (tokens, heads, dim), (heads * dim, dim, 1)
-        else:
-            part_shape, part_strides = (heads, tokens, dim), (tokens * dim, dim, 1)
-        shape: tuple[int, ...] = (info.num_blocks, 2) + part_shape
-        strides: tuple[int, ...] = (info.block_stride // size, info.part_bytes // size) + part_strides
-        address = info.base
-        if layer is None:
-            shape, strides = (info.layers,) + shape, (info.layer_stride // size,) + strides
-        else:
-            address += layer * info.layer_stride
+        if layer is not None and group is not None:
+            raise InvalidArgument("give layer or group, not both")
+        first, count = self._layer_range(layer, group)
         with self._lock:
-            self._open_handle()
+            handle = self._open_handle()
+            geometry = self._layer_geometry(handle, first)
+            shape, strides = _layer_shape(info, geometry, layout.upper() == "HND")
+            address = info.base + geometry.offset
+            if layer is None:
+                if count > 1:
+                    step = self._layer_geometry(handle, first + 1).offset - geometry.offset
+                else:
+                    step = geometry.block_stride * info.num_blocks
+                shape, strides = (count,) + shape, (step // info.dtype_bytes,) + strides
             counter = self._kv_tensors
             return Tensor._new(address, shape, strides, element, self._dl_device,
                                lambda: self._add_user(counter),
                                lambda: self._user_gone(counter))
+
+    def _layer_range(self, layer: int | None, group: int | None) -> tuple[int, int]:
+        """The first layer and the number of layers a KV tensor spans."""
+        layers = self._info.layers
+        if layer is not None:
+            layer = _u32("layer", layer)
+            if layer >= layers:
+                raise InvalidArgument(f"layer {layer} is out of range ({layers} layers)")
+            return layer, 1
+        if group is not None:
+            group = _u32("group", group)
+            if group >= len(self._groups):
+                raise InvalidArgument(f"group {group} is out of range ({len(self._groups)} "
+                                      "groups)")
+            return sum(g.layers for g in self._groups[:group]), self._groups[group].layers
+        if self._info.kv_heads == 0:  # layers of different shapes (kva_kv_info)
+            raise InvalidArgument("the layers differ in shape: take one tensor per layer "
+                                  "(layer=) or per group (group=)")
+        return 0, layers
+
+    def _layer_geometry(self, handle: int, layer: int) -> _ffi.KvaKvLayer:
+        geometry = _ffi.KvaKvLayer()
+        self._lib.kva_kv_layer_info(handle, layer, byref(geometry))
+        return geometry
+
+    def layer_info(self, layer: int) -> KVLayerInfo:
+        """One layer's geometry (``kva_kv_layer``): its group, parts (2: K and V; 1: one vector,
+        MLA), heads, head_dim, and where its blocks are: ``block_address(b, layer, part) = base
+        + offset + b * block_stride + part * part_bytes``. Paged mode only."""
+        with self._lock:
+            raw = self._layer_geometry(self._open_handle(), _u32("layer", layer))
+        return _snapshot(KVLayerInfo, raw)
+
+    @property
+    def groups(self) -> tuple[KVGroup, ...]:
+        """The cache's layers as groups of one shape (one group without ``groups=``)."""
+        return self._groups
 
     @property
     def dtype(self) -> TensorDType:

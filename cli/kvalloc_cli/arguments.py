@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pykvalloc.errors import InvalidArgument
-from pykvalloc.kvcache import dtype_bytes
+from pykvalloc.kvcache import KVGroup, dtype_bytes
 from pykvalloc.sizes import parse_size
 
 
@@ -88,6 +88,19 @@ def kv_dtype(text: str) -> str:
     except InvalidArgument as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
+
+
+def kv_group(text: str) -> KVGroup:
+    """LAYERS:KV_HEADS:HEAD_DIM[:PARTS], each a whole number of at least 1 (PARTS 1 or 2)."""
+    fields = text.split(":")
+    try:
+        numbers = [int(field) for field in fields]
+    except ValueError:
+        numbers = []
+    if len(numbers) not in (3, 4) or any(n < 1 or n > U32_MAX for n in numbers) or \
+            (len(numbers) == 4 and numbers[3] not in (1, 2)):
+        raise argparse.ArgumentTypeError(f"not LAYERS:KV_HEADS:HEAD_DIM[:PARTS] (PARTS 1 or 2): {text!r}")
+    return KVGroup(*numbers)
 
 
 def output_file(text: str) -> Path:

@@ -30,16 +30,17 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from pykvalloc.errors import InvalidArgument, KvallocError
-from pykvalloc.kvcache import DEFAULT_BLOCK_TOKENS
+from pykvalloc.kvcache import DEFAULT_BLOCK_TOKENS, KVGroup
 from pykvalloc.replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
+from pykvalloc.replay.model_config import read_model_config
 from pykvalloc.replay.simulator import (LONGEST_PACED_WAIT_S, ReplayConfig, ReplayResult, check_arrivals, keyable,
                                         pacer, replay)
 from pykvalloc.replay.traces import Trace, load_trace
 from pykvalloc.replay.workload import MAX_REQUESTS, default_workload
 from pykvalloc.sizes import format_size
 
-from .arguments import (COUNT_MAX, U32_MAX, add_command, kv_dtype, output_file, positive_int, positive_int32,
-                        positive_number, positive_size, usage_error)
+from .arguments import (COUNT_MAX, U32_MAX, add_command, kv_dtype, kv_group, output_file, positive_int,
+                        positive_int32, positive_number, positive_size, usage_error)
 from .output import add_report_options, emit_json, wants_table, wrote
 from .report import failed, print_report, report_json, write_plot
 
@@ -74,11 +75,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens one engine step may process, decodes and prompt chunks (default 8192)")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="paged: do not key blocks by the trace's prefix ids")
-    parser.add_argument("--layers", type=positive_int32, default=32,
+    parser.add_argument("--layers", type=positive_int32, default=None,
                         help="the model's layers (default 32: a Llama-3-8B-like model)")
-    parser.add_argument("--kv-heads", type=positive_int32, default=8, help="KV heads per layer (default 8)")
-    parser.add_argument("--head-dim", type=positive_int32, default=128, help="dimension of a head (default 128)")
-    parser.add_argument("--dtype", type=kv_dtype, default="float16", help="the KV cache's element type (default float16)")
+    parser.add_argument("--kv-heads", type=positive_int32, default=None, help="KV heads per layer (default 8)")
+    parser.add_argument("--head-dim", type=positive_int32, default=None, help="dimension of a head (default 128)")
+    parser.add_argument("--kv-lora-rank", type=positive_int32, default=None,
+                        help="multi-head latent attention (DeepSeek): one latent vector of KV_LORA_RANK + "
+                             "--rope-dim elements per token and layer instead of K and V")
+    parser.add_argument("--rope-dim", type=positive_int32, default=None,
+                        help="with --kv-lora-rank: the rotary part of the latent vector (qk_rope_head_dim)")
+    parser.add_argument("--group", type=kv_group, action="append", default=None, metavar="L:H:D[:P]",
+                        help="layers of one shape, repeatable for a model whose layers differ: L layers of P "
+                             "vectors (2, K and V, by default; 1 for MLA) of H heads of D elements")
+    parser.add_argument("--model-config", type=Path, default=None, metavar="CONFIG.json",
+                        help="the shape from a Hugging Face config.json: num_hidden_layers, num_key_value_heads, "
+                             "head_dim (or hidden_size / num_attention_heads), kv_lora_rank + qk_rope_head_dim "
+                             "for MLA, torch_dtype")
+    parser.add_argument("--dtype", type=kv_dtype, default=None,
+                        help="the KV cache's element type (default: the model config's, else float16)")
     parser.add_argument("--skip-bad", action="store_true", help="skip and count malformed trace rows")
     parser.add_argument("--compare", action="store_true",
                         help="paged 16/32/64/128, contiguous and malloc on the same traffic")
@@ -136,8 +150,40 @@ def capacity_tokens(kv_size: Optional[int], kv_tokens: Optional[int], geometry: 
     return tokens
 
 
+def geometry_of(args: argparse.Namespace) -> Geometry:
+    """The model's KV shape from the options: --layers/--kv-heads/--head-dim, --kv-lora-rank and
+    --rope-dim (MLA), --group or --model-config, one way at a time."""
+    plain = [name for name, value in (("--layers", args.layers), ("--kv-heads", args.kv_heads),
+                                      ("--head-dim", args.head_dim)) if value is not None]
+    mla = [name for name, value in (("--kv-lora-rank", args.kv_lora_rank), ("--rope-dim", args.rope_dim))
+           if value is not None]
+    if args.model_config is not None and (plain or mla or args.group):
+        raise InvalidArgument(f"--model-config gives the model's shape; {', '.join(plain + mla) or '--group'} "
+                              "would give it again")
+    if args.group and (plain or mla):
+        raise InvalidArgument(f"--group gives the model's shape; {', '.join(plain + mla)} would give it again")
+    if mla and len(mla) < 2:
+        raise InvalidArgument("multi-head latent attention needs both --kv-lora-rank and --rope-dim")
+    if mla and (args.kv_heads is not None or args.head_dim is not None):
+        raise InvalidArgument("--kv-lora-rank and --rope-dim replace --kv-heads and --head-dim")
+    dtype = args.dtype
+    groups: tuple[KVGroup, ...] = ()
+    if args.model_config is not None:
+        model = read_model_config(args.model_config)
+        groups, dtype = model.groups, dtype or model.dtype
+    elif args.group:
+        groups = tuple(args.group)
+    elif mla:
+        groups = (KVGroup.mla(args.layers if args.layers is not None else 32, args.kv_lora_rank, args.rope_dim),)
+    if groups:
+        return Geometry(layers=sum(group.layers for group in groups), dtype=dtype or "float16", groups=groups)
+    return Geometry(layers=args.layers if args.layers is not None else 32,
+                    kv_heads=args.kv_heads if args.kv_heads is not None else 8,
+                    head_dim=args.head_dim if args.head_dim is not None else 128, dtype=dtype or "float16")
+
+
 def base_config(args: argparse.Namespace) -> ReplayConfig:
-    geometry = Geometry(layers=args.layers, kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    geometry = geometry_of(args)
     # --compare's smallest block is the paged default.
     paged_block = (DEFAULT_BLOCK_TOKENS if args.compare else (args.block_tokens or DEFAULT_BLOCK_TOKENS)
                    if args.mode == "paged" else None)
@@ -168,9 +214,10 @@ def replay_preloaded(args: argparse.Namespace, config: ReplayConfig) -> dict[str
         out = Path(scratch) / "report.json"
         argv = [sys.executable, "-m", "kvalloc_cli", "replay", "--mode", "malloc-jemalloc", "--quiet",
                 "--kv-tokens", str(config.capacity_tokens), "--time-scale", str(config.time_scale),
-                "--max-batch-tokens", str(config.max_batch_tokens), "--layers", str(config.geometry.layers),
-                "--kv-heads", str(config.geometry.kv_heads), "--head-dim", str(config.geometry.head_dim),
-                "--dtype", config.geometry.dtype, "--output", str(out)]
+                "--max-batch-tokens", str(config.max_batch_tokens), "--dtype", config.geometry.dtype,
+                "--output", str(out)]
+        for group in config.geometry.describe().split():
+            argv += ["--group", group]
         if args.trace:
             argv.insert(4, str(args.trace))
         if args.requests is not None:

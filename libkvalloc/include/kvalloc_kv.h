@@ -77,11 +77,16 @@ typedef enum kva_kv_mode {
     KVA_KV_CONTIGUOUS = 1 /* one buffer per sequence, a power-of-two bucket of tokens */
 } kva_kv_mode;
 
-/* Where (block, layer, K|V) lives. In both layouts the KV memory is one allocation and
+/* Where (block, layer, K|V) lives. In both layouts the KV memory is one allocation and, when
+ * every layer has one shape,
  *     address(block, layer, part) = base + block * block_stride + layer * layer_stride
  *                                        + part * part_bytes
  * with part_bytes = block_tokens * kv_heads * head_dim * dtype_bytes, each part laid out
- * [token][kv_head][head_dim]. */
+ * [token][kv_head][head_dim] (the library never reads or copies a part's contents in paged mode:
+ * an engine may keep its tokens in another order, such as FlashInfer's HND [kv_head][token]).
+ * With groups of different shapes each layer has its own (kva_kv_layer_info): in the blocks
+ * layout a block holds every layer's parts in layer order; in the layers layout layer l's region
+ * of num_blocks blocks of its own size follows layer l - 1's. */
 typedef enum kva_kv_layout {
     KVA_KV_LAYOUT_BLOCKS = 0, /* a block holds all its layers: [block][layer][K|V] */
     KVA_KV_LAYOUT_LAYERS = 1  /* one region per layer, a block id indexes each: [layer][block][K|V] */
@@ -92,11 +97,28 @@ typedef enum kva_kv_part {
     KVA_KV_V = 1
 } kva_kv_part;
 
+/* A group of layers of one shape (kva_kv_config.groups): a model whose layers differ (a hybrid
+ * model, sliding-window and full-attention layers of different head counts) is a list of groups,
+ * and its layers are numbered through them in order. */
+typedef struct kva_kv_group {
+    uint32_t layers; /* layers in the group, at least 1 */
+    /* vectors kept per token and layer: 2, K and V (KVA_KV_K, KVA_KV_V); 1, one (DeepSeek's MLA
+     * keeps one latent vector of kv_lora_rank + qk_rope_head_dim elements: kv_heads 1, head_dim
+     * their sum; its part is KVA_KV_K) */
+    uint32_t parts;
+    uint32_t kv_heads, head_dim; /* each part is [token][kv_head][head_dim] (see kva_kv_layout) */
+} kva_kv_group;
+
+#define KVA_KV_MAX_GROUPS 64
+#define KVA_KV_MAX_LAYERS 4096 /* in all groups together */
+
 typedef struct kva_kv_config {
-    uint32_t layers, kv_heads, head_dim; /* no defaults: 0 is refused */
-    uint32_t dtype_bytes;                /* bytes per element: 1, 2, 4 or 8. Default 2 */
-    uint32_t block_tokens;               /* tokens per block (paged mode). Default 16 */
-    uint32_t num_blocks;                 /* capacity in blocks; 0: capacity_bytes decides */
+    /* one group of `layers` layers of K and V (parts 2) of kv_heads x head_dim; no defaults: 0 is
+     * refused, unless groups are given, when all three must be 0 */
+    uint32_t layers, kv_heads, head_dim;
+    uint32_t dtype_bytes;  /* bytes per element: 1, 2, 4 or 8. Default 2 */
+    uint32_t block_tokens; /* tokens per block (paged mode). Default 16 */
+    uint32_t num_blocks;   /* capacity in blocks; 0: capacity_bytes decides */
     /* capacity in bytes when num_blocks is 0: paged mode keeps the whole blocks that fit;
      * contiguous mode sizes its own pool */
     size_t capacity_bytes;
@@ -127,15 +149,22 @@ typedef struct kva_kv_config {
     /* copied into every event: where these blocks live, as the engine names tiers
      * (KVA_KV_MEDIUM_GPU, the default, 0; or another) */
     uint32_t event_medium;
+    /* paged mode: the layers as groups of different shapes, num_groups (1 .. KVA_KV_MAX_GROUPS) of
+     * them; the array is read during kva_kv_create and kva_kv_block_bytes only. NULL and 0
+     * (default): one group from layers, kv_heads and head_dim */
+    const kva_kv_group *groups;
+    uint32_t num_groups;
 } kva_kv_config;
 /* max_key_bytes, event_capacity and event_medium sit where the fields before them left
- * alignment padding, so every other field has the offset it has without them. */
+ * alignment padding, so every other field has the offset it has without them; groups and
+ * num_groups come last. */
 
 /* Fills every field of *cfg with its default. */
 KVA_API void kva_kv_config_init(kva_kv_config *cfg);
 
-/* Bytes of one block, 2 * layers * kv_heads * head_dim * dtype_bytes * block_tokens, after
- * checking the geometry (KVA_ERR_INVALID for a zero or unsupported field or an overflow). */
+/* Bytes of one block: the sum over layers of parts * kv_heads * head_dim * dtype_bytes *
+ * block_tokens (2 * layers * kv_heads * head_dim * dtype_bytes * block_tokens without groups),
+ * after checking the geometry (KVA_ERR_INVALID for a zero or unsupported field or an overflow). */
 KVA_API kva_status kva_kv_block_bytes(const kva_kv_config *cfg, size_t *out);
 
 /* Creates a cache. With pool NULL the cache creates a pool for itself and destroys it with the
@@ -151,6 +180,9 @@ KVA_API kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_k
  * NULL is ignored. No other call on this cache may be running or start afterwards. */
 KVA_API void kva_kv_destroy(kva_kv *kv);
 
+/* The geometry fields of kva_kv_info (kv_heads, head_dim, slot_bytes, part_bytes, block_stride,
+ * layer_stride) describe a cache whose layers all have one shape; where they differ (groups of
+ * different shapes) those fields are 0, and kva_kv_layer_info gives each layer's. */
 typedef struct kva_kv_info {
     kva_kv_mode mode;
     kva_kv_layout layout;
@@ -169,7 +201,24 @@ typedef struct kva_kv_info {
 
 KVA_API kva_status kva_kv_get_info(kva_kv *kv, kva_kv_info *out);
 
-/* The address of one part (K or V) of one layer of one block (paged mode). O(1), no lock. */
+/* One layer's geometry (paged mode): in both layouts
+ *     address(block, layer, part) = base + offset + block * block_stride + part * part_bytes */
+typedef struct kva_kv_layer {
+    uint32_t group; /* its index in kva_kv_config.groups (0 without groups) */
+    uint32_t parts; /* 2: K and V; 1: one vector per token (MLA) */
+    uint32_t kv_heads, head_dim;
+    size_t slot_bytes;   /* one part of one token: kv_heads * head_dim * dtype_bytes */
+    size_t part_bytes;   /* one part of one block: slot_bytes * block_tokens */
+    size_t block_stride; /* from a block of this layer to the next block's */
+    size_t offset;       /* block 0, part 0 of this layer, from base */
+} kva_kv_layer;
+
+/* The geometry of `layer` (paged mode). O(1), no lock. KVA_ERR_INVALID for a layer out of range
+ * or a cache in contiguous mode. */
+KVA_API kva_status kva_kv_layer_info(kva_kv *kv, uint32_t layer, kva_kv_layer *out);
+
+/* The address of one part (K or V; K only in a layer of one part) of one layer of one block
+ * (paged mode). O(1), no lock. */
 KVA_API kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_kv_part part, void **out);
 
 /* What the engine must copy after a call that moved KV (kva_kv_seq_append).
@@ -520,7 +569,8 @@ typedef struct kva_kv_move {
  * kva_kv_evict first to drop them instead) to the lowest ids, so that afterwards blocks
  * [0, n) hold data and [n, num_blocks) are free, n = used_blocks + cached_blocks. With the blocks
  * layout the free blocks are then the last free_blocks * block_bytes bytes of the KV memory;
- * with the layers layout, the last free_blocks * block_stride bytes of each layer's region
+ * with the layers layout, the last free_blocks * block_stride bytes of each layer's region (the
+ * layer's own block_stride, kva_kv_layer_info, when layers differ in shape)
  * (kva_kv_trim then hands that memory back).
  * It rewrites every sequence's and pin's block table in place, the prefix table and the LRU
  * lists (a block keeps its references, key, priority and place in eviction order), and
@@ -646,7 +696,9 @@ typedef enum kva_kv_struct_id {
     KVA_KV_STRUCT_STATS = 5,
     KVA_KV_STRUCT_CONTENT = 6,
     KVA_KV_STRUCT_BLOCK_COPY = 7,
-    KVA_KV_STRUCT_EVENT = 8
+    KVA_KV_STRUCT_EVENT = 8,
+    KVA_KV_STRUCT_GROUP = 9,
+    KVA_KV_STRUCT_LAYER = 10
 } kva_kv_struct_id;
 
 KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);

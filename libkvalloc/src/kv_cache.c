@@ -23,8 +23,10 @@
 #define KV_MAX_EVENTS ((uint32_t)1 << 20)
 
 #if UINTPTR_MAX == UINT64_MAX
-_Static_assert(sizeof(kva_kv_config) == 80, "the config's added fields fill its alignment holes");
+_Static_assert(sizeof(kva_kv_config) == 96, "the config's added fields fill its alignment holes, groups come last");
+_Static_assert(sizeof(kva_kv_layer) == 48, "a layer's geometry is four u32 and four sizes");
 #endif
+_Static_assert(sizeof(kva_kv_group) == 16, "a group is four u32");
 _Static_assert(sizeof(kva_kv_event) == 96, "an event is 96 bytes without padding");
 _Static_assert(sizeof(kva_kv_block_copy) == 16, "a batch copy is four u32");
 #define KV_POOL_MIN_BLOCK ((size_t)4096)
@@ -42,12 +44,53 @@ void kva_kv_config_init(kva_kv_config *cfg) {
 
 static int mul_size(size_t a, size_t b, size_t *out) { return !__builtin_mul_overflow(a, b, out); }
 
-/* Checks the geometry and fills the sizes of *info. */
-static kva_status geometry(const kva_kv_config *cfg, kva_kv_info *info) {
+/* The groups of a config: its own, or the one group its layers, kv_heads and head_dim make
+ * (*single holds it). */
+static kva_status config_groups(const kva_kv_config *cfg, kva_kv_group *single, const kva_kv_group **groups,
+                                uint32_t *count) {
+    if (!cfg->groups && !cfg->num_groups) {
+        if (cfg->layers == 0 || cfg->kv_heads == 0 || cfg->head_dim == 0)
+            return kva_fail(KVA_ERR_INVALID, "zero geometry: layers %u, kv_heads %u, head_dim %u", cfg->layers,
+                            cfg->kv_heads, cfg->head_dim);
+        *single =
+            (kva_kv_group){.layers = cfg->layers, .parts = 2, .kv_heads = cfg->kv_heads, .head_dim = cfg->head_dim};
+        *groups = single;
+        *count = 1;
+        return KVA_OK;
+    }
+    if (!cfg->groups || cfg->num_groups == 0 || cfg->num_groups > KVA_KV_MAX_GROUPS)
+        return kva_fail(KVA_ERR_INVALID, "groups %s with num_groups %u: give both, 1 .. %d groups",
+                        cfg->groups ? "given" : "NULL", cfg->num_groups, KVA_KV_MAX_GROUPS);
+    if (cfg->layers || cfg->kv_heads || cfg->head_dim)
+        return kva_fail(KVA_ERR_INVALID, "give layers, kv_heads and head_dim, or groups, not both");
+    if (cfg->mode != KVA_KV_PAGED) return kva_fail(KVA_ERR_INVALID, "groups need paged mode");
+    uint32_t layers = 0;
+    for (uint32_t g = 0; g < cfg->num_groups; g++) {
+        const kva_kv_group *group = &cfg->groups[g];
+        if (group->layers == 0 || group->kv_heads == 0 || group->head_dim == 0)
+            return kva_fail(KVA_ERR_INVALID, "group %u: zero geometry: layers %u, kv_heads %u, head_dim %u", g,
+                            group->layers, group->kv_heads, group->head_dim);
+        if (group->parts != 1 && group->parts != 2)
+            return kva_fail(KVA_ERR_INVALID, "group %u: parts %u is not 1 (one vector, MLA) or 2 (K and V)", g,
+                            group->parts);
+        if (group->layers > KVA_KV_MAX_LAYERS - layers)
+            return kva_fail(KVA_ERR_INVALID, "more than %d layers in the groups", KVA_KV_MAX_LAYERS);
+        layers += group->layers;
+    }
+    *groups = cfg->groups;
+    *count = cfg->num_groups;
+    return KVA_OK;
+}
+
+static int same_shape(const kva_kv_group *a, const kva_kv_group *b) {
+    return a->parts == b->parts && a->kv_heads == b->kv_heads && a->head_dim == b->head_dim;
+}
+
+/* Checks the geometry and fills the sizes of *info; *parts is the parts of every layer when all
+ * have one shape, else 0. */
+static kva_status geometry(const kva_kv_config *cfg, kva_kv_info *info, uint32_t *parts) {
     if (!cfg) return kva_fail(KVA_ERR_INVALID, "config is NULL");
-    if (cfg->layers == 0 || cfg->kv_heads == 0 || cfg->head_dim == 0 || cfg->block_tokens == 0)
-        return kva_fail(KVA_ERR_INVALID, "zero geometry: layers %u, kv_heads %u, head_dim %u, block_tokens %u",
-                        cfg->layers, cfg->kv_heads, cfg->head_dim, cfg->block_tokens);
+    if (cfg->block_tokens == 0) return kva_fail(KVA_ERR_INVALID, "zero geometry: block_tokens 0");
     if (cfg->dtype_bytes != 1 && cfg->dtype_bytes != 2 && cfg->dtype_bytes != 4 && cfg->dtype_bytes != 8)
         return kva_fail(KVA_ERR_INVALID, "dtype_bytes %u is not 1, 2, 4 or 8", cfg->dtype_bytes);
     if ((unsigned)cfg->mode > KVA_KV_CONTIGUOUS) return kva_fail(KVA_ERR_INVALID, "unknown mode %d", (int)cfg->mode);
@@ -59,36 +102,105 @@ static kva_status geometry(const kva_kv_config *cfg, kva_kv_info *info) {
         return kva_fail(KVA_ERR_INVALID, "event_capacity %u is beyond %u", cfg->event_capacity, KV_MAX_EVENTS);
     if (cfg->mode != KVA_KV_PAGED && (cfg->max_key_bytes || cfg->event_capacity))
         return kva_fail(KVA_ERR_INVALID, "engine keys and events need paged mode");
-    size_t slot, token, block;
-    if (!mul_size((size_t)cfg->kv_heads * cfg->head_dim, cfg->dtype_bytes, &slot) ||
-        !mul_size(slot, (size_t)2 * cfg->layers, &token) || !mul_size(token, cfg->block_tokens, &block))
+    kva_kv_group single;
+    const kva_kv_group *groups = NULL;
+    uint32_t count = 0;
+    kva_status st = config_groups(cfg, &single, &groups, &count);
+    if (st != KVA_OK) return st;
+    size_t token = 0, slot = 0;
+    uint32_t layers = 0;
+    int uniform = 1;
+    for (uint32_t g = 0; g < count; g++) {
+        size_t group_slot, group_token;
+        if (!mul_size((size_t)groups[g].kv_heads * groups[g].head_dim, cfg->dtype_bytes, &group_slot) ||
+            !mul_size(group_slot, (size_t)groups[g].parts * groups[g].layers, &group_token) ||
+            __builtin_add_overflow(token, group_token, &token))
+            return kva_fail(KVA_ERR_INVALID, "the geometry's bytes per block overflow");
+        uniform &= same_shape(&groups[g], &groups[0]);
+        slot = group_slot;
+        layers += groups[g].layers;
+    }
+    size_t block;
+    if (!mul_size(token, cfg->block_tokens, &block))
         return kva_fail(KVA_ERR_INVALID, "the geometry's bytes per block overflow");
     memset(info, 0, sizeof *info);
     info->mode = cfg->mode;
     info->layout = cfg->layout;
-    info->layers = cfg->layers;
-    info->kv_heads = cfg->kv_heads;
-    info->head_dim = cfg->head_dim;
+    info->layers = layers;
     info->dtype_bytes = cfg->dtype_bytes;
     info->block_tokens = cfg->block_tokens;
-    info->slot_bytes = slot;
     info->token_bytes = token;
     info->block_bytes = block;
-    info->part_bytes = slot * cfg->block_tokens;
+    *parts = uniform ? groups[0].parts : 0;
+    if (uniform) { /* else each layer has its own (kva_kv_layer_info) */
+        info->kv_heads = groups[0].kv_heads;
+        info->head_dim = groups[0].head_dim;
+        info->slot_bytes = slot;
+        info->part_bytes = slot * cfg->block_tokens;
+    }
     return KVA_OK;
+}
+
+/* Paged mode, layers of different shapes: each layer's geometry (kva_kv_layout). */
+static kva_status layer_table(const kva_kv_config *cfg, const kva_kv_info *info, kva_kv_layer **out) {
+    kva_kv_layer *table = calloc(info->layers, sizeof *table);
+    if (!table) return kva_fail(KVA_ERR_NOMEM, "no host memory for the geometry of %u layers", info->layers);
+    size_t before = 0; /* bytes of one block of the layers before */
+    uint32_t l = 0;
+    for (uint32_t g = 0; g < cfg->num_groups; g++) {
+        const kva_kv_group *group = &cfg->groups[g];
+        for (uint32_t i = 0; i < group->layers; i++, l++) {
+            kva_kv_layer *layer = &table[l];
+            layer->group = g;
+            layer->parts = group->parts;
+            layer->kv_heads = group->kv_heads;
+            layer->head_dim = group->head_dim;
+            layer->slot_bytes = (size_t)group->kv_heads * group->head_dim * info->dtype_bytes;
+            layer->part_bytes = layer->slot_bytes * info->block_tokens;
+            size_t own = layer->part_bytes * group->parts;
+            /* Within the block's bytes, checked against overflow by geometry(). */
+            if (info->layout == KVA_KV_LAYOUT_BLOCKS) {
+                layer->block_stride = info->block_bytes;
+                layer->offset = before;
+            } else {
+                layer->block_stride = own;
+                layer->offset = before * info->num_blocks;
+            }
+            before += own;
+        }
+    }
+    *out = table;
+    return KVA_OK;
+}
+
+void kv_layer_geometry(const kva_kv *kv, uint32_t layer, kva_kv_layer *out) {
+    if (kv->layer_geom) {
+        *out = kv->layer_geom[layer];
+        return;
+    }
+    const kva_kv_info *g = &kv->info;
+    *out = (kva_kv_layer){.parts = kv->parts,
+                          .kv_heads = g->kv_heads,
+                          .head_dim = g->head_dim,
+                          .slot_bytes = g->slot_bytes,
+                          .part_bytes = g->part_bytes,
+                          .block_stride = g->block_stride,
+                          .offset = (size_t)layer * g->layer_stride};
 }
 
 kva_status kva_kv_block_bytes(const kva_kv_config *cfg, size_t *out) {
     kva_kv_info info;
-    kva_status st = geometry(cfg, &info);
+    uint32_t parts;
+    kva_status st = geometry(cfg, &info, &parts);
     if (st != KVA_OK) return st;
     if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
     *out = info.block_bytes;
     return KVA_OK;
 }
 
-/* Paged mode: the number of blocks and the strides. */
-static kva_status paged_layout(const kva_kv_config *cfg, kva_kv_info *info) {
+/* Paged mode: the number of blocks and the strides (of layers of one shape, with `parts` each;
+ * else layer_table's). */
+static kva_status paged_layout(const kva_kv_config *cfg, kva_kv_info *info, uint32_t parts) {
     uint64_t blocks = cfg->num_blocks ? cfg->num_blocks : cfg->capacity_bytes / info->block_bytes;
     if (blocks == 0 && cfg->capacity_bytes == 0)
         return kva_fail(KVA_ERR_INVALID,
@@ -105,9 +217,9 @@ static kva_status paged_layout(const kva_kv_config *cfg, kva_kv_info *info) {
         return kva_fail(KVA_ERR_INVALID, "%u blocks of %zu bytes overflow", info->num_blocks, info->block_bytes);
     if (cfg->layout == KVA_KV_LAYOUT_BLOCKS) {
         info->block_stride = info->block_bytes;
-        info->layer_stride = 2 * info->part_bytes;
-    } else {
-        info->block_stride = 2 * info->part_bytes;
+        info->layer_stride = parts * info->part_bytes; /* 0 when layers differ in shape */
+    } else if (parts) {                                /* else the strides differ from layer to layer */
+        info->block_stride = parts * info->part_bytes;
         info->layer_stride = info->block_stride * info->num_blocks;
     }
     return KVA_OK;
@@ -270,6 +382,7 @@ static void release_memory(kva_kv *kv) {
         free(kv->seqs[kv->seq_slots].partial);
     }
     free(kv->seqs);
+    free(kv->layer_geom);
     kva_os_unmap(kv->blocks, kv->blocks_length);
     kva_os_unmap(kv->buckets, kv->buckets_length);
     kva_os_unmap(kv->loose, kv->loose_length);
@@ -283,17 +396,25 @@ static void release_memory(kva_kv *kv) {
 
 kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out) {
     kva_kv_info info;
-    kva_status st = geometry(cfg, &info);
+    uint32_t parts;
+    kva_status st = geometry(cfg, &info, &parts);
     if (st != KVA_OK) return st;
     if (!out) return kva_fail(KVA_ERR_INVALID, "out is NULL");
     if (pool && cfg->name)
         return kva_fail(KVA_ERR_INVALID, "name is for the pool the cache creates; the given pool has its own");
-    st = cfg->mode == KVA_KV_PAGED ? paged_layout(cfg, &info) : contiguous_layout(cfg, &info, pool == NULL);
+    st = cfg->mode == KVA_KV_PAGED ? paged_layout(cfg, &info, parts) : contiguous_layout(cfg, &info, pool == NULL);
     if (st != KVA_OK) return st;
+    kva_kv_layer *table = NULL;
+    if (!parts && (st = layer_table(cfg, &info, &table)) != KVA_OK) return st;
 
     kva_kv *kv = calloc(1, sizeof *kv);
-    if (!kv) return kva_fail(KVA_ERR_NOMEM, "no host memory for the cache descriptor");
+    if (!kv) {
+        free(table);
+        return kva_fail(KVA_ERR_NOMEM, "no host memory for the cache descriptor");
+    }
     kv->info = info;
+    kv->parts = parts;
+    kv->layer_geom = table;
     kv->block_tokens = info.block_tokens;
     kv->hash_seed = cfg->hash_seed;
     kv->max_key_bytes = cfg->max_key_bytes;
@@ -307,6 +428,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     } else {
         st = own_pool(cfg, &info, info.kv_bytes, &kv->pool);
         if (st != KVA_OK) {
+            free(table);
             free(kv);
             return st;
         }
@@ -355,7 +477,26 @@ kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t layer, kva_
     if (kva_unlikely(block >= g->num_blocks || layer >= g->layers || (unsigned)part > KVA_KV_V))
         return kva_fail(KVA_ERR_INVALID, "block %u, layer %u, part %d out of range (%u blocks, %u layers)", block,
                         layer, (int)part, g->num_blocks, g->layers);
-    *out = kv->memory + block * g->block_stride + layer * g->layer_stride + (size_t)part * g->part_bytes;
+    if (kva_likely(!kv->layer_geom)) {
+        if (kva_unlikely((unsigned)part >= kv->parts))
+            return kva_fail(KVA_ERR_INVALID, "part %d: the layers keep one vector per token (part 0)", (int)part);
+        *out = kv->memory + block * g->block_stride + layer * g->layer_stride + (size_t)part * g->part_bytes;
+        return KVA_OK;
+    }
+    const kva_kv_layer *l = &kv->layer_geom[layer];
+    if (kva_unlikely((unsigned)part >= l->parts))
+        return kva_fail(KVA_ERR_INVALID, "part %d: layer %u keeps one vector per token (part 0)", (int)part, layer);
+    *out = kv->memory + l->offset + block * l->block_stride + (size_t)part * l->part_bytes;
+    return KVA_OK;
+}
+
+kva_status kva_kv_layer_info(kva_kv *kv, uint32_t layer, kva_kv_layer *out) {
+    /* Reads only geometry fixed at creation: no lock. */
+    if (!kv || !out) return kva_fail(KVA_ERR_INVALID, "cache or out is NULL");
+    if (kv->info.mode != KVA_KV_PAGED) return kva_fail(KVA_ERR_INVALID, "layer geometry needs paged mode");
+    if (layer >= kv->info.layers)
+        return kva_fail(KVA_ERR_INVALID, "layer %u out of range (%u layers)", layer, kv->info.layers);
+    kv_layer_geometry(kv, layer, out);
     return KVA_OK;
 }
 
@@ -448,6 +589,8 @@ size_t kva_kv_struct_size(kva_kv_struct_id which) {
     case KVA_KV_STRUCT_CONTENT: return sizeof(kva_kv_content);
     case KVA_KV_STRUCT_BLOCK_COPY: return sizeof(kva_kv_block_copy);
     case KVA_KV_STRUCT_EVENT: return sizeof(kva_kv_event);
+    case KVA_KV_STRUCT_GROUP: return sizeof(kva_kv_group);
+    case KVA_KV_STRUCT_LAYER: return sizeof(kva_kv_layer);
     }
     return 0;
 }

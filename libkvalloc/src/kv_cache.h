@@ -181,6 +181,11 @@ struct kva_kv {
     pthread_mutex_t lock; /* guards every field not marked "fixed at creation" */
     /* Fixed at creation (read without the lock). */
     kva_kv_info info; /* geometry and addresses */
+    /* Paged mode: the parts of every layer when all layers have one shape (info's strides hold
+     * then); 0 when groups of different shapes make each layer's geometry its own (layer_geom,
+     * num_layers entries). */
+    uint32_t parts;
+    kva_kv_layer *layer_geom;
     kva_pool *pool;
     int owns_pool;
     unsigned char *memory; /* paged: the KV allocation (info.base) */
@@ -302,6 +307,8 @@ int kv_table_reserve(kva_kv_seqrec *rec, uint32_t blocks);
 
 /* Host memory for a per-block array, committed (kv_cache.c). */
 kva_status kv_metadata_map(size_t bytes, void **out, size_t *length);
+/* The geometry of a layer below info.layers (paged mode). */
+void kv_layer_geometry(const kva_kv *kv, uint32_t layer, kva_kv_layer *out);
 
 /* Maps the segments for a cache of num_blocks blocks; unmaps them. */
 kva_status kv_lru_init(kva_kv *kv);

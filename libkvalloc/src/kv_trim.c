@@ -21,17 +21,20 @@ static size_t round_down(size_t x, size_t unit) { return x / unit * unit; }
 
 static unsigned regions(const kva_kv *kv) { return kv->info.layout == KVA_KV_LAYOUT_LAYERS ? kv->info.layers : 1; }
 
-/* Offset of region r from the KV memory's start. */
-static size_t region_start(const kva_kv *kv, unsigned r) {
-    return kv->info.layout == KVA_KV_LAYOUT_LAYERS ? (size_t)r * kv->info.layer_stride : 0;
-}
-
 /* The units of region r released when the backed blocks go from `to` down to `from` (see the
- * top), as offsets from the KV memory's start; start == end when there are none. */
+ * top), as offsets from the KV memory's start; start == end when there are none. Region r is
+ * layer r's in the layers layout (each layer has its own block stride when layers differ in
+ * shape), the whole memory in the blocks layout. */
 static void unit_span(const kva_kv *kv, unsigned r, size_t unit, uint32_t from, uint32_t to, size_t *start,
                       size_t *end) {
-    uintptr_t mem = (uintptr_t)kv->memory, stride = kv->info.block_stride;
-    uintptr_t rs = mem + region_start(kv, r), re = rs + (uintptr_t)kv->num_blocks * stride;
+    uintptr_t mem = (uintptr_t)kv->memory, stride = kv->info.block_bytes, offset = 0;
+    if (kv->info.layout == KVA_KV_LAYOUT_LAYERS) {
+        kva_kv_layer layer;
+        kv_layer_geometry(kv, r, &layer);
+        stride = layer.block_stride;
+        offset = layer.offset;
+    }
+    uintptr_t rs = mem + offset, re = rs + (uintptr_t)kv->num_blocks * stride;
     uintptr_t lo = round_up(rs + (uintptr_t)from * stride, unit), cap = round_down(re, unit);
     uintptr_t hi = to == kv->num_blocks ? cap : round_up(rs + (uintptr_t)to * stride, unit);
     if (hi > cap) hi = cap;

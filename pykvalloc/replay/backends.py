@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..errors import InvalidArgument, OutOfMemory
-from ..kvcache import dtype_bytes
+from ..kvcache import KVGroup, dtype_bytes
 
 if TYPE_CHECKING:
     from .engine import EngineBuffers
@@ -43,20 +43,47 @@ def require_counts(config: Any, *names: str) -> None:
 @dataclass
 class Geometry:
     """The model's KV shape (the default is a Llama-3-8B-like model: 32 layers, 8 KV heads of
-    128, fp16: 128 KiB of KV per token)."""
+    128, fp16: 128 KiB of KV per token). ``groups`` (``KVGroup``s: MLA, layers of different
+    shapes) replaces layers, kv_heads and head_dim when given."""
     layers: int = 32
     kv_heads: int = 8
     head_dim: int = 128
     dtype: str = "float16"
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         require_counts(self, "layers", "kv_heads", "head_dim")
         dtype_bytes(self.dtype)  # InvalidArgument naming the dtypes a KV cache knows
+        for group in self.groups:
+            require_counts(group, "layers", "kv_heads", "head_dim")
+            if group.parts not in (1, 2):
+                raise InvalidArgument(f"a group's parts must be 1 (one vector, MLA) or 2 (K and "
+                                      f"V), not {group.parts!r}")
+
+    @property
+    def shapes(self) -> tuple[KVGroup, ...]:
+        """The groups, or the one group of K and V that layers, kv_heads and head_dim make."""
+        return self.groups or (KVGroup(self.layers, self.kv_heads, self.head_dim),)
 
     @property
     def bytes_per_token(self) -> int:
         # The KV cache's own table of dtypes, so that the replay sizes what the cache will hold.
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes(self.dtype)
+        return sum(group.parts * group.layers * group.kv_heads * group.head_dim
+                   for group in self.shapes) * dtype_bytes(self.dtype)
+
+    def cache_shape(self) -> dict[str, Any]:
+        """The KVCache keywords of this shape: layers, kv_heads and head_dim for one group of K
+        and V (what contiguous mode takes), else groups."""
+        shapes = self.shapes
+        if len(shapes) == 1 and shapes[0].parts == 2:
+            return {"layers": shapes[0].layers, "kv_heads": shapes[0].kv_heads,
+                    "head_dim": shapes[0].head_dim, "dtype": self.dtype}
+        return {"groups": shapes, "dtype": self.dtype}
+
+    def describe(self) -> str:
+        """The shape as --group options say it: LAYERS:KV_HEADS:HEAD_DIM[:PARTS] each."""
+        return " ".join(f"{g.layers}:{g.kv_heads}:{g.head_dim}" + (":1" if g.parts == 1 else "")
+                        for g in self.shapes)
 
 
 @dataclass
@@ -95,9 +122,8 @@ class PagedBackend:
             self.pool = Pool(kv_bytes + WORKSPACE_BYTES, name=pool_name, trace=True)
         try:
             self.cache = KVCache(num_blocks=num_blocks, block_tokens=block_tokens,
-                                 layers=geometry.layers, kv_heads=geometry.kv_heads,
-                                 head_dim=geometry.head_dim, dtype=geometry.dtype,
-                                 name=None if self.pool else pool_name, trace=True, pool=self.pool)
+                                 name=None if self.pool else pool_name, trace=True, pool=self.pool,
+                                 **geometry.cache_shape())
         except BaseException:
             if self.pool is not None:
                 self.pool.close()
@@ -203,8 +229,7 @@ class ContiguousBackend(PagedBackend):
         self.bytes_per_token = geometry.bytes_per_token
         self.capacity_bytes = capacity_tokens * geometry.bytes_per_token
         self.cache = KVCache(num_blocks=None, capacity_bytes=self.capacity_bytes, mode="contiguous",
-                             layers=geometry.layers, kv_heads=geometry.kv_heads, head_dim=geometry.head_dim,
-                             dtype=geometry.dtype, name=pool_name, trace=True)
+                             name=pool_name, trace=True, **geometry.cache_shape())
         self.pool = None
         info = self.cache.info
         self.max_context = int(info.max_context)

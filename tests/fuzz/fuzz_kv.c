@@ -98,6 +98,7 @@ typedef struct harness {
     kva_kv *kv;
     kva_kv_info info;
     uint8_t *part[MAX_BLOCKS][LAYERS][2]; /* kva_kv_block_address of every block, layer, part */
+    kva_kv_layer layer[LAYERS];           /* kva_kv_layer_info (the layers differ with groups) */
     uint64_t next_id;
     model_seq live[MAX_SEQS];
     size_t nlive;
@@ -170,18 +171,32 @@ UNGUIDED static void engine_key(const uint8_t *path, uint32_t depth, uint32_t le
 
 /* ---- memory, as the engine touches it -------------------------------------------------------- */
 
-/* The geometry: kva_kv_block_address of everything, checked against the documented formula. */
+/* The geometry: kva_kv_block_address of everything, checked against the documented formula
+ * (kva_kv_layer's, and kva_kv_info's where the layers have one shape). */
 UNGUIDED static void map_blocks(harness *h) {
     const kva_kv_info *g = &h->info;
     ORACLE(g->num_blocks <= MAX_BLOCKS && g->layers == LAYERS && g->block_tokens == BLOCK_TOKENS);
-    ORACLE(g->slot_bytes >= sizeof(uint64_t) && g->part_bytes == g->slot_bytes * BLOCK_TOKENS);
+    for (unsigned l = 0; l < LAYERS; l++) {
+        kva_kv_layer *layer = &h->layer[l];
+        ORACLE(kva_kv_layer_info(h->kv, l, layer) == KVA_OK);
+        ORACLE(layer->slot_bytes >= sizeof(uint64_t) && layer->part_bytes == layer->slot_bytes * BLOCK_TOKENS);
+        if (g->kv_heads)
+            ORACLE(layer->offset == l * g->layer_stride && layer->block_stride == g->block_stride &&
+                   layer->part_bytes == g->part_bytes);
+    }
     for (uint32_t b = 0; b < g->num_blocks; b++)
         for (unsigned l = 0; l < LAYERS; l++)
             for (unsigned p = 0; p < 2; p++) {
-                void *at;
+                const kva_kv_layer *layer = &h->layer[l];
+                void *at = NULL;
+                if (p >= layer->parts) {
+                    ORACLE(kva_kv_block_address(h->kv, b, l, (kva_kv_part)p, &at) == KVA_ERR_INVALID);
+                    h->part[b][l][p] = NULL;
+                    continue;
+                }
                 ORACLE(kva_kv_block_address(h->kv, b, l, (kva_kv_part)p, &at) == KVA_OK);
                 ORACLE((uint8_t *)at ==
-                       (uint8_t *)g->base + b * g->block_stride + l * g->layer_stride + p * g->part_bytes);
+                       (uint8_t *)g->base + layer->offset + b * layer->block_stride + p * layer->part_bytes);
                 h->part[b][l][p] = at;
             }
     void *at;
@@ -190,17 +205,17 @@ UNGUIDED static void map_blocks(harness *h) {
 
 UNGUIDED static void write_token(harness *h, uint32_t block, uint32_t slot, uint64_t tag) {
     for (unsigned l = 0; l < LAYERS; l++)
-        for (unsigned p = 0; p < 2; p++) {
+        for (unsigned p = 0; p < h->layer[l].parts; p++) {
             uint64_t v = salted(tag, l, p);
-            memcpy(h->part[block][l][p] + slot * h->info.slot_bytes, &v, sizeof v);
+            memcpy(h->part[block][l][p] + slot * h->layer[l].slot_bytes, &v, sizeof v);
         }
 }
 
 UNGUIDED static int token_holds(const harness *h, uint32_t block, uint32_t slot, uint64_t tag) {
     for (unsigned l = 0; l < LAYERS; l++)
-        for (unsigned p = 0; p < 2; p++) {
+        for (unsigned p = 0; p < h->layer[l].parts; p++) {
             uint64_t v;
-            memcpy(&v, h->part[block][l][p] + slot * h->info.slot_bytes, sizeof v);
+            memcpy(&v, h->part[block][l][p] + slot * h->layer[l].slot_bytes, sizeof v);
             if (v != salted(tag, l, p)) return 0;
         }
     return 1;
@@ -209,7 +224,8 @@ UNGUIDED static int token_holds(const harness *h, uint32_t block, uint32_t slot,
 /* Copy on write as kva_kv_copy says: the first `tokens` tokens of every layer's K and V. */
 UNGUIDED static void copy_tokens(harness *h, uint32_t src, uint32_t dst, uint32_t tokens) {
     for (unsigned l = 0; l < LAYERS; l++)
-        for (unsigned p = 0; p < 2; p++) memcpy(h->part[dst][l][p], h->part[src][l][p], tokens * h->info.slot_bytes);
+        for (unsigned p = 0; p < h->layer[l].parts; p++)
+            memcpy(h->part[dst][l][p], h->part[src][l][p], tokens * h->layer[l].slot_bytes);
 }
 
 /* A compaction move as kva_kv_move says: all layers, K and V. */
@@ -219,7 +235,7 @@ static void copy_block(harness *h, uint32_t src, uint32_t dst) { copy_tokens(h, 
  * caught by the next content check. */
 UNGUIDED static void poison_block(const harness *h, uint32_t block) {
     for (unsigned l = 0; l < LAYERS; l++)
-        for (unsigned p = 0; p < 2; p++) memset(h->part[block][l][p], POISON, h->info.part_bytes);
+        for (unsigned p = 0; p < h->layer[l].parts; p++) memset(h->part[block][l][p], POISON, h->layer[l].part_bytes);
 }
 
 /* ---- reading the cache back ------------------------------------------------------------------ */
@@ -1122,7 +1138,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     kva_kv_config_init(&cfg);
     cfg.layers = LAYERS, cfg.kv_heads = 1, cfg.head_dim = 4, cfg.block_tokens = BLOCK_TOKENS;
     cfg.num_blocks = 32 + next_byte(&in) % 32;
-    cfg.layout = next_byte(&in) & 1 ? KVA_KV_LAYOUT_BLOCKS : KVA_KV_LAYOUT_LAYERS;
+    unsigned shape = next_byte(&in);
+    cfg.layout = shape & 1 ? KVA_KV_LAYOUT_BLOCKS : KVA_KV_LAYOUT_LAYERS;
+    /* Half the runs: a K/V layer beside an MLA layer of another width (groups of two shapes). */
+    static const kva_kv_group hybrid[] = {{.layers = 1, .parts = 2, .kv_heads = 1, .head_dim = 4},
+                                          {.layers = LAYERS - 1, .parts = 1, .kv_heads = 1, .head_dim = 12}};
+    if (shape & 2) {
+        cfg.layers = cfg.kv_heads = cfg.head_dim = 0;
+        cfg.groups = hybrid;
+        cfg.num_groups = 2;
+    }
     cfg.pages = KVA_PAGES_SMALL;
     cfg.max_key_bytes = KVA_KV_MAX_KEY_BYTES;
     cfg.event_capacity = EVENTS;

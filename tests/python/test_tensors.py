@@ -376,3 +376,87 @@ def test_kv_tensors_block_neither_compaction_nor_sequences_and_keep_the_memory()
     del kv
     gc.collect()
     assert not cache._finalizer.alive
+
+
+# ---- MLA and groups ----------------------------------------------------------------------------
+
+
+def test_an_mla_cache_has_one_latent_vector_per_token():
+    mla = pykvalloc.KVGroup.mla(layers=3, kv_lora_rank=32, rope_dim=8)
+    assert mla == pykvalloc.KVGroup(3, 1, 40, parts=1)
+    with pykvalloc.KVCache(num_blocks=10, block_tokens=4, groups=[mla], dtype="bf16") as cache:
+        info = cache.info
+        assert info.block_bytes == 3 * 4 * 40 * 2 and info.kv_heads == 1 and info.head_dim == 40
+        assert cache.layer_info(1).parts == 1
+        latent = cache.kv_tensor(1)
+        assert latent.shape == (10, 4, 40) and latent.is_contiguous  # vLLM's MLA cache shape
+        whole = cache.kv_tensor()
+        assert whole.shape == (3, 10, 4, 40) and whole.is_contiguous
+        data = np.from_dlpack(cache.kv_tensor(1, dtype="uint16"))
+        data[7, 2, 5] = 0x1234
+        address = cache.block_address(7, 1, "K") + 2 * (2 * 40 + 5)
+        assert read_bytes(address, 2) == (0x1234).to_bytes(2, "little")
+        with pytest.raises(pykvalloc.InvalidArgument, match="one vector"):
+            cache.block_address(7, 1, "V")
+
+
+@pytest.mark.parametrize("cache_layout", ["layers", "blocks"])
+def test_groups_of_different_shapes_index_by_block_id(cache_layout):
+    G = pykvalloc.KVGroup
+    groups = [G(2, 2, 8), G.mla(1, 12, 4), G(2, 1, 16)]
+    with pykvalloc.KVCache(num_blocks=8, block_tokens=4, groups=groups, dtype="float16",
+                           layout=cache_layout) as cache:
+        assert cache.groups == tuple(groups) and cache.info.layers == 5
+        assert cache.info.block_bytes == 4 * 2 * (2 * 2 * 2 * 8 + 16 + 2 * 2 * 16)
+        with pytest.raises(pykvalloc.InvalidArgument, match="differ in shape"):
+            cache.kv_tensor()
+        expected = {0: (8, 2, 4, 2, 8), 1: (8, 2, 4, 2, 8), 2: (8, 4, 16), 3: (8, 2, 4, 1, 16),
+                    4: (8, 2, 4, 1, 16)}
+        seq = cache.allocate(12)
+        block = int(seq.block_table[1])
+        for layer, shape in expected.items():
+            tensor = cache.kv_tensor(layer)
+            assert tensor.shape == shape
+            assert tensor.is_contiguous == (cache_layout == "layers")
+            assert tensor.address == cache.block_address(0, layer, "K")
+            array = np.from_dlpack(tensor)
+            value = 10.0 + layer
+            if len(shape) == 3:  # MLA: (block, token, latent)
+                array[block, 3, 15] = value
+                address = cache.block_address(block, layer, "K") + 2 * (3 * 16 + 15)
+            else:
+                array[block, 1, 3, 0, 7] = value
+                geometry = cache.layer_info(layer)
+                inner = 3 * geometry.kv_heads * geometry.head_dim + 7
+                address = cache.block_address(block, layer, "V") + 2 * inner
+            assert np.frombuffer(read_bytes(address, 2), np.float16)[0] == value
+        for index, group in enumerate(groups):
+            tensor = cache.kv_tensor(group=index)
+            assert tensor.shape[0] == group.layers
+            first = sum(g.layers for g in groups[:index])
+            for offset in range(group.layers):
+                assert tensor[offset].address == cache.kv_tensor(first + offset).address
+                assert tensor[offset].strides == cache.kv_tensor(first + offset).strides
+        seq.free()
+
+
+def test_bad_groups_change_nothing():
+    G = pykvalloc.KVGroup
+    with pytest.raises(pykvalloc.InvalidArgument, match="or groups, not both"):
+        pykvalloc.KVCache(num_blocks=8, layers=2, groups=[G(2, 2, 8)])
+    with pytest.raises(pykvalloc.InvalidArgument, match="parts 3"):
+        pykvalloc.KVCache(num_blocks=8, groups=[G(2, 2, 8, parts=3)])
+    with pytest.raises(pykvalloc.InvalidArgument, match="zero geometry"):
+        pykvalloc.KVCache(num_blocks=8, groups=[G(2, 0, 8)])
+    with pytest.raises(pykvalloc.InvalidArgument, match="num_groups 0"):
+        pykvalloc.KVCache(num_blocks=8, groups=[])
+    with pytest.raises(pykvalloc.InvalidArgument, match="a group is"):
+        pykvalloc.KVCache(num_blocks=8, groups=[(2, 8)])  # type: ignore[list-item]
+    with pytest.raises(pykvalloc.InvalidArgument, match="paged"):
+        pykvalloc.KVCache(capacity_bytes=8 * MiB, mode="contiguous", groups=[G(2, 2, 8)])
+    with pykvalloc.KVCache(num_blocks=8, groups=[G(2, 2, 8)]) as cache:
+        with pytest.raises(pykvalloc.InvalidArgument, match="not both"):
+            cache.kv_tensor(0, group=0)
+        with pytest.raises(pykvalloc.InvalidArgument, match="group 1 is out of range"):
+            cache.kv_tensor(group=1)
+        assert cache._users == 0
