@@ -24,6 +24,7 @@ What the protocol asks of a producer, and how it is met here:
 from __future__ import annotations
 
 import ctypes
+import struct
 import sys
 from ctypes import (
     CFUNCTYPE,
@@ -96,26 +97,27 @@ class DLManagedTensorVersioned(Structure):
 
 
 class _Export:
-    """Everything one capsule points at, and the object whose memory it exports."""
+    """Everything one capsule points at (``memory``: the managed tensor, then its shape and
+    strides), and the object whose memory it exports."""
 
-    __slots__ = ("managed", "shape", "strides", "owner", "capsule", "name")
+    __slots__ = ("memory", "owner", "capsule", "name")
 
-    def __init__(self, managed: DLManagedTensor | DLManagedTensorVersioned,
-                 shape: ctypes.Array[c_int64], strides: ctypes.Array[c_int64],
-                 owner: object, name: ctypes.Array[ctypes.c_char]) -> None:
-        self.managed = managed
-        self.shape = shape
-        self.strides = strides
+    def __init__(self, memory: ctypes.Array[ctypes.c_char], owner: object,
+                 name: ctypes.Array[ctypes.c_char]) -> None:
+        self.memory = memory
         self.owner = owner
         self.capsule: object = None  # until seen taken or abandoned (see the module docstring)
         self.name = name
 
 
-# Every export whose deleter has not run yet, by the address of its managed tensor.
+# Every export whose deleter has not run yet, by the address of its managed tensor; and those
+# whose capsule is not yet seen taken or abandoned.
 _LIVE: dict[int, _Export] = {}
+_PENDING: dict[int, _Export] = {}
 
 # The capsule names must outlive every capsule: C keeps the pointer, not a copy.
 _NAMES = {name: ctypes.create_string_buffer(name) for name in (UNVERSIONED_NAME, VERSIONED_NAME)}
+_NAME_ADDRESS = {name: addressof(buffer) for name, buffer in _NAMES.items()}
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New
 _capsule_new.restype = py_object
@@ -126,16 +128,18 @@ _capsule_is_valid.argtypes = [py_object, c_void_p]
 
 
 def _make_deleter() -> Any:
-    live = _LIVE
+    live, pending = _LIVE, _PENDING
 
     def deleter(address: int | None) -> None:
         if address is not None:
+            pending.pop(address, None)
             live.pop(address, None)
 
     return DELETER(deleter)
 
 
 _DELETER = _make_deleter()
+_DELETER_ADDRESS = ctypes.cast(_DELETER, c_void_p).value
 # The references sweep finds on a capsule nobody else holds: the export's, getrefcount's
 # argument and the loop's variable.
 _ONLY_OURS = 3
@@ -143,19 +147,19 @@ _ONLY_OURS = 3
 
 def sweep() -> None:
     """Lets go of capsules a consumer took, and releases the exports of capsules nobody took and
-    nobody holds any more."""
-    abandoned = []
-    for address, export in list(_LIVE.items()):
+    nobody holds any more. A capsule someone still holds is looked at again next time."""
+    if not _PENDING:
+        return
+    for address, export in list(_PENDING.items()):
         held = export.capsule
-        if held is None:
+        if sys.getrefcount(held) > _ONLY_OURS:
             continue
-        if not _capsule_is_valid(held, addressof(export.name)):
+        del _PENDING[address]
+        if _capsule_is_valid(held, addressof(export.name)):
+            _LIVE.pop(address, None)  # never taken, and now nobody can
+        else:
             export.capsule = None  # taken: the consumer's deleter releases it
-        elif sys.getrefcount(held) <= _ONLY_OURS:
-            abandoned.append(address)
         del held
-    for address in abandoned:
-        _LIVE.pop(address, None)
 
 
 def live_exports() -> int:
@@ -164,42 +168,45 @@ def live_exports() -> int:
     return len(_LIVE)
 
 
+# The structs, packed in one go: DLTensor (data, device type and id, ndim, dtype code, bits and
+# lanes, shape, strides, byte_offset), then DLManagedTensor's manager_ctx and deleter; or
+# DLManagedTensorVersioned's version, manager_ctx, deleter and flags before the DLTensor.
+_TENSOR = "QiiiBBHQQQ"
+_UNVERSIONED = struct.Struct("=" + _TENSOR + "QQ")
+_VERSIONED = struct.Struct("=IIQQQ" + _TENSOR)
+assert _UNVERSIONED.size == ctypes.sizeof(DLManagedTensor)
+assert _VERSIONED.size == ctypes.sizeof(DLManagedTensorVersioned)
+
+
 def capsule(data: int, device: tuple[int, int], code: int, bits: int, shape: tuple[int, ...],
             strides: tuple[int, ...], owner: object, version: tuple[int, int] | None,
             read_only: bool = False) -> object:
     """A new capsule over ``data``: unversioned when ``version`` is None, else a
     ``DLManagedTensorVersioned`` of that version. ``strides`` are in elements. ``owner`` stays
     alive until the deleter runs."""
-    ndim = len(shape)
-    shape_array = (c_int64 * max(ndim, 1))(*shape)
-    strides_array = (c_int64 * max(ndim, 1))(*strides)
-    managed: DLManagedTensor | DLManagedTensorVersioned
-    if version is None:
-        managed = DLManagedTensor()
-        name = _NAMES[UNVERSIONED_NAME]
-    else:
-        managed = DLManagedTensorVersioned()
-        managed.version = DLPackVersion(*version)
-        managed.flags = FLAG_READ_ONLY if read_only else 0
-        name = _NAMES[VERSIONED_NAME]
-    tensor = managed.dl_tensor
-    tensor.data = data
-    tensor.device = DLDevice(*device)
-    tensor.ndim = ndim
-    tensor.dtype = DLDataType(code, bits, 1)
-    tensor.shape = ctypes.cast(shape_array, POINTER(c_int64))
-    tensor.strides = ctypes.cast(strides_array, POINTER(c_int64))
-    tensor.byte_offset = 0
-    address = addressof(managed)
-    managed.manager_ctx = address
-    managed.deleter = _DELETER
     sweep()
-    export = _Export(managed, shape_array, strides_array, owner, name)
+    ndim = len(shape)
+    head = _UNVERSIONED if version is None else _VERSIONED
+    memory = ctypes.create_string_buffer(head.size + 16 * ndim)
+    address = addressof(memory)
+    shape_at = address + head.size
+    strides_at = shape_at + 8 * ndim
+    if version is None:
+        head.pack_into(memory, 0, data, device[0], device[1], ndim, code, bits, 1, shape_at,
+                       strides_at, 0, address, _DELETER_ADDRESS)
+        name = UNVERSIONED_NAME
+    else:
+        head.pack_into(memory, 0, version[0], version[1], address, _DELETER_ADDRESS,
+                       FLAG_READ_ONLY if read_only else 0, data, device[0], device[1], ndim,
+                       code, bits, 1, shape_at, strides_at, 0)
+        name = VERSIONED_NAME
+    struct.pack_into(f"={2 * ndim}q", memory, head.size, *shape, *strides)
+    export = _Export(memory, owner, _NAMES[name])
     _LIVE[address] = export
     try:
-        export.capsule = _capsule_new(address, addressof(name), None)
+        export.capsule = _capsule_new(address, _NAME_ADDRESS[name], None)
     except BaseException:
         _LIVE.pop(address, None)
         raise
+    _PENDING[address] = export
     return export.capsule
-

@@ -116,6 +116,9 @@ def tensor_dtype(dtype: object) -> TensorDType:
     or type, a torch dtype, or a ``TensorDType``. InvalidArgument for anything else."""
     if isinstance(dtype, TensorDType):
         return dtype
+    known = _DTYPES.get(dtype) if isinstance(dtype, str) else None
+    if known is not None:
+        return known
     if dtype is None:
         raise InvalidArgument("dtype must be given (a name such as 'float16', or a numpy or "
                               "torch dtype)")
