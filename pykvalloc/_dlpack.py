@@ -119,12 +119,12 @@ _PENDING: dict[int, _Export] = {}
 _NAMES = {name: ctypes.create_string_buffer(name) for name in (UNVERSIONED_NAME, VERSIONED_NAME)}
 _NAME_ADDRESS = {name: addressof(buffer) for name, buffer in _NAMES.items()}
 
-_capsule_new = ctypes.pythonapi.PyCapsule_New
-_capsule_new.restype = py_object
-_capsule_new.argtypes = [c_void_p, c_void_p, c_void_p]
-_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
-_capsule_is_valid.restype = c_int
-_capsule_is_valid.argtypes = [py_object, c_void_p]
+# Function objects of our own: ctypes.pythonapi.PyCapsule_New is one object for the whole
+# process, whose argtypes another package may set (some do, differently).
+_capsule_new = ctypes.PYFUNCTYPE(py_object, c_void_p, c_void_p, c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_capsule_is_valid = ctypes.PYFUNCTYPE(c_int, py_object, c_void_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
 
 
 def _make_deleter() -> Any:

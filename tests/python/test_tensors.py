@@ -460,3 +460,16 @@ def test_bad_groups_change_nothing():
         with pytest.raises(pykvalloc.InvalidArgument, match="group 1 is out of range"):
             cache.kv_tensor(group=1)
         assert cache._users == 0
+
+
+def test_exports_do_not_depend_on_the_shared_pythonapi_declarations(pool):
+    # ctypes.pythonapi's function objects are one per process: a package that declares
+    # PyCapsule_New's arguments its own way (some do) must not break an export.
+    shared = ctypes.pythonapi.PyCapsule_New
+    saved = shared.argtypes, shared.restype
+    shared.argtypes, shared.restype = [ctypes.c_char_p], ctypes.c_int
+    try:
+        array = np.from_dlpack(pool.alloc(64).tensor("uint8"))
+        assert array.shape == (64,)
+    finally:
+        shared.argtypes, shared.restype = saved
