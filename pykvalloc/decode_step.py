@@ -48,7 +48,8 @@ class DecodeStep:
     items) are the engine's to write; ``run(count)`` reads their first ``count`` entries."""
 
     __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "handles", "num_tokens",
-                 "offsets", "_content", "_copies", "_struct", "_args", "_num_copies", "_done")
+                 "offsets", "_content", "_copies", "_struct", "_args", "_num_copies", "_done",
+                 "_extend")
 
     def __init__(self, cache: KVCache, capacity: int, content: str | None,
                  content_capacity: int | None, key_len: int | None) -> None:
@@ -95,6 +96,7 @@ class DecodeStep:
         self._content_capacity = content_capacity if content_array is not None else 0
         self._num_copies = c_uint32()
         self._done = c_uint32()
+        self._extend = cache._lib.unchecked("kva_kv_seq_extend_many")
         # Every argument but the handle and the count, fixed for the step's life.
         self._args = (_address(self.handles), _address(self.num_tokens),
                       byref(self._struct) if content_array is not None else None,
@@ -150,5 +152,7 @@ class DecodeStep:
             if cache._users or cache._closed:  # refused as append_many refuses
                 cache._refuse_table_views("append to sequences")
                 cache._open_handle()
-            cache._lib.kva_kv_seq_extend_many(cache._handle, count, *self._args)
+            status = self._extend(cache._handle, count, *self._args)
+            if status:
+                cache._lib.raise_status(status, "kva_kv_seq_extend_many")
             return self._done.value
