@@ -576,11 +576,25 @@ class KVStats:
 
     @classmethod
     def _from_c(cls, raw: _ffi.KvaKvStats) -> KVStats:
+        # The arrays are read whole, each once: a ctypes array indexed element by element made
+        # stats() cost hundreds of microseconds, and the replay reads it every step.
+        timed, timed_ns = list(raw.kind_timed_calls), list(raw.kind_timed_ns)
+        histograms = np.ctypeslib.as_array(raw.kind_ns_log2).tolist()
         latency = MappingProxyType({
-            kind: KVCallLatency(timed_calls=raw.kind_timed_calls[k], timed_ns=raw.kind_timed_ns[k],
-                                ns_log2=tuple(raw.kind_ns_log2[k]))
+            kind: KVCallLatency(timed_calls=timed[k], timed_ns=timed_ns[k], ns_log2=tuple(histograms[k]))
             for k, kind in enumerate(KV_CALL_KINDS)})
-        return _snapshot(cls, raw, call_ns_log2=tuple(raw.call_ns_log2), call_latency=latency)
+        return _snapshot(cls, raw, call_ns_log2=tuple(np.ctypeslib.as_array(raw.call_ns_log2).tolist()),
+                         call_latency=latency)
+
+
+class KVGauges(NamedTuple):
+    """What a KV cache holds at one moment (``KVCache.gauges()``), as ``KVStats`` counts it."""
+
+    used_blocks: int
+    cached_blocks: int
+    free_blocks: int
+    sequences: int
+    bytes_in_use: int
 
 
 @dataclass(frozen=True)
@@ -1401,6 +1415,16 @@ class KVCache(HandleOwner):
         with self._lock:
             self._lib.kva_kv_get_stats(self._open_handle(), byref(raw))
         return KVStats._from_c(raw)
+
+    def gauges(self) -> KVGauges:
+        """What the cache holds now (used, cached and free blocks, sequences, bytes in use), as
+        ``stats()`` counts them, without building the rest of its figures: a scheduler that
+        asks every step (the replay's) pays the call alone."""
+        raw = _ffi.KvaKvStats()
+        with self._lock:
+            self._lib.kva_kv_get_stats(self._open_handle(), byref(raw))
+        return KVGauges(raw.used_blocks, raw.cached_blocks, raw.free_blocks, raw.sequences,
+                        raw.bytes_in_use)
 
     def reset_peaks(self) -> None:
         """Starts the peaks of ``stats()`` afresh from the figures as they stand."""

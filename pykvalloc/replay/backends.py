@@ -172,8 +172,7 @@ class PagedBackend:
 
     def usage(self) -> tuple[float, int]:
         """(share of KV memory in use, token slots allocated)."""
-        stats = self.cache.stats()
-        used = stats.used_blocks
+        used = self.cache.gauges().used_blocks  # every step: not the whole stats()
         return used / self.capacity_blocks, used * self.block_tokens
 
     def prefix(self) -> tuple[int, int]:
@@ -261,7 +260,7 @@ class ContiguousBackend(PagedBackend):
         return int(handle.buffer[1])
 
     def usage(self) -> tuple[float, int]:
-        reserved = self.cache.stats().bytes_in_use
+        reserved = self.cache.gauges().bytes_in_use
         return reserved / self.capacity_bytes, reserved // self.bytes_per_token
 
     def fragmentation(self) -> float:

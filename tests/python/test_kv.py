@@ -428,3 +428,18 @@ def test_a_named_cache_publishes_for_the_inspector() -> None:
         with pykvalloc.Pool(1 << 26, name=f"{name}-pool") as pool:
             pykvalloc.KVCache(num_blocks=8, block_tokens=16, layers=2, kv_heads=2, head_dim=64, pool=pool,
                               name="other")
+
+
+def test_gauges_agree_with_stats():
+    # The replay asks every step; stats() builds every figure and its histograms.
+    cache = pykvalloc.KVCache(num_blocks=64, block_tokens=16, layers=2, kv_heads=1, head_dim=64)
+    held = cache.allocate(5 * 16)
+    cache.allocate(3 * 16, block_keys=[1, 2, 3]).free()
+    stats, gauges = cache.stats(), cache.gauges()
+    assert gauges == (stats.used_blocks, stats.cached_blocks, stats.free_blocks, stats.sequences,
+                      stats.bytes_in_use) == (5, 3, 56, 1, gauges.bytes_in_use)
+    assert gauges.bytes_in_use > 0
+    held.free()
+    cache.close()
+    with pytest.raises(pykvalloc.KvallocError):
+        cache.gauges()
