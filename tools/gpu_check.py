@@ -26,7 +26,11 @@ It checks, in order:
      socket to a second process (this script again, ``--import-shared``), which imports it at
      its own device address (``SharedMapping(fd, backend="cuda")``), reads back the pattern the
      owner wrote and writes its own, which the owner then reads: both see the same device bytes;
-  7. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
+  7. where torch with CUDA is installed, torch's CUDA tensors on kvalloc (pykvalloc.torch.enable,
+     a CUDAPluggableAllocator over libkvalloc_torch.so) in a child process: results computed on
+     two streams checked, then torch.empty/del latency against torch's own caching allocator in
+     another child (skipped, saying why, without torch or CUDA);
+  8. allocation latency against cuMemAlloc/cuMemFree, both called through ctypes so that each
      pays the same call overhead (the ctypes floor is reported beside them): for each size, the
      first call (which maps device memory for kvalloc) and the median and p99 of warm calls.
 It prints a short report, then one line of JSON (``{"gpu_check": ...}``) for the record.
@@ -303,6 +307,60 @@ def import_shared(device: int, sock_fd: int) -> int:
         driver.close()
 
 
+TORCH_CHILD = r"""
+import json, statistics, sys, time
+import torch
+use_kvalloc = sys.argv[1] == "kvalloc"
+if use_kvalloc:
+    import pykvalloc.torch as kvtorch
+    kvtorch.enable(capacity=int(sys.argv[2]))
+device = torch.device("cuda", int(sys.argv[3]))
+iterations = int(sys.argv[4])
+side, other = torch.cuda.Stream(device), torch.cuda.Stream(device)
+with torch.cuda.stream(side):
+    a = torch.arange(1 << 20, device=device, dtype=torch.float32)
+    b = a * 2
+with torch.cuda.stream(other):
+    other.wait_stream(side)
+    c = (a + b).sum().item()
+expected = 3.0 * ((1 << 20) - 1) * (1 << 20) / 2
+assert abs(c - expected) <= expected * 1e-6, (c, expected)
+del a, b
+torch.cuda.synchronize(device)
+latency = {}
+for size in (256, 64 << 10, 2 << 20, 64 << 20):
+    samples = []
+    for _ in range(iterations):
+        began = time.perf_counter_ns()
+        x = torch.empty(size, dtype=torch.uint8, device=device)
+        del x
+        samples.append(time.perf_counter_ns() - began)
+    latency[size] = round(statistics.median(samples) / 1000, 2)
+report = {"alloc_free_p50_us": latency}
+if use_kvalloc:
+    report["pool"] = kvtorch.stats(device.index)
+print(json.dumps(report))
+"""
+
+
+def torch_allocator(device: int, capacity: int, iterations: int) -> dict[str, Any]:
+    """Step 7, each side in a child: torch's allocator can be chosen only before a process's
+    first CUDA allocation."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True, timeout=120)
+    if probe.returncode != 0 or probe.stdout.strip() != "True":
+        reason = "no torch" if probe.returncode != 0 else "torch sees no CUDA device"
+        return {"skipped": reason}
+    result: dict[str, Any] = {}
+    for side in ("kvalloc", "caching"):
+        done = subprocess.run([sys.executable, "-c", TORCH_CHILD, side, str(capacity), str(device),
+                               str(iterations)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+        check(done.returncode == 0, f"torch on the {side} allocator failed: {done.stderr.strip()[-500:]}")
+        result[side] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def percentile(samples: list[int], q: float) -> float:
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] / 1000.0
@@ -428,6 +486,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         report["other_mappings"] = other_mappings(driver, args.device, granularity)
         report["shared"] = shared_pool(driver, args.device)
+        report["torch"] = torch_allocator(args.device, args.capacity, args.iterations)
         sizes = [256, 64 << 10, 2 * MiB, 64 * MiB] if not args.quick else [256, 2 * MiB]
         report["latency"] = latency(driver, args.capacity, args.device, sizes, args.iterations,
                                     deadline)
@@ -455,6 +514,14 @@ def print_report(report: dict[str, Any]) -> None:
     rdma = {True: "RDMA capable", False: "no RDMA with VMM", None: "RDMA unknown"}[shared["rdma_with_vmm"]]
     print(f"shared pool: {shared['bytes'] >> 20} MiB written by the owner at {shared['owner_base']} "
           f"read by a second process at {shared['importer_base']}, and back ({rdma})")
+    torch_report = report["torch"]
+    if "skipped" in torch_report:
+        print(f"torch allocator: skipped ({torch_report['skipped']})")
+    else:
+        print("torch.empty + del, µs p50 (kvalloc / torch caching allocator): " + ", ".join(
+            f"{int(size)} B {torch_report['kvalloc']['alloc_free_p50_us'][size]} / "
+            f"{torch_report['caching']['alloc_free_p50_us'][size]}"
+            for size in torch_report["kvalloc"]["alloc_free_p50_us"]))
     trim = report["trim"]
     print(f"trim: {trim['mapped_before'] >> 20} MiB mapped -> {trim['mapped_after']}; "
           f"device free memory +{trim['device_free_gain'] >> 20} MiB")

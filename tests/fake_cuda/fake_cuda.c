@@ -25,6 +25,12 @@
  *    memory is counted on the exporter's device, not again. allocFlags.gpuDirectRDMACapable is
  *    refused (CUDA_ERROR_NOT_SUPPORTED) unless the device reports
  *    CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED (FAKE_CUDA_RDMA=1).
+ *  - streams and events: a stream's work completes at once unless a test holds the stream
+ *    (fake_cuda_stream_hold), and then only when it is released or waited for (cuEventSynchronize,
+ *    cuStreamSynchronize, cuCtxSynchronize); cuEventQuery says CUDA_ERROR_NOT_READY while the
+ *    work recorded before the event is not done; an unknown stream or event, or an event never
+ *    recorded where one is needed, is CUDA_ERROR_INVALID_HANDLE; the streams 0, CU_STREAM_LEGACY
+ *    (1) and CU_STREAM_PER_THREAD (2) always exist.
  * cuMemcpyHtoD/DtoH copy to and from a host shadow of each allocation, made on first use (the
  * memfd's pages for a shareable one).
  *
@@ -54,6 +60,9 @@
 #include "cuda_driver.h"
 
 #define SHAREABLE_NAME "fake-cuda-allocation" /* the memfd behind a shareable allocation */
+
+typedef struct CUstream_st *CUstream_fake;
+typedef struct CUevent_st *CUevent_fake;
 
 #define API __attribute__((visibility("default")))
 #define MAX_DEVICES 16
@@ -401,8 +410,11 @@ API CUresult cuCtxSetCurrent(CUcontext ctx) {
     return finish(CUDA_SUCCESS);
 }
 
+static void complete_all_streams(void);
+
 API CUresult cuCtxSynchronize(void) {
     BEGIN(NEED_CONTEXT);
+    complete_all_streams();
     return finish(CUDA_SUCCESS);
 }
 
@@ -622,6 +634,142 @@ API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     return finish(CUDA_SUCCESS);
 }
 
+/* ---- streams and events --------------------------------------------------------------------- */
+
+#define MAX_STREAMS 64
+#define MAX_EVENTS 4096
+#define BUILTIN_STREAMS 3 /* 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD */
+#define CUDA_ERROR_NOT_READY_ 600
+
+typedef struct {
+    int live, held;
+    unsigned long submitted, completed; /* work items recorded and done */
+} stream_state;
+
+typedef struct {
+    int live, recorded;
+    size_t stream;
+    unsigned long seq;
+} event_state;
+
+static stream_state streams[MAX_STREAMS] = {{1, 0, 0, 0}, {1, 0, 0, 0}, {1, 0, 0, 0}};
+static event_state events[MAX_EVENTS];
+static unsigned long live_events;
+
+/* The index of a stream handle (0, 1, 2 or one cuStreamCreate made), or MAX_STREAMS. */
+static size_t stream_index(CUstream_fake s) {
+    uintptr_t v = (uintptr_t)s;
+    size_t i = v < BUILTIN_STREAMS ? v : v >= 0x1000 && v < 0x1000 + MAX_STREAMS ? v - 0x1000 : MAX_STREAMS;
+    return i < MAX_STREAMS && streams[i].live ? i : MAX_STREAMS;
+}
+
+static event_state *event_of(CUevent_fake e) {
+    uintptr_t v = (uintptr_t)e;
+    if (v < 0x100000 || v - 0x100000 >= MAX_EVENTS) return NULL;
+    event_state *ev = &events[v - 0x100000];
+    return ev->live ? ev : NULL;
+}
+
+static void complete(size_t i) { streams[i].completed = streams[i].submitted; }
+
+API CUresult cuStreamCreate(CUstream_fake *out, unsigned flags) {
+    BEGIN(NEED_CONTEXT);
+    if (!out || flags > 1) return finish(CUDA_ERROR_INVALID_VALUE);
+    for (size_t i = BUILTIN_STREAMS; i < MAX_STREAMS; i++) {
+        if (streams[i].live) continue;
+        streams[i] = (stream_state){.live = 1};
+        *out = (CUstream_fake)(uintptr_t)(0x1000 + i);
+        return finish(CUDA_SUCCESS);
+    }
+    return finish(CUDA_ERROR_OUT_OF_MEMORY);
+}
+
+API CUresult cuStreamDestroy_v2(CUstream_fake s) {
+    BEGIN(NEED_INIT);
+    size_t i = stream_index(s);
+    if (i == MAX_STREAMS || i < BUILTIN_STREAMS) return finish(CUDA_ERROR_INVALID_HANDLE);
+    streams[i].live = 0; /* its work still completes, as the driver documents */
+    return finish(CUDA_SUCCESS);
+}
+
+API CUresult cuStreamSynchronize(CUstream_fake s) {
+    BEGIN(NEED_CONTEXT);
+    size_t i = stream_index(s);
+    if (i == MAX_STREAMS) return finish(CUDA_ERROR_INVALID_HANDLE);
+    complete(i);
+    return finish(CUDA_SUCCESS);
+}
+
+API CUresult cuEventCreate(CUevent_fake *out, unsigned flags) {
+    BEGIN(NEED_CONTEXT);
+    if (!out || (flags & ~0x7u)) return finish(CUDA_ERROR_INVALID_VALUE);
+    for (size_t i = 0; i < MAX_EVENTS; i++) {
+        if (events[i].live) continue;
+        events[i] = (event_state){.live = 1};
+        live_events++;
+        *out = (CUevent_fake)(uintptr_t)(0x100000 + i);
+        return finish(CUDA_SUCCESS);
+    }
+    return finish(CUDA_ERROR_OUT_OF_MEMORY);
+}
+
+API CUresult cuEventRecord(CUevent_fake e, CUstream_fake s) {
+    BEGIN(NEED_CONTEXT);
+    event_state *ev = event_of(e);
+    size_t i = stream_index(s);
+    if (!ev || i == MAX_STREAMS) return finish(CUDA_ERROR_INVALID_HANDLE);
+    ev->recorded = 1;
+    ev->stream = i;
+    ev->seq = ++streams[i].submitted;
+    if (!streams[i].held) complete(i);
+    return finish(CUDA_SUCCESS);
+}
+
+API CUresult cuEventQuery(CUevent_fake e) {
+    BEGIN(NEED_INIT);
+    event_state *ev = event_of(e);
+    if (!ev) return finish(CUDA_ERROR_INVALID_HANDLE);
+    /* An event never recorded has no work to wait for: done, as the driver says. */
+    int done = !ev->recorded || streams[ev->stream].completed >= ev->seq;
+    return finish(done ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY_);
+}
+
+API CUresult cuEventSynchronize(CUevent_fake e) {
+    BEGIN(NEED_INIT);
+    event_state *ev = event_of(e);
+    if (!ev) return finish(CUDA_ERROR_INVALID_HANDLE);
+    /* The wait ends when the work is done: here, the work is done by waiting. */
+    if (ev->recorded && streams[ev->stream].completed < ev->seq) streams[ev->stream].completed = ev->seq;
+    return finish(CUDA_SUCCESS);
+}
+
+API CUresult cuEventDestroy_v2(CUevent_fake e) {
+    BEGIN(NEED_INIT);
+    event_state *ev = event_of(e);
+    if (!ev) return finish(CUDA_ERROR_INVALID_HANDLE);
+    ev->live = 0;
+    live_events--;
+    return finish(CUDA_SUCCESS);
+}
+
+static void complete_all_streams(void) {
+    for (size_t i = 0; i < MAX_STREAMS; i++) complete(i);
+}
+
+/* A held stream's work stays pending until it is released (or waited for). */
+API void fake_cuda_stream_hold(CUstream_fake s, int held) {
+    pthread_mutex_lock(&lock);
+    size_t i = stream_index(s);
+    if (i < MAX_STREAMS) {
+        streams[i].held = held;
+        if (!held) complete(i);
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+/* Events created and not yet destroyed. */
+API unsigned long fake_cuda_live_events(void) { return live_events; }
+
 /* ---- the classic allocator and copies, for tools/gpu_check.py ----------------------------- */
 
 API CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
@@ -745,6 +893,7 @@ static const struct {
     {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
      "pointer does not correspond to a registered memory region"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {600, "CUDA_ERROR_NOT_READY", "device not ready"},
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
@@ -778,6 +927,9 @@ API void fake_cuda_reset(void) {
         if (allocs[i].fd >= 0 && !allocs[i].freed) close(allocs[i].fd);
     }
     nreservations = nallocs = nmappings = nregistrations = 0;
+    memset(events, 0, sizeof events);
+    live_events = 0;
+    for (size_t i = 0; i < MAX_STREAMS; i++) streams[i] = (stream_state){.live = i < BUILTIN_STREAMS};
     memset(used, 0, sizeof used);
     memset(contexts, 0, sizeof contexts);
     memset(calls, 0, sizeof calls);

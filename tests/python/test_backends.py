@@ -314,6 +314,40 @@ def test_shared_cuda_pool_in_two_processes(fake_driver):
     assert result.stdout.strip() == "ok"
 
 
+def test_torch_allocator_entry_points_on_the_fake_driver(fake_driver):
+    """libkvalloc_torch's entry points as torch calls them (no torch here): a block freed with
+    its stream's work pending reaches no other stream; pykvalloc.torch.stats follows."""
+    run_with_driver(f"""
+        import ctypes, sys
+        import pykvalloc.torch as kvtorch
+        assert "torch" not in sys.modules
+        lib = ctypes.CDLL(str(kvtorch.library_path()))
+        lib.kva_torch_alloc.restype = ctypes.c_void_p
+        lib.kva_torch_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+        lib.kva_torch_free.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                       ctypes.c_void_p]
+        fake = ctypes.CDLL({str(fake_driver)!r})
+        fake.fake_cuda_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        assert kvtorch.stats(0) is None
+        kvtorch._configure(64 << 20)
+        a, b = 1, 2  # CU_STREAM_LEGACY and CU_STREAM_PER_THREAD: streams that always exist
+        p = lib.kva_torch_alloc(1 << 20, 0, a)
+        assert p
+        fake.fake_cuda_stream_hold(a, 1)
+        lib.kva_torch_free(p, 1 << 20, 0, a)
+        assert kvtorch.stats(0)["pending_blocks"] == 1
+        q = lib.kva_torch_alloc(1 << 20, 0, b)
+        assert q and q != p, "a block reached another stream before its stream's work was done"
+        fake.fake_cuda_stream_hold(a, 0)
+        lib.kva_torch_free(q, 1 << 20, 0, b)
+        lib.kva_torch_free(ctypes.c_void_p(16), 8, 0, a)
+        r = lib.kva_torch_alloc(4096, 0, b)
+        lib.kva_torch_free(r, 4096, 0, b)
+        figures = kvtorch.stats(0)
+        assert figures["rejected_frees"] == 1 and figures["pending_blocks"] == 1, figures
+    """, fake_driver)
+
+
 def test_shared_mapping_cuda_arguments():
     with pytest.raises(pykvalloc.InvalidArgument, match="length"):
         pykvalloc.SharedMapping(3, backend="cuda")
