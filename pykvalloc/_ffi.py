@@ -53,7 +53,7 @@ KVA_SLAB_MAX_SIZE = 65536
 KVA_KV_MAX_KEY_BYTES = 32
 KVA_KV_CALL_KINDS = 6
 KVA_KV_LATENCY_BUCKETS = 40
-KVA_KV_CALL_SAMPLE_PERIOD = 64
+KVA_KV_CALL_SAMPLE_PERIOD = 128
 # kva_kv_call_kind, by value: the kinds of KV call whose latencies are kept apart.
 KV_CALL_KINDS = ("allocate", "append", "free", "lookup", "evict", "other")
 

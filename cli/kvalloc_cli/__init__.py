@@ -48,7 +48,8 @@ conventions of every command:
            replay, bench); -o FILE writes the JSON to FILE, not to stdout
   JSON     one object: ls {"segments", "removed"}, dump the snapshot's figures,
            replay {"runs": [one per configuration]}, bench {"benchmarks": {...}}
-  stderr   progress bars, status lines and "wrote FILE"
+  stderr   progress bars, status lines and "wrote FILE"; export's "serving URL"
+  export   serves the metrics over HTTP; --once prints one scrape on stdout instead
   --speed  simulated seconds per second, in demo and replay alike
   errors   one line on stderr, "kvalloc COMMAND: message"; exit status 1, or 2 for
            a usage error
@@ -73,9 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action=_VersionAction)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     # Imported here, not with the package: they import rich, which main() checks for first.
-    from . import bench, demo, dump, ls, replay, top
+    from . import bench, demo, dump, export, ls, replay, top
 
-    for command in (demo, replay, bench, ls, dump, top):
+    for command in (demo, replay, bench, ls, dump, top, export):
         command.register(subparsers)
     return parser
 

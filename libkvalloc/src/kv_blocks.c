@@ -125,6 +125,7 @@ void kv_take(kva_kv *kv, uint32_t *table, uint32_t n, uint8_t priority) {
     kv->free_count -= n;
     if (kv->free_count == 0) kv->free_bottom = KVA_NIL;
     kv->used_count += n;
+    if (kv->used_count > kv->peak_used) kv->peak_used = kv->used_count;
 }
 
 void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority) {
@@ -132,7 +133,7 @@ void kv_block_ref(kva_kv *kv, uint32_t b, uint8_t priority) {
     if (blk->state == KV_CACHED) {
         kv_lru_remove(kv, b);
         blk->state = KV_USED;
-        kv->used_count++;
+        if (++kv->used_count > kv->peak_used) kv->peak_used = kv->used_count;
     }
     blk->refs++;
     if (priority > blk->priority) blk->priority = priority;

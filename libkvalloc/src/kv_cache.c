@@ -446,7 +446,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     }
     kv->sample_period = cfg->trace ? 1 : KVA_KV_CALL_SAMPLE_PERIOD;
     kv->sample_state = kv->hash_seed | 1;
-    for (unsigned k = 0; k < KVA_KV_CALL_KINDS; k++) kv->countdown[k] = kv_next_sample(kv);
+    kv->countdown = kv_next_sample(kv);
     kv_publish_attach(kv);
     *out = kv;
     return KVA_OK;
@@ -617,7 +617,7 @@ uint32_t kv_next_sample(kva_kv *kv) {
 }
 
 void kv_time_start(kva_kv *kv, kva_kv_call_kind kind) {
-    kv->countdown[kind] = kv_next_sample(kv);
+    kv->countdown = kv_next_sample(kv);
     kv->timing = (uint32_t)kind + 1;
     kv->call_start_ns = kva_os_monotonic_ns();
 }

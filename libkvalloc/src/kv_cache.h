@@ -42,7 +42,8 @@
  * Invariants (kva_kv_check verifies each):
  *  K1  Every block is FREE, USED, CACHED or TRIMMED; all but USED ones have refs == 0, USED
  *      ones refs > 0; the TRIMMED blocks are exactly [backed_blocks, num_blocks);
- *      free_count + used_count + cached_count + trimmed == num_blocks.
+ *      free_count + used_count + cached_count + trimmed == num_blocks; peak_used >= used_count
+ *      and peak_cached >= cached_count.
  *  K2  A block's refs equals the number of entries naming it in live sequences' tables plus
  *      loose[b], the references the engine holds directly; loose_refs sums loose[]; no loose
  *      count carries KV_LOOSE_MARK (a mark lives only inside one call).
@@ -250,12 +251,14 @@ struct kva_kv {
     uint32_t max_context;
 
     kva_kv_counters counters;
-    /* Peaks (kv_unlock raises them; contiguous mode's bytes where a buffer is taken). */
+    /* Peaks, raised where the figures rise: kv_take and kv_block_ref (used), kv_lru_push
+     * (cached), buffer_alloc (contiguous mode's bytes). */
     uint32_t peak_used, peak_cached;
     size_t peak_contig_bytes;
-    /* Call latency (kv_lock, kv_unlock): per kind, the calls left before the next one timed;
-     * the kind being timed plus one (0: none); when it started. */
-    uint32_t countdown[KVA_KV_CALL_KINDS];
+    /* Call latency (kv_lock, kv_unlock): the calls left before the next one timed, whatever
+     * their kind (the spacing is random, so each kind is sampled at the same rate whatever the
+     * pattern of the calls); the kind being timed plus one (0: none); when it started. */
+    uint32_t countdown;
     uint32_t timing;
     uint64_t call_start_ns;
     uint64_t sample_state; /* xorshift state spacing the samples */
@@ -346,7 +349,7 @@ KVA_INLINE void kv_lru_push(kva_kv *kv, uint32_t b) {
     blk->state = KV_CACHED;
     kv->lru_count[p]++;
     kv->lru_nonempty |= 1u << p;
-    kv->cached_count++;
+    if (++kv->cached_count > kv->peak_cached) kv->peak_cached = kv->cached_count;
 }
 
 /* Takes a CACHED block off its list (a hit, or its eviction), leaving a tombstone; the caller
@@ -573,14 +576,11 @@ void kv_time_call(kva_kv *kv);
 /* Every locked call begins here. Sampling costs the untimed calls one decrement. */
 KVA_INLINE void kv_lock(kva_kv *kv, kva_kv_call_kind kind) {
     pthread_mutex_lock(&kv->lock);
-    if (kva_unlikely(--kv->countdown[kind] == 0)) kv_time_start(kv, kind);
+    if (kva_unlikely(--kv->countdown == 0)) kv_time_start(kv, kind);
 }
-/* And ends here, the state consistent: the call's time when it is timed, the peaks (a compare
- * each), a publish when due. */
+/* And ends here, the state consistent: the call's time when it is timed, a publish when due. */
 KVA_INLINE void kv_unlock(kva_kv *kv) {
     if (kva_unlikely(kv->timing)) kv_time_call(kv);
-    if (kva_unlikely(kv->used_count > kv->peak_used)) kv->peak_used = kv->used_count;
-    if (kva_unlikely(kv->cached_count > kv->peak_cached)) kv->peak_cached = kv->cached_count;
     /* In paged mode the cache never calls the pool after creation, so the pool's own slow paths
      * would never publish: the cache's calls do it (a countdown, then a clock read when due). */
     if (kv->publishing) kv_publish_due(kv);

@@ -31,6 +31,9 @@ static kva_status check_states(const kva_kv *kv) {
                       counts[KV_USED], counts[KV_CACHED], kv->free_count, kv->used_count, kv->cached_count);
     if (registered != kv->registered_count)
         return BROKEN("K5: %u blocks are registered, the counter says %u", registered, kv->registered_count);
+    if (kv->peak_used < kv->used_count || kv->peak_cached < kv->cached_count)
+        return BROKEN("K1: peaks of %u used and %u cached blocks, below the %u and %u now", kv->peak_used,
+                      kv->peak_cached, kv->used_count, kv->cached_count);
     return KVA_OK;
 }
 
