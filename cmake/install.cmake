@@ -9,6 +9,10 @@ install(TARGETS kvalloc kvalloc_static EXPORT kvallocTargets
 install(FILES libkvalloc/include/kvalloc.h libkvalloc/include/kvalloc_kv.h libkvalloc/include/kvalloc_var.h libkvalloc/include/kvalloc_stats.h
         DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT kvallocTargets NAMESPACE kvalloc:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/kvalloc)
+# The PyTorch allocator, a library of its own that torch loads by path (kvalloc_torch.h): no
+# link target, nothing to find_package.
+install(TARGETS kvalloc_torch LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(FILES libkvalloc/torch/kvalloc_torch.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 
 configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/kvallocConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/kvallocConfig.cmake
