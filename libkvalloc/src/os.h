@@ -77,6 +77,10 @@ size_t kva_os_available_memory(void);
  * stays mapped and reads zero when touched again. addr and length page aligned. */
 kva_status kva_os_discard(void *addr, size_t length);
 
+/* The same for a range of a shared memory object (madvise MADV_REMOVE): the object's pages are
+ * freed, so every process that maps them reads zero there afterwards. */
+kva_status kva_os_discard_shared(void *addr, size_t length);
+
 /* At most this many first bytes of a file found at a shared-memory name are read for the
  * caller's kva_os_shm_own_fn. */
 #define KVA_OS_SHM_HEAD 1024

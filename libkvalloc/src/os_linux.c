@@ -61,6 +61,12 @@ kva_status kva_os_discard(void *addr, size_t length) {
     return KVA_OK;
 }
 
+kva_status kva_os_discard_shared(void *addr, size_t length) {
+    if (madvise(addr, length, MADV_REMOVE) != 0)
+        return kva_fail(KVA_ERR_BACKEND, "madvise(MADV_REMOVE) of %zu bytes: %s", length, strerror(errno));
+    return KVA_OK;
+}
+
 size_t kva_os_page_size(void) {
     long size = sysconf(_SC_PAGESIZE);
     return size > 0 ? (size_t)size : 4096;

@@ -11,10 +11,9 @@ size_t kva_pool_range_unit(kva_pool *pool) {
      * a checked pool's free bytes must keep their poison; hugetlb pages were reserved up front
      * on purpose, and a discarded one may not come back (the reservation is not restored on
      * every kernel: a later touch would be a SIGBUS, not an error); an external range is the
-     * caller's, never the library's to give back; a shared object's pages stay while another
-     * process maps them (MADV_DONTNEED would only unmap them here). */
+     * caller's, never the library's to give back. */
     if (pool->config.prefault || pool->region.locked || pool->region.pinned || pool->checked ||
-        pool->region.page_kind == KVA_PAGE_KIND_HUGETLB || pool->region.external || pool->region.shared_fd >= 0)
+        pool->region.page_kind == KVA_PAGE_KIND_HUGETLB || pool->region.external)
         return 0;
     return pool->region.page_size;
 }
@@ -27,6 +26,10 @@ kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
     if (pool->region.device) {
         /* Its granules' references drop to 0 and they are unmapped and released now. */
         st = kva_cuda_region_release(pool->region.device, offset, length);
+    } else if (pool->region.shared_fd >= 0) {
+        /* MADV_DONTNEED would only drop this process's view of pages other processes map: the
+         * shared object's own pages are freed, and every mapping reads zero there. */
+        st = kva_os_discard_shared(start, length);
     } else {
         st = kva_os_discard(start, length);
     }

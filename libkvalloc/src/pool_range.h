@@ -4,7 +4,8 @@
  *
  * Work is in whole units of kva_pool_range_unit: CUDA granules (unmapped and released to the
  * driver, mapped again on demand) or host pages (discarded: the kernel takes them back and a
- * later touch gets zeroed ones). A pool whose memory must stay put (a prefaulted CUDA pool, a
+ * later touch gets zeroed ones; in a shared pool the object's pages are freed, for every process
+ * that maps them). A pool whose memory must stay put (a prefaulted CUDA pool, a
  * locked or pinned host region) has unit 0: nothing is given back.
  */
 #ifndef KVA_POOL_RANGE_H

@@ -19,6 +19,7 @@
 #include "check.h"
 #include "os.h"
 #include "pool_fingerprint.h"
+#include "pool_range.h"
 
 #define MiB ((size_t)1 << 20)
 
@@ -168,6 +169,44 @@ static void test_map_outlives_pool(void) {
     CHECK(kva_shared_base(NULL) == NULL && kva_shared_length(NULL) == 0);
 }
 
+/* Memory given back inside a live block (the KV trim's path) goes back from the shared object
+ * itself: an attached process reads zero there, and the object holds fewer pages. */
+static void test_range_release(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 8 * MiB;
+    cfg.shared = 1;
+    cfg.pages = KVA_PAGES_SMALL;
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    REQUIRE(pool);
+    CHECK(kva_pool_range_unit(pool) == 4096);
+    unsigned char *block = NULL;
+    CHECK_STATUS(kva_alloc(pool, 2 * MiB, (void **)&block), KVA_OK);
+    memset(block, 0x77, 2 * MiB);
+    int fd = -1;
+    CHECK_STATUS(kva_pool_shared_fd(pool, &fd), KVA_OK);
+    kva_shared_map *map = NULL;
+    CHECK_STATUS(kva_shared_attach(fd, &map), KVA_OK);
+    REQUIRE(map);
+    void *base = NULL;
+    kva_pool_base(pool, &base);
+    unsigned char *seen = (unsigned char *)kva_shared_base(map) + (block - (unsigned char *)base);
+    struct stat before, after;
+    REQUIRE(fstat(fd, &before) == 0);
+    CHECK_STATUS(kva_pool_range_release(pool, block + MiB, MiB), KVA_OK);
+    REQUIRE(fstat(fd, &after) == 0);
+    CHECK(after.st_blocks < before.st_blocks);
+    CHECK(seen[MiB] == 0 && seen[2 * MiB - 1] == 0 && seen[MiB - 1] == 0x77);
+    CHECK_STATUS(kva_pool_range_take(pool, block + MiB, MiB), KVA_OK);
+    block[MiB] = 0x55;
+    CHECK(seen[MiB] == 0x55);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_shared_detach(map);
+    close(fd);
+    kva_pool_destroy(pool);
+}
+
 static int open_fds(void) {
     int n = 0;
     for (int fd = 0; fd < 1024; fd++) n += fcntl(fd, F_GETFD) >= 0;
@@ -283,6 +322,7 @@ int main(int argc, char **argv) {
     hang_guard("test_shared", HANG_GUARD_SECONDS);
     test_two_processes("/proc/self/exe");
     test_map_outlives_pool();
+    test_range_release();
     test_not_a_pool();
     test_pages_and_options();
     return CHECK_DONE();
