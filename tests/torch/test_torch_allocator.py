@@ -8,13 +8,11 @@ import sys
 
 import pytest
 
-# torch first, as test_torch_dlpack.py has it: `import torch` after pykvalloc._dlpack resets the
-# argtypes of ctypes.pythonapi.PyCapsule_New that _dlpack set (reported in notes/extmem.md).
-torch = pytest.importorskip("torch")
+import pykvalloc
+import pykvalloc.torch as kvtorch
+from conftest import TREE
 
-import pykvalloc  # noqa: E402
-import pykvalloc.torch as kvtorch  # noqa: E402
-from conftest import TREE  # noqa: E402
+torch = pytest.importorskip("torch")
 
 
 def test_import_of_pykvalloc_leaves_torch_alone() -> None:
