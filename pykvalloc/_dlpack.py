@@ -154,7 +154,9 @@ def sweep() -> None:
         held = export.capsule
         if sys.getrefcount(held) > _ONLY_OURS:
             continue
-        del _PENDING[address]
+        # pop, not del: a consumer's deleter on another thread may have taken it off since
+        if _PENDING.pop(address, None) is None:
+            continue
         if _capsule_is_valid(held, addressof(export.name)):
             _LIVE.pop(address, None)  # never taken, and now nobody can
         else:

@@ -514,8 +514,8 @@ class KVInfo:
     block_tokens: int
     num_blocks: int      # paged mode; 0 in contiguous mode
     max_context: int     # contiguous mode: the largest bucket; 0 in paged mode
-    block_bytes: int     # all layers, K and V, of one block
-    token_bytes: int     # all layers, K and V, of one token
+    block_bytes: int     # all layers, all parts (K and V, or MLA's one vector), of one block
+    token_bytes: int     # all layers, all parts, of one token
     slot_bytes: int      # K (or V) of one token in one layer
     part_bytes: int      # K (or V) of one block in one layer
     block_stride: int

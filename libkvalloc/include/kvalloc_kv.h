@@ -189,8 +189,8 @@ typedef struct kva_kv_info {
     uint32_t layers, kv_heads, head_dim, dtype_bytes, block_tokens;
     uint32_t num_blocks;               /* paged mode; 0 in contiguous mode */
     uint32_t max_context;              /* contiguous mode: the largest bucket; 0 in paged mode */
-    size_t block_bytes;                /* all layers, K and V, of one block */
-    size_t token_bytes;                /* all layers, K and V, of one token */
+    size_t block_bytes;                /* all layers, all parts, of one block */
+    size_t token_bytes;                /* all layers, all parts, of one token */
     size_t slot_bytes;                 /* K (or V) of one token in one layer: kv_heads*head_dim*dtype */
     size_t part_bytes;                 /* K (or V) of one block in one layer: slot_bytes*block_tokens */
     size_t block_stride, layer_stride; /* see kva_kv_layout */
@@ -224,10 +224,10 @@ KVA_API kva_status kva_kv_block_address(kva_kv *kv, uint32_t block, uint32_t lay
 /* What the engine must copy after a call that moved KV (kva_kv_seq_append).
  * Paged mode: copy on write. The sequence's last block was shared (after a fork) and partly
  * filled; the writer now holds dst_block instead and must copy the first `tokens` tokens of
- * every layer's K and V from src_block. Contiguous mode: the sequence outgrew its bucket and
- * moved to dst; for every layer l and part p, copy `tokens` slots from
- * src + (2l + p) * src_bucket * slot_bytes to dst + (2l + p) * dst_bucket * slot_bytes. src stays
- * allocated until the sequence's next append or free.
+ * every layer's parts (K and V; an MLA layer's one vector) from src_block. Contiguous mode: the
+ * sequence outgrew its bucket and moved to dst; for every layer l and part p, copy `tokens`
+ * slots from src + (2l + p) * src_bucket * slot_bytes to dst + (2l + p) * dst_bucket * slot_bytes.
+ * src stays allocated until the sequence's next append or free.
  * Nothing to copy: tokens == 0, blocks KVA_KV_NO_BLOCK and pointers NULL, except that a move of
  * a sequence of 0 tokens gives both pointers with tokens == 0.
  * In paged mode src_block stays allocated after the call: the sequences that still share it
@@ -411,7 +411,7 @@ KVA_API kva_status kva_kv_seq_admit_many(kva_kv *kv, uint32_t count, const uint3
                                          uint32_t *cached_tokens, uint32_t *done);
 
 /* A copy on write of a batch extension: request `request` (its index in the batch) must copy the
- * first `tokens` tokens of every layer's K and V from src_block to dst_block, as kva_kv_copy
+ * first `tokens` tokens of every layer's parts from src_block to dst_block, as kva_kv_copy
  * says. Four u32, no padding: numpy reads an array of them as uint32 of shape (n, 4). */
 typedef struct kva_kv_block_copy {
     uint32_t request, src_block, dst_block, tokens;
@@ -558,7 +558,7 @@ typedef struct kva_kv_event {
 KVA_API kva_status kva_kv_take_events(kva_kv *kv, kva_kv_event *buf, uint32_t capacity, uint32_t *count,
                                       uint64_t *dropped);
 
-/* One block the engine must copy after kva_kv_compact: all layers, K and V, of src_block to
+/* One block the engine must copy after kva_kv_compact: all layers, all parts, of src_block to
  * dst_block. */
 typedef struct kva_kv_move {
     uint32_t src_block, dst_block;

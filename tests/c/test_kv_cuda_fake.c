@@ -160,6 +160,47 @@ static void test_trim_gives_granules_back(void) {
     kva_pool_destroy(pool);
 }
 
+/* Layers of different shapes: each layer region has its own block stride, and the trim gives
+ * back the granules above the data of each. */
+static void test_trim_regions_of_different_shapes(void) {
+    kva_pool *pool = cuda_pool(64 * MiB);
+    /* 16,384 blocks of 16 tokens in 2-byte elements: a K/V layer of 2 x 4 (512 B a block, an 8
+     * MiB region), an MLA layer of 16 (512 B, 8 MiB) and a K/V layer of 4 x 4 (1 KiB, 16 MiB). */
+    static const kva_kv_group groups[] = {{.layers = 1, .parts = 2, .kv_heads = 2, .head_dim = 4},
+                                          {.layers = 1, .parts = 1, .kv_heads = 1, .head_dim = 16},
+                                          {.layers = 1, .parts = 2, .kv_heads = 4, .head_dim = 4}};
+    kva_kv_config cfg = small_config(16384, 16);
+    cfg.layers = cfg.kv_heads = cfg.head_dim = 0;
+    cfg.groups = groups;
+    cfg.num_groups = 3;
+    kva_kv *kv = NULL;
+    CHECK_STATUS(kva_kv_create(&cfg, pool, &kv), KVA_OK);
+    REQUIRE(kv != NULL);
+    kva_kv_layer layer;
+    CHECK_STATUS(kva_kv_layer_info(kv, 2, &layer), KVA_OK);
+    CHECK(layer.offset == 16 * MiB && layer.block_stride == 1024);
+    kva_kv_seq seqs[64];
+    for (int i = 0; i < 64; i++)
+        CHECK_STATUS(kva_kv_seq_allocate(kv, 256 * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    size_t full = mapped(pool);
+    for (int i = 0; i < 64; i += 2) CHECK_STATUS(kva_kv_seq_free(kv, seqs[i]), KVA_OK);
+    static kva_kv_move moves[16384];
+    uint32_t count = 0, trimmed = 0;
+    CHECK_STATUS(kva_kv_compact(kv, moves, 16384, &count), KVA_OK);
+    CHECK_STATUS(kva_kv_trim(kv, &trimmed), KVA_OK);
+    /* Blocks [8192, 16384): the upper 4, 4 and 8 MiB of the three regions. */
+    CHECK(trimmed == 8192 && mapped(pool) == full - 16 * MiB);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    for (int i = 0; i < 64; i += 2)
+        CHECK_STATUS(kva_kv_seq_allocate(kv, 256 * 16, NULL, 0, NULL, 0, 0, 0, &seqs[i], NULL), KVA_OK);
+    CHECK(stats(kv).trimmed_blocks == 0 && mapped(pool) == full);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    kva_kv_destroy(kv);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+}
+
 /* When the trimmed blocks' memory cannot be had (the driver out of memory), a call that cached
  * blocks can serve evicts them as before any trim; one they cannot serve fails with nothing
  * changed. A call takes back only the units of the blocks it lacks, not every trimmed block. */
@@ -238,6 +279,7 @@ int main(int argc, char **argv) {
     test_paged_on_gpu_memory(KVA_KV_LAYOUT_BLOCKS);
     test_contiguous_on_gpu_memory();
     test_trim_gives_granules_back();
+    test_trim_regions_of_different_shapes();
     test_trim_then_no_device_memory();
     return CHECK_DONE();
 }
