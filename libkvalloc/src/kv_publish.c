@@ -50,12 +50,16 @@ static uint32_t covered_cells(const kva_kv *kv, const kva_shm_heapmap *map, uint
 
 /* Paints every cell the paged KV memory covers, and keeps a copy of them for the publishes that
  * cannot paint (restore_paint). The block a byte belongs to follows from the layout's strides:
- * blocks then layers, or layers then blocks. */
+ * blocks then layers, or layers then blocks, each layer's region with its own block stride
+ * (kv_layer_geometry; the regions follow each other in layer order, and so do the cells). */
 static void paint(kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
     if (!map->cell_bytes) return;
     const kva_kv_info *g = &kv->info;
     uint64_t start = kv->memory_offset, bytes = g->kv_bytes;
     int by_layer = g->layout == KVA_KV_LAYOUT_LAYERS;
+    uint32_t region = 0;
+    kva_kv_layer layer;
+    kv_layer_geometry(kv, 0, &layer);
     for (uint64_t cell = start / map->cell_bytes; cell < map->cells && cell * map->cell_bytes < start + bytes; cell++) {
         uint64_t lo = cell * map->cell_bytes > start ? cell * map->cell_bytes - start : 0;
         uint64_t hi = (cell + 1) * map->cell_bytes - start;
@@ -64,12 +68,16 @@ static void paint(kva_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_
         if (!by_layer) {
             first = lo / g->block_stride;
             last = (hi - 1) / g->block_stride;
-        } else if (lo / g->layer_stride == (hi - 1) / g->layer_stride) {
-            first = lo % g->layer_stride / g->block_stride;
-            last = (hi - 1) % g->layer_stride / g->block_stride;
         } else {
-            first = 0; /* the cell spans a layer boundary: it shows every block */
-            last = g->num_blocks - 1;
+            while (region + 1 < g->layers && lo >= layer.offset + (uint64_t)g->num_blocks * layer.block_stride)
+                kv_layer_geometry(kv, ++region, &layer);
+            if (hi <= layer.offset + (uint64_t)g->num_blocks * layer.block_stride) {
+                first = (lo - layer.offset) / layer.block_stride;
+                last = (hi - 1 - layer.offset) / layer.block_stride;
+            } else {
+                first = 0; /* the cell spans a layer boundary: it shows every block */
+                last = g->num_blocks - 1;
+            }
         }
         if (last >= kv->num_blocks) last = kv->num_blocks - 1;
         paint_cell(kv, (uint32_t)first, (uint32_t)last, &state[cell], &fill[cell]);

@@ -159,11 +159,29 @@ static void test_trim_regions_of_different_strides(void) {
     kva_kv_destroy(kv);
 }
 
+/* A named cache publishes: the heap map paints each layer's region by its own block stride
+ * (kva_kv_info's uniform strides are 0 here). */
+static void test_named_cache_publishes(kva_kv_layout layout) {
+    kva_kv_config cfg = hybrid_config(4096, layout);
+    cfg.name = layout == KVA_KV_LAYOUT_LAYERS ? "kvgroups-layers" : "kvgroups-blocks";
+    kva_kv *kv = make_cache(&cfg);
+    kva_kv_seq seq;
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 4 * 1000, NULL, 0, NULL, 0, 0, 0, &seq, NULL), KVA_OK);
+    kva_kv_info info;
+    CHECK_STATUS(kva_kv_get_info(kv, &info), KVA_OK);
+    CHECK_STATUS(kva_stats_publish(info.pool), KVA_OK);
+    CHECK_STATUS(kva_kv_seq_free(kv, seq), KVA_OK);
+    CHECK_STATUS(kva_stats_publish(info.pool), KVA_OK);
+    kva_kv_destroy(kv);
+}
+
 int main(void) {
     test_parts_tile_the_memory(KVA_KV_LAYOUT_LAYERS);
     test_parts_tile_the_memory(KVA_KV_LAYOUT_BLOCKS);
     test_one_mla_group_is_uniform();
     test_bad_groups_are_refused();
     test_trim_regions_of_different_strides();
+    test_named_cache_publishes(KVA_KV_LAYOUT_LAYERS);
+    test_named_cache_publishes(KVA_KV_LAYOUT_BLOCKS);
     return CHECK_DONE();
 }
