@@ -23,6 +23,7 @@
 #define MAX_STREAMS 64  /* per device; a free on one more stream waits for its work at once */
 #define ALIGNMENT 512   /* what torch's caching allocator aligns to */
 #define REUSE_WINDOW 16 /* the last frees of a stream an allocation on it may take back */
+#define IDLE_EVENTS 256 /* events kept for the next frees instead of destroyed and made anew */
 
 typedef int CUresult;
 typedef int CUdevice;
@@ -70,6 +71,8 @@ typedef struct device_pool {
     stream_list streams[MAX_STREAMS];
     unsigned nstreams;
     size_t live_bytes, pending_bytes, pending_blocks;
+    CUevent idle[IDLE_EVENTS]; /* recorded once, done with: cuEventRecord makes one new again */
+    unsigned nidle;
 } device_pool;
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -187,10 +190,16 @@ static void unlink_pending(device_pool *d, stream_list *l, pending *p) {
     d->pending_blocks--;
 }
 
+/* An event that is done with: kept for a later free while there is room. */
+static void retire_event(device_pool *d, CUevent event) {
+    if (d->nidle < IDLE_EVENTS) d->idle[d->nidle++] = event;
+    else cu.cuEventDestroy(event);
+}
+
 /* Gives a pending block back to the pool (its stream's work is done). */
 static void release(device_pool *d, stream_list *l, pending *p) {
     unlink_pending(d, l, p);
-    cu.cuEventDestroy(p->event);
+    retire_event(d, p->event);
     kva_var_free(d->var, p->ptr);
     d->live_bytes -= p->bytes;
     free(p);
@@ -220,7 +229,7 @@ static void *take_back(device_pool *d, kva_torch_stream stream, size_t bytes) {
         if (p->bytes < bytes || p->bytes - bytes > bytes / 8) continue;
         void *ptr = p->ptr;
         unlink_pending(d, l, p);
-        cu.cuEventDestroy(p->event);
+        retire_event(d, p->event);
         free(p);
         return ptr;
     }
@@ -284,7 +293,9 @@ void kva_torch_free(void *ptr, size_t size, int device, kva_torch_stream stream)
     stream_list *l = list_of(d, stream, 1);
     int pushed = cu.cuCtxPushCurrent(d->context) == CUDA_SUCCESS;
     CUevent event = NULL;
-    int recorded = pushed && p && l && cu.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
+    int recorded = pushed && p && l;
+    if (recorded && d->nidle) event = d->idle[--d->nidle];
+    else if (recorded) recorded = cu.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING) == CUDA_SUCCESS;
     if (recorded && cu.cuEventRecord(event, stream) != CUDA_SUCCESS) {
         cu.cuEventDestroy(event);
         recorded = 0;

@@ -18,7 +18,8 @@
  * each stream first: one stream's events complete in order), so that no other stream gets a
  * block before the work of the stream that freed it is done. When the pool has no room, the
  * allocation waits for the pending blocks' events (cuEventSynchronize) and tries again before it
- * gives up. A tensor used on other streams through Tensor.record_stream is not tracked: torch
+ * gives up. Events are kept for reuse once done (up to 256 per GPU), so a free costs one
+ * cuEventRecord and no cuEventCreate in the steady state. A tensor used on other streams through Tensor.record_stream is not tracked: torch
  * hands a pluggable allocator no record_stream hook through its Python API (the freeing stream's
  * work is what is waited for).
  *

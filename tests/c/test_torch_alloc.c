@@ -121,11 +121,11 @@ static void test_bad_input(void) {
     CHECK(kva_torch_alloc(64, 3, a) == NULL); /* the fake has one GPU */
     CHECK(kva_torch_configure(MiB) == -1);    /* the pool exists: its capacity is fixed */
 
-    /* An event the driver will not make: the stream is waited for and the block goes back. */
+    /* An event the driver will not record: the stream is waited for and the block goes back. */
     void *q = kva_torch_alloc(8192, 0, a);
     REQUIRE(q);
     size_t pending = pending_blocks();
-    fake_fail("cuEventCreate", 1, CUDA_ERROR_OUT_OF_MEMORY);
+    fake_fail("cuEventRecord", 1, CUDA_ERROR_OUT_OF_MEMORY);
     kva_torch_free(q, 8192, 0, a);
     CHECK(pending_blocks() == pending);
 }
@@ -154,8 +154,16 @@ int main(int argc, char **argv) {
     test_streams();
     test_full_pool_waits();
     test_bad_input();
-    /* Every event made was destroyed once its block went back. */
-    size_t blocks = pending_blocks();
-    CHECK(live_events() == blocks);
+    /* Events are reused: many frees later, no more exist than the pending blocks' and the
+     * 256 kept idle. */
+    kva_torch_stream a = new_stream();
+    unsigned long events_before = live_events();
+    for (int i = 0; i < 2000; i++) {
+        void *p = kva_torch_alloc(4096 + (size_t)(i % 7) * 4096, 0, a);
+        REQUIRE(p);
+        kva_torch_free(p, 4096, 0, a);
+    }
+    CHECK(live_events() <= events_before + 1);
+    CHECK(live_events() <= pending_blocks() + 256);
     return CHECK_DONE();
 }
