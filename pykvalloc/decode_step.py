@@ -23,6 +23,7 @@ refused step changes nothing; the first request that does not fit stops the step
 
 from __future__ import annotations
 
+import operator
 from ctypes import byref, c_uint32
 from typing import TYPE_CHECKING, Any
 
@@ -41,14 +42,35 @@ if TYPE_CHECKING:
 CONTENTS = {None: 0, "tokens": 1, "block_keys": 2, "keys": 3}
 
 
+def _count(name: str, value: object, low: int, high: int) -> int:
+    """An integer in [low, high], else InvalidArgument (a bool is not a count)."""
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        number = None
+    if number is None or isinstance(value, bool) or not low <= number <= high:
+        raise InvalidArgument(f"{name} must be an integer in {low} .. {high}, not {value!r}")
+    return number
+
+
+def _fixed(array: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    """A view of a buffer only the step holds: the library keeps its address, so the array must
+    never move, and a view cannot be resized (numpy refuses: it does not own its data)."""
+    fixed: npt.NDArray[Any] = array.view()
+    return fixed
+
+
 class DecodeStep:
     """Buffers for decode steps of up to ``capacity`` sequences of one cache (made by
     ``KVCache.decode_step``). ``handles``, ``num_tokens`` (1 each at first), ``offsets`` (0 at
     first) and the content array (``keys``, ``tokens`` or ``block_keys``, ``content_capacity``
-    items) are the engine's to write; ``run(count)`` reads their first ``count`` entries."""
+    items) are the engine's to write in place (``step.handles[:n] = ...``); the arrays themselves
+    cannot be replaced or resized, since the library reads them where they are. ``run(count)``
+    reads their first ``count`` entries. A step belongs to one thread at a time, as its
+    buffers do."""
 
-    __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "handles", "num_tokens",
-                 "offsets", "_content", "_copies", "_struct", "_args", "_num_copies", "_done",
+    __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "_handles", "_num_tokens",
+                 "_offsets", "_content", "_copies", "_struct", "_args", "_num_copies", "_done",
                  "_extend")
 
     def __init__(self, cache: KVCache, capacity: int, content: str | None,
@@ -58,19 +80,17 @@ class DecodeStep:
         if content not in CONTENTS:
             raise InvalidArgument(f"content must be one of {', '.join(map(repr, CONTENTS))}, "
                                   f"not {content!r}")
-        if not isinstance(capacity, int) or not 1 <= capacity <= _U32_MAX:
-            raise InvalidArgument(f"capacity must be an int in 1 .. {_U32_MAX}, not {capacity!r}")
-        if content_capacity is None:  # a block filled by each, or a token id for each
-            content_capacity = capacity
-        if not isinstance(content_capacity, int) or not 1 <= content_capacity <= _U32_MAX:
-            raise InvalidArgument(f"content_capacity must be an int in 1 .. {_U32_MAX}, not "
-                                  f"{content_capacity!r}")
+        capacity = _count("capacity", capacity, 1, _U32_MAX)
+        # A block filled by each request, or a token id for each, by default.
+        content_capacity = _count("content_capacity",
+                                  capacity if content_capacity is None else content_capacity,
+                                  1, _U32_MAX)
         self._cache = cache
         self._capacity = capacity
         self._kind = CONTENTS[content]
-        self.handles: npt.NDArray[np.uint64] = np.zeros(capacity, dtype=np.uint64)
-        self.num_tokens: npt.NDArray[np.uint32] = np.ones(capacity, dtype=np.uint32)
-        self.offsets: npt.NDArray[np.uint64] = np.zeros(capacity + 1, dtype=np.uint64)
+        self._handles: npt.NDArray[np.uint64] = _fixed(np.zeros(capacity, dtype=np.uint64))
+        self._num_tokens: npt.NDArray[np.uint32] = _fixed(np.ones(capacity, dtype=np.uint32))
+        self._offsets: npt.NDArray[np.uint64] = _fixed(np.zeros(capacity + 1, dtype=np.uint64))
         self._copies = np.zeros((capacity, 4), dtype=np.uint32)
         self._struct = _ffi.KvaKvContent()
         self._struct.kind = self._kind
@@ -81,16 +101,16 @@ class DecodeStep:
             if not isinstance(length, int) or not 1 <= length <= max(max_key, 1) or not max_key:
                 raise InvalidArgument(f"key_len {length!r} is not in 1 .. {max_key} (the cache's "
                                       "max_key_bytes)")
-            content_array = np.zeros((content_capacity, length), dtype=np.uint8)
+            content_array = _fixed(np.zeros((content_capacity, length), dtype=np.uint8))
             self._struct.key_len = length
             self._struct.key_bytes = _address(content_array)
         elif key_len is not None:
             raise InvalidArgument("key_len applies to content='keys' only")
         elif content == "tokens":
-            content_array = np.zeros(content_capacity, dtype=np.uint32)
+            content_array = _fixed(np.zeros(content_capacity, dtype=np.uint32))
             self._struct.tokens = _address(content_array)
         elif content == "block_keys":
-            content_array = np.zeros(content_capacity, dtype=np.uint64)
+            content_array = _fixed(np.zeros(content_capacity, dtype=np.uint64))
             self._struct.keys = _address(content_array)
         self._content = content_array
         self._content_capacity = content_capacity if content_array is not None else 0
@@ -98,14 +118,29 @@ class DecodeStep:
         self._done = c_uint32()
         self._extend = cache._lib.unchecked("kva_kv_seq_extend_many")
         # Every argument but the handle and the count, fixed for the step's life.
-        self._args = (_address(self.handles), _address(self.num_tokens),
+        self._args = (_address(self._handles), _address(self._num_tokens),
                       byref(self._struct) if content_array is not None else None,
-                      _address(self.offsets) if content_array is not None else None,
+                      _address(self._offsets) if content_array is not None else None,
                       _address(self._copies), byref(self._num_copies), byref(self._done))
 
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    @property
+    def handles(self) -> npt.NDArray[np.uint64]:
+        """Sequence handles (``Sequence.handle``), one a request."""
+        return self._handles
+
+    @property
+    def num_tokens(self) -> npt.NDArray[np.uint32]:
+        """Tokens each request grows by (1 each until written)."""
+        return self._num_tokens
+
+    @property
+    def offsets(self) -> npt.NDArray[np.uint64]:
+        """Request i's content items are [offsets[i], offsets[i+1]); offsets[0] is 0."""
+        return self._offsets
 
     @property
     def keys(self) -> npt.NDArray[np.uint8]:
@@ -142,16 +177,17 @@ class DecodeStep:
         InvalidArgument (nothing changed) for a count above capacity, offsets past the content
         array, or any entry the library refuses; TableInUseError while a block-table view of the
         cache is alive; PoolClosedError once the cache is closed."""
-        if not 0 <= count <= self._capacity:
-            raise InvalidArgument(f"count {count!r} is not in 0 .. {self._capacity} (capacity)")
-        if self._kind and self.offsets.item(count) > self._content_capacity:
-            raise InvalidArgument(f"offsets[{count}] is {self.offsets.item(count)}, beyond the "
+        if type(count) is not int or not 0 <= count <= self._capacity:
+            count = _count("count (at most the step's capacity)", count, 0, self._capacity)
+        if self._kind and self._offsets.item(count) > self._content_capacity:
+            raise InvalidArgument(f"offsets[{count}] is {self._offsets.item(count)}, beyond the "
                                   f"{self._content_capacity} content items the step holds")
         cache = self._cache
         with cache._lock, cache._guard:
             if cache._users or cache._closed:  # refused as append_many refuses
                 cache._refuse_table_views("append to sequences")
                 cache._open_handle()
+            self._num_copies.value = 0  # a refused step leaves no copies of the last one
             status = self._extend(cache._handle, count, *self._args)
             if status:
                 cache._lib.raise_status(status, "kva_kv_seq_extend_many")

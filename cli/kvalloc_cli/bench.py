@@ -44,8 +44,9 @@ import pykvalloc
 from .arguments import add_command
 from .output import add_report_options, emit_json, wants_table
 
-# name on the command line -> (executable, takes --only and writes its figures as JSON); the
-# engines benchmark is a module of this package, run by this Python (PYTHON_BENCHMARKS).
+# name on the command line -> (executable, writes its figures as JSON); the engines benchmark
+# is a module of this package, run by this Python (PYTHON_BENCHMARKS). --only names
+# allocators, which alloc and threads compare (TAKES_ONLY).
 BENCHMARKS = {
     "alloc": ("bench_alloc", True),
     "threads": ("bench_threads", True),
@@ -54,6 +55,7 @@ BENCHMARKS = {
     "engines": ("kvalloc_cli.bench_engines", True),
 }
 PYTHON_BENCHMARKS = {"engines"}
+TAKES_ONLY = {"alloc", "threads"}
 
 ENV_VAR = "KVALLOC_BENCH_DIR"  # where the executables are, instead of the package's own
 
@@ -83,17 +85,19 @@ def find(executable: str) -> Path | None:
 
 def command_line(name: str, path: Path, args: argparse.Namespace, figures: Path | None) -> list[str]:
     """The program's arguments; ``figures``: where it writes its JSON, None for none."""
-    executable, rich_options = BENCHMARKS[name]
+    executable, writes_json = BENCHMARKS[name]
     argv = [str(path)]
     if name in PYTHON_BENCHMARKS:
         argv += ["-m", executable]
         if args.trace is not None:
             argv += ["--trace", str(args.trace)]
+        if args.repeat is not None:
+            argv += ["--repeat", str(args.repeat)]
     if args.quick:
         argv.append("--quick")
-    if rich_options and args.only and name not in PYTHON_BENCHMARKS:
+    if name in TAKES_ONLY and args.only:
         argv += ["--only", args.only]
-    if rich_options and figures is not None:
+    if writes_json and figures is not None:
         argv += ["--json", str(figures)]
     return argv
 
@@ -129,6 +133,9 @@ def register(subparsers: Any) -> None:
                              "(glibc, jemalloc, mimalloc, tcmalloc, kvalloc)")
     parser.add_argument("--trace", type=Path, metavar="FILE",
                         help="engines: the Mooncake conversation trace (JSON lines)")
+    parser.add_argument("--repeat", type=int, metavar="N",
+                        help="engines: runs of each KV manager, in turn (default 3, or 1 with "
+                             "--quick); the figures are their medians")
     add_report_options(parser, "alloc's, threads' and engines' figures")
     parser.add_argument("--list", action="store_true",
                         help="say which benchmarks are installed, and where, then exit")
@@ -144,14 +151,19 @@ def run(args: argparse.Namespace) -> int:
             path = find(executable)
             print(f"{name:8} {executable:14} {path if path else 'not installed'}")
         return 0
-    if args.trace is not None and "engines" not in names:
-        print("kvalloc bench: --trace applies to the engines benchmark only", file=sys.stderr)
+    if (args.trace is not None or args.repeat is not None) and "engines" not in names:
+        print("kvalloc bench: --trace and --repeat apply to the engines benchmark only",
+              file=sys.stderr)
         return 2
-    ignoring = [name for name in names if not BENCHMARKS[name][1]]
+    if args.repeat is not None and args.repeat < 1:
+        print("kvalloc bench: --repeat is at least 1", file=sys.stderr)
+        return 2
     wants_json = args.json or args.output is not None
-    if ignoring and (args.only or wants_json):
-        print(f"kvalloc bench: {', '.join(ignoring)} measure libkvalloc alone and print their table only: "
-              f"--json and -o apply to alloc, threads and engines, --only to alloc and threads",
+    ignoring = [name for name in names if (args.only and name not in TAKES_ONLY)
+                or (wants_json and not BENCHMARKS[name][1])]
+    if ignoring:
+        print(f"kvalloc bench: {', '.join(ignoring)} ignore some of the options given: --json and "
+              f"-o apply to alloc, threads and engines, --only (allocators) to alloc and threads",
               file=sys.stderr)
     found = {name: find(BENCHMARKS[name][0]) for name in names}
     paths = {name: path for name, path in found.items() if path is not None}

@@ -5,7 +5,7 @@ Both sides serve one stream of requests with one scheduler (run): a request arri
 order, a conversation's next turn once its previous turn is done; arrived requests are admitted
 in order while at most --running run (a prefill each) and, with a limited cache, while the
 blocks the running requests will still fill stay free or evictable; then every running request decodes one
-token a step (vLLM: one allocate_slots per request; pykvalloc: one append_many call for all of
+token a step (vLLM: one allocate_slots per request; pykvalloc: one DecodeStep.run for all of
 them), and a request that has produced its output_length tokens is freed. Both caches have the
 same blocks of 16 tokens: --blocks 0 is enough for every request of the run at once (no
 eviction), else that many (vLLM's pool holds one more: its null block).
@@ -21,7 +21,7 @@ different blocks (tests/vllm/test_kv_cache_manager.py::test_a_fully_cached_promp
 
 Timed: vLLM's get_computed_blocks + allocate_slots per prefill and allocate_slots per decoded
 token (the Request, its block hashes included, is built and grown outside the timed region);
-pykvalloc's allocate per prefill and one append_many per step (blocks filled committed). With
+pykvalloc's allocate per prefill and one DecodeStep.run per step (blocks filled committed). With
 --keys engine (the default) pykvalloc is given the engine's block keys, computed outside the
 timed region as vLLM's hashes are; with --keys tokens it is given the token ids, which it
 hashes and chains inside the timed calls. A pykvalloc cache has every block registered once and
@@ -490,7 +490,8 @@ def median_per(outcomes: list[Outcome], what: str) -> float:
     """The median over runs of µs per request (prefill) or per token decoded (decode)."""
     values = sorted(per(o.timings.prefill_ns, o.timings.prefills) if what == "prefill"
                     else per(o.timings.decode_ns, o.timings.decoded) for o in outcomes)
-    return values[len(values) // 2]
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -508,15 +509,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="what pykvalloc is given: the engine's block keys, computed "
                         "outside the timed region as vLLM's are (default), or the token ids, "
                         "hashed by the library inside it")
-    parser.add_argument("--repeat", type=int, default=3,
+    parser.add_argument("--repeat", type=int, default=None,
                         help="runs of each side, in turn; the figures are their medians "
-                        "(default 3)")
+                        "(default 3; 1 with --quick)")
     parser.add_argument("--quick", action="store_true",
                         help="the first 200 requests: a smoke run, not figures to keep")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args(argv)
     if args.quick:
-        args.requests, args.repeat = min(args.requests, 200), 1
+        args.requests = min(args.requests, 200)
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
     if args.repeat < 1 or args.requests < 1 or args.running < 1:
         parser.error("--repeat, --requests and --running are at least 1")
     if not args.trace.is_file():
@@ -562,7 +565,8 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 outcome = run(side, stream, args.running, reserve=blocks != 0)
                 side.close()
-                assert not runs[name] or outcome.hits == runs[name][0].hits, "a run hit differently"
+                if runs[name] and outcome.hits != runs[name][0].hits:
+                    raise RuntimeError(f"{name} hit differently in its run {len(runs[name]) + 1}")
                 runs[name].append(outcome)
         results = {name: outcomes[0] for name, outcomes in runs.items()}
         ours = results["pykvalloc"]
@@ -591,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{row['pykvalloc_prefill_us']:7.2f} us   {row['prefill_ratio']:6.1f}x")
             print(f"  decode per token:     vLLM {row['vllm_decode_us_per_token']:9.3f} us   "
                   f"pykvalloc {row['pykvalloc_decode_us_per_token']:7.3f} us   "
-                  f"{row['decode_ratio']:6.1f}x  (one append_many a step)")
+                  f"{row['decode_ratio']:6.1f}x  (one DecodeStep.run a step)")
         else:
             print(f"  prefill per request: pykvalloc {row['pykvalloc_prefill_us']:.2f} us")
             print(f"  decode per token:    pykvalloc {row['pykvalloc_decode_us_per_token']:.3f} us")

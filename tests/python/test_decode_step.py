@@ -137,6 +137,39 @@ def test_a_step_is_refused_with_nothing_changed() -> None:
         step.run(1)
 
 
+def test_the_buffers_stay_where_the_library_reads_them() -> None:
+    # The library keeps each buffer's address: an array the engine could swap or resize would
+    # leave it reading freed memory.
+    cache = make_cache()
+    step = cache.decode_step(4, content="keys", key_len=KEY_LEN)
+    for name in ("handles", "num_tokens", "offsets", "keys"):
+        with pytest.raises(AttributeError):
+            setattr(step, name, np.zeros(4, dtype=np.uint64))
+        with pytest.raises(ValueError):
+            getattr(step, name).resize(1000)
+    seq = cache.allocate(1, keys=rows([]))
+    step.handles[0] = seq.handle
+    step.num_tokens[0] = 2
+    for bad in (1.0, "1", None, True, -1, 5):
+        with pytest.raises(pykvalloc.InvalidArgument, match="count"):
+            step.run(bad)  # type: ignore[arg-type]
+    assert seq.num_tokens == 1
+    assert step.run(np.int64(1)) == 1 and seq.num_tokens == 3
+
+
+def test_a_refused_step_leaves_no_copies_behind() -> None:
+    cache = make_cache()
+    step = cache.decode_step(2)
+    parent = cache.allocate(BT + 1, keys=rows([key(1)]))
+    child = parent.fork()  # shares the partial last block: the next append copies it
+    step.handles[0] = child.handle
+    assert step.run(1) == 1 and step.copies.shape == (1, 4)
+    step.handles[1] = child.handle
+    with pytest.raises(pykvalloc.InvalidArgument, match="twice"):
+        step.run(2)
+    assert step.copies.shape == (0, 4)
+
+
 def test_the_content_of_a_step_is_of_one_kind() -> None:
     cache = make_cache()
     tokens = cache.decode_step(4, content="tokens", content_capacity=16)

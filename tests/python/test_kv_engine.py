@@ -473,12 +473,25 @@ def test_decode_filled_blocks_are_hit_by_the_next_turn() -> None:
         cache.close()
 
 
-def test_a_decode_step_of_arrays_is_checked_as_any_other() -> None:
+def test_a_decode_step_of_arrays_is_checked_as_any_other(monkeypatch) -> None:
     # The engine's decode step (handles, keys of the blocks filled and their offsets, each an
     # array as the library reads it) takes a path of its own in the wrapper: it commits what it
     # is told, beside sequences keyed by token ids on the same cache, and an argument it does not
     # take as it is (a dtype, a shape, offsets past the keys) is refused as on the general path,
     # with nothing changed.
+    taken = []  # which calls the arrays' own path answered
+    own_path = pykvalloc.KVCache._append_keyed
+
+    def spy(self, *args):
+        try:
+            result = own_path(self, *args)
+        except pykvalloc.KvallocError:
+            taken.append("refused")
+            raise
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(pykvalloc.KVCache, "_append_keyed", spy)
     cache = pykvalloc.KVCache(num_blocks=64, block_tokens=4, layers=1, kv_heads=1, head_dim=1,
                               dtype="int8", max_key_bytes=KEY_LEN)
     keys = np.frombuffer(b"".join(engine_key(b"", i) for i in range(3)),
@@ -494,12 +507,26 @@ def test_a_decode_step_of_arrays_is_checked_as_any_other() -> None:
         with pytest.raises(pykvalloc.InvalidArgument):
             cache.append_many(handles, 1, **bad)
         assert keyed.num_tokens == 3, why
+    assert taken == [False] * 4  # each was converted or refused by the general path
+    # Arrays the library reads as they are: refused by the library, or by the cache's state,
+    # on the arrays' own path, with nothing changed.
+    with pytest.raises(pykvalloc.InvalidArgument, match="key_len"):
+        cache.append_many(handles, 1, keys=keys[:1, :10].copy(), offsets=one)
+    table = keyed.block_table
+    with pytest.raises(pykvalloc.TableInUseError):
+        cache.append_many(handles, 1, keys=keys[:1], offsets=one)
+    del table
+    assert keyed.num_tokens == 3 and taken[4:] == ["refused", "refused"]
     assert cache.append_many(handles, 1, keys=keys[:1], offsets=one).done == 1
+    assert taken[-1]
     cache.append_many(np.array([by_tokens.handle], dtype=np.uint64), 1, tokens=[4])
     assert cache.append_many(handles, 4, keys=keys[1:2], offsets=one).done == 1
     assert cache.lookup(keys[:2]).hits == 2
     assert cache.lookup(tokens=[1, 2, 3, 4]).hits == 1
     assert keyed.num_tokens == 8
+    cache.close()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        cache.append_many(handles, 1, keys=keys[2:3], offsets=one)
 
 
 def test_events_merge_a_chain_and_split_where_it_breaks() -> None:
@@ -658,3 +685,38 @@ def test_what_the_engine_calls_return_is_exported() -> None:
     assert [type(e) for e in events.events] == [pykvalloc.BlockStored, pykvalloc.AllBlocksCleared]
     assert {"Blocks", "KVEvents", "BlockStored", "BlockRemoved", "AllBlocksCleared", "Lookup",
             "LookupMany", "Admitted", "Extended", "KVEvent"} <= set(pykvalloc.__all__)
+
+
+@pytest.mark.parametrize("kind", ["tokens", "bytes"])
+def test_a_long_prompt_is_committed_as_one_chain(kind: str) -> None:
+    # Admission commits a prompt's new blocks 32 at a time: 70 new blocks after a 5-block hit
+    # run across three rounds that do not start at block 0, and must still be one chain, each
+    # block under its own key and parent, that lookups, the next turn and the events all see.
+    bt = 4
+    cache = pykvalloc.KVCache(num_blocks=256, block_tokens=bt, layers=1, kv_heads=1, head_dim=1,
+                              dtype="int8", max_key_bytes=KEY_LEN, events=1024)
+    tokens = list(range(1, 77 * bt + 1))
+    keys = np.frombuffer(b"".join(engine_key(b"", i) for i in range(77)),
+                         dtype=np.uint8).reshape(77, KEY_LEN)
+
+    def content(blocks: int, extra: int = 0) -> dict:
+        return ({"tokens": tokens[:blocks * bt + extra]} if kind == "tokens"
+                else {"keys": keys[:blocks]})
+
+    cache.allocate(5 * bt, **content(5)).free()
+    cache.take_events()
+    seq = cache.allocate(75 * bt + 2, **content(75, 2))
+    assert seq.num_cached_tokens == 5 * bt
+    cache.check()
+    assert cache.lookup(**content(75)).hits == 75
+    stored = [e for e in cache.take_events().events if isinstance(e, pykvalloc.BlockStored)]
+    assert [(e.first_token, len(e.block_hashes)) for e in stored] == [(5 * bt, 70)]
+    assert list(stored[0].block_ids) == list(seq.block_table[5:75])
+    if kind == "bytes":
+        assert stored[0].parent_block_hash == keys[4].tobytes()
+        assert [bytes(h) for h in stored[0].block_hashes] == [k.tobytes() for k in keys[5:75]]
+    # The next block chains on the last round's last block.
+    seq.append(2, **({"tokens": tokens[75 * bt + 2:76 * bt]} if kind == "tokens"
+                     else {"keys": keys[75:76]}))
+    assert cache.lookup(**content(76)).hits == 76
+    cache.check()
