@@ -168,15 +168,17 @@ def geometry_of(args: argparse.Namespace) -> Geometry:
         raise InvalidArgument("--kv-lora-rank and --rope-dim replace --kv-heads and --head-dim")
     dtype = args.dtype
     groups: tuple[KVGroup, ...] = ()
+    hidden = None
     if args.model_config is not None:
         model = read_model_config(args.model_config)
-        groups, dtype = model.groups, dtype or model.dtype
+        groups, dtype, hidden = model.groups, dtype or model.dtype, model.hidden_size
     elif args.group:
         groups = tuple(args.group)
     elif mla:
         groups = (KVGroup.mla(args.layers if args.layers is not None else 32, args.kv_lora_rank, args.rope_dim),)
     if groups:
-        return Geometry(layers=sum(group.layers for group in groups), dtype=dtype or "float16", groups=groups)
+        return Geometry(layers=sum(group.layers for group in groups), dtype=dtype or "float16", groups=groups,
+                        hidden_size=hidden)
     return Geometry(layers=args.layers if args.layers is not None else 32,
                     kv_heads=args.kv_heads if args.kv_heads is not None else 8,
                     head_dim=args.head_dim if args.head_dim is not None else 128, dtype=dtype or "float16")

@@ -50,6 +50,7 @@ class Geometry:
     head_dim: int = 128
     dtype: str = "float16"
     groups: tuple[KVGroup, ...] = ()
+    hidden_size: Optional[int] = None  # the model's width, when known (a model config's)
 
     def __post_init__(self) -> None:
         require_counts(self, "layers", "kv_heads", "head_dim")

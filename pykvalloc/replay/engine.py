@@ -79,7 +79,10 @@ class EngineBuffers:
 
     def __init__(self, pool: Pool, geometry: Geometry) -> None:
         self.pool = pool
-        self.hidden = geometry.kv_heads * geometry.head_dim * QUERY_HEADS_PER_KV_HEAD
+        # The model's width: its config's when given, else that of grouped-query attention
+        # over its first group's KV heads.
+        first = geometry.shapes[0]
+        self.hidden = geometry.hidden_size or first.kv_heads * first.head_dim * QUERY_HEADS_PER_KV_HEAD
         self.costs = {name: ClassCost(name) for name in CLASSES}
         # The pool serves a size up to its largest slab class from slabs, the rest from the
         # buddy: a decode step's activations (a few tokens) come from slabs too.

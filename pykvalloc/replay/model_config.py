@@ -10,6 +10,7 @@ What is read, and what it means for the KV cache:
   transformers reads it) of ``head_dim`` elements, or ``hidden_size / num_attention_heads``
   when the config has no ``head_dim`` (a size that does not divide is refused).
 * ``torch_dtype`` (or ``dtype``, its newer name): the element type, unless the caller names one.
+* ``hidden_size``, when given: the model's width, which sizes the replay's activations.
 
 A multimodal config keeps its language model's fields under ``text_config``, which is read
 instead when the top level has no ``num_hidden_layers``. Anything missing or malformed raises
@@ -29,6 +30,7 @@ from ..kvcache import KVGroup, dtype_bytes
 class ModelGeometry(NamedTuple):
     groups: tuple[KVGroup, ...]
     dtype: str | None  # None when the config names none
+    hidden_size: int | None = None  # the model's width (activations), when the config gives it
 
 
 def _count(config: dict[str, Any], key: str, where: str) -> int:
@@ -67,7 +69,10 @@ def geometry_from_config(config: dict[str, Any], where: str = "the model config"
         if not isinstance(dtype, str):
             raise InvalidArgument(f"{where}: torch_dtype must be a name, not {dtype!r}")
         dtype_bytes(dtype)  # InvalidArgument naming the dtypes a KV cache knows
-    return ModelGeometry(groups, dtype)
+    width = config.get("hidden_size")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        width = None
+    return ModelGeometry(groups, dtype, width)
 
 
 def read_model_config(path: str | Path) -> ModelGeometry:

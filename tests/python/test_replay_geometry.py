@@ -23,13 +23,13 @@ LLAMA_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_h
 
 
 def test_configs_of_real_model_families():
-    assert geometry_from_config(DEEPSEEK_V3) == ((G.mla(61, 512, 64),), "bfloat16")
-    assert geometry_from_config(LLAMA_8B) == ((G(32, 8, 128),), "bfloat16")
+    assert geometry_from_config(DEEPSEEK_V3) == ((G.mla(61, 512, 64),), "bfloat16", 7168)
+    assert geometry_from_config(LLAMA_8B) == ((G(32, 8, 128),), "bfloat16", 4096)
     qwen3 = {"num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
              "hidden_size": 1024, "head_dim": 128, "dtype": "bfloat16"}  # head_dim is not 1024/16
-    assert geometry_from_config(qwen3) == ((G(28, 8, 128),), "bfloat16")
+    assert geometry_from_config(qwen3) == ((G(28, 8, 128),), "bfloat16", 1024)
     mha = {"num_hidden_layers": 12, "num_attention_heads": 12, "hidden_size": 768}
-    assert geometry_from_config(mha) == ((G(12, 12, 64),), None)
+    assert geometry_from_config(mha) == ((G(12, 12, 64),), None, 768)
     vision = {"text_config": LLAMA_8B, "vision_config": {"hidden_size": 1152}}
     assert geometry_from_config(vision).groups == (G(32, 8, 128),)
 
@@ -98,3 +98,14 @@ def test_shapes_given_twice_or_malformed_are_usage_errors(capsys, options, messa
     assert status == 2
     said = capsys.readouterr()
     assert message in said.err and said.out == ""
+
+
+def test_engine_buffers_take_the_models_width():
+    from pykvalloc.replay.backends import Geometry
+    from pykvalloc.replay.engine import QUERY_HEADS_PER_KV_HEAD, EngineBuffers
+    with pykvalloc.Pool(64 << 20) as pool:
+        deepseek = Geometry(layers=61, groups=(G.mla(61, 512, 64),), hidden_size=7168)
+        assert EngineBuffers(pool, deepseek).hidden == 7168
+        hybrid = Geometry(layers=28, groups=(G(24, 4, 64), G(4, 8, 128)))
+        assert EngineBuffers(pool, hybrid).hidden == 4 * 64 * QUERY_HEADS_PER_KV_HEAD
+        assert EngineBuffers(pool, Geometry()).hidden == 4096
