@@ -49,6 +49,28 @@ def refuse_copy(obj: object) -> NoReturn:
                     "share the C resource without sharing its bookkeeping")
 
 
+class ArrayAnchor:
+    """The numpy base object of an array over library memory (``np.asarray(anchor)``): it keeps
+    ``owner``, what the memory belongs to, alive while any array over it lives, and a weak
+    finalizer on it tells the owner when the last one is gone. ``typestr`` is numpy's
+    (``"|u1"``, ``"<u4"``); a read-only anchor makes read-only arrays."""
+
+    __slots__ = ("owner", "_interface", "__weakref__")
+
+    def __init__(self, owner: object, address: int, count: int, typestr: str = "|u1",
+                 readonly: bool = False) -> None:
+        self.owner = owner
+        self._interface = {"version": 3, "shape": (count,), "typestr": typestr,
+                           "data": (address, readonly)}
+
+    @property
+    def __array_interface__(self) -> dict[str, object]:
+        return self._interface
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        refuse_copy(self)
+
+
 class HandleOwner(ABC):
     """Owns one C handle; see the module docstring. A subclass creates its C object through
     ``_create_over`` (when it is built over a pool), hands the handle to ``_own`` at once, and

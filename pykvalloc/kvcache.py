@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 
 from . import _ffi, _locks
 from ._ffi import KV_CALL_KINDS
-from ._owner import HandleOwner, refuse_copy
+from ._owner import ArrayAnchor, HandleOwner, refuse_copy
 from .errors import InvalidArgument, KvallocError, OutOfMemory
 from .tensor import DEVICE_CPU, Tensor, TensorDType, tensor_dtype
 from .pool import (
@@ -484,21 +484,6 @@ _CType = TypeVar("_CType", c_uint32, c_uint64)
 
 def _pointer(array: npt.NDArray[Any] | None, ctype: type[_CType]) -> _Pointer[_CType] | None:
     return None if array is None else array.ctypes.data_as(POINTER(ctype))
-
-
-class _TableAnchor:
-    """The numpy base object of a block-table view: it keeps its sequence alive."""
-
-    __slots__ = ("sequence", "_interface", "__weakref__")
-
-    def __init__(self, sequence: Sequence, address: int, length: int) -> None:
-        self.sequence = sequence
-        self._interface = {"version": 3, "shape": (length,), "typestr": "<u4",
-                           "data": (address, True)}
-
-    @property
-    def __array_interface__(self) -> dict[str, object]:
-        return self._interface
 
 
 @dataclass(frozen=True)
@@ -1744,7 +1729,7 @@ class Sequence:
             cache._lib.kva_kv_seq_block_table(cache._open_handle(), self._handle, byref(table),
                                               byref(length))
             address = c_void_p.from_buffer(table).value or 0
-            anchor = _TableAnchor(self, address, length.value)
+            anchor = ArrayAnchor(self, address, length.value, "<u4", readonly=True)
             # The view is a user of the cache: a close() leaves the C cache to the last view.
             released = weakref.finalize(anchor, cache._user_gone, self)
             released.atexit = False

@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 from . import _dlpack, _ffi
-from ._owner import HandleOwner, refuse_copy
+from ._owner import ArrayAnchor, HandleOwner, refuse_copy
 from .errors import (
     AllocationFreedError,
     AllocationInUseError,
@@ -496,24 +496,6 @@ class Allocation:
                 f"(offset {self.offset}) {state}>")
 
 
-class _ViewAnchor:
-    """The numpy base object of every view: it keeps its pool, and so the mapping, alive."""
-
-    __slots__ = ("pool", "_interface", "__weakref__")
-
-    def __init__(self, pool: _Allocator, address: int, nbytes: int) -> None:
-        self.pool = pool
-        self._interface = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
-                           "data": (address, False)}
-
-    @property
-    def __array_interface__(self) -> dict[str, object]:
-        return self._interface
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        refuse_copy(self)
-
-
 class _Allocator(HandleOwner):
     """What Pool and VarPool share: handing out ``Allocation`` handles and taking them back.
 
@@ -645,7 +627,7 @@ class _Allocator(HandleOwner):
             # for a VarPool it keeps its range from going back to its mapping (kva_var_destroy
             # frees it there, where the next allocation would get the viewed memory), and the
             # VarPool, a user of its mapping until then, keeps that mapped.
-            anchor = _ViewAnchor(self, allocation._address, nbytes)
+            anchor = ArrayAnchor(self, allocation._address, nbytes)
             released = weakref.finalize(anchor, self._user_gone, allocation)
             released.atexit = False  # at exit the views die with the process, not before it
             self._add_user(allocation)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import weakref
 from ctypes import byref, c_void_p
-from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -23,29 +23,11 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 from . import _ffi
-from ._owner import HandleOwner, refuse_copy
+from ._owner import ArrayAnchor, HandleOwner
 from .errors import InvalidArgument
 from .sizes import format_size
 
 __all__ = ["SharedMapping"]
-
-
-class _MappingAnchor:
-    """The numpy base object of a view: it keeps its mapping alive."""
-
-    __slots__ = ("mapping", "_interface", "__weakref__")
-
-    def __init__(self, mapping: SharedMapping, address: int, nbytes: int) -> None:
-        self.mapping = mapping
-        self._interface = {"version": 3, "shape": (nbytes,), "typestr": "|u1",
-                           "data": (address, False)}
-
-    @property
-    def __array_interface__(self) -> dict[str, object]:
-        return self._interface
-
-    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
-        refuse_copy(self)
 
 
 class SharedMapping(HandleOwner):
@@ -128,7 +110,7 @@ class SharedMapping(HandleOwner):
             raise InvalidArgument(f"{nbytes} bytes are not a whole number of {dt}")
         with self._lock:
             self._open_handle()
-            anchor = _MappingAnchor(self, self._base + offset, nbytes)
+            anchor = ArrayAnchor(self, self._base + offset, nbytes)
             released = weakref.finalize(anchor, self._user_gone)
             released.atexit = False
             self._add_user()
