@@ -298,6 +298,20 @@ class KvaKvContent(Structure):
     ]
 
 
+class KvaKvStep(Structure):
+    """struct kva_kv_step: a decode step's arrays (DecodeStep fills it once)."""
+
+    _fields_ = [
+        ("seqs", c_void_p),
+        ("num_tokens", c_void_p),
+        ("content", POINTER(KvaKvContent)),
+        ("offsets", c_void_p),
+        ("copies", c_void_p),
+        ("num_copies", c_uint32),
+        ("done", c_uint32),
+    ]
+
+
 class KvaKvBlockCopy(Structure):
     """struct kva_kv_block_copy (read as a numpy uint32 array of shape (n, 4))."""
 
@@ -370,7 +384,8 @@ POOL_STRUCTS = {"kva_config": KvaConfig, "kva_stats": KvaStats, "kva_class_stats
 KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_copy": KvaKvCopy,
               "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats,
               "kva_kv_content": KvaKvContent, "kva_kv_block_copy": KvaKvBlockCopy,
-              "kva_kv_event": KvaKvEvent, "kva_kv_group": KvaKvGroup, "kva_kv_layer": KvaKvLayer}
+              "kva_kv_event": KvaKvEvent, "kva_kv_group": KvaKvGroup, "kva_kv_layer": KvaKvLayer,
+              "kva_kv_step": KvaKvStep}
 VAR_STRUCTS = {"kva_var_config": KvaVarConfig, "kva_var_stats": KvaVarStats}
 # Every mirrored struct, for the ABI test that compiles a probe against the header.
 STRUCTS = {**POOL_STRUCTS, **KV_STRUCTS, **VAR_STRUCTS}
@@ -519,6 +534,8 @@ class KvaLib:
                                       Ref, Ref], int] = _status(
         _kv, c_uint32, c_void_p, c_void_p, POINTER(KvaKvContent), c_void_p, c_void_p,
         POINTER(c_uint32), POINTER(c_uint32))
+    kva_kv_seq_extend_step: Callable[[Handle, Ref, int], int] = _status(
+        _kv, POINTER(KvaKvStep), c_uint32)
     kva_kv_seq_free_many: Callable[[Handle, int, Address], int] = _status(_kv, c_uint32, c_void_p)
     kva_kv_lookup_many: Callable[[Handle, int, Address, OptRef, Address, Address, Address],
                                  int] = _status(

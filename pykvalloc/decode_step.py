@@ -24,7 +24,7 @@ refused step changes nothing; the first request that does not fit stops the step
 from __future__ import annotations
 
 import operator
-from ctypes import byref, c_uint32
+from ctypes import byref, pointer
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,8 +70,7 @@ class DecodeStep:
     buffers do."""
 
     __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "_handles", "_num_tokens",
-                 "_offsets", "_content", "_copies", "_struct", "_args", "_num_copies", "_done",
-                 "_extend")
+                 "_offsets", "_content", "_copies", "_struct", "_step", "_step_ref", "_extend")
 
     def __init__(self, cache: KVCache, capacity: int, content: str | None,
                  content_capacity: int | None, key_len: int | None) -> None:
@@ -114,14 +113,16 @@ class DecodeStep:
             self._struct.keys = _address(content_array)
         self._content = content_array
         self._content_capacity = content_capacity if content_array is not None else 0
-        self._num_copies = c_uint32()
-        self._done = c_uint32()
-        self._extend = cache._lib.unchecked("kva_kv_seq_extend_many")
-        # Every argument but the handle and the count, fixed for the step's life.
-        self._args = (_address(self._handles), _address(self._num_tokens),
-                      byref(self._struct) if content_array is not None else None,
-                      _address(self._offsets) if content_array is not None else None,
-                      _address(self._copies), byref(self._num_copies), byref(self._done))
+        # The step's arrays, given to the library once: each run passes this and a count.
+        step = self._step = _ffi.KvaKvStep()
+        step.seqs = _address(self._handles)
+        step.num_tokens = _address(self._num_tokens)
+        if content_array is not None:
+            step.content = pointer(self._struct)
+            step.offsets = _address(self._offsets)
+        step.copies = _address(self._copies)
+        self._step_ref = byref(step)
+        self._extend = cache._lib.unchecked("kva_kv_seq_extend_step")
 
     @property
     def capacity(self) -> int:
@@ -168,7 +169,7 @@ class DecodeStep:
     def copies(self) -> npt.NDArray[np.uint32]:
         """The last run's copies on write, a row (request, src_block, dst_block, tokens) each,
         to do before the step's kernels run (a view, overwritten by the next run)."""
-        return self._copies[:self._num_copies.value]
+        return self._copies[:self._step.num_copies]
 
     def run(self, count: int) -> int:
         """Appends to the first ``count`` sequences of ``handles``, ``num_tokens[i]`` tokens
@@ -187,8 +188,9 @@ class DecodeStep:
             if cache._users or cache._closed:  # refused as append_many refuses
                 cache._refuse_table_views("append to sequences")
                 cache._open_handle()
-            self._num_copies.value = 0  # a refused step leaves no copies of the last one
-            status = self._extend(cache._handle, count, *self._args)
+            self._step.num_copies = 0  # a refused step leaves no copies of the last one
+            status = self._extend(cache._handle, self._step_ref, count)
             if status:
-                cache._lib.raise_status(status, "kva_kv_seq_extend_many")
-            return self._done.value
+                cache._lib.raise_status(status, "kva_kv_seq_extend_step")
+            done: int = self._step.done
+            return done

@@ -428,6 +428,26 @@ KVA_API kva_status kva_kv_seq_extend_many(kva_kv *kv, uint32_t count, const kva_
                                           const uint64_t *offsets, kva_kv_block_copy *copies, uint32_t *num_copies,
                                           uint32_t *done);
 
+/* A decode step's arrays, for kva_kv_seq_extend_step: an engine that keeps its step buffers
+ * where they are (as it keeps its kernels' input buffers) fills this once and passes it, with a
+ * count, every step. The fields are kva_kv_seq_extend_many's arguments; num_copies and done
+ * receive its results. */
+typedef struct kva_kv_step {
+    const kva_kv_seq *seqs;
+    const uint32_t *num_tokens;
+    const kva_kv_content *content; /* NULL: none */
+    const uint64_t *offsets;       /* with content: count + 1 of them */
+    kva_kv_block_copy *copies;     /* room for count */
+    uint32_t num_copies;           /* out */
+    uint32_t done;                 /* out */
+} kva_kv_step;
+
+/* kva_kv_seq_extend_many over the first count entries of step's arrays: one pointer and a count
+ * a step instead of nine arguments (what a binding pays per argument is more than the library
+ * spends on a dozen sequences). Errors: those of kva_kv_seq_extend_many, and KVA_ERR_INVALID for
+ * a NULL step; a refused step leaves num_copies and done as they were. */
+KVA_API kva_status kva_kv_seq_extend_step(kva_kv *kv, kva_kv_step *step, uint32_t count);
+
 /* Frees count sequences, in order, as kva_kv_seq_free. All or nothing: KVA_ERR_DOUBLE_FREE (a
  * sequence freed before, or listed twice), KVA_ERR_INVALID (a handle this cache never gave, a
  * pin, seqs NULL with count nonzero) and nothing is freed. */
@@ -698,7 +718,8 @@ typedef enum kva_kv_struct_id {
     KVA_KV_STRUCT_BLOCK_COPY = 7,
     KVA_KV_STRUCT_EVENT = 8,
     KVA_KV_STRUCT_GROUP = 9,
-    KVA_KV_STRUCT_LAYER = 10
+    KVA_KV_STRUCT_LAYER = 10,
+    KVA_KV_STRUCT_STEP = 11
 } kva_kv_struct_id;
 
 KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);

@@ -146,6 +146,12 @@ kva_status kva_kv_seq_extend_many(kva_kv *kv, uint32_t count, const kva_kv_seq *
     return st;
 }
 
+kva_status kva_kv_seq_extend_step(kva_kv *kv, kva_kv_step *step, uint32_t count) {
+    if (!step) return kva_fail(KVA_ERR_INVALID, "step is NULL");
+    return kva_kv_seq_extend_many(kv, count, step->seqs, step->num_tokens, step->content, step->offsets, step->copies,
+                                  &step->num_copies, &step->done);
+}
+
 /* ---- free ---------------------------------------------------------------------------------- */
 
 static kva_status free_many_locked(kva_kv *kv, uint32_t count, const kva_kv_seq *seqs) {

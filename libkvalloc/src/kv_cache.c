@@ -591,6 +591,7 @@ size_t kva_kv_struct_size(kva_kv_struct_id which) {
     case KVA_KV_STRUCT_EVENT: return sizeof(kva_kv_event);
     case KVA_KV_STRUCT_GROUP: return sizeof(kva_kv_group);
     case KVA_KV_STRUCT_LAYER: return sizeof(kva_kv_layer);
+    case KVA_KV_STRUCT_STEP: return sizeof(kva_kv_step);
     }
     return 0;
 }

@@ -56,6 +56,8 @@ static void test_null_cache(void) {
     CHECK_STATUS(kva_kv_lookup(NULL, 0, NULL, 0, ids, &u), KVA_ERR_INVALID);
     CHECK_STATUS(kva_kv_seq_admit_many(NULL, 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, &u), KVA_ERR_INVALID);
     CHECK_STATUS(kva_kv_seq_extend_many(NULL, 0, NULL, NULL, NULL, NULL, NULL, &u, &u), KVA_ERR_INVALID);
+    kva_kv_step none = {0};
+    CHECK_STATUS(kva_kv_seq_extend_step(NULL, &none, 0), KVA_ERR_INVALID);
     CHECK_STATUS(kva_kv_seq_free_many(NULL, 0, NULL), KVA_ERR_INVALID);
     CHECK_STATUS(kva_kv_lookup_many(NULL, 0, NULL, NULL, NULL, NULL, NULL), KVA_ERR_INVALID);
     CHECK_STATUS(kva_kv_block_take(NULL, 1, 0, ids), KVA_ERR_INVALID);
@@ -246,14 +248,20 @@ static void test_batches(void) {
     REFUSED(kva_kv_seq_extend_many(kv, 3, with_never, grow, NULL, NULL, copies, &copies_n, &done), KVA_ERR_INVALID);
     REFUSED(kva_kv_seq_extend_many(kv, 3, with_pin, grow, NULL, NULL, copies, &copies_n, &done), KVA_ERR_INVALID);
     REFUSED(kva_kv_seq_extend_many(kv, 3, with_twice, grow, NULL, NULL, copies, &copies_n, &done), KVA_ERR_INVALID);
+    /* the same through a step struct, whose results stay as they were */
+    kva_kv_step step = {with_twice, grow, NULL, NULL, copies, SENTINEL_U32, SENTINEL_U32};
+    REFUSED(kva_kv_seq_extend_step(kv, &step, 3), KVA_ERR_INVALID);
+    REFUSED(kva_kv_seq_extend_step(kv, NULL, 3), KVA_ERR_INVALID);
+    CHECK(step.num_copies == SENTINEL_U32 && step.done == SENTINEL_U32);
     /* ... or content the middle one cannot take: keyed (10 tokens) takes no key for 1 token,
      * forked needs one key for the 2 that fill its block */
     kva_kv_seq pair[] = {keyed, forked};
     uint32_t fill[2] = {2, 2};
     uint64_t one_each[3] = {0, 1, 2}, only_first[3] = {0, 1, 1};
     REFUSED(kva_kv_seq_extend_many(kv, 2, pair, grow, &c, one_each, copies, &copies_n, &done), KVA_ERR_INVALID);
-    CHECK_STATUS(kva_kv_seq_extend_many(kv, 2, pair, fill, &c, only_first, copies, &copies_n, &done), KVA_OK);
-    CHECK(done == 2 && copies_n == 1 && copies[0].request == 0); /* forked's chain broke: allowed */
+    kva_kv_step pair_step = {pair, fill, &c, only_first, copies, 0, 0};
+    CHECK_STATUS(kva_kv_seq_extend_step(kv, &pair_step, 2), KVA_OK);
+    CHECK(pair_step.done == 2 && pair_step.num_copies == 1 && copies[0].request == 0); /* forked's chain broke */
     before = kv_state_hash(kv);
     REFUSED(kva_kv_seq_extend_many(kv, 2, pair, grow, NULL, NULL, NULL, &copies_n, &done), KVA_ERR_INVALID);
     /* free: a stale handle, one never given, a pin, a sequence listed twice; nothing is freed */
