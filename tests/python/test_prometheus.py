@@ -46,7 +46,9 @@ def free_port() -> int:
 @contextmanager
 def exporter() -> Iterator[str]:
     """``kvalloc export --port 0`` in a child process; yields its host:port."""
-    with subprocess.Popen([sys.executable, "-m", "kvalloc_cli", "export", "--port", "0"],
+    # Every segment read, so that other tests' pools cannot push ours past the limit.
+    with subprocess.Popen([sys.executable, "-m", "kvalloc_cli", "export", "--port", "0",
+                           "--max-segments", str(1 << 20)],
                           stderr=subprocess.PIPE, text=True, env=clean_env()) as process:
         try:
             assert process.stderr is not None
