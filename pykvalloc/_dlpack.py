@@ -31,7 +31,6 @@ from ctypes import (
     POINTER,
     Structure,
     addressof,
-    c_char_p,
     c_int,
     c_int32,
     c_int64,
@@ -52,6 +51,9 @@ CUDA_HOST = 3
 UNVERSIONED_NAME = b"dltensor"
 VERSIONED_NAME = b"dltensor_versioned"
 FLAG_READ_ONLY = 1 << 0
+
+# The structs as dlpack.h declares them. An export is packed with struct (below, one call
+# instead of a ctypes assignment per field); the tests read capsules back through these.
 
 
 class DLDevice(Structure):

@@ -31,7 +31,6 @@ way. Freeing an allocation never waits on a consumer: delete the consumer's arra
 
 from __future__ import annotations
 
-import math
 import operator
 import weakref
 from collections.abc import Callable
@@ -390,9 +389,3 @@ def shape_arg(shape: object) -> tuple[int, ...]:
         raise InvalidArgument(f"shape {dims} has a negative dimension")
     return dims
 
-
-def checked_size(shape: tuple[int, ...], dtype: TensorDType, available: int, what: str) -> None:
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes > available:
-        raise InvalidArgument(f"shape {shape} of {dtype.name} needs {nbytes} bytes; {what} has "
-                              f"{available}")

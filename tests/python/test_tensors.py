@@ -473,3 +473,29 @@ def test_exports_do_not_depend_on_the_shared_pythonapi_declarations(pool):
         assert array.shape == (64,)
     finally:
         shared.argtypes, shared.restype = saved
+
+
+@pytest.mark.parametrize("max_version", [None, (1, 0)])
+def test_the_packed_capsule_reads_back_as_dlpack_h_declares_it(pool, max_version):
+    allocation = pool.alloc(4096)
+    tensor = allocation.tensor("int16", (4, 8), strides=(16, 2))
+    capsule = tensor.__dlpack__(max_version=max_version)
+    name = b"dltensor" if max_version is None else b"dltensor_versioned"
+    get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+        ("PyCapsule_GetPointer", ctypes.pythonapi))
+    address = get_pointer(capsule, name)
+    if max_version is None:
+        managed = _dlpack.DLManagedTensor.from_address(address)
+    else:
+        managed = _dlpack.DLManagedTensorVersioned.from_address(address)
+        assert (managed.version.major, managed.version.minor) == (1, 0) and managed.flags == 0
+    assert managed.manager_ctx == address
+    dl = managed.dl_tensor
+    assert dl.data == allocation.address and dl.byte_offset == 0 and dl.ndim == 2
+    assert (dl.device.device_type, dl.device.device_id) == (1, 0)
+    assert (dl.dtype.code, dl.dtype.bits, dl.dtype.lanes) == (0, 16, 1)
+    assert [dl.shape[i] for i in range(2)] == [4, 8]
+    assert [dl.strides[i] for i in range(2)] == [16, 2]
+    before = _dlpack.live_exports()
+    managed.deleter(address)  # as a consumer that took it would (the capsule is then spent)
+    assert _dlpack.live_exports() == before - 1
