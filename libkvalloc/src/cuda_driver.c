@@ -51,6 +51,9 @@ static kva_cuda_driver loaded;
 static unsigned loaded_fork_depth; /* kva_os_fork_depth() when the driver was loaded and initialized */
 static pthread_mutex_t load_lock = PTHREAD_MUTEX_INITIALIZER;
 
+void kva_cuda_load_lock(void) { pthread_mutex_lock(&load_lock); }
+void kva_cuda_load_unlock(void) { pthread_mutex_unlock(&load_lock); }
+
 static const char *error_name(const kva_cuda_driver *driver, CUresult result, char *buf, size_t len) {
     const char *name = NULL;
     if (driver->cuGetErrorName && driver->cuGetErrorName(result, &name) == CUDA_SUCCESS && name) return name;

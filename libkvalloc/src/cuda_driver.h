@@ -138,6 +138,10 @@ int kva_cuda_inherited(const kva_cuda_device *dev);
  * driver library, a function missing, cuInit failing, no GPU, no VMM support) and
  * KVA_ERR_INVALID (no GPU of that ordinal), each saying which. */
 kva_status kva_cuda_device_open(int ordinal, int need_vmm, kva_cuda_device *out);
+/* The lock held while the driver is loaded and initialized, a leaf taken around fork (fork.c):
+ * a child forked during a load finds it free, and the driver loaded by its parent. */
+void kva_cuda_load_lock(void);
+void kva_cuda_load_unlock(void);
 void kva_cuda_device_close(kva_cuda_device *dev);
 
 /* Makes the device's context current for the calls that follow; kva_cuda_leave gives the

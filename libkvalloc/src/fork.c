@@ -12,11 +12,15 @@
  * which slows the fast paths enough for a fork to land inside them, shows it). Left alone, they
  * keep every locked invariant, and kva_check skips the per-thread ones while those caches exist.
  *
+ * A lock held across a driver call (loading the CUDA driver, importing a shared allocation) is
+ * taken too: the fork waits for that call, as it waits for any other holder.
+ *
  * Not covered: a KV cache's or a VarPool's own lock held by another thread's call at the moment
  * of the fork (the child must not use that cache or VarPool).
  */
 #include <pthread.h>
 
+#include "cuda_driver.h"
 #include "lock.h"
 #include "os.h"
 #include "pool.h"
@@ -38,9 +42,15 @@ static void prepare(void) {
     kva_segments_lock(); /* leaves: nothing is taken under any of them */
     kva_lock_flags_lock();
     kva_external_registry_lock();
+    /* Held across driver calls (an import, a load); the import's lock before the load's, as an
+     * import takes them. A fork waits for the call to end, and a child then finds both free. */
+    kva_shared_imports_lock();
+    kva_cuda_load_lock();
 }
 
 static void release_all(void) {
+    kva_cuda_load_unlock();
+    kva_shared_imports_unlock();
     kva_external_registry_unlock();
     kva_lock_flags_unlock();
     kva_segments_unlock();

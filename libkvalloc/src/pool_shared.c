@@ -29,6 +29,9 @@ struct kva_shared_map {
 static pthread_mutex_t imports_lock = PTHREAD_MUTEX_INITIALIZER;
 static kva_shared_map *imports;
 
+void kva_shared_imports_lock(void) { pthread_mutex_lock(&imports_lock); }
+void kva_shared_imports_unlock(void) { pthread_mutex_unlock(&imports_lock); }
+
 kva_status kva_pool_shared_fd(kva_pool *pool, int *fd) {
     if (!pool || !fd) return kva_fail(KVA_ERR_INVALID, "pool or fd is NULL");
     pthread_mutex_lock(&pool->lock);

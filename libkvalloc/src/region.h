@@ -57,6 +57,10 @@ void kva_region_external_destroy(kva_region *region);
 /* The registry's lock, a leaf taken around fork (fork.c). */
 void kva_external_registry_lock(void);
 void kva_external_registry_unlock(void);
+/* The lock of the CUDA imports' list (pool_shared.c), taken around fork (fork.c): it is held
+ * across the driver's import, so it comes before the driver's loading lock. */
+void kva_shared_imports_lock(void);
+void kva_shared_imports_unlock(void);
 kva_status kva_region_cuda_create(const kva_config *cfg, size_t length, size_t alignment, kva_region *out);
 void kva_region_cuda_destroy(kva_region *region);
 

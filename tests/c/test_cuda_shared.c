@@ -7,10 +7,13 @@
  * address (the owner's address is taken in the child first, so it cannot be reused), reads the
  * pattern, writes an answer the owner then reads. Also: an allocation imported twice, descriptors
  * that are no export, wrong lengths, a pool that is not shared, an export the driver refuses, and
- * the RDMA flag where the device offers it.
+ * the RDMA flag where the device offers it. And a fork while another thread is inside the driver
+ * (loading it, importing an allocation): the child finds the library's locks free and is told
+ * that CUDA does not survive fork, instead of waiting forever.
  */
 #include <dlfcn.h>
 #include <errno.h>
+#include <pthread.h>
 #include <fcntl.h>
 #include <stdint.h>
 #include <sys/mman.h>
@@ -39,6 +42,8 @@ static void (*fake_set_rdma)(int);
 static size_t (*fake_rdma_allocations)(void);
 static size_t (*fake_live_handles)(void);
 static size_t (*fake_reservations)(void);
+static void (*fake_gate)(const char *, int);
+static void (*fake_gate_await)(void);
 static CUcontext context;
 
 static void load_fake(const char *path) {
@@ -56,8 +61,10 @@ static void load_fake(const char *path) {
     *(void **)&fake_rdma_allocations = dlsym(fake, "fake_cuda_rdma_allocations");
     *(void **)&fake_live_handles = dlsym(fake, "fake_cuda_live_handles");
     *(void **)&fake_reservations = dlsym(fake, "fake_cuda_reservations");
+    *(void **)&fake_gate = dlsym(fake, "fake_cuda_gate");
+    *(void **)&fake_gate_await = dlsym(fake, "fake_cuda_gate_await");
     REQUIRE(htod && dtoh && retain && push && pop && fake_fail && fake_disarm && fake_set_rdma &&
-            fake_rdma_allocations && fake_live_handles && fake_reservations);
+            fake_rdma_allocations && fake_live_handles && fake_reservations && fake_gate && fake_gate_await);
 }
 
 /* Copies to or from device memory with the device's primary context current. */
@@ -292,6 +299,112 @@ static void test_rdma_flag(void) {
     fake_set_rdma(0);
 }
 
+/* ---- fork while another thread is inside the driver ------------------------------------------- */
+
+typedef struct gated_call {
+    kva_config cfg;
+    kva_pool *pool;
+    int fd;
+    size_t length;
+    kva_shared_map *map;
+    kva_status st;
+} gated_call;
+
+static void *create_pool(void *arg) {
+    gated_call *g = arg;
+    g->st = kva_pool_create(&g->cfg, &g->pool);
+    return NULL;
+}
+
+static void *attach(void *arg) {
+    gated_call *g = arg;
+    g->st = kva_shared_attach_cuda(0, g->fd, g->length, &g->map);
+    return NULL;
+}
+
+/* Opens the fake's gate a little after the fork has begun, so that the fork comes while the
+ * gated call is inside the driver, holding whatever lock the library holds around it. */
+static void *open_gate_soon(void *arg) {
+    (void)arg;
+    usleep(200 * 1000);
+    fake_gate(NULL, 0);
+    return NULL;
+}
+
+/* Forks while a call waits at the fake's closed gate; the child runs `in_child`, which must
+ * come back (a lock left held by the parent's other thread would keep it waiting forever) and
+ * return 1. */
+static void fork_past_gate(const char *what, int (*in_child)(void)) {
+    fake_gate_await();
+    pthread_t opener;
+    REQUIRE(pthread_create(&opener, NULL, open_gate_soon, NULL) == 0);
+    fflush(stderr);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        hang_guard(what, HANG_GUARD_SECONDS / 3); /* before the parent's own guard */
+        _exit(in_child() ? 0 : 1);
+    }
+    REQUIRE(pthread_join(opener, NULL) == 0);
+    int status = 0;
+    REQUIRE(waitpid(pid, &status, 0) == pid);
+    if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "%s: the child failed (status %#x)\n", what, (unsigned)status);
+        check_failures++;
+    }
+}
+
+/* A CUDA pool in a child: refused, the driver having been loaded before the fork. */
+static int child_creates_pool(void) {
+    kva_config cfg = shared_config(16 * MiB);
+    kva_pool *pool = NULL;
+    kva_status st = kva_pool_create(&cfg, &pool);
+    if (st != KVA_ERR_BACKEND || pool) fprintf(stderr, "child: CUDA pool gave %d (%s)\n", (int)st, kva_last_error());
+    return st == KVA_ERR_BACKEND && !pool;
+}
+
+/* An import in a child: refused for the same reason (a pipe: no allocation of the parent's
+ * imports, so that only the driver can refuse it). */
+static int child_imports(void) {
+    int pipes[2];
+    if (pipe(pipes) != 0) return 0;
+    kva_shared_map *map = NULL;
+    kva_status st = kva_shared_attach_cuda(0, pipes[0], 16 * MiB, &map);
+    if (st != KVA_ERR_BACKEND || map) fprintf(stderr, "child: import gave %d (%s)\n", (int)st, kva_last_error());
+    return st == KVA_ERR_BACKEND && !map;
+}
+
+/* The first CUDA call of this process: the driver is loaded (cuInit) while the process forks. */
+static void test_fork_while_loading(void) {
+    gated_call g = {.cfg = shared_config(16 * MiB)};
+    fake_gate("cuInit", 1);
+    pthread_t loader;
+    REQUIRE(pthread_create(&loader, NULL, create_pool, &g) == 0);
+    fork_past_gate("a child forked while the driver loads", child_creates_pool);
+    REQUIRE(pthread_join(loader, NULL) == 0);
+    CHECK_STATUS(g.st, KVA_OK);
+    kva_pool_destroy(g.pool);
+}
+
+static void test_fork_while_importing(void) {
+    kva_config cfg = shared_config(16 * MiB);
+    kva_pool *pool = NULL;
+    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
+    REQUIRE(pool);
+    gated_call g = {.fd = -1, .length = 16 * MiB};
+    CHECK_STATUS(kva_pool_shared_fd(pool, &g.fd), KVA_OK);
+    fake_gate("cuMemImportFromShareableHandle", 1);
+    pthread_t importer_thread;
+    REQUIRE(pthread_create(&importer_thread, NULL, attach, &g) == 0);
+    fork_past_gate("a child forked while an allocation is imported", child_imports);
+    REQUIRE(pthread_join(importer_thread, NULL) == 0);
+    CHECK_STATUS(g.st, KVA_OK);
+    kva_shared_detach(g.map);
+    close(g.fd);
+    kva_pool_destroy(pool);
+    CHECK(fake_live_handles() == 0);
+}
+
 int main(int argc, char **argv) {
     if (argc == 4 && strcmp(argv[1], "--import") == 0) return importer(atoi(argv[2]), argv[3]);
     if (argc < 2) {
@@ -300,8 +413,10 @@ int main(int argc, char **argv) {
     }
     hang_guard("test_cuda_shared", HANG_GUARD_SECONDS);
     load_fake(argv[1]);
+    test_fork_while_loading(); /* first: it loads the driver */
     test_two_processes(argv[1]);
     test_refusals();
     test_rdma_flag();
+    test_fork_while_importing();
     return CHECK_DONE();
 }

@@ -31,6 +31,9 @@
  *    work recorded before the event is not done; an unknown stream or event, or an event never
  *    recorded where one is needed, is CUDA_ERROR_INVALID_HANDLE; the streams 0, CU_STREAM_LEGACY
  *    (1) and CU_STREAM_PER_THREAD (2) always exist.
+ *  - a gate (fake_cuda_gate): while a test keeps it closed, calls of the one function named wait at
+ *    its entry, before taking the fake's lock, so that a test can hold a caller inside a driver call
+ *    (fake_cuda_gate_await returns once one waits).
  * cuMemcpyHtoD/DtoH copy to and from a host shadow of each allocation, made on first use (the
  * memfd's pages for a shareable one).
  *
@@ -181,6 +184,24 @@ static CUresult enter_call(const char *name) {
     return CUDA_SUCCESS;
 }
 
+/* The gate (fake_cuda_gate): calls of gate_function wait here while it is closed. */
+static pthread_mutex_t gate_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t gate_changed = PTHREAD_COND_INITIALIZER;
+static char gate_function[64];
+static int gate_closed;
+static unsigned gate_waiting;
+
+static void gate_pass(const char *function) {
+    pthread_mutex_lock(&gate_lock);
+    if (gate_closed && strcmp(function, gate_function) == 0) {
+        gate_waiting++;
+        pthread_cond_broadcast(&gate_changed);
+        while (gate_closed) pthread_cond_wait(&gate_changed, &gate_lock);
+        gate_waiting--;
+    }
+    pthread_mutex_unlock(&gate_lock);
+}
+
 /* Every entry point starts here: locks, counts, applies injected failures, and (need > 0)
  * checks cuInit and (need > 1) a current context. */
 #define BEGIN(need)                                                                                  \
@@ -284,6 +305,7 @@ static void free_if_done(allocation *a) {
 /* ---- initialization, devices, contexts ---------------------------------------------------- */
 
 API CUresult cuInit(unsigned flags) {
+    gate_pass(__func__);
     BEGIN(0);
     if (flags != 0) return finish(CUDA_ERROR_INVALID_VALUE);
     if (config.devices <= 0) return finish(CUDA_ERROR_NO_DEVICE);
@@ -535,6 +557,7 @@ static int exported_here(int fd, size_t *size) {
 }
 
 API CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle, int type) {
+    gate_pass(__func__);
     BEGIN(NEED_INIT);
     int fd = (int)(intptr_t)os_handle;
     size_t size;
@@ -913,6 +936,23 @@ API CUresult cuGetErrorName(CUresult error, const char **name) { return describe
 API CUresult cuGetErrorString(CUresult error, const char **text) { return describe(error, text, 0); }
 
 /* ---- control, for the tests ------------------------------------------------------------------ */
+
+/* Closes the gate on `function` (cuInit or cuMemImportFromShareableHandle: the entry points that
+ * pass it), or opens it (closed 0) and lets every waiting call go on. */
+API void fake_cuda_gate(const char *function, int closed) {
+    pthread_mutex_lock(&gate_lock);
+    if (closed) snprintf(gate_function, sizeof gate_function, "%s", function);
+    gate_closed = closed;
+    pthread_cond_broadcast(&gate_changed);
+    pthread_mutex_unlock(&gate_lock);
+}
+
+/* Waits until at least one call waits at the closed gate. */
+API void fake_cuda_gate_await(void) {
+    pthread_mutex_lock(&gate_lock);
+    while (gate_waiting == 0) pthread_cond_wait(&gate_changed, &gate_lock);
+    pthread_mutex_unlock(&gate_lock);
+}
 
 /* Back to the state of a fresh load, except that cuInit stays done: every reservation, mapping,
  * allocation and context reference forgotten (their address space returned), counters zero,
