@@ -480,6 +480,14 @@ kva_status kva_os_shared_map(int fd, void **addr, size_t *length) {
                         seals < 0       ? "not a memfd"
                         : seals != want ? "its seals are not the pool's"
                                         : "not named " KVA_OS_SHARED_NAME);
+    /* The map is read-write: a descriptor opened otherwise (a reopening of /proc/PID/fd/N) is the
+     * caller's mistake, not a failure of the system. */
+    int mode = fcntl(fd, F_GETFL);
+    if (mode < 0 || (mode & O_ACCMODE) != O_RDWR)
+        return kva_fail(KVA_ERR_INVALID, "descriptor %d of the shared pool is not open for reading and writing", fd);
+    /* The size again, now that the seals are known: before them, whoever made the object could
+     * still have shrunk it, and a map past its end would fault at the first touch there. */
+    if (fstat(fd, &st) != 0) return kva_fail(KVA_ERR_INVALID, "descriptor %d: fstat: %s", fd, strerror(errno));
     if (st.st_size <= 0) return kva_fail(KVA_ERR_INVALID, "descriptor %d is an empty object", fd);
     size_t size = (size_t)st.st_size;
     void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);

@@ -248,6 +248,50 @@ static void test_not_a_pool(void) {
     expect_not_pool(unsealed, "an unsealed memfd of the pool's name");
     close(unsealed);
     CHECK_STATUS(kva_shared_attach(3, NULL), KVA_ERR_INVALID);
+    expect_not_pool(INT32_MAX, "the largest descriptor");
+    int devzero = open("/dev/zero", O_RDWR);
+    REQUIRE(devzero >= 0);
+    expect_not_pool(devzero, "/dev/zero");
+    close(devzero);
+    int sock[2];
+    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, sock) == 0);
+    expect_not_pool(sock[0], "a socket");
+    close(sock[0]);
+    close(sock[1]);
+    /* The pool's name and seals, but also a seal the pool never has: not a pool. */
+    int write_sealed = memfd_create(KVA_OS_SHARED_NAME, MFD_ALLOW_SEALING);
+    REQUIRE(write_sealed >= 0 && ftruncate(write_sealed, 1 << 20) == 0);
+    REQUIRE(fcntl(write_sealed, F_ADD_SEALS, F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_WRITE | F_SEAL_SEAL) == 0);
+    expect_not_pool(write_sealed, "a memfd of the pool's name sealed against writes");
+    close(write_sealed);
+
+    /* A pool's own object, reopened read-only or write-only through /proc: the map would be
+     * read-write, so it is refused as the caller's mistake. Its owner gone, the descriptor
+     * still maps the object. */
+    kva_config scfg;
+    kva_config_init(&scfg);
+    scfg.capacity = 4 * MiB;
+    scfg.shared = 1;
+    scfg.pages = KVA_PAGES_SMALL;
+    kva_pool *shared = NULL;
+    CHECK_STATUS(kva_pool_create(&scfg, &shared), KVA_OK);
+    REQUIRE(shared);
+    int pool_fd = -1;
+    CHECK_STATUS(kva_pool_shared_fd(shared, &pool_fd), KVA_OK);
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", pool_fd);
+    int read_only = open(link, O_RDONLY | O_CLOEXEC), write_only = open(link, O_WRONLY | O_CLOEXEC);
+    REQUIRE(read_only >= 0 && write_only >= 0);
+    expect_not_pool(read_only, "a pool's object opened read-only");
+    expect_not_pool(write_only, "a pool's object opened write-only");
+    close(read_only);
+    close(write_only);
+    kva_pool_destroy(shared);
+    kva_shared_map *orphan = NULL;
+    CHECK_STATUS(kva_shared_attach(pool_fd, &orphan), KVA_OK);
+    CHECK(orphan && kva_shared_length(orphan) >= 4 * MiB);
+    kva_shared_detach(orphan);
+    close(pool_fd);
 
     /* A pool that is not shared has no descriptor; the call changes nothing. */
     kva_config cfg;
