@@ -350,10 +350,15 @@ def _external_memory(memory: object) -> tuple[int, int, Backend, object]:
     cuda = getattr(memory, "__cuda_array_interface__", None)
     interface = cuda if cuda is not None else getattr(memory, "__array_interface__", None)
     if isinstance(interface, dict):
-        address, readonly = interface["data"]
-        strides = interface.get("strides")
-        shape = tuple(interface["shape"])
-        itemsize = np.dtype(interface["typestr"]).itemsize
+        try:
+            address, readonly = interface["data"]
+            strides = interface.get("strides")
+            shape = tuple(interface["shape"])
+            itemsize = np.dtype(interface["typestr"]).itemsize
+        except (KeyError, TypeError, ValueError) as error:
+            # Another library's interface, malformed: its fault, said as the caller's error.
+            raise InvalidArgument(f"{type(memory).__name__}'s array interface lacks a valid data "
+                                  f"pointer, shape or typestr: {error!r}") from None
         if readonly:
             raise InvalidArgument(f"{type(memory).__name__} memory is read-only; a pool hands "
                                   "out blocks to write")
@@ -368,7 +373,8 @@ def _external_memory(memory: object) -> tuple[int, int, Backend, object]:
                               "a numpy or CUDA array, a writable buffer, or external= an "
                               "address") from None
     with view:
-        if view.readonly or not view.contiguous:
+        # C order: ctypes takes an export of the buffer as one run of bytes in that order only.
+        if view.readonly or not view.c_contiguous:
             raise InvalidArgument(f"{type(memory).__name__} memory is read-only or not "
                                   "contiguous")
         length = view.nbytes

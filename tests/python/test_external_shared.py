@@ -149,6 +149,34 @@ def test_owner_without_external_and_unusable_memory() -> None:
         pykvalloc.Pool.over(frozen)
     with pytest.raises(InvalidArgument, match="contiguous"):
         pykvalloc.Pool.over(aligned_array(8 * MiB)[::2])
+    # A buffer contiguous in Fortran order only (ctypes can take no export of it).
+    fortran = aligned_array(8 * MiB).view(np.float64).reshape(1024, 1024).T
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        pykvalloc.Pool.over(memoryview(fortran))
+    with pytest.raises(InvalidArgument, match="contiguous"):
+        pykvalloc.Pool.over(fortran)
+    with pytest.raises(InvalidArgument):
+        pykvalloc.Pool.over(bytearray())
+    with pytest.raises(InvalidArgument):
+        pykvalloc.Pool.over(aligned_array(4 * MiB)[:0])
+
+
+class _Interface:
+    """An object with a hand-written array interface, as another library might give."""
+
+    def __init__(self, interface: object) -> None:
+        self.__array_interface__ = interface
+
+
+@pytest.mark.parametrize("interface", [
+    {"shape": (4096,), "typestr": "|u1", "version": 3},  # no data
+    {"shape": (4096,), "typestr": "|u1", "version": 3, "data": 12345},  # not a pair
+    {"shape": 4096, "typestr": "|u1", "version": 3, "data": (1 << 30, False)},  # not a tuple
+    {"shape": (4096,), "typestr": "nonsense", "version": 3, "data": (1 << 30, False)},
+])
+def test_malformed_array_interface_is_refused(interface: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument, match="array interface"):
+        pykvalloc.Pool.over(_Interface(interface))
 
 
 def test_cuda_array_interface_makes_a_cuda_pool_without_a_driver() -> None:
@@ -272,10 +300,28 @@ def test_attach_refuses_what_is_not_a_shared_pool(tmp_path: object) -> None:
                 pykvalloc.SharedMapping(fd)
         with pytest.raises(InvalidArgument):
             pykvalloc.SharedMapping(-1)
+        with pytest.raises(InvalidArgument):
+            pykvalloc.SharedMapping(2**31 - 1)
         with pytest.raises(TypeError):
             pykvalloc.SharedMapping("3")  # type: ignore[arg-type]
     finally:
         for fd in (read_end, write_end, plain, other):
+            os.close(fd)
+
+
+def test_attach_refuses_a_read_only_descriptor_of_a_pool() -> None:
+    """The mapping is read-write: the pool's own object opened read-only is the caller's
+    mistake (InvalidArgument), not a failure of the system."""
+    with pykvalloc.Pool(4 * MiB, shared=True, pages="small") as pool:
+        fd = pool.shared_fd()
+        read_only = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with pytest.raises(InvalidArgument, match="not open for reading and writing"):
+                pykvalloc.SharedMapping(read_only)
+            with pykvalloc.SharedMapping(fd) as mapping:
+                assert mapping.length >= 4 * MiB
+        finally:
+            os.close(read_only)
             os.close(fd)
 
 
