@@ -65,7 +65,11 @@ def _configure(capacity: int | None) -> None:
         return
     if isinstance(capacity, bool) or not isinstance(capacity, int) or not 0 < capacity < 1 << 64:
         raise InvalidArgument(f"capacity {capacity!r} is not a size in bytes")
-    if _lib().kva_torch_configure(capacity) != 0:
+    lib = _lib()
+    result = lib.kva_torch_configure(capacity)
+    if result == -2:
+        raise InvalidArgument(lib.kva_torch_last_error().decode(errors="replace"))
+    if result != 0:
         raise InvalidArgument("a kvalloc torch pool exists already: its capacity is fixed")
 
 

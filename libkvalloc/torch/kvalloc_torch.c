@@ -325,6 +325,13 @@ void kva_torch_free(void *ptr, size_t size, int device, kva_torch_stream stream)
 }
 
 int kva_torch_configure(size_t capacity) {
+    /* kva_var_config's rule for the pools' alignment: refused now, not at every allocation. */
+    if (capacity && (capacity < ALIGNMENT || capacity / ALIGNMENT >= (size_t)1 << 31)) {
+        pthread_mutex_lock(&lock);
+        fail("capacity %zu is not one of a pool of 512-byte units (at least one, fewer than 2^31)", capacity);
+        pthread_mutex_unlock(&lock);
+        return -2;
+    }
     pthread_mutex_lock(&lock);
     int result = any_pool ? -1 : 0;
     if (!any_pool) configured_capacity = capacity;

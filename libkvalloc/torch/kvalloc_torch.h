@@ -6,9 +6,9 @@
  * knows nothing of it.
  *
  * Memory. One variable-size pool per GPU, made at the first allocation on that GPU: a CUDA pool
- * of kva_torch_configure's capacity (default: the GPU's total memory) whose device memory is
- * mapped on demand, 2 MiB granules, ranges aligned to 512 bytes (what torch's own allocator
- * gives). The driver is libcuda.so.1, or the library $KVA_CUDA_DRIVER names (as for libkvalloc).
+ * of kva_torch_configure's capacity (default: half the GPU's total memory), ranges aligned to
+ * 512 bytes (what torch's own allocator gives). The variable-size pool takes its whole capacity
+ * as one range of the CUDA pool, so all of it is mapped at that first allocation. The driver is libcuda.so.1, or the library $KVA_CUDA_DRIVER names (as for libkvalloc).
  *
  * Streams. A block freed on stream S may still be in use by work queued on S. So a free does not
  * return the block to the pool: it records an event on S (cuEventRecord) and keeps the block
@@ -53,8 +53,9 @@ KVA_TORCH_API void *kva_torch_alloc(size_t size, int device, kva_torch_stream st
  * gives a free no way to fail. */
 KVA_TORCH_API void kva_torch_free(void *ptr, size_t size, int device, kva_torch_stream stream);
 
-/* The capacity of the pools made from now on (0: the GPU's total memory). -1 once a pool
- * exists (its capacity is fixed), else 0. */
+/* The capacity of the pools made from now on (0: half the GPU's total memory). -2 for a
+ * capacity no pool can have (below one 512-byte unit, or 2^31 units or more: 1 TiB), -1 once a
+ * pool exists (its capacity is fixed), else 0; nothing changes unless it is 0. */
 KVA_TORCH_API int kva_torch_configure(size_t capacity);
 
 /* Figures of device's pool: bytes handed out and live, bytes freed but pending on their

@@ -120,6 +120,11 @@ static void test_bad_input(void) {
     CHECK(kva_torch_alloc(64, -1, a) == NULL);
     CHECK(kva_torch_alloc(64, 3, a) == NULL); /* the fake has one GPU */
     CHECK(kva_torch_configure(MiB) == -1);    /* the pool exists: its capacity is fixed */
+    /* A capacity no pool can have is refused as such, pool or not. */
+    CHECK(kva_torch_configure(100) == -2);
+    CHECK(kva_torch_configure((size_t)512 << 31) == -2);
+    CHECK(kva_torch_configure(SIZE_MAX) == -2);
+    CHECK(strstr(kva_torch_last_error(), "capacity") != NULL);
 
     /* An event the driver will not record: the stream is waited for and the block goes back. */
     void *q = kva_torch_alloc(8192, 0, a);

@@ -329,6 +329,13 @@ def test_torch_allocator_entry_points_on_the_fake_driver(fake_driver):
         fake = ctypes.CDLL({str(fake_driver)!r})
         fake.fake_cuda_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
         assert kvtorch.stats(0) is None
+        from pykvalloc.errors import InvalidArgument
+        try:
+            kvtorch._configure(100)  # below one 512-byte unit: no pool can have it
+        except InvalidArgument as error:
+            assert "capacity" in str(error), error
+        else:
+            raise AssertionError("a 100-byte capacity was taken")
         kvtorch._configure(64 << 20)
         a, b = 1, 2  # CU_STREAM_LEGACY and CU_STREAM_PER_THREAD: streams that always exist
         p = lib.kva_torch_alloc(1 << 20, 0, a)
