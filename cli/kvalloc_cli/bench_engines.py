@@ -297,8 +297,8 @@ class PykvallocSide(Side):
         return self.cache.stats().evictions - self._evicted_before
 
     def room(self) -> int:
-        stats = self.cache.stats()
-        return stats.free_blocks + stats.cached_blocks
+        held = self.cache.gauges()
+        return held.free_blocks + held.cached_blocks
 
     def close(self) -> None:
         for seq in self.seqs.values():
