@@ -97,6 +97,7 @@ DEFAULT_BLOCK_TOKENS = 16
 DEFAULT_EVENT_CAPACITY = 1 << 16
 
 _U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
 _NO_BLOCK = _U32_MAX
 PRIORITIES = 8
 
@@ -754,6 +755,24 @@ class LookupMany(NamedTuple):
     ids: npt.NDArray[np.uint32] | None
 
 
+class _AdmitBuffers:
+    """What allocate reuses from one call to the next, under its cache's lock, when an engine
+    admits a prompt by its keys as an array: the content struct, the out-values, and the
+    admission's function without ctypes' errcheck hook."""
+
+    __slots__ = ("content", "content_ref", "seq", "seq_ref", "cached", "cached_ref", "call")
+
+    def __init__(self, lib: _ffi.KvaLib) -> None:
+        self.content = _ffi.KvaKvContent()
+        self.content.kind = _KEY_BYTES
+        self.content_ref = byref(self.content)
+        self.seq = c_uint64()
+        self.seq_ref = byref(self.seq)
+        self.cached = c_uint32()
+        self.cached_ref = byref(self.cached)
+        self.call = lib.unchecked("kva_kv_seq_admit")
+
+
 class _StepBuffers:
     """What append_many, the call of every decode step, reuses from one call to the next under
     its cache's lock: the per-request token counts of a step where every request grows by n,
@@ -847,7 +866,7 @@ class KVCache(HandleOwner):
     """
 
     __slots__ = ("_lib", "_pool_lock", "_guard", "_info", "_pool_handle", "_max_key_bytes", "_step",
-                 "_dtype", "_dl_device", "_kv_tensors", "_groups")
+                 "_admit", "_dtype", "_dl_device", "_kv_tensors", "_groups")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                  layers: int | None = None, kv_heads: int | None = None,
@@ -933,6 +952,7 @@ class KVCache(HandleOwner):
         self._pool_handle: int = info.pool
         self._max_key_bytes = int(config.max_key_bytes)
         self._step = _StepBuffers()
+        self._admit = _AdmitBuffers(lib)
         self._dtype = element
         self._dl_device = pool._dl_device if pool is not None else (DEVICE_CPU, 0)
         self._kv_tensors = _TensorCount()
@@ -978,6 +998,11 @@ class KVCache(HandleOwner):
         are shared only within one ``namespace`` (64 bits: a tenant, an adapter, a salt).
         ``priority`` (0..7): lower priorities' blocks are evicted first. ``OutOfMemory`` if the
         blocks are not there, with nothing changed."""
+        if (type(keys) is np.ndarray and tokens is None and block_keys is None
+                and type(num_tokens) is int and type(namespace) is int and type(priority) is int):
+            admitted = self._admit_keyed(num_tokens, keys, namespace, priority)
+            if admitted is not None:
+                return admitted
         n = _u32("num_tokens", num_tokens)
         content = _content(tokens, block_keys, keys, self._max_key_bytes)
         ns = _u64("namespace", namespace)
@@ -989,6 +1014,29 @@ class KVCache(HandleOwner):
                                        0 if content is None else content.count, byref(seq),
                                        byref(cached))
         return Sequence._new(self, seq.value, cached.value)
+
+    def _admit_keyed(self, num_tokens: int, keys: npt.NDArray[Any], namespace: int,
+                     priority: int) -> Sequence | None:
+        """allocate's admission as an engine makes it, by its keys as a C-contiguous uint8
+        array of one key a row, every other argument a plain int in range: nothing converted,
+        the reused struct and out-values, one C call. None when an argument is anything else,
+        for the general path to convert or refuse with its messages."""
+        if not (keys.dtype is _U8 and keys.ndim == 2 and keys.flags.c_contiguous
+                and 0 <= num_tokens <= _U32_MAX and 0 <= namespace <= _U64_MAX
+                and 0 <= priority <= _U32_MAX and keys.shape[0] <= _U32_MAX):
+            return None
+        admit = self._admit
+        with self._lock, self._guard:
+            handle = self._open_handle()
+            content = admit.content
+            content.key_len = keys.shape[1]
+            content.key_bytes = _address(keys)
+            status = admit.call(handle, num_tokens, namespace, priority, admit.content_ref,
+                                keys.shape[0], admit.seq_ref, admit.cached_ref)
+            if status:
+                self._lib.raise_status(status, "kva_kv_seq_admit")
+            seq, cached = admit.seq.value, admit.cached.value
+        return Sequence._new(self, seq, cached)
 
     def pin(self, block_keys: IntegerArray | None = None,
             tokens: IntegerArray | None = None, namespace: int = 0, *,

@@ -720,3 +720,49 @@ def test_a_long_prompt_is_committed_as_one_chain(kind: str) -> None:
                      else {"keys": keys[75:76]}))
     assert cache.lookup(**content(76)).hits == 76
     cache.check()
+
+
+def test_an_admission_by_key_array_is_checked_as_any_other(monkeypatch) -> None:
+    # allocate(n, keys=array) takes a path of its own in the wrapper (nothing converted, one C
+    # call): it must refuse what the general path refuses, with nothing changed.
+    taken = []
+    own_path = pykvalloc.KVCache._admit_keyed
+
+    def spy(self, *args):
+        try:
+            result = own_path(self, *args)
+        except pykvalloc.KvallocError:
+            taken.append("refused")
+            raise
+        taken.append(result is not None)
+        return result
+
+    monkeypatch.setattr(pykvalloc.KVCache, "_admit_keyed", spy)
+    cache = pykvalloc.KVCache(num_blocks=8, block_tokens=4, layers=1, kv_heads=1, head_dim=1,
+                              dtype="int8", max_key_bytes=KEY_LEN)
+    keys = np.frombuffer(b"".join(engine_key(b"", i) for i in range(3)),
+                         dtype=np.uint8).reshape(3, KEY_LEN)
+    before = cache.stats()
+    with pytest.raises(pykvalloc.InvalidArgument, match="key_len"):
+        cache.allocate(12, keys=np.zeros((3, KEY_LEN + 1), dtype=np.uint8))
+    with pytest.raises(pykvalloc.InvalidArgument, match="priority"):
+        cache.allocate(12, keys=keys, priority=9)
+    with pytest.raises(pykvalloc.InvalidArgument, match="block keys"):
+        cache.allocate(4, keys=keys)  # three keys for one block
+    with pytest.raises(pykvalloc.OutOfMemory):
+        cache.allocate(40, keys=keys)
+    assert taken == ["refused"] * 4
+    after = cache.stats()
+    assert (after.free_blocks, after.registered_blocks, after.sequences) == \
+        (before.free_blocks, before.registered_blocks, before.sequences)
+    with pytest.raises(pykvalloc.InvalidArgument):  # not an int: the general path says so
+        cache.allocate(12.0, keys=keys)  # type: ignore[arg-type]
+    assert taken == ["refused"] * 4
+    seq = cache.allocate(13, keys=keys, namespace=(1 << 64) - 1, priority=7)
+    assert taken[-1] is True and seq.num_tokens == 13 and seq.num_cached_tokens == 0
+    assert cache.lookup(keys, namespace=(1 << 64) - 1).hits == 3
+    again = cache.allocate(13, keys=keys, namespace=(1 << 64) - 1)
+    assert again.num_cached_tokens == 12
+    cache.close()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        cache.allocate(4, keys=keys[:1])
