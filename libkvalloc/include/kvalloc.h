@@ -221,7 +221,10 @@ typedef struct kva_config {
      * kva_shared_attach (host) or kva_shared_attach_cuda to map the same memory at its own
      * address: the blocks are the same at the same offsets. Allocation stays with the owning
      * process (the metadata is its own); attached processes read and write the contents of
-     * blocks the owner told them about, by offset. Not with external. Default 0 */
+     * blocks the owner told them about, by offset. A child forked from the owner inherits the
+     * memory and a copy of the allocator, which would hand out the owner's bytes again: it must
+     * not allocate from or free into the pool, and maps it with kva_shared_attach instead
+     * (docs/reliability.md, "Fork and shared pools"). Not with external. Default 0 */
     int shared;
 } kva_config;
 
