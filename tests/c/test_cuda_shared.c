@@ -21,6 +21,7 @@
 #include <sys/wait.h>
 
 #include "check.h"
+#include "fd_passing.h"
 #include "cuda_driver.h"
 #include "pool_fingerprint.h"
 
@@ -80,31 +81,6 @@ static void copy(void *host, uintptr_t device, size_t length, int to_device) {
     pop(NULL);
 }
 
-static void send_fd(int sock, int fd, const handoff *h) {
-    char control[CMSG_SPACE(sizeof(int))];
-    memset(control, 0, sizeof control);
-    struct iovec iov = {.iov_base = (void *)h, .iov_len = sizeof *h};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    REQUIRE(sendmsg(sock, &msg, 0) == (ssize_t)sizeof *h);
-}
-
-static int receive_fd(int sock, handoff *h) {
-    char control[CMSG_SPACE(sizeof(int))];
-    struct iovec iov = {.iov_base = h, .iov_len = sizeof *h};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
-    REQUIRE(recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) == (ssize_t)sizeof *h);
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    REQUIRE(c && c->cmsg_type == SCM_RIGHTS);
-    int fd;
-    memcpy(&fd, CMSG_DATA(c), sizeof fd);
-    return fd;
-}
-
 static unsigned char *pattern(size_t length, unsigned mul, unsigned add) {
     unsigned char *p = malloc(length);
     REQUIRE(p);
@@ -117,7 +93,7 @@ static int importer(int sock, const char *fake_path) {
     hang_guard("the importing process", HANG_GUARD_SECONDS);
     load_fake(fake_path);
     handoff h;
-    int fd = receive_fd(sock, &h);
+    int fd = receive_fd(sock, &h, sizeof h);
     /* The owner's device address is taken here first: the import must land elsewhere. */
     void *taken = mmap((void *)h.owner_base, MiB, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
     CHECK(taken == (void *)h.owner_base);
@@ -203,7 +179,7 @@ static void test_two_processes(const char *fake_path) {
                  .length = length,
                  .mapped = st.mapped_bytes,
                  .owner_base = (uintptr_t)base};
-    send_fd(socks[0], fd, &h);
+    send_fd(socks[0], fd, &h, sizeof h);
     close(fd);
     char byte = 0;
     CHECK(read(socks[0], &byte, 1) == 1 && byte == 1);

@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 
 #include "check.h"
+#include "fd_passing.h"
 #include "os.h"
 #include "pool_fingerprint.h"
 #include "pool_range.h"
@@ -28,36 +29,11 @@ typedef struct handoff {
     uintptr_t owner_base;
 } handoff;
 
-static void send_fd(int sock, int fd, const handoff *h) {
-    char control[CMSG_SPACE(sizeof(int))];
-    memset(control, 0, sizeof control);
-    struct iovec iov = {.iov_base = (void *)h, .iov_len = sizeof *h};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(c), &fd, sizeof fd);
-    REQUIRE(sendmsg(sock, &msg, 0) == (ssize_t)sizeof *h);
-}
-
-static int receive_fd(int sock, handoff *h) {
-    char control[CMSG_SPACE(sizeof(int))];
-    struct iovec iov = {.iov_base = h, .iov_len = sizeof *h};
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control, .msg_controllen = sizeof control};
-    REQUIRE(recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) == (ssize_t)sizeof *h);
-    struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
-    REQUIRE(c && c->cmsg_type == SCM_RIGHTS);
-    int fd;
-    memcpy(&fd, CMSG_DATA(c), sizeof fd);
-    return fd;
-}
-
 /* The second process: attaches, checks the owner's pattern, answers with its own. */
 static int attacher(int sock) {
     hang_guard("the attaching process", HANG_GUARD_SECONDS);
     handoff h;
-    int fd = receive_fd(sock, &h);
+    int fd = receive_fd(sock, &h, sizeof h);
     /* The owner's address is taken here first: the map must land elsewhere. */
     void *taken = mmap((void *)h.owner_base, 4096, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
     CHECK(taken == (void *)h.owner_base);
@@ -122,7 +98,7 @@ static void test_two_processes(const char *self) {
                  .write_offset = (uint64_t)(theirs - base),
                  .length = length,
                  .owner_base = (uintptr_t)base};
-    send_fd(socks[0], fd, &h);
+    send_fd(socks[0], fd, &h, sizeof h);
     close(fd);
     char byte = 0;
     CHECK(read(socks[0], &byte, 1) == 1 && byte == 1);
