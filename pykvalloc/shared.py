@@ -101,8 +101,11 @@ class SharedMapping(HandleOwner):
         dt = np.dtype(dtype)
         if dt.hasobject or dt.itemsize == 0:
             raise InvalidArgument(f"dtype {dt} cannot view raw memory")
-        if isinstance(offset, bool) or isinstance(nbytes, bool):
-            raise TypeError("offset and nbytes are ints")
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                   for v in (offset, nbytes)):
+            raise InvalidArgument(f"offset and nbytes must be integers, not {offset!r} and "
+                                  f"{nbytes!r}")
+        offset, nbytes = int(offset), int(nbytes)
         if offset < 0 or nbytes < 0 or offset + nbytes > self._length:
             raise InvalidArgument(f"[{offset}, {offset + nbytes}) is outside the "
                                   f"{self._length}-byte mapping")

@@ -344,4 +344,8 @@ def test_mapping_view_bounds() -> None:
                 mapping.view(mapping.length - 4, 8)
             with pytest.raises(InvalidArgument, match="whole number"):
                 mapping.view(0, 6, np.uint32)
+            for offset, nbytes in ((0.5, 8), (0, "8"), (True, 8), (0, None)):
+                with pytest.raises(InvalidArgument, match="integers"):
+                    mapping.view(offset, nbytes)  # type: ignore[arg-type]
             assert mapping.view(0, 8, np.uint32).shape == (2,)
+            assert mapping.view(np.int64(8), np.uint64(8)).shape == (8,)
