@@ -6,9 +6,11 @@
 #ifndef KVA_TEST_FD_PASSING_H
 #define KVA_TEST_FD_PASSING_H
 
+#include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <unistd.h>
 
 #include "check.h"
 
@@ -36,6 +38,27 @@ static int receive_fd(int sock, void *message, size_t length) {
     int fd;
     memcpy(&fd, CMSG_DATA(c), sizeof fd);
     return fd;
+}
+
+/* Runs this test's executable again as the second process, `self --ROLE SOCKET [extra]`, with
+ * one end of a new socket pair (its number as SOCKET); returns the child's pid and the other end
+ * in *sock. extra may be NULL. */
+static pid_t start_peer(const char *self, const char *role, const char *extra, int *sock) {
+    int socks[2];
+    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, socks) == 0);
+    fflush(stderr);
+    pid_t pid = fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+        close(socks[0]);
+        char arg[16];
+        snprintf(arg, sizeof arg, "%d", socks[1]);
+        execl(self, self, role, arg, extra, (char *)NULL);
+        _exit(127);
+    }
+    close(socks[1]);
+    *sock = socks[0];
+    return pid;
 }
 
 #endif

@@ -161,32 +161,21 @@ static void test_two_processes(const char *fake_path) {
     CHECK_STATUS(kva_pool_shared_fd(pool, &fd), KVA_OK);
     REQUIRE(fd >= 0);
     CHECK(fcntl(fd, F_GETFD) & FD_CLOEXEC);
-    int socks[2];
-    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, socks) == 0);
-    fflush(stderr);
-    pid_t pid = fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-        close(socks[0]);
-        char arg[16];
-        snprintf(arg, sizeof arg, "%d", socks[1]);
-        execl("/proc/self/exe", "test_cuda_shared", "--import", arg, fake_path, (char *)NULL);
-        _exit(127);
-    }
-    close(socks[1]);
+    int sock;
+    pid_t pid = start_peer("/proc/self/exe", "--import", fake_path, &sock);
     handoff h = {.read_offset = (uint64_t)((unsigned char *)mine - base),
                  .write_offset = (uint64_t)((unsigned char *)theirs - base),
                  .length = length,
                  .mapped = st.mapped_bytes,
                  .owner_base = (uintptr_t)base};
-    send_fd(socks[0], fd, &h, sizeof h);
+    send_fd(sock, fd, &h, sizeof h);
     close(fd);
     char byte = 0;
-    CHECK(read(socks[0], &byte, 1) == 1 && byte == 1);
+    CHECK(read(sock, &byte, 1) == 1 && byte == 1);
     int status = 0;
     REQUIRE(waitpid(pid, &status, 0) == pid);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    close(socks[0]);
+    close(sock);
     unsigned char *seen = malloc(length), *expected = pattern(length, 3, 5);
     REQUIRE(seen);
     copy(seen, (uintptr_t)theirs, length, 0);

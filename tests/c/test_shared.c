@@ -81,31 +81,20 @@ static void test_two_processes(const char *self) {
     CHECK(ftruncate(fd, 4096) != 0 && errno == EPERM);
     CHECK(fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE) != 0);
 
-    int socks[2];
-    REQUIRE(socketpair(AF_UNIX, SOCK_STREAM, 0, socks) == 0);
-    fflush(stderr);
-    pid_t pid = fork();
-    REQUIRE(pid >= 0);
-    if (pid == 0) {
-        close(socks[0]);
-        char arg[16];
-        snprintf(arg, sizeof arg, "%d", socks[1]);
-        execl(self, self, "--attach", arg, (char *)NULL);
-        _exit(127);
-    }
-    close(socks[1]);
+    int sock;
+    pid_t pid = start_peer(self, "--attach", NULL, &sock);
     handoff h = {.read_offset = (uint64_t)(mine - base),
                  .write_offset = (uint64_t)(theirs - base),
                  .length = length,
                  .owner_base = (uintptr_t)base};
-    send_fd(socks[0], fd, &h, sizeof h);
+    send_fd(sock, fd, &h, sizeof h);
     close(fd);
     char byte = 0;
-    CHECK(read(socks[0], &byte, 1) == 1 && byte == 1);
+    CHECK(read(sock, &byte, 1) == 1 && byte == 1);
     int status = 0;
     REQUIRE(waitpid(pid, &status, 0) == pid);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    close(socks[0]);
+    close(sock);
     size_t wrong = 0;
     for (size_t i = 0; i < length; i++) wrong += theirs[i] != (unsigned char)(i * 3 + 5);
     CHECK(wrong == 0);
