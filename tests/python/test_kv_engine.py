@@ -473,14 +473,12 @@ def test_decode_filled_blocks_are_hit_by_the_next_turn() -> None:
         cache.close()
 
 
-def test_a_decode_step_of_arrays_is_checked_as_any_other(monkeypatch) -> None:
-    # The engine's decode step (handles, keys of the blocks filled and their offsets, each an
-    # array as the library reads it) takes a path of its own in the wrapper: it commits what it
-    # is told, beside sequences keyed by token ids on the same cache, and an argument it does not
-    # take as it is (a dtype, a shape, offsets past the keys) is refused as on the general path,
-    # with nothing changed.
-    taken = []  # which calls the arrays' own path answered
-    own_path = pykvalloc.KVCache._append_keyed
+def watch_own_path(monkeypatch, name: str) -> list:
+    """Replaces KVCache's method ``name`` (an arrays-as-they-are path that answers None to hand
+    the call to the general path) by one that records each outcome: True (it answered), False
+    (it handed the call on) or "refused" (it raised)."""
+    taken: list = []
+    own_path = getattr(pykvalloc.KVCache, name)
 
     def spy(self, *args):
         try:
@@ -491,7 +489,17 @@ def test_a_decode_step_of_arrays_is_checked_as_any_other(monkeypatch) -> None:
         taken.append(result is not None)
         return result
 
-    monkeypatch.setattr(pykvalloc.KVCache, "_append_keyed", spy)
+    monkeypatch.setattr(pykvalloc.KVCache, name, spy)
+    return taken
+
+
+def test_a_decode_step_of_arrays_is_checked_as_any_other(monkeypatch) -> None:
+    # The engine's decode step (handles, keys of the blocks filled and their offsets, each an
+    # array as the library reads it) takes a path of its own in the wrapper: it commits what it
+    # is told, beside sequences keyed by token ids on the same cache, and an argument it does not
+    # take as it is (a dtype, a shape, offsets past the keys) is refused as on the general path,
+    # with nothing changed.
+    taken = watch_own_path(monkeypatch, "_append_keyed")
     cache = pykvalloc.KVCache(num_blocks=64, block_tokens=4, layers=1, kv_heads=1, head_dim=1,
                               dtype="int8", max_key_bytes=KEY_LEN)
     keys = np.frombuffer(b"".join(engine_key(b"", i) for i in range(3)),
@@ -725,19 +733,7 @@ def test_a_long_prompt_is_committed_as_one_chain(kind: str) -> None:
 def test_an_admission_by_key_array_is_checked_as_any_other(monkeypatch) -> None:
     # allocate(n, keys=array) takes a path of its own in the wrapper (nothing converted, one C
     # call): it must refuse what the general path refuses, with nothing changed.
-    taken = []
-    own_path = pykvalloc.KVCache._admit_keyed
-
-    def spy(self, *args):
-        try:
-            result = own_path(self, *args)
-        except pykvalloc.KvallocError:
-            taken.append("refused")
-            raise
-        taken.append(result is not None)
-        return result
-
-    monkeypatch.setattr(pykvalloc.KVCache, "_admit_keyed", spy)
+    taken = watch_own_path(monkeypatch, "_admit_keyed")
     cache = pykvalloc.KVCache(num_blocks=8, block_tokens=4, layers=1, kv_heads=1, head_dim=1,
                               dtype="int8", max_key_bytes=KEY_LEN)
     keys = np.frombuffer(b"".join(engine_key(b"", i) for i in range(3)),
