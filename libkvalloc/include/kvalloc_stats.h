@@ -40,8 +40,9 @@ extern "C" {
  * interval and backing fields, entry sizes of the array sections, the liveness lock. 1.2: one
  * arenas entry per arena, with slab and claim figures. 1.3: the trace ring and the latency
  * histogram outside the sequence lock. 1.4: peaks in the summary and the KV section, the KV
- * section's per-kind call latency histograms. */
-#define KVA_SHM_ABI_MINOR 4
+ * section's per-kind call latency histograms. 1.5: pinned blocks and re-admission counters at
+ * the end of the KV section; the KV sequences and KV namespaces sections. */
+#define KVA_SHM_ABI_MINOR 5
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
 
@@ -68,7 +69,9 @@ enum {
     KVA_SHM_SECTION_ARENAS = 5,
     KVA_SHM_SECTION_LATENCY = 6,
     KVA_SHM_SECTION_KV = 7,
-    KVA_SHM_SECTION_TRACE = 8
+    KVA_SHM_SECTION_TRACE = 8,
+    KVA_SHM_SECTION_KV_SEQUENCES = 9,  /* 1.5 */
+    KVA_SHM_SECTION_KV_NAMESPACES = 10 /* 1.5 */
 };
 
 typedef struct kva_shm_section {
@@ -219,7 +222,72 @@ typedef struct kva_shm_kv {
     uint64_t call_timed[KVA_SHM_KV_CALL_KINDS];
     uint64_t call_ns[KVA_SHM_KV_CALL_KINDS];
     uint64_t call_ns_log2[KVA_SHM_KV_CALL_KINDS][KVA_SHM_LATENCY_BUCKETS];
+    /* 1.5: kva_kv_stats' pinned_blocks (distinct blocks held by live pins, a subset of the used
+     * ones) and the part of hit_tokens / query_tokens that re-admissions made (KVA_KV_AGAIN);
+     * first admissions made the rest. */
+    uint64_t pinned_blocks;
+    uint64_t readmit_hit_tokens, readmit_query_tokens;
 } kva_shm_kv;
+
+/* KVA_SHM_SECTION_KV_SEQUENCES (1.5): the longest live sequences and pins of the KV cache, with
+ * the start of their block tables. Written only at full publishes (at most once a second, and
+ * at kva_stats_publish): the scan that finds them walks the live sequences and pins, never the
+ * blocks. Zero (count 0, live 0) when no KV cache is attached. `count` entries of the
+ * section's `capacity` are valid, longest (num_tokens) first; each entry is entry_size bytes,
+ * its table[] at the same offset in every minor version, table_capacity ids long. */
+#define KVA_SHM_KV_SEQ_ENTRIES 16 /* entries the section has room for */
+#define KVA_SHM_KV_SEQ_TABLE 128  /* block ids each entry holds */
+enum {
+    KVA_SHM_KV_SEQ_PIN = 1u << 0 /* the entry is a pin (kva_kv_pin), not a sequence */
+};
+typedef struct kva_shm_kv_sequence {
+    uint64_t handle;       /* the kva_kv_seq */
+    uint64_t namespace_id; /* its namespace, all 64 bits */
+    uint64_t num_tokens;
+    uint64_t cached_tokens;               /* tokens its admission found in the prefix cache */
+    uint32_t blocks;                      /* the length of its block table */
+    uint32_t priority;                    /* its eviction class, 0 .. KVA_KV_PRIORITIES-1 */
+    uint32_t flags;                       /* KVA_SHM_KV_SEQ_* */
+    uint32_t table_len;                   /* ids in table[]: min(blocks, table_capacity); below blocks: cut */
+    uint32_t table[KVA_SHM_KV_SEQ_TABLE]; /* the first table_len block ids of its table */
+} kva_shm_kv_sequence;
+typedef struct kva_shm_kv_sequences {
+    uint32_t count;          /* valid entries */
+    uint32_t entry_size;     /* sizeof(kva_shm_kv_sequence) as written */
+    uint32_t capacity;       /* entries the section has room for (KVA_SHM_KV_SEQ_ENTRIES) */
+    uint32_t table_capacity; /* ids in each entry's table[] (KVA_SHM_KV_SEQ_TABLE) */
+    uint64_t live_sequences; /* over all, not just the entries */
+    uint64_t live_pins;
+    uint64_t longest_tokens; /* the longest live sequence's tokens (pins not counted); 0: none */
+    uint64_t longest_handle; /* its handle; 0: none */
+    /* kva_shm_kv_sequence entries[capacity]; */
+} kva_shm_kv_sequences;
+
+/* KVA_SHM_SECTION_KV_NAMESPACES (1.5): each namespace's share of the KV cache (kva_kv_namespaces
+ * in kvalloc_kv.h has the rules): up to KVA_SHM_KV_NAMESPACE_SLOTS tracked namespaces, then the
+ * row of all the others pooled, flagged KVA_SHM_KV_NS_OTHER. Rows whose counts are all zero are
+ * left out. Written at every publish; count 0 when no KV cache is attached. */
+#define KVA_SHM_KV_NAMESPACE_SLOTS 32
+#define KVA_SHM_KV_NAMESPACE_ROWS (KVA_SHM_KV_NAMESPACE_SLOTS + 1)
+enum {
+    KVA_SHM_KV_NS_OTHER = 1u << 0 /* the pooled row of untracked namespaces; namespace_id is 0 */
+};
+typedef struct kva_shm_kv_namespace {
+    uint64_t namespace_id;
+    uint32_t flags; /* KVA_SHM_KV_NS_* */
+    uint32_t reserved;
+    uint64_t sequences;         /* live sequences of the namespace */
+    uint64_t pins;              /* live pins */
+    uint64_t blocks;            /* the lengths of their block tables, summed */
+    uint64_t registered_blocks; /* its keys in the prefix table */
+} kva_shm_kv_namespace;
+typedef struct kva_shm_kv_namespaces {
+    uint32_t count;      /* valid rows */
+    uint32_t entry_size; /* sizeof(kva_shm_kv_namespace) as written */
+    uint32_t capacity;   /* rows the section has room for (KVA_SHM_KV_NAMESPACE_ROWS) */
+    uint32_t reserved;
+    /* kva_shm_kv_namespace rows[capacity]; */
+} kva_shm_kv_namespaces;
 
 /* KVA_SHM_SECTION_TRACE: a ring of the latest calls. Record i of the ring is at index
  * i % capacity; `written` counts all records ever written, so the newest is (written - 1). */

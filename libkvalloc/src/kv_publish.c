@@ -108,8 +108,11 @@ static void restore_paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t 
     memcpy(fill + first, kv->painted + kv->painted_cells, kv->painted_cells);
 }
 
-static void publish_cb(void *ctx, kva_shm_kv *out, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill) {
+static void publish_cb(void *ctx, const kva_kv_publish_to *to) {
     kva_kv *kv = ctx;
+    kva_shm_kv *out = to->kv;
+    const kva_shm_heapmap *map = to->map;
+    uint8_t *state = to->state, *fill = to->fill;
     /* From the end of the cache's own call on this thread the lock is held already; from
      * anywhere else it is taken if free, else this publish keeps the section it had. */
     int took = 0;

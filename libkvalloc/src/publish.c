@@ -176,9 +176,22 @@ static void publish(kva_publisher *pub, int full) {
         publish_slabs(pool, seg);
     }
     kva_pool_unlock_all(pool);
-    if (pub->kv.publish)
-        pub->kv.publish(pub->kv.ctx, seg->kv, full ? seg->heapmap : NULL, seg->cell_state, seg->cell_fill);
-    else memset(seg->kv, 0, sizeof *seg->kv);
+    if (pub->kv.publish) {
+        kva_kv_publish_to to = {.kv = seg->kv,
+                                .namespaces = seg->kv_namespaces,
+                                .sequences = full ? seg->kv_sequences : NULL,
+                                .map = full ? seg->heapmap : NULL,
+                                .state = seg->cell_state,
+                                .fill = seg->cell_fill};
+        pub->kv.publish(pub->kv.ctx, &to);
+    } else {
+        /* No cache: the KV sections say so (their layout fields, set at creation, stay). */
+        memset(seg->kv, 0, sizeof *seg->kv);
+        seg->kv_namespaces->count = 0;
+        kva_shm_kv_sequences *sq = seg->kv_sequences;
+        sq->count = 0;
+        sq->live_sequences = sq->live_pins = sq->longest_tokens = sq->longest_handle = 0;
+    }
     seg->header->heartbeat_ns = kva_os_realtime_ns();
     seg->header->publish_count++;
     kva_segment_end(seg);

@@ -14,12 +14,22 @@
 #include "kvalloc_stats.h"
 #include "segment.h"
 
+/* Where a KV cache's publish writes, in the segment. */
+typedef struct kva_kv_publish_to {
+    kva_shm_kv *kv;
+    kva_shm_kv_namespaces *namespaces;
+    kva_shm_kv_sequences *sequences; /* NULL but at a full publish */
+    const kva_shm_heapmap *map;      /* NULL but at a full publish */
+    uint8_t *state, *fill;           /* the heap map's cells */
+} kva_kv_publish_to;
+
 typedef struct kva_kv_publisher {
-    /* Fills *kv and, when map is not NULL (a full publish), repaints the heap-map cells
-     * (state[i], fill[i] for i < map->cells) its blocks cover. Called with the segment's
-     * sequence lock held; must not call into the pool. If it cannot read its state safely now,
-     * it leaves *kv as it was. */
-    void (*publish)(void *ctx, kva_shm_kv *kv, const kva_shm_heapmap *map, uint8_t *state, uint8_t *fill);
+    /* Fills the KV section and the namespaces section and, at a full publish (to->map and
+     * to->sequences not NULL), the sequences section and the heap-map cells (state[i], fill[i]
+     * for i < map->cells) its blocks cover. Called with the segment's sequence lock held; must
+     * not call into the pool. If it cannot read its state safely now, it leaves the sections as
+     * they were. */
+    void (*publish)(void *ctx, const kva_kv_publish_to *to);
     void *ctx;
 } kva_kv_publisher;
 

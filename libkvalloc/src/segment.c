@@ -109,6 +109,9 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
         sizeof(kva_shm_latency),
         sizeof(kva_shm_kv),
         sizeof(kva_shm_trace) + KVA_TRACE_RECORDS * sizeof(kva_shm_trace_record),
+        /* sized for the maxima: the KV cache attaches after the segment is made */
+        sizeof(kva_shm_kv_sequences) + KVA_SHM_KV_SEQ_ENTRIES * sizeof(kva_shm_kv_sequence),
+        sizeof(kva_shm_kv_namespaces) + KVA_SHM_KV_NAMESPACE_ROWS * sizeof(kva_shm_kv_namespace),
     };
     size_t total = align8(sizeof(kva_shm_header));
     for (size_t i = 0; i < sizeof sizes / sizeof *sizes; i++) total += align8(sizes[i]);
@@ -154,6 +157,13 @@ kva_status kva_segment_open(const char *pool_name, const kva_segment_geometry *g
     seg->trace = add_section(seg, KVA_SHM_SECTION_TRACE, sizes[7], &end);
     seg->trace->capacity = KVA_TRACE_RECORDS;
     seg->trace->entry_size = sizeof(kva_shm_trace_record);
+    seg->kv_sequences = add_section(seg, KVA_SHM_SECTION_KV_SEQUENCES, sizes[8], &end);
+    seg->kv_sequences->entry_size = sizeof(kva_shm_kv_sequence);
+    seg->kv_sequences->capacity = KVA_SHM_KV_SEQ_ENTRIES;
+    seg->kv_sequences->table_capacity = KVA_SHM_KV_SEQ_TABLE;
+    seg->kv_namespaces = add_section(seg, KVA_SHM_SECTION_KV_NAMESPACES, sizes[9], &end);
+    seg->kv_namespaces->entry_size = sizeof(kva_shm_kv_namespace);
+    seg->kv_namespaces->capacity = KVA_SHM_KV_NAMESPACE_ROWS;
     /* The magic goes last: a reader that opens the segment while it is being set up sees no
      * magic and retries, instead of reading half a header. */
     __atomic_store_n(&h->magic, KVA_SHM_MAGIC, __ATOMIC_RELEASE);

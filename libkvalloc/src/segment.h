@@ -28,6 +28,8 @@ typedef struct kva_segment {
     kva_shm_latency *latency;
     kva_shm_kv *kv;
     kva_shm_trace *trace;
+    kva_shm_kv_sequences *kv_sequences;
+    kva_shm_kv_namespaces *kv_namespaces;
     uint64_t interval_ns;
     uint64_t next_publish_ns; /* monotonic */
     uint64_t next_full_ns;    /* monotonic: when the heap map is refreshed next */

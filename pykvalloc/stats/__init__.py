@@ -48,9 +48,18 @@ from .layout import (
     HEADER_DTYPE,
     HEAPMAP_DTYPE,
     KV_ADDED_1_4,
+    KV_ADDED_1_5,
     KV_CALL_KINDS,
     KV_COUNTERS,
     KV_DTYPE,
+    KV_NAMESPACE_DTYPE,
+    KV_NAMESPACE_SLOTS,
+    KV_NAMESPACES_DTYPE,
+    KV_NS_OTHER,
+    KV_SEQ_PIN,
+    KV_SEQ_TABLE,
+    KV_SEQUENCE_DTYPE,
+    KV_SEQUENCES_DTYPE,
     LATENCY_BUCKETS,
     LATENCY_DTYPE,
     MAGIC,
@@ -62,6 +71,8 @@ from .layout import (
     SECTION_DTYPE,
     SECTION_HEAPMAP,
     SECTION_KV,
+    SECTION_KV_NAMESPACES,
+    SECTION_KV_SEQUENCES,
     SECTION_LATENCY,
     SECTION_NAMES,
     SECTION_SLABS,
@@ -87,7 +98,7 @@ from .liveness import (
     writer_lives,
 )
 from .reader import MAX_SEGMENT_BYTES, SNAPSHOT_ATTEMPTS, Segment, open_segment
-from .snapshot import Snapshot
+from .snapshot import KvNamespaceShare, KvSequenceEntry, KvSequences, Snapshot
 
 __all__ = [
     # finding and opening segments
@@ -95,6 +106,9 @@ __all__ = [
     "SegmentFile",
     "Segment",
     "Snapshot",
+    "KvSequences",
+    "KvSequenceEntry",
+    "KvNamespaceShare",
     "list_segments",
     "find_segment",
     "open_segment",
@@ -129,6 +143,8 @@ __all__ = [
     "SECTION_LATENCY",
     "SECTION_KV",
     "SECTION_TRACE",
+    "SECTION_KV_SEQUENCES",
+    "SECTION_KV_NAMESPACES",
     "SECTION_NAMES",
     "CAP_TRACE_ALL",
     "CAP_LIVENESS_LOCK",
@@ -158,6 +174,15 @@ __all__ = [
     "KV_ADDED_1_4",
     "KV_CALL_KINDS",
     "KV_DTYPE",
+    "KV_ADDED_1_5",
+    "KV_SEQUENCES_DTYPE",
+    "KV_SEQUENCE_DTYPE",
+    "KV_SEQ_TABLE",
+    "KV_SEQ_PIN",
+    "KV_NAMESPACES_DTYPE",
+    "KV_NAMESPACE_DTYPE",
+    "KV_NAMESPACE_SLOTS",
+    "KV_NS_OTHER",
     "TRACE_DTYPE",
     "RECORD_DTYPE",
 ]

@@ -11,7 +11,7 @@ import numpy as np
 
 MAGIC = 0x315441545341564B  # "KVASTAT1" as a little-endian u64
 ABI_MAJOR = 1
-ABI_MINOR = 4
+ABI_MINOR = 5
 MAX_SECTIONS = 16
 LATENCY_BUCKETS = 40
 STRIP_CELLS = 64
@@ -20,12 +20,17 @@ STRIP_CELLS = 64
 HEAPMAP_CELLS_MAX = 16384
 SLABS_MAX = 65536             # KVA_SHM_SLABS_MAX
 TRACE_RECORDS_MAX = 1 << 16   # the writer's ring holds 1,024; later layouts may hold more
+KV_SEQ_ENTRIES_MAX = 1024     # the writer's sequences section has room for 16 (KVA_SHM_KV_SEQ_ENTRIES)
+KV_SEQ_TABLE_MAX = 1 << 16    # and 128 block ids an entry (KVA_SHM_KV_SEQ_TABLE)
+KV_NAMESPACE_ROWS_MAX = 1024  # and 33 namespace rows (KVA_SHM_KV_NAMESPACE_ROWS)
 
 SECTION_SUMMARY, SECTION_HEAPMAP, SECTION_CLASSES, SECTION_SLABS = 1, 2, 3, 4
 SECTION_ARENAS, SECTION_LATENCY, SECTION_KV, SECTION_TRACE = 5, 6, 7, 8
+SECTION_KV_SEQUENCES, SECTION_KV_NAMESPACES = 9, 10  # 1.5
 SECTION_NAMES = {SECTION_SUMMARY: "summary", SECTION_HEAPMAP: "heap map",
                  SECTION_CLASSES: "classes", SECTION_SLABS: "slabs", SECTION_ARENAS: "arenas",
-                 SECTION_LATENCY: "latency", SECTION_KV: "kv", SECTION_TRACE: "trace"}
+                 SECTION_LATENCY: "latency", SECTION_KV: "kv", SECTION_TRACE: "trace",
+                 SECTION_KV_SEQUENCES: "kv sequences", SECTION_KV_NAMESPACES: "kv namespaces"}
 
 CAP_TRACE_ALL = 1 << 8        # trace on: every call recorded and timed
 CAP_LIVENESS_LOCK = 1 << 9    # the writer holds a shared flock on the segment while alive
@@ -86,13 +91,43 @@ KV_COUNTERS = ("total_blocks", "free_blocks", "used_blocks", "cached_blocks", "h
 # kva_kv_call_kind), log2 histograms of a sample of the calls (one in call_sample_period).
 KV_ADDED_1_4 = ("peak_used_blocks", "peak_cached_blocks", "peak_bytes_in_use", "bytes_in_use")
 KV_CALL_KINDS = ("allocate", "append", "free", "lookup", "evict", "other")
+# 1.5: distinct blocks held by live pins, and the part of hit_tokens / query_tokens that
+# re-admissions (preempted requests admitted again) made.
+KV_ADDED_1_5 = ("pinned_blocks", "readmit_hit_tokens", "readmit_query_tokens")
 KV_DTYPE = np.dtype([("present", "<u4"), ("block_tokens", "<u4")]
                     + [(name, "<u8") for name in KV_COUNTERS]
                     + [(name, "<u8") for name in KV_ADDED_1_4]
                     + [("call_sample_period", "<u4"), ("call_kinds", "<u4"),
                        ("call_timed", "<u8", (len(KV_CALL_KINDS),)),
                        ("call_ns", "<u8", (len(KV_CALL_KINDS),)),
-                       ("call_ns_log2", "<u8", (len(KV_CALL_KINDS), LATENCY_BUCKETS))], align=True)
+                       ("call_ns_log2", "<u8", (len(KV_CALL_KINDS), LATENCY_BUCKETS))]
+                    + [(name, "<u8") for name in KV_ADDED_1_5], align=True)
+# 1.5: the longest live sequences and pins, each with the start of its block table.
+KV_SEQ_TABLE = 128            # KVA_SHM_KV_SEQ_TABLE: the ids an entry of this writer holds
+KV_SEQ_PIN = 1 << 0           # KVA_SHM_KV_SEQ_PIN: the entry is a pin
+KV_SEQUENCES_DTYPE = np.dtype([("count", "<u4"), ("entry_size", "<u4"), ("capacity", "<u4"),
+                               ("table_capacity", "<u4"), ("live_sequences", "<u8"),
+                               ("live_pins", "<u8"), ("longest_tokens", "<u8"),
+                               ("longest_handle", "<u8")], align=True)
+KV_SEQUENCE_DTYPE = np.dtype([("handle", "<u8"), ("namespace_id", "<u8"), ("num_tokens", "<u8"),
+                              ("cached_tokens", "<u8"), ("blocks", "<u4"), ("priority", "<u4"),
+                              ("flags", "<u4"), ("table_len", "<u4"),
+                              ("table", "<u4", (KV_SEQ_TABLE,))], align=True)
+# Every entry's fields before its table, at the same offsets in every minor version; the table
+# starts at KV_SEQUENCE_TABLE_AT and holds the section's table_capacity ids.
+KV_SEQUENCE_HEAD_DTYPE = np.dtype([("handle", "<u8"), ("namespace_id", "<u8"),
+                                   ("num_tokens", "<u8"), ("cached_tokens", "<u8"),
+                                   ("blocks", "<u4"), ("priority", "<u4"), ("flags", "<u4"),
+                                   ("table_len", "<u4")], align=True)
+KV_SEQUENCE_TABLE_AT = KV_SEQUENCE_HEAD_DTYPE.itemsize  # == offsetof(kva_shm_kv_sequence, table)
+# 1.5: each namespace's share; the row flagged KV_NS_OTHER pools the untracked namespaces.
+KV_NAMESPACE_SLOTS = 32       # KVA_SHM_KV_NAMESPACE_SLOTS
+KV_NS_OTHER = 1 << 0          # KVA_SHM_KV_NS_OTHER
+KV_NAMESPACES_DTYPE = np.dtype([("count", "<u4"), ("entry_size", "<u4"), ("capacity", "<u4"),
+                                ("reserved", "<u4")], align=True)
+KV_NAMESPACE_DTYPE = np.dtype([("namespace_id", "<u8"), ("flags", "<u4"), ("reserved", "<u4"),
+                               ("sequences", "<u8"), ("pins", "<u8"), ("blocks", "<u8"),
+                               ("registered_blocks", "<u8")], align=True)
 TRACE_DTYPE = np.dtype([("capacity", "<u4"), ("entry_size", "<u4"), ("written", "<u8")],
                        align=True)
 RECORD_DTYPE = np.dtype([("time_ns", "<u8"), ("offset", "<u8"), ("size", "<u8"),
@@ -117,6 +152,7 @@ def struct_fields(dtype: np.dtype[Any]) -> dict[str, tuple[np.dtype[Any], int]]:
 OLDEST_SIZE = {SUMMARY_DTYPE: struct_fields(SUMMARY_DTYPE)["publish_interval_ms"][1],
                ARENA_DTYPE: struct_fields(ARENA_DTYPE)["numa_node"][1],
                KV_DTYPE: struct_fields(KV_DTYPE)["peak_used_blocks"][1]}
+KV_SECTIONS_SINCE_MINOR = 5   # the KV sequences and namespaces sections
 ARENAS_SINCE_MINOR = 2
 
 # The header fields a reader takes on their own, from the live file, before or around a copy.

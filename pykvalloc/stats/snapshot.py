@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +29,20 @@ from .layout import (
     HEAPMAP_CELLS_MAX,
     HEAPMAP_DTYPE,
     KV_ADDED_1_4,
+    KV_ADDED_1_5,
     KV_CALL_KINDS,
     KV_COUNTERS,
     KV_DTYPE,
+    KV_NAMESPACE_DTYPE,
+    KV_NAMESPACE_ROWS_MAX,
+    KV_NAMESPACES_DTYPE,
+    KV_NS_OTHER,
+    KV_SEQ_ENTRIES_MAX,
+    KV_SEQ_PIN,
+    KV_SEQ_TABLE_MAX,
+    KV_SEQUENCE_HEAD_DTYPE,
+    KV_SEQUENCE_TABLE_AT,
+    KV_SEQUENCES_DTYPE,
     LATENCY_DTYPE,
     MAX_SECTIONS,
     NO_OFFSET,
@@ -41,6 +53,8 @@ from .layout import (
     SECTION_CLASSES,
     SECTION_HEAPMAP,
     SECTION_KV,
+    SECTION_KV_NAMESPACES,
+    SECTION_KV_SEQUENCES,
     SECTION_LATENCY,
     SECTION_NAMES,
     SECTION_SLABS,
@@ -58,6 +72,79 @@ from .layout import (
     TRACE_RECORDS_MAX,
     struct_fields,
 )
+
+@dataclass(frozen=True, eq=False)
+class KvSequenceEntry:
+    """One of the longest live sequences or pins of a KV cache (the segment's KV sequences
+    section, layout 1.5). ``table`` holds the first ids of its block table (read-only, uint32);
+    ``table_complete`` says whether that is all of it (``len(table) == blocks``)."""
+
+    handle: int
+    num_tokens: int
+    blocks: int
+    cached_tokens: int
+    namespace: int
+    priority: int
+    pin: bool
+    table: np.ndarray
+    table_complete: bool
+
+    def _key(self) -> tuple[Any, ...]:
+        return (self.handle, self.num_tokens, self.blocks, self.cached_tokens, self.namespace,
+                self.priority, self.pin, self.table.tobytes(), self.table_complete)
+
+    def __eq__(self, other: object) -> bool:
+        # By value, the table's ids included (a dataclass would compare the arrays' truth).
+        if not isinstance(other, KvSequenceEntry):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"handle": self.handle, "num_tokens": self.num_tokens, "blocks": self.blocks,
+                "cached_tokens": self.cached_tokens, "namespace": self.namespace,
+                "priority": self.priority, "pin": self.pin,
+                "table": [int(b) for b in self.table], "table_complete": self.table_complete}
+
+
+@dataclass(frozen=True)
+class KvSequences:
+    """The KV cache's sequences as of its latest full publish (at most a second old): ``live``
+    sequences and ``pins`` over all, the longest sequence's tokens and handle (0 and 0 when there
+    is none; pins are not counted), and ``entries``, the longest sequences and pins, longest
+    first (at most 16 from this library's writer)."""
+
+    live: int
+    pins: int
+    longest_tokens: int
+    longest_handle: int
+    entries: list[KvSequenceEntry]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"live": self.live, "pins": self.pins, "longest_tokens": self.longest_tokens,
+                "longest_handle": self.longest_handle,
+                "entries": [entry.to_dict() for entry in self.entries]}
+
+
+@dataclass(frozen=True)
+class KvNamespaceShare:
+    """One namespace's share of a KV cache (kvalloc_kv.h, kva_kv_namespaces): its live
+    ``sequences`` and ``pins``, ``blocks`` (their block tables' lengths summed: a block shared by
+    two tables counts twice) and ``registered_blocks`` (its keys in the prefix table).
+    ``namespace`` None is the row that pools every namespace past the tracked ones."""
+
+    namespace: int | None
+    sequences: int
+    pins: int
+    blocks: int
+    registered_blocks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"namespace": self.namespace, "sequences": self.sequences, "pins": self.pins,
+                "blocks": self.blocks, "registered_blocks": self.registered_blocks}
+
 
 class Snapshot:
     """One consistent copy of a segment, with numpy views over its sections.
@@ -124,6 +211,8 @@ class Snapshot:
         kv = self._fixed(SECTION_KV, KV_DTYPE)
         self.kv: np.void | None = kv if kv is not None and kv["present"] else None
         self.kv_latency = self._kv_latency()
+        self.kv_sequences: KvSequences | None = self._kv_sequences()
+        self.kv_namespaces: list[KvNamespaceShare] | None = self._kv_namespaces()
         self.trace_written = 0
         self._trace_first = 0  # the oldest record the copy holds whole
         self._ring: np.ndarray | None = self._trace_ring()
@@ -256,6 +345,69 @@ class Snapshot:
         if int(self.kv["call_kinds"]) != len(KV_CALL_KINDS):
             return None
         return {kind: self.kv["call_ns_log2"][k] for k, kind in enumerate(KV_CALL_KINDS)}
+
+    def _kv_sequences(self) -> KvSequences | None:
+        """The KV sequences section (1.5), None without it or without a KV cache. Each entry's
+        fixed fields, then its table of ``table_capacity`` ids at the same offset in every minor
+        version; an entry may be longer (``entry_size``)."""
+        head = self._fixed(SECTION_KV_SEQUENCES, KV_SEQUENCES_DTYPE)
+        if head is None or self.kv is None:
+            return None
+        offset, size = self._sections[SECTION_KV_SEQUENCES]
+        count, capacity = int(head["count"]), int(head["capacity"])
+        entry_size, table_capacity = int(head["entry_size"]), int(head["table_capacity"])
+        self._at_most("room for KV sequences", capacity, KV_SEQ_ENTRIES_MAX)
+        self._at_most("block ids a KV sequence entry holds", table_capacity, KV_SEQ_TABLE_MAX)
+        if count > capacity:
+            raise self._corrupt(f"the kv sequences section counts {count} entries in room for "
+                                f"{capacity}")
+        if entry_size < KV_SEQUENCE_TABLE_AT + 4 * table_capacity or entry_size % 8:
+            raise self._corrupt(f"the kv sequences section states entries of {entry_size} bytes, "
+                                f"not a multiple of 8 of at least the {KV_SEQUENCE_TABLE_AT} of "
+                                f"their fields and {4 * table_capacity} of a table of "
+                                f"{table_capacity} ids")
+        head_size = KV_SEQUENCES_DTYPE.itemsize
+        if head_size + capacity * entry_size > size:
+            raise self._corrupt(f"the kv sequences section has {size} bytes, too few for "
+                                f"{capacity} entries of {entry_size}")
+        rows: np.ndarray = np.ndarray((count,), KV_SEQUENCE_HEAD_DTYPE, buffer=self.data,
+                                      offset=offset + head_size, strides=(entry_size,))
+        entries = []
+        for i, row in enumerate(rows):
+            blocks, table_len = int(row["blocks"]), int(row["table_len"])
+            if table_len > min(blocks, table_capacity):
+                raise self._corrupt(f"kv sequence entry {i} holds {table_len} block ids of a "
+                                    f"table of {blocks}, in room for {table_capacity}")
+            at = offset + head_size + i * entry_size + KV_SEQUENCE_TABLE_AT
+            table = np.frombuffer(self.data, "<u4", table_len, at).astype(np.uint32, copy=False)
+            table.flags.writeable = False
+            entries.append(KvSequenceEntry(
+                handle=int(row["handle"]), num_tokens=int(row["num_tokens"]), blocks=blocks,
+                cached_tokens=int(row["cached_tokens"]), namespace=int(row["namespace_id"]),
+                priority=int(row["priority"]), pin=bool(int(row["flags"]) & KV_SEQ_PIN),
+                table=table, table_complete=table_len == blocks))
+        return KvSequences(live=int(head["live_sequences"]), pins=int(head["live_pins"]),
+                           longest_tokens=int(head["longest_tokens"]),
+                           longest_handle=int(head["longest_handle"]), entries=entries)
+
+    def _kv_namespaces(self) -> list[KvNamespaceShare] | None:
+        """The KV namespaces section (1.5), None without it or without a KV cache."""
+        head = self._fixed(SECTION_KV_NAMESPACES, KV_NAMESPACES_DTYPE)
+        if head is None or self.kv is None:
+            return None
+        count, capacity = int(head["count"]), int(head["capacity"])
+        self._at_most("room for KV namespace rows", capacity, KV_NAMESPACE_ROWS_MAX)
+        if count > capacity:
+            raise self._corrupt(f"the kv namespaces section counts {count} rows in room for "
+                                f"{capacity}")
+        if not int(head["entry_size"]):
+            raise self._corrupt("the kv namespaces section states no entry size")
+        rows = self._array(SECTION_KV_NAMESPACES, KV_NAMESPACES_DTYPE.itemsize,
+                           KV_NAMESPACE_DTYPE, capacity, int(head["entry_size"]))[:count]
+        return [KvNamespaceShare(
+            namespace=None if int(row["flags"]) & KV_NS_OTHER else int(row["namespace_id"]),
+            sequences=int(row["sequences"]), pins=int(row["pins"]), blocks=int(row["blocks"]),
+            registered_blocks=int(row["registered_blocks"])) for row in rows]
 
     def _trace_ring(self) -> np.ndarray | None:
         """The trace ring as the writer stores it (record i at i % capacity), bounds-checked but
@@ -417,6 +569,18 @@ class Snapshot:
             return None
         return int(self.kv["hit_tokens"]) / int(self.kv["query_tokens"])
 
+    @property
+    def hit_rates(self) -> tuple[float | None, float | None] | None:
+        """The prefix-cache hit rate of first admissions and of re-admissions apart, each None
+        without queries of its kind; None without a KV cache or from a writer before 1.5."""
+        if self.kv is None or "readmit_query_tokens" in self.absent.get("kv", ()):
+            return None
+        again_hit, again_query = int(self.kv["readmit_hit_tokens"]), int(self.kv["readmit_query_tokens"])
+        first_hit = int(self.kv["hit_tokens"]) - again_hit
+        first_query = int(self.kv["query_tokens"]) - again_query
+        return (first_hit / first_query if first_query > 0 else None,
+                again_hit / again_query if again_query > 0 else None)
+
     def heap_cells(self, count: int) -> tuple[np.ndarray, np.ndarray]:
         """The heap map fitted to ``count`` cells (states, fills); see ``downsample_cells``."""
         if self.cell_state is None or self.cell_fill is None:
@@ -482,6 +646,9 @@ class Snapshot:
                           (self.latency_percentiles(kind) or {}).items()}}
                 for kind in ("alloc", "free")}
         result["kv"] = None if self.kv is None else self._kv_dict()
+        result["kv_sequences"] = None if self.kv_sequences is None else self.kv_sequences.to_dict()
+        result["kv_namespaces"] = (None if self.kv_namespaces is None else
+                                   [row.to_dict() for row in self.kv_namespaces])
         if trace:
             result["trace_written"] = self.trace_written
             result["trace"] = list(self.trace_records())
@@ -495,7 +662,7 @@ class Snapshot:
         result: dict[str, Any] = {"block_tokens": int(self.kv["block_tokens"]),
                                   **{name: int(self.kv[name]) for name in KV_COUNTERS},
                                   **{name: None if name in kv_absent else int(self.kv[name])
-                                     for name in KV_ADDED_1_4}}
+                                     for name in KV_ADDED_1_4 + KV_ADDED_1_5}}
         result["call_sample_period"] = self.kv_call_sample_period
         result["latency"] = None if self.kv_latency is None else {
             kind: {"buckets": [int(n) for n in self.kv_latency[kind]],

@@ -233,3 +233,69 @@ def prune_lock(exclusive: bool) -> Iterator[None]:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
 
+
+
+def kv_segment_bytes() -> bytes:
+    """A consistent copy of a real named KV cache's segment (layout 1.5: the KV section, the KV
+    sequences and namespaces sections), taken with two sequences live."""
+    import pykvalloc
+    from pykvalloc import stats
+
+    name = unique_name("kvcopied")
+    with pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64, name=name,
+                           pages="small") as cache:
+        held = [cache.allocate(40), cache.allocate(100, namespace=7)]
+        cache.publish()
+        with stats.open_segment(name) as segment:
+            data = segment.snapshot().data
+        for seq in held:
+            seq.free()
+    return data
+
+
+def write_kv_sections(data: bytes, *, live: int = 0, pins: int = 0,
+                      longest: tuple[int, int] = (0, 0),
+                      entries: list[dict[str, Any]] | None = None,
+                      namespaces: list[dict[str, Any]] | None = None) -> bytes:
+    """``data`` (a segment with the KV sequences and namespaces sections) with those sections
+    written as a writer would: ``entries`` each a dict of a kva_shm_kv_sequence's fields (its
+    ``table`` a list of block ids, ``table_len`` its length unless given), ``namespaces`` each a
+    dict of a kva_shm_kv_namespace's fields; what is not given is zero. The layout fields the
+    writer set at creation (entry sizes, capacities) stay as they are."""
+    import numpy as np
+
+    from pykvalloc import stats
+
+    out = bytearray(data)
+    table = np.frombuffer(out, stats.HEADER_DTYPE, count=1)[0]["sections"]
+    where = {int(e["kind"]): (int(e["offset"]), int(e["size"])) for e in table}
+    if entries is not None:
+        offset, _ = where[stats.SECTION_KV_SEQUENCES]
+        head = np.frombuffer(out, stats.KV_SEQUENCES_DTYPE, count=1, offset=offset)
+        head["count"] = len(entries)
+        head["live_sequences"], head["live_pins"] = live, pins
+        head["longest_tokens"], head["longest_handle"] = longest
+        size = int(head["entry_size"][0])
+        for i, fields in enumerate(entries):
+            at = offset + stats.KV_SEQUENCES_DTYPE.itemsize + i * size
+            entry = np.frombuffer(out, stats.KV_SEQUENCE_DTYPE, count=1, offset=at)
+            entry[0] = np.zeros((), stats.KV_SEQUENCE_DTYPE)
+            ids = list(fields.get("table", ()))
+            for name, value in fields.items():
+                if name != "table":
+                    entry[name] = value
+            entry["table"][0][:len(ids)] = ids
+            if "table_len" not in fields:
+                entry["table_len"] = len(ids)
+    if namespaces is not None:
+        offset, _ = where[stats.SECTION_KV_NAMESPACES]
+        head = np.frombuffer(out, stats.KV_NAMESPACES_DTYPE, count=1, offset=offset)
+        head["count"] = len(namespaces)
+        size = int(head["entry_size"][0])
+        for i, fields in enumerate(namespaces):
+            at = offset + stats.KV_NAMESPACES_DTYPE.itemsize + i * size
+            row = np.frombuffer(out, stats.KV_NAMESPACE_DTYPE, count=1, offset=at)
+            row[0] = np.zeros((), stats.KV_NAMESPACE_DTYPE)
+            for name, value in fields.items():
+                row[name] = value
+    return bytes(out)

@@ -110,7 +110,8 @@ def test_truncated_files(original, length):
 
 
 @pytest.mark.parametrize("kind", [stats.SECTION_SUMMARY, stats.SECTION_HEAPMAP,
-                                  stats.SECTION_TRACE])
+                                  stats.SECTION_TRACE, stats.SECTION_KV_SEQUENCES,
+                                  stats.SECTION_KV_NAMESPACES])
 @pytest.mark.parametrize("where", ["past the end", "huge size", "inside the header",
                                    "misaligned", "wraps around"])
 def test_sections_outside_the_segment(original, kind, where):

@@ -30,6 +30,10 @@ DTYPES = {
     "kva_shm_kv": stats.KV_DTYPE,
     "kva_shm_trace": stats.TRACE_DTYPE,
     "kva_shm_trace_record": stats.RECORD_DTYPE,
+    "kva_shm_kv_sequences": stats.KV_SEQUENCES_DTYPE,
+    "kva_shm_kv_sequence": stats.KV_SEQUENCE_DTYPE,
+    "kva_shm_kv_namespaces": stats.KV_NAMESPACES_DTYPE,
+    "kva_shm_kv_namespace": stats.KV_NAMESPACE_DTYPE,
 }
 
 pytestmark = pytest.mark.skipif(not HEADER.is_file(), reason="no source tree beside")
@@ -82,9 +86,14 @@ def test_constants_match_the_header():
     assert define("KVA_SHM_MAX_SECTIONS") == stats.MAX_SECTIONS
     assert define("KVA_SHM_LATENCY_BUCKETS") == stats.LATENCY_BUCKETS
     assert define("KVA_SHM_STRIP_CELLS") == stats.STRIP_CELLS
+    assert define("KVA_SHM_KV_SEQ_TABLE") == stats.KV_SEQ_TABLE
+    assert define("KVA_SHM_KV_NAMESPACE_SLOTS") == stats.KV_NAMESPACE_SLOTS
+    assert re.search(rf"KVA_SHM_KV_SEQ_PIN = 1u << 0\b", text) and stats.KV_SEQ_PIN == 1
+    assert re.search(rf"KVA_SHM_KV_NS_OTHER = 1u << 0\b", text) and stats.KV_NS_OTHER == 1
     assert np.frombuffer(b"KVASTAT1", "<u8")[0] == stats.MAGIC
     for name, value in (("SUMMARY", 1), ("HEAPMAP", 2), ("CLASSES", 3), ("SLABS", 4),
-                        ("ARENAS", 5), ("LATENCY", 6), ("KV", 7), ("TRACE", 8)):
+                        ("ARENAS", 5), ("LATENCY", 6), ("KV", 7), ("TRACE", 8),
+                        ("KV_SEQUENCES", 9), ("KV_NAMESPACES", 10)):
         assert re.search(rf"KVA_SHM_SECTION_{name} = {value}\b", text), name
         assert getattr(stats, f"SECTION_{name}") == value
     for index, name in enumerate(("FREE", "BLOCK", "SLAB", "MIXED", "KV_USED", "KV_CACHED")):
