@@ -25,9 +25,27 @@ def test_bad_intervals_are_refused(capsys, interval):
     assert "--interval" in capsys.readouterr().err
 
 
-def test_an_unknown_pool_is_an_error_not_an_empty_screen(capsys):
-    assert main(["top", unique_name("absent")]) == 1
-    assert capsys.readouterr().err.startswith("kvalloc top: no pool segment matches")
+def test_a_pool_that_does_not_exist_yet_is_waited_for_not_refused(capsys):
+    # The app waits for it (test_tui.py, test_top_terminal.py); here the only refusal left is
+    # the missing terminal.
+    assert main(["top", unique_name("absent")]) == 1  # pytest's stdin is no terminal
+    err = capsys.readouterr().err
+    assert "needs a terminal" in err and "no pool segment matches" not in err
+
+
+@pytest.mark.parametrize("name", ["bad name", "kv:cache", "é", "x" * 64, "", "pool\n"])
+def test_a_name_no_pool_can_have_is_a_usage_error_not_a_wait(capsys, name):
+    with pytest.raises(SystemExit) as info:
+        main(["top", name])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "can never name a pool" in err
+    assert "1 to 63 characters of A-Z a-z 0-9 _ . -" in err
+
+
+def test_a_missing_segment_path_is_an_error_not_a_wait(capsys):
+    assert main(["top", "/dev/shm/kvalloc.1.absent"]) == 1
+    assert capsys.readouterr().err.startswith("kvalloc top: no segment")
 
 
 def test_no_live_pool_at_all_is_no_error(capsys, monkeypatch):

@@ -114,3 +114,21 @@ def test_top_at_80x24_in_a_real_terminal(engine):
         terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
     finally:
         terminal.close()
+
+
+def test_top_waits_for_a_named_pool_and_ctrl_c_quits():
+    name = unique_name("later")
+    terminal = Terminal([sys.executable, "-m", "kvalloc_cli", "top", name, "--interval", "0.2"])
+    try:
+        lines = terminal.wait_for(lambda lines: any("waiting for pool" in line for line in lines))
+        assert f"waiting for pool '{name}' to publish…" in lines[0]
+        assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+        with pykvalloc.Pool(16 * MiB, name=name, publish_interval_ms=50) as pool:
+            pool.publish()
+            lines = terminal.wait_for(lambda lines: f"pid {os.getpid()}" in lines[0]
+                                      and " up " in lines[0])
+            assert lines[0].strip().startswith(name) and "use " in lines[0]
+            terminal.press("C-c")
+            terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
+    finally:
+        terminal.close()

@@ -749,3 +749,52 @@ def test_a_kv_cache_in_a_pool_with_buffers_lights_every_panel_at_80x24():
             pool.free(allocation)
         first.free()
         second.free()
+
+
+def test_a_named_pool_that_does_not_exist_yet_is_waited_for():
+    # `kvalloc top NAME` started before the engine: it waits for that pool, not any pool.
+    name = unique_name("awaited")
+
+    async def scenario() -> None:
+        app = KvallocTop(interval=0.1, wanted=name)
+        async with app.run_test(size=(80, 24)) as pilot:
+            with pykvalloc.Pool(16 * MiB, name=unique_name("other")) as other:
+                other.publish()
+                await pilot.pause(0.5)  # five ticks: another pool is not the one asked for
+                assert app.is_running and app.current is None
+            lines = screen_text(app).splitlines()
+            assert f"waiting for pool '{name}' to publish…" in lines[0]
+            assert "q Quit" in lines[-1] and all(len(line) <= 80 for line in lines)
+            assert f"waiting for pool '{name}' to publish" in shown(app, "#heap").plain
+            with pykvalloc.Pool(16 * MiB, name=name) as pool:
+                pool.publish()
+                await until(pilot, lambda: app.current and app.current.last)
+                assert app.current.file.name == name
+                assert name in shown(app, "#header").plain
+            await pilot.press("ctrl+c")
+            await until(pilot, lambda: not app.is_running)
+
+    asyncio.run(scenario())
+
+
+def test_a_named_pool_started_again_after_its_engine_exited_is_watched():
+    name = unique_name("restarted")
+
+    async def scenario(first: Writer) -> None:
+        app = KvallocTop(target(first.segment_name), interval=0.1, wanted=name)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: app.current and app.current.last)
+            first.kill()
+            await until(pilot, lambda: app.current.ended)
+            await pilot.pause(0.05)
+            banner = app.screen.query_one(Banner).message
+            assert banner.startswith("Engine exited") and f"'{name}' started again" in banner
+            with Writer(name) as second:
+                await until(pilot, lambda: app.current.file.pid == second.pid
+                            and app.current.last)
+                await pilot.pause(0.05)
+                assert "ENGINE EXITED" not in shown(app, "#header").plain
+                assert f"pid {second.pid}" in shown(app, "#header").plain
+
+    with prune_lock(exclusive=False), Writer(name) as first:
+        asyncio.run(scenario(first))

@@ -8,6 +8,7 @@ never signals or writes to the engine.
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 from pathlib import Path
 
 from textual import work
@@ -20,7 +21,7 @@ from pykvalloc.errors import SegmentError
 from pykvalloc.stats import SegmentFile, Snapshot
 
 from .screens import HelpScreen, PickerScreen, PoolScreen
-from .watch import PoolWatch, live_segments
+from .watch import PoolWatch, live_segments, named
 
 # Refresh intervals that + and - step through, in seconds: + refreshes more often (a shorter
 # interval), - less often; the footer shows the interval in force next to the two keys.
@@ -44,12 +45,15 @@ class Sampled(Message):
 
 
 class KvallocTop(App[None]):
-    """Watches one pool at a time; tab moves to the next live one."""
+    """Watches one pool at a time; tab moves to the next live one. ``wanted`` (a pid or a pool
+    name) is the pool asked for by name: waited for while no live pool has it, and watched
+    again when its engine exits and a pool of that name starts (a restarted engine)."""
 
     TITLE = "kvalloc top"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "quit", "Quit", show=False, priority=True),
         Binding("space", "toggle_pause", "Pause"),
         Binding("plus", "faster", "Faster", key_display="+", group=interval_group(1.0)),
         Binding("minus", "slower", "Slower", key_display="-", group=interval_group(1.0)),
@@ -58,9 +62,11 @@ class KvallocTop(App[None]):
         Binding("question_mark,f1", "help", "Help", key_display="?"),
     ]
 
-    def __init__(self, target: SegmentFile | None = None, interval: float = 1.0) -> None:
+    def __init__(self, target: SegmentFile | None = None, interval: float = 1.0,
+                 wanted: str | None = None) -> None:
         super().__init__()
         self.target = target
+        self.wanted = wanted
         self.interval = min(INTERVALS, key=lambda step: abs(step - interval))
         self.paused = False
         self.pools: dict[Path, PoolWatch] = {}
@@ -71,6 +77,7 @@ class KvallocTop(App[None]):
         self._picking = False
         self._listing_error: str | None = None  # the latest, notified once
         self._waited = False  # started with no live pool: the first ones to appear are offered
+        self._offered_wanted = False  # several live pools had the wanted name: offered once
         self._label_interval()
 
     # -- lifetime ---------------------------------------------------------------------------
@@ -93,7 +100,9 @@ class KvallocTop(App[None]):
     def tick(self) -> None:
         """Starts one snapshot of the current pool unless paused, done, not due or one is under
         way. An ended pool whose path a new pool took is watched afresh."""
-        if self.current is None:
+        if self.current is None and self.wanted is not None:
+            self._adopt_the_wanted_pool()
+        elif self.current is None:
             # Waiting for a pool: the only one to appear is watched; several appearing at once
             # are offered once, as at start.
             self._adopt_a_live_pool(offer_picker=self._waited)
@@ -102,6 +111,9 @@ class KvallocTop(App[None]):
         elif self.current.replaced():
             self.switch_to(self.current.file)
             return  # switch_to ticks
+        elif self.current.ended and self.wanted is not None:
+            if self._adopt_the_wanted_pool():
+                return  # switch_to ticks
         pool = self.current
         if self.paused or pool is None or not pool.due() or self._sampling:
             return
@@ -167,6 +179,29 @@ class KvallocTop(App[None]):
             self.switch_to(live[0])
         elif live and offer_picker:
             self.action_pick_pool(live)
+
+    def _adopt_the_wanted_pool(self) -> bool:
+        """Watches the live pool that ``wanted`` names, if one does now (other than the one
+        that ended); several are offered once. Whether one was taken."""
+        assert self.wanted is not None
+        live = self._live_segments(asked=False)
+        if live is None:
+            return False
+        ended = self.current.file if self.current is not None else None
+        found = [segment for segment in named(self.wanted, live) if segment != ended]
+        if len(found) == 1:
+            self.switch_to(found[0])
+            return True
+        if found and not self._offered_wanted:
+            self._offered_wanted = True
+            self.action_pick_pool(found)
+        return False
+
+    def waiting_for(self) -> str:
+        """What the screen says it waits for while it watches no pool."""
+        if self.wanted is None:
+            return "a pool to publish (a named pool does)"
+        return f"pool {reprlib.repr(self.wanted)} to publish"
 
     def action_next_pool(self) -> None:
         if self.screen is not self.pool_screen:

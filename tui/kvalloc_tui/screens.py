@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import reprlib
 from pathlib import Path
 
 from rich.console import Group
@@ -69,8 +70,11 @@ class PoolScreen(Screen[None]):
     def show(self, pool: PoolWatch, paused: bool, interval: float) -> None:
         """Redraws every panel from the pool's latest snapshot. Queried, not looked up: before
         the screen is composed and while it is torn down at exit there is nothing to draw."""
+        wanted = self.app.wanted  # type: ignore[attr-defined]
         if pool.ended:
             message = f"Engine exited: {pool.ended}. Last figures shown; tab: next pool, q: quit."
+            if wanted is not None:
+                message += f" A pool {reprlib.repr(wanted)} started again is watched."
         elif pool.problem and pool.lasting:
             message = (f"Cannot read this segment, and retrying will not help (checked again "
                        f"every {LASTING_RETRY_S:g} s): {pool.problem}")
@@ -154,7 +158,7 @@ class PickerScreen(Screen[Path]):
 
 
 HELP_KEYS = (
-    ("q", "quit"),
+    ("q / Ctrl-C", "quit"),
     ("space", "pause / resume the refresh"),
     ("+ / -", "refresh more / less often (the footer shows the interval)"),
     ("tab", "next live pool"),

@@ -137,3 +137,12 @@ def live_segments() -> list[SegmentFile]:
     """Segments whose writer process runs, by pid then name. Raises the ``SegmentError`` of a
     segment directory that cannot be listed."""
     return [found for found in list_segments() if found.process_alive()]
+
+
+def named(target: str, segments: list[SegmentFile]) -> list[SegmentFile]:
+    """The segments that ``target`` names, by ``find_segment``'s rules: a file name, else a
+    writer's pid, else a pool name."""
+    found = [s for s in segments if s.path.name == target]
+    if not found and target.isascii() and target.isdigit():
+        found = [s for s in segments if s.pid == int(target)]
+    return found or [s for s in segments if s.name == target]

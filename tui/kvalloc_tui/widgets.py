@@ -44,7 +44,7 @@ class Panel(Widget):
     def render(self) -> Text:
         size = self.content_size
         if self.pool is None:
-            return Text("waiting for a pool to publish (a named pool does)…", "dim")
+            return Text(f"waiting for {self.app.waiting_for()}…", "dim")  # type: ignore[attr-defined]
         if self.pool.last is None:
             return Text("waiting for the first snapshot…", "dim")
         return self.draw(self.pool.last, size.width, size.height)
@@ -83,7 +83,8 @@ class PoolHeader(Widget):
     def render(self) -> Text:
         pool = self.pool
         if pool is None:
-            return Text("kvalloc top: waiting for a pool (p: pick one)…", "dim")
+            return Text(f"kvalloc top: waiting for {self.app.waiting_for()}…"  # type: ignore[attr-defined]
+                        " (p: pick one)", "dim", no_wrap=True, overflow="ellipsis")
         if pool.ended:
             state = ("ENGINE EXITED", "bold red")
         elif self.paused:
