@@ -5,7 +5,8 @@ with none yet, it waits for one to appear. With a pid or a pool name that no poo
 waits for that pool (an engine started after its inspector), and a pool of that name started
 again after its engine exited is watched in its place. Keys: q (or Ctrl-C) quit, space pause,
 + / - refresh more / less often (the footer shows the interval), tab next pool, p pick a pool,
-? help. It reads the pools' statistics segments only; the engine is never signalled.
+v a KV cache's page or the pool's, up / down select a sequence (its block table shows), ? help.
+It reads the pools' statistics segments only; the engine is never signalled.
 """
 
 from __future__ import annotations

@@ -92,15 +92,23 @@ def test_top_at_80x24_in_a_real_terminal(engine):
         assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
         header = lines[0]
         assert f"pid {os.getpid()}" in header and "KV 12.5% +0.0% cached" in header
-        for title in ("heap map", "KV cache", "free blocks per order", "slab classes",
-                      "recent operations"):
+        for title in ("KV cache", "sequences", "namespaces", "latency"):
             assert any(title in line for line in lines), title
         assert any("used 8 12.5%" in line for line in lines)
-        assert any("64 B ▕" in line for line in lines)
         assert any(line.strip().startswith("peak used 8 12.5%") for line in lines)
         latency = next(line for line in lines if "KV allocate" in line)
-        assert "≤" in latency  # the KV cache's call latencies, beside the slab classes
-        assert "refresh 0.2 s" in terminal.wait_for(lambda lines: "refresh" in lines[-1])[-1]
+        assert "≤" in latency  # the KV cache's call latencies, beside the namespaces
+        footer = terminal.wait_for(lambda lines: "↻" in lines[-1])[-1]
+        assert "+ - ↻ 0.2 s" in footer and "v Pool view" in footer
+
+        terminal.press("v")  # the pool's page
+        lines = terminal.wait_for(lambda lines: any("heap map" in line for line in lines))
+        assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+        for title in ("heap map", "free blocks per order", "slab classes", "recent operations"):
+            assert any(title in line for line in lines), title
+        assert any("64 B ▕" in line for line in lines)
+        terminal.press("v")  # back to the KV cache's
+        terminal.wait_for(lambda lines: any("KV cache" in line for line in lines))
 
         # The KV figures move with the cache: a third sequence, and the screen follows.
         third = cache.allocate(8 * 16)
@@ -109,7 +117,7 @@ def test_top_at_80x24_in_a_real_terminal(engine):
         third.free()
 
         terminal.press("+")  # more often
-        terminal.wait_for(lambda lines: "refresh 0.1 s" in lines[-1])
+        terminal.wait_for(lambda lines: "+ - ↻ 0.1 s" in lines[-1])
         terminal.press("q")
         terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
     finally:

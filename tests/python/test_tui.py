@@ -108,7 +108,7 @@ def test_the_panels_show_the_pools_real_figures_at_80x24():
             assert len(heap[0]) == app.screen.query_one("#heap").content_size.width
             assert "█" in heap[0] and "·" in "".join(heap)
             footer = await until(pilot, lambda: screen_text(app).splitlines()[-1].strip())
-            for key in ("q Quit", "space Pause", "+ - refresh 0.1 s", "tab Next pool",
+            for key in ("q Quit", "space Pause", "+ - ↻ 0.1 s", "tab Next pool",
                         "? Help"):
                 assert key in footer, key
 
@@ -140,11 +140,11 @@ def test_pause_interval_help_and_quit_keys():
             # + refreshes more often, - less often; the footer says how often.
             await pilot.press("minus")
             assert app.interval == 0.5 and "↻ 0.5 s" in shown(app, "#header").plain
-            await until(pilot, lambda: "refresh 0.5 s" in screen_text(app).splitlines()[-1])
+            await until(pilot, lambda: "+ - ↻ 0.5 s" in screen_text(app).splitlines()[-1])
             await pilot.press("plus", "plus", "plus", "plus")
             assert app.interval == INTERVALS[0] == 0.1
             assert "↻ 0.1 s" in shown(app, "#header").plain
-            await until(pilot, lambda: "refresh 0.1 s" in screen_text(app).splitlines()[-1])
+            await until(pilot, lambda: "+ - ↻ 0.1 s" in screen_text(app).splitlines()[-1])
 
             await pilot.press("question_mark")
             assert isinstance(app.screen, HelpScreen)
@@ -275,12 +275,14 @@ def test_a_kv_cache_shows_its_block_states_and_hit_rate():
             await until(pilot, lambda: app.current and app.current.last)
             lines = shown(app, "#kv").plain.splitlines()
             width = app.screen.query_one("#kv").content_size.width
-            held = round(width * 0.6) + round(width * 0.15)  # used, then cached
+            held = round(width * 0.75)  # used, then cached
             assert lines[0] == "█" * held + "·" * (width - held)
-            assert "used 600 60.0%  cached 150 15.0%  free 250  of 1,000 × 16 tok" in lines[1]
+            assert "used 600 60.0%  pinned 0  cached 150 15.0%  free 250  of 1,000" in lines[1]
             assert lines[2].startswith("hit  25.0% of 12000 tok") and "seqs 42" in lines[3]
             # The KV use the header shows is the one kvalloc ls shows (use_label).
             assert "KV 60.0% +15.0% cached" in shown(app, "#header").plain
+            await pilot.press("v")  # the pool's page
+            await until(pilot, lambda: app.screen.query_one("#heap").display)
             heap = shown(app, "#heap")
             assert "kv used" in heap.plain
             assert any(span.style == render.CELL_STYLES[stats.CELL_KV_USED]
@@ -350,17 +352,24 @@ def test_figures_out_of_range_are_drawn_clamped():
     summary["fragmentation"] = float("inf")
     kv = np.frombuffer(data, stats.KV_DTYPE, count=1, offset=snap._sections[stats.SECTION_KV][0])
     kv["present"], kv["total_blocks"], kv["used_blocks"], kv["cached_blocks"] = 1, 1, 2**62, 2**62
+    kv["pinned_blocks"] = 2**64 - 1
 
     async def scenario(path) -> None:
         app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
         async with app.run_test(size=(80, 24)) as pilot:
             await until(pilot, lambda: app.current and len(app.current.fragmentation) >= 2)
+            width = app.screen.query_one("#kv").content_size.width
+            state_bar = shown(app, "#kv")
+            # All used, all of it pinned: no room for more, nor for cached.
+            assert state_bar.plain.splitlines()[0] == "█" * width
+            assert state_bar.spans[0].style == render.PINNED_STYLE
+            assert state_bar.spans[0].end - state_bar.spans[0].start == width
+            await pilot.press("v")  # the pool's page
+            await until(pilot, lambda: app.screen.query_one("#trends").display)
+            await pilot.pause(0.1)
             frag = next(line for line in shown(app, "#trends").plain.splitlines()
                         if "frag" in line)  # beside the heap's use, for a pool with a KV cache
             assert frag.endswith("██")  # full, not an overflow
-            width = app.screen.query_one("#kv").content_size.width
-            state_bar = shown(app, "#kv").plain.splitlines()[0]
-            assert state_bar == "█" * width  # all used: no room for more, nor for cached
             assert app.current.problem is None and app.is_running
 
     with crafted_segment(bytes(data)) as path:
@@ -719,22 +728,41 @@ def test_a_kv_cache_in_a_pool_with_buffers_lights_every_panel_at_80x24():
             text = screen_text(app)
             lines = text.splitlines()
             assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
-            assert app.screen.query_one("#kv").display
+            # The KV cache's page first: the cache, its sequences, namespaces and latencies.
+            for title in ("KV cache", "sequences", "namespaces", "latency"):
+                assert title in text, title
+            for hidden in ("#heap", "#orders", "#middle", "#ops"):
+                assert not app.screen.query_one(hidden).display, hidden
             kv = shown(app, "#kv").plain.splitlines()
             assert len(kv) == 5 and "used 8 12.5%" in kv[1] and kv[2].startswith("hit ")
             assert "seqs 2" in kv[3]
             assert kv[4].startswith("peak used 8 12.5%  cached 0 0.0%  bytes 128 KiB")
             # The KV cache's call latencies (timed: the pool traces), then the pool's.
-            trends = shown(app, "#trends").plain.splitlines()
-            assert trends[1].split() == ["latency", "p50", "p99", "p999"]
-            assert trends[2].startswith("KV allocate") and "≤" in trends[2]
-            assert any(line.startswith("pool alloc") for line in trends)
+            latency = shown(app, "#kv-latency").plain.splitlines()
+            assert latency[0].split() == ["latency", "p50", "p99", "p999"]
+            assert latency[1].startswith("KV allocate") and "≤" in latency[1]
+            assert any(line.startswith("pool alloc") for line in latency)
             assert "KV 12.5% +0.0% cached" in shown(app, "#header").plain
+            footer = await until(pilot, lambda: screen_text(app).splitlines()[-1].strip())
+            assert "v Pool view" in footer and "? Help" in footer and len(footer) <= 80
+
+            # v: the pool's page, where the buffers around the cache show.
+            await pilot.press("v")
+            await until(pilot, lambda: app.screen.query_one("#heap").display)
+            await pilot.pause(0.1)
+            text = screen_text(app)
+            for title in ("heap map", "free blocks per order", "slab classes",
+                          "use · fragmentation · latency", "recent operations"):
+                assert title in text, title
+            assert not app.screen.query_one("#kv").display
+            assert "v KV view" in text.splitlines()[-1]
             classes = shown(app, "#classes").plain
             assert "64 B ▕" in classes and "64 KiB ▕" in classes
             orders = shown(app, "#orders").plain.splitlines()
             assert any(label not in ("0", "") for label in orders[0].split())
-            assert "heap " in shown(app, "#trends").plain  # the pool's bytes, KV region whole
+            trends = shown(app, "#trends").plain.splitlines()
+            assert trends[0].startswith("heap ")  # the pool's bytes, KV region whole
+            assert trends[2].startswith("KV allocate") and "≤" in trends[2]
 
     with pykvalloc.Pool(64 * MiB, name=name, trace=True, pages="small") as pool, \
             pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64,

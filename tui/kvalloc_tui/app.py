@@ -20,6 +20,7 @@ from textual.timer import Timer
 from pykvalloc.errors import SegmentError
 from pykvalloc.stats import SegmentFile, Snapshot
 
+from . import render
 from .screens import HelpScreen, PickerScreen, PoolScreen
 from .watch import PoolWatch, live_segments, named
 
@@ -30,7 +31,7 @@ INTERVALS = (0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0)
 
 def interval_group(interval: float) -> Binding.Group:
     """The footer's label of the + and - keys: the refresh interval in force."""
-    return Binding.Group(f"refresh {interval:g} s")
+    return Binding.Group(f"↻ {interval:g} s")
 
 
 class Sampled(Message):
@@ -59,6 +60,10 @@ class KvallocTop(App[None]):
         Binding("minus", "slower", "Slower", key_display="-", group=interval_group(1.0)),
         Binding("tab", "next_pool", "Next pool", priority=True),
         Binding("p", "pick_pool", "Pools"),
+        Binding("v", "toggle_view", "Pool view"),
+        # Said in the sequences panel's title and the help: the footer has no room left.
+        Binding("up", "select_sequence(-1)", "Sequence", show=False),
+        Binding("down", "select_sequence(1)", "Sequence", show=False),
         Binding("question_mark,f1", "help", "Help", key_display="?"),
     ]
 
@@ -69,6 +74,8 @@ class KvallocTop(App[None]):
         self.wanted = wanted
         self.interval = min(INTERVALS, key=lambda step: abs(step - interval))
         self.paused = False
+        self.kv_page = True  # a KV cache's pool shows its KV page first (v: the pool's)
+        self._keys_shown: tuple[bool | None, ...] = ()  # check_action's answers, last redraw
         self.pools: dict[Path, PoolWatch] = {}
         self.current: PoolWatch | None = None
         self.pool_screen = PoolScreen()
@@ -87,6 +94,8 @@ class KvallocTop(App[None]):
         self._timer = self.set_interval(self.interval, self.tick)
         if self.target is not None:
             self.switch_to(self.target)
+        elif self.wanted is not None:
+            self._adopt_the_wanted_pool()
         else:
             self._adopt_a_live_pool(offer_picker=True)
             self._waited = self.current is None and not self._picking
@@ -139,6 +148,10 @@ class KvallocTop(App[None]):
     def redraw(self) -> None:
         if self.current is not None:
             self.pool_screen.show(self.current, self.paused, self.interval)
+        shown = (self._kv_shown(), self.check_action("toggle_view", ()))
+        if shown != self._keys_shown:  # the footer is drawn again only when its keys change
+            self._keys_shown = shown
+            self.refresh_bindings()
 
     # -- pools ------------------------------------------------------------------------------
 
@@ -273,6 +286,50 @@ class KvallocTop(App[None]):
             self._bindings.key_to_bindings[key] = [
                 dataclasses.replace(binding, group=group)
                 for binding in self._bindings.key_to_bindings.get(key, [])]
+
+    # -- the KV cache's page ----------------------------------------------------------------
+
+    def _kv_shown(self) -> bool:
+        """Whether the current pool has a KV cache, and its panels show."""
+        snap = self.current.last if self.current is not None else None
+        return (snap is not None and snap.kv is not None
+                and (self.kv_page or self.pool_screen.all_shown))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        # The view and selection keys show in the footer only where they do something.
+        if action == "toggle_view":
+            snap = self.current.last if self.current is not None else None
+            return (snap is not None and snap.kv is not None
+                    and not self.pool_screen.all_shown)
+        if action == "select_sequence":
+            return self._kv_shown()
+        return True
+
+    def action_toggle_view(self) -> None:
+        self.kv_page = not self.kv_page
+        self._label_view()
+        self.redraw()
+
+    def action_select_sequence(self, step: int) -> None:
+        pool = self.current
+        snap = pool.last if pool is not None else None
+        if pool is None or snap is None or snap.kv_sequences is None:
+            return
+        entries = snap.kv_sequences.entries
+        chosen = render.selected_entry(snap, pool.selected_sequence)
+        if chosen is None:
+            return
+        at = max(0, min(len(entries) - 1, entries.index(chosen) + step))
+        pool.selected_sequence = entries[at].handle
+        self.redraw()
+
+    def _label_view(self) -> None:
+        # As for the interval: the binding is bound again with the page v turns to.
+        label = "Pool view" if self.kv_page else "KV view"
+        self._bindings.key_to_bindings["v"] = [
+            dataclasses.replace(binding, description=label)
+            for binding in self._bindings.key_to_bindings.get("v", [])]
+        self.refresh_bindings()
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):

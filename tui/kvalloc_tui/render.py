@@ -16,7 +16,7 @@ from rich.text import Text
 
 from pykvalloc import stats
 from pykvalloc.sizes import format_size
-from pykvalloc.stats import Snapshot, format_age
+from pykvalloc.stats import KvSequenceEntry, Snapshot, format_age
 
 # One colour per heap-map cell state; the glyph says how full the cell is.
 CELL_STYLES = {
@@ -325,23 +325,6 @@ def latency_lines(snap: Snapshot) -> list[Text]:
     return [heading, *kv_rows, *pool_rows]
 
 
-def kv_bar(snap: Snapshot, width: int) -> Text:
-    """The KV cache's blocks as one bar: used (held by sequences), cached (kept by the prefix
-    cache, evictable), free."""
-    blocks = snap.kv_blocks
-    assert blocks is not None
-    used, cached, total = blocks
-    used_style, cached_style = CELL_STYLES[stats.CELL_KV_USED], CELL_STYLES[stats.CELL_KV_CACHED]
-    state_bar = Text(no_wrap=True, overflow="crop")
-    bar_width = max(4, width)
-    for count, style in ((used, used_style), (cached, cached_style)):
-        room = bar_width - len(state_bar)
-        state_bar.append("█" * min(room, round(bar_width * unit(count / total)) if total else 0),
-                         style)
-    state_bar.append(FREE_GLYPH * (bar_width - len(state_bar)), CELL_STYLES[stats.CELL_FREE])
-    return state_bar
-
-
 def rate(value: float) -> str:
     """Events per second in five characters at most: ``0``, ``12``, ``3.4k``."""
     if value < 10:
@@ -350,32 +333,18 @@ def rate(value: float) -> str:
 
 
 def kv_lines(snap: Snapshot, width: int, hit_history: Iterable[float | None] = (),
-             evict_history: Iterable[float] = ()) -> list[Text]:
-    """The KV cache first: its blocks by state (a bar, then the counts, with the same *KV use*
-    as ``kvalloc ls`` and the header), the prefix-cache hit rate (overall, and per refresh in
-    ``hit_history``), evictions (overall, per second in ``evict_history``), sequences, forks
-    and copies on write; or that there is none. Lines in order of importance: a short panel
-    shows the first ones."""
+             evict_history: Iterable[float] = (), first_history: Iterable[float | None] = (),
+             again_history: Iterable[float | None] = ()) -> list[Text]:
+    """The KV cache first: its blocks by state (a bar, then its legend with the counts, with
+    the same *KV use* as ``kvalloc ls`` and the header), the prefix-cache hit rate (overall,
+    first admissions and re-admissions apart; per refresh in the ``*_history`` sparklines),
+    evictions (overall, per second in ``evict_history``), sequences, forks and copies on write;
+    or that there is none. Lines in order of importance: a short panel shows the first ones."""
     kv = snap.kv
     if kv is None:
         return [Text("no KV cache attached", "dim")]
-    used, cached, total = snap.kv_blocks or (0, 0, 0)
-    free = int(kv["free_blocks"])
-    used_style, cached_style = CELL_STYLES[stats.CELL_KV_USED], CELL_STYLES[stats.CELL_KV_CACHED]
-    used_share, cached_share = snap.kv_use or (0.0, 0.0)
-    counts = Text.assemble(("used ", "bold"), (f"{used:,} {used_share:.1%}", used_style),
-                           ("  cached ", "bold"), (f"{cached:,} {cached_share:.1%}", cached_style),
-                           ("  free ", "bold"), f"{free:,}", f"  of {total:,}",
-                           (f" × {int(kv['block_tokens'])} tok, "
-                            f"{format_size(int(kv['block_bytes']))}", "dim"),
-                           no_wrap=True, overflow="crop")
-    hit = snap.hit_rate
-    hit_label = Text.assemble(("hit ", "bold"),
-                              f"{'-' if hit is None else f'{hit:.1%}':>6}",
-                              (f" of {compact_count(int(kv['query_tokens']), 5)} tok ", "dim"),
-                              no_wrap=True)
-    hits = hit_label + sparkline(list(hit_history), max(0, width - len(hit_label)),
-                                 CELL_STYLES[stats.CELL_KV_CACHED])
+    total = (snap.kv_blocks or (0, 0, 0))[2]
+    hits = hit_lines(snap, width, hit_history, first_history, again_history)
     recent = list(evict_history)
     evict_label = Text.assemble(
         ("seqs ", "bold"), f"{int(kv['live_sequences']):,}",
@@ -386,7 +355,7 @@ def kv_lines(snap: Snapshot, width: int, hit_history: Iterable[float | None] = (
     top = max(recent[-spark_room:], default=0.0) if spark_room else 0.0
     evictions = evict_label + sparkline([v / top if top else 0.0 for v in recent], spark_room,
                                         "yellow3")
-    lines = [kv_bar(snap, width), counts, hits, evictions]
+    lines = [kv_bar(snap, width), kv_counts(snap, width), *hits, evictions]
     peaks = snap.kv_peaks
     if peaks is not None:
         peak_used, peak_cached, peak_bytes = peaks
@@ -425,3 +394,272 @@ def trace_note(snap: Snapshot) -> str | None:
     if not snap.calls_are_timed():
         return "trace off: only failed and rejected calls are recorded"
     return None
+
+
+PINNED_STYLE = "orchid1"  # the pinned part of the used blocks, beside CELL_KV_USED's magenta
+READMIT_STYLE = "spring_green2"  # the re-admissions' hit rate, beside the first admissions' cyan
+
+
+def kv_pinned(snap: Snapshot) -> int | None:
+    """The blocks live pins hold (part of the used ones); None from a writer before 1.5."""
+    if snap.kv is None or "pinned_blocks" in snap.absent.get("kv", ()):
+        return None
+    return int(snap.kv["pinned_blocks"])
+
+
+def kv_bar(snap: Snapshot, width: int) -> Text:
+    """The KV cache's blocks as one bar: used (held by sequences and pins; the pinned ones drawn
+    first in their own colour), cached (kept by the prefix cache, evictable), free."""
+    blocks = snap.kv_blocks
+    assert blocks is not None
+    used, cached, total = blocks
+    pinned = min(kv_pinned(snap) or 0, used)
+    state_bar = Text(no_wrap=True, overflow="crop")
+    bar_width = max(4, width)
+    shares = [(pinned, PINNED_STYLE), (used - pinned, CELL_STYLES[stats.CELL_KV_USED]),
+              (cached, CELL_STYLES[stats.CELL_KV_CACHED])]
+    held = 0  # rounded at each boundary, so the parts add up to the rounded whole
+    for count, style in shares:
+        end = min(bar_width, round(bar_width * unit((held + count) / total)) if total else 0)
+        state_bar.append("█" * max(0, end - len(state_bar)), style)
+        held += count
+    state_bar.append(FREE_GLYPH * (bar_width - len(state_bar)), CELL_STYLES[stats.CELL_FREE])
+    return state_bar
+
+
+def fitted(pieces: list[Text], width: int) -> Text:
+    """The leading ``pieces`` that fit in ``width`` together: the first always, the others in
+    order of importance as long as each fits whole (a figure is shown whole or not at all)."""
+    line = Text(no_wrap=True, overflow="crop")
+    for index, piece in enumerate(pieces):
+        if index and len(line) + len(piece) > width:
+            break
+        line.append_text(piece)
+    return line
+
+
+def kv_counts(snap: Snapshot, width: int) -> Text:
+    """The bar's legend: used (and of them pinned), cached, free and total blocks, each in its
+    bar's colour; the blocks' size last, when it fits."""
+    kv = snap.kv
+    assert kv is not None
+    used, cached, total = snap.kv_blocks or (0, 0, 0)
+    used_share, cached_share = snap.kv_use or (0.0, 0.0)
+    pinned = kv_pinned(snap)
+    pieces = [Text.assemble(("used ", "bold"),
+                            (f"{used:,} {used_share:.1%}", CELL_STYLES[stats.CELL_KV_USED]))]
+    if pinned is not None:
+        pieces.append(Text.assemble(("  pinned ", "bold"), (f"{pinned:,}", PINNED_STYLE)))
+    pieces += [Text.assemble(("  cached ", "bold"),
+                             (f"{cached:,} {cached_share:.1%}", CELL_STYLES[stats.CELL_KV_CACHED])),
+               Text.assemble(("  free ", "bold"), f"{int(kv['free_blocks']):,}",
+                             f"  of {total:,}"),
+               Text(f" × {int(kv['block_tokens'])} tok, {format_size(int(kv['block_bytes']))}",
+                    "dim")]
+    return fitted(pieces, width)
+
+
+READMIT_NONE = "none yet"  # the re-admission rate's dash: no request was admitted again
+
+
+def hit_lines(snap: Snapshot, width: int, overall: Iterable[float | None] = (),
+              first: Iterable[float | None] = (), again: Iterable[float | None] = ()
+              ) -> list[Text]:
+    """The prefix-cache hit rate: overall, then first admissions and re-admissions apart, each
+    with its sparkline (per refresh). In one line when each sparkline still gets 8 cells, else
+    in two; a re-admission rate without any re-admission is a dash and says why. A writer before
+    1.5 does not tell them apart: the overall rate and its sparkline."""
+    kv = snap.kv
+    assert kv is not None
+    cached = CELL_STYLES[stats.CELL_KV_CACHED]
+    hit = snap.hit_rate
+    label = Text.assemble(("hit ", "bold"), f"{'-' if hit is None else f'{hit:.1%}':>6}",
+                          (f" of {compact_count(int(kv['query_tokens']), 5)} tok ", "dim"),
+                          no_wrap=True)
+    rates = snap.hit_rates
+    if rates is None:
+        return [label + sparkline(list(overall), max(0, width - len(label)), cached)]
+
+    def part(name: str, rate: float | None, history: Iterable[float | None], room: int,
+             style: str, why: str) -> Text:
+        head = Text.assemble((name, "bold"), f" {'-' if rate is None else f'{rate:.1%}':>6} ",
+                             no_wrap=True)
+        if rate is None and why:
+            return head + Text(why[:max(0, room - len(head))], "dim")
+        return head + sparkline(list(history), max(0, room - len(head)), style) + " "
+
+    first_rate, again_rate = rates
+    again_why = READMIT_NONE if int(kv["readmit_query_tokens"]) == 0 else ""
+    first_why = "nothing looked up yet" if first_rate is None else ""
+    parts = len(label) + 2 * len("readmit  100.0% ")
+    if width - parts >= 16:  # one line: two sparklines of 8 cells at least
+        room = (width - len(label)) // 2
+        return [label + part("first", first_rate, first, room, cached, first_why)
+                + part("readmit", again_rate, again, width - len(label) - room, READMIT_STYLE,
+                       again_why)]
+    return [label + part("first", first_rate, first, width - len(label), cached, first_why),
+            Text(" " * len(label), no_wrap=True)
+            + part("readmit", again_rate, again, width - len(label), READMIT_STYLE, again_why)]
+
+
+def format_handle(handle: int) -> str:
+    """A sequence's or pin's handle as Python's repr of it shows it (``0x300000005``)."""
+    return f"{handle:#x}"
+
+
+def format_namespace(namespace: int | None, room: int = 20) -> str:
+    """A namespace id in at most ``room`` characters: decimal when short, hex when long (a
+    hash), cut with "…" beyond; None is the row that pools the untracked namespaces."""
+    if namespace is None:
+        return "other"
+    text = str(namespace) if namespace < 10**6 else f"{namespace:#x}"
+    return text if len(text) <= room else text[:max(0, room - 1)] + "…"
+
+
+def block_runs(table: np.ndarray) -> list[tuple[int, int]]:
+    """Block ids as runs of consecutive ids, in table order: [17..40, 3..3, 99..101]."""
+    ids = np.asarray(table, np.int64)
+    if len(ids) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(ids)]]) - 1
+    return list(zip(ids[starts].tolist(), ids[ends].tolist()))
+
+
+def block_table_lines(entry: KvSequenceEntry, width: int, height: int = 1) -> list[str]:
+    """A sequence's block table as runs (``17-40 3 99-101``) in up to ``height`` lines of
+    ``width``; what does not fit is cut with "…" and the count of the ids left out (``… +95``),
+    and a table the segment holds only the start of says so (``(first 128 of 900)``)."""
+    if entry.blocks == 0:
+        return ["no blocks"]
+    note = "" if entry.table_complete else f" (first {len(entry.table):,} of {entry.blocks:,})"
+    if len(entry.table) == 0:
+        return [f"table not published ({entry.blocks:,} blocks)"[:max(0, width)]]
+    tokens = [(str(a) if a == b else f"{a}-{b}", b - a + 1) for a, b in block_runs(entry.table)]
+    published = len(entry.table)
+    # rest[i]: the width of tokens[i:] joined by spaces.
+    rest = [0] * (len(tokens) + 1)
+    for i in range(len(tokens) - 1, -1, -1):
+        rest[i] = len(tokens[i][0]) + (rest[i + 1] + 1 if i + 1 < len(tokens) else 0)
+    lines: list[str] = []
+    line, drawn, index = "", 0, 0
+    while index < len(tokens):
+        token, count = tokens[index]
+        final = index == len(tokens) - 1
+        last_line = len(lines) >= max(1, height) - 1
+        added = (" " if line else "") + token
+        if last_line and len(line) + (1 if line else 0) + rest[index] + len(note) <= width:
+            # All that is left fits.
+            return [*lines, " ".join([line] * bool(line) + [t for t, _ in tokens[index:]]) + note]
+        reserve = len(note) if final else (
+            len(f" … +{published - drawn - count:,}{note}") if last_line else 0)
+        if len(line) + len(added) + reserve <= width or (not line and not last_line):
+            line, drawn, index = line + added, drawn + count, index + 1
+        elif not last_line:
+            lines.append(line)
+            line = ""
+        else:
+            line += f"{' ' if line else ''}… +{published - drawn:,}{note}"
+            return [*lines, line[:max(0, width)]]
+    return [*lines, (line + note)[:max(0, width)]]
+
+
+SEQUENCE_HEADING = f" {'handle':<12}{'tokens':>9}{'blocks':>8}{'cached':>9}  {'namespace':<12}"
+
+
+def selected_entry(snap: Snapshot, handle: int | None) -> KvSequenceEntry | None:
+    """The entry of the sequence or pin ``handle`` (the longest one when None or gone)."""
+    entries = snap.kv_sequences.entries if snap.kv_sequences is not None else []
+    return next((e for e in entries if e.handle == handle), entries[0] if entries else None)
+
+
+def sequences_summary(snap: Snapshot) -> Text:
+    """Live sequences and pins, and the longest sequence (tokens, blocks, handle)."""
+    sequences = snap.kv_sequences
+    assert sequences is not None
+    line = Text.assemble(("live ", "bold"), f"{sequences.live:,}", ("  pins ", "bold"),
+                         f"{sequences.pins:,}", no_wrap=True, overflow="crop")
+    if sequences.longest_tokens:
+        longest = next((e for e in sequences.entries if e.handle == sequences.longest_handle),
+                       None)
+        blocks = (f"{longest.blocks:,}" if longest is not None else "?")
+        line.append("  longest ", "bold").append(
+            f"{sequences.longest_tokens:,} tok, {blocks} blocks ").append(
+            format_handle(sequences.longest_handle), "dim")
+    return line
+
+
+def sequence_row(entry: KvSequenceEntry, selected: bool) -> Text:
+    namespace = format_namespace(entry.namespace, 12)
+    row = Text(f"{'▸' if selected else ' '}{format_handle(entry.handle):<12}"
+               f"{entry.num_tokens:>9,}{entry.blocks:>8,}{entry.cached_tokens:>9,}  "
+               f"{namespace:<12}", "reverse" if selected else "", no_wrap=True, overflow="crop")
+    if entry.pin:
+        row.append(" pin", PINNED_STYLE)
+    return row
+
+
+def sequence_lines(snap: Snapshot, width: int, height: int, handle: int | None) -> list[Text]:
+    """The sequences panel: the summary, the longest sequences and pins (longest first) with
+    the selected one (``handle``, else the longest) marked, and its block table as runs in the
+    lines left. Rows scroll to keep the selected one in view."""
+    sequences = snap.kv_sequences
+    if sequences is None:
+        return [Text("this writer publishes no sequences (layout 1.5 on)", "dim")]
+    lines = [sequences_summary(snap)]
+    if not sequences.entries:
+        return [*lines, Text("no live sequences or pins", "dim")]
+    chosen = selected_entry(snap, handle)
+    assert chosen is not None
+    # The table gets up to three lines once four rows fit, and the lines no row needs.
+    table_height = max(1, min(3, height - 2 - 4))
+    room = max(1, height - 2 - table_height)
+    if room > len(sequences.entries):
+        table_height += room - len(sequences.entries)
+        room = len(sequences.entries)
+    at = sequences.entries.index(chosen)
+    first = max(0, min(at - room + 1, len(sequences.entries) - room)) if at >= room else 0
+    shown = sequences.entries[first:first + room]
+    lines.append(Text(SEQUENCE_HEADING, "bold", no_wrap=True, overflow="crop"))
+    lines += [sequence_row(entry, entry is chosen) for entry in shown]
+    label = f"blocks of {format_handle(chosen.handle)}: "
+    table = block_table_lines(chosen, max(8, width - len(label)), table_height)
+    lines.append(Text.assemble((label, "bold"), table[0], no_wrap=True, overflow="crop"))
+    lines += [Text(" " * len(label) + more, no_wrap=True, overflow="crop") for more in table[1:]]
+    return lines
+
+
+NAMESPACE_HEADING = f"{'namespace':<10}{'seqs':>5}{'pins':>5}{'blocks':>7}{'share':>6}{'reg':>5}"
+
+
+def namespace_lines(snap: Snapshot, width: int, height: int) -> list[Text]:
+    """Each namespace's share of the cache's blocks: its live sequences and pins, the blocks
+    their tables hold (a block in two tables counts in both) and that share of all blocks, and
+    the blocks it registered in the prefix table; most blocks first, the "other" row (every
+    namespace past the tracked ones) last. A bar of the share when the width allows."""
+    rows = snap.kv_namespaces
+    if rows is None:
+        return [Text("this writer publishes no namespaces (layout 1.5 on)", "dim")]
+    if not rows:
+        return [Text("no namespace holds blocks", "dim")]
+    total = (snap.kv_blocks or (0, 0, 0))[2]
+    ordered = sorted(rows, key=lambda r: (r.namespace is None, -r.blocks))
+    bar_width = width - len(NAMESPACE_HEADING) - 2 if width >= len(NAMESPACE_HEADING) + 12 else 0
+    room = max(1, height - 1)
+    shown = ordered if len(ordered) <= room else ordered[:room - 1]
+    lines = [Text(NAMESPACE_HEADING, "bold", no_wrap=True, overflow="crop")]
+    for row in shown:
+        share = row.blocks / total if total else 0.0
+        line = Text(f"{format_namespace(row.namespace, 9):<10}{compact_count(row.sequences, 4):>5}"
+                    f"{compact_count(row.pins, 4):>5}{compact_count(row.blocks, 6):>7}"
+                    f"{share:>6.1%}{compact_count(row.registered_blocks, 4):>5}",
+                    "dim" if row.namespace is None else "", no_wrap=True, overflow="crop")
+        if bar_width:
+            line.append("  ").append_text(bar(share, bar_width, CELL_STYLES[stats.CELL_KV_USED]))
+        lines.append(line)
+    left = ordered[len(shown):]
+    if left:
+        lines.append(Text(f"… {len(left)} more, {sum(r.blocks for r in left):,} blocks", "dim",
+                          no_wrap=True))
+    return lines

@@ -10,7 +10,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical
+from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen, Screen
 from textual.widgets import Footer, Label, OptionList, Static
 from textual.widgets.option_list import Option
@@ -25,44 +25,74 @@ from .widgets import (
     ClassesPanel,
     HeapMapPanel,
     KvPanel,
+    LatencyPanel,
+    NamespacesPanel,
     OpsPanel,
     OrdersPanel,
     Panel,
     PoolHeader,
+    SequencesPanel,
     TrendsPanel,
 )
 
 
+# From this height on, a pool holding a KV cache shows all its panels at once; below it, the
+# KV cache's panels and the pool's take turns (v).
+ALL_PANELS_HEIGHT = 46
+
+
 class PoolScreen(Screen[None]):
-    """Every panel of one pool, the KV cache's first when the pool holds one (hidden when it
-    does not). The rows share the height 3:6:5:6:2, which at 24 lines leaves each panel its
-    title and the lines it needs (the heap map one row and its legend; the KV cache its bar,
-    counts, hit rate, evictions and peaks; the orders two rows of counts, a bar and the sizes;
-    the latencies of the KV cache's main calls; the latest operation); taller terminals give
-    all of them more. The orders span the width: 20 of them in 80 columns."""
+    """Every panel of one pool. A pool holding a KV cache has two pages: the KV cache's (the
+    cache, its sequences, its namespaces beside the call latencies) and the pool's (heap map,
+    orders, slab classes beside use and latency, recent operations); v turns from one to the
+    other, and from ALL_PANELS_HEIGHT lines on both show at once. A pool without a KV cache has
+    the pool's page only. Rows share the height by the fr figures below: at 24 lines each panel
+    gets its title and the lines it needs (the KV cache its bar, legend, hit rates, evictions
+    and peaks; the sequences their summary, four rows and a block table; the orders two rows
+    of counts, a bar and the sizes); taller terminals give all of them more."""
 
     DEFAULT_CSS = """
     PoolScreen #heap { height: 3fr; min-height: 3; }
-    PoolScreen #kv { height: 6fr; min-height: 4; display: none; }
-    PoolScreen #kv.-present { display: block; }
+    PoolScreen #kv { height: 6fr; min-height: 4; }
+    PoolScreen #sequences { height: 9fr; min-height: 4; }
+    PoolScreen #kvrow { height: 7fr; min-height: 3; }
     PoolScreen #orders { height: 5fr; min-height: 4; }
     PoolScreen #middle { height: 6fr; min-height: 4; }
-    PoolScreen #middle > Panel { width: 1fr; height: 1fr; }
+    PoolScreen #middle > Panel, PoolScreen #kvrow > Panel { width: 1fr; height: 1fr; }
     PoolScreen #ops { height: 2fr; min-height: 2; }
+    PoolScreen #kv, PoolScreen #sequences, PoolScreen #kvrow { display: none; }
+    PoolScreen.-kv #kv, PoolScreen.-kv #sequences, PoolScreen.-kv #kvrow { display: block; }
+    PoolScreen.-kv.-kv-page #heap, PoolScreen.-kv.-kv-page #orders,
+    PoolScreen.-kv.-kv-page #middle, PoolScreen.-kv.-kv-page #ops { display: none; }
+    PoolScreen.-kv.-pool-page #kv, PoolScreen.-kv.-pool-page #sequences,
+    PoolScreen.-kv.-pool-page #kvrow { display: none; }
+    PoolScreen.-all #kv-latency { display: none; }
     """
 
     def compose(self) -> ComposeResult:
         yield PoolHeader()
         yield Banner()
         with Vertical(id="panels"):
-            yield HeapMapPanel(id="heap")
             yield KvPanel(id="kv")
+            yield SequencesPanel(id="sequences")
+            with Horizontal(id="kvrow"):
+                yield NamespacesPanel(id="namespaces")
+                yield LatencyPanel(id="kv-latency")
+            yield HeapMapPanel(id="heap")
             yield OrdersPanel(id="orders")
             with Horizontal(id="middle"):
                 yield ClassesPanel(id="classes")
                 yield TrendsPanel(id="trends")
             yield OpsPanel(id="ops")
         yield Footer()
+
+    @property
+    def all_shown(self) -> bool:
+        """Whether the terminal is tall enough for every panel at once."""
+        return self.size.height >= ALL_PANELS_HEIGHT
+
+    def on_resize(self) -> None:
+        self.app.redraw()  # type: ignore[attr-defined]
 
     def on_mount(self) -> None:
         self.app.redraw()  # type: ignore[attr-defined]
@@ -86,8 +116,12 @@ class PoolScreen(Screen[None]):
             header.show(pool, paused, interval)
         for banner in self.query(Banner):
             banner.say(message)
-        for kv in self.query(KvPanel):
-            kv.set_class(pool.last is not None and pool.last.kv is not None, "-present")
+        has_kv = pool.last is not None and pool.last.kv is not None
+        kv_page = self.app.kv_page  # type: ignore[attr-defined]
+        self.set_class(has_kv, "-kv")
+        self.set_class(self.all_shown, "-all")
+        self.set_class(not self.all_shown and kv_page, "-kv-page")
+        self.set_class(not self.all_shown and not kv_page, "-pool-page")
         for panel in self.query(Panel):
             panel.show(pool)
 
@@ -160,15 +194,17 @@ class PickerScreen(Screen[Path]):
 HELP_KEYS = (
     ("q / Ctrl-C", "quit"),
     ("space", "pause / resume the refresh"),
-    ("+ / -", "refresh more / less often (the footer shows the interval)"),
+    ("+ / -", "refresh more / less often (the footer shows the interval, ↻)"),
     ("tab", "next live pool"),
     ("p", "pick a pool from the live ones"),
+    ("v", "a KV cache's page / the pool's page (both show from 46 lines)"),
+    ("↑ / ↓", "select a sequence: its block table shows below the list"),
     ("? / F1", "this help; escape closes it"),
 )
 
 
 class HelpScreen(ModalScreen[None]):
-    """The keys, and what each panel shows."""
+    """The keys, and what each panel shows; ↑ ↓ scroll it where the terminal is shorter."""
 
     BINDINGS = [Binding("escape,question_mark,f1,q", "close", "Close")]
 
@@ -176,14 +212,17 @@ class HelpScreen(ModalScreen[None]):
     HelpScreen {
         align: center middle;
     }
-    HelpScreen > Static {
-        width: auto;
-        max-width: 90%;
+    HelpScreen > VerticalScroll {
+        width: 78;  /* the widest line and the border; a scroll area cannot size to its content */
+        max-width: 100%;
         height: auto;
         max-height: 90%;
         border: round $primary;
         padding: 0 1;
         background: $surface;
+    }
+    HelpScreen Static {
+        width: auto;
     }
     """
 
@@ -196,17 +235,26 @@ class HelpScreen(ModalScreen[None]):
         panels = Text(
             "heap map: the pool in address order; colour = what holds a cell,\n"
             "  ░▒▓█ = how much of it is in use, · = free\n"
-            "KV cache: blocks used by sequences (KV use, as kvalloc ls says),\n"
-            "  cached (kept by the prefix cache, evictable) and free; hit rate:\n"
-            "  overall, and per refresh in the sparkline; evictions per second\n"
+            "KV cache: blocks used by sequences and pins (KV use, as kvalloc ls\n"
+            "  says; the pinned ones first, lighter), cached (kept by the prefix\n"
+            "  cache, evictable) and free; hit rate overall, then of first\n"
+            "  admissions and of re-admissions (readmit) apart, per refresh in\n"
+            "  the sparklines; evictions per second\n"
+            "sequences: the longest live sequences and pins; blocks of the\n"
+            "  selected one as runs of ids (17-40 = 17 to 40), … +N: ids left\n"
+            "  out, (first 128 of 900): the segment holds the table's start\n"
+            "namespaces: blocks its sequences and pins hold (a block in two\n"
+            "  tables counts twice), their share of all blocks, registered\n"
+            "  prefix blocks (reg); other: every namespace past 32\n"
             "free blocks per order: count (top), free bytes (bars), block size\n"
             "KV cache peaks: since its creation or its last reset_peaks()\n"
             "latency: upper bounds of the log2 buckets holding p50, p99, p999;\n"
             "  the KV cache's calls by kind first (1/64: a sample), then the pool's",
             "dim")
-        help_text = Static(Group(keys, Text(), panels), id="help")
-        help_text.border_title = "kvalloc top: keys"
-        yield help_text
+        with VerticalScroll() as scroll:
+            scroll.border_title = "kvalloc top: keys"
+            scroll.border_subtitle = "↑ ↓ scroll"
+            yield Static(Group(keys, Text(), panels), id="help")
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -30,6 +30,12 @@ LASTING_ERRORS = (BadMagic, UnsupportedVersion)
 LASTING_RETRY_S = 5.0
 
 
+def _rate(hits: int, looked_up: int) -> float | None:
+    """The hit rate between two snapshots' counters. They only grow in one cache; a drop is
+    another cache (or a reset): no figure then, nor when nothing was looked up."""
+    return hits / looked_up if looked_up > 0 and 0 <= hits <= looked_up else None
+
+
 class PoolWatch:
     """One pool's segment and what has been read from it."""
 
@@ -44,7 +50,12 @@ class PoolWatch:
         # snapshot (None when none were), and evictions per second since then.
         self.kv_use: deque[float] = deque(maxlen=HISTORY)
         self.hit_rate: deque[float | None] = deque(maxlen=HISTORY)
+        # The same apart for first admissions and re-admissions (a writer of layout 1.5 on).
+        self.first_hit_rate: deque[float | None] = deque(maxlen=HISTORY)
+        self.readmit_hit_rate: deque[float | None] = deque(maxlen=HISTORY)
         self.evictions: deque[float] = deque(maxlen=HISTORY)
+        # The handle of the sequence or pin whose block table is shown (None: the longest).
+        self.selected_sequence: int | None = None
         self.ended: str | None = None   # why the pool publishes no more, once it does not
         self.problem: str | None = None  # the latest read error (a torn copy passes; see lasting)
         self.lasting = False            # whether that error will not pass by itself
@@ -99,11 +110,17 @@ class PoolWatch:
         self.kv_use.append(snap.kv_use[0])
         if before is None or before.kv is None:
             return
-        looked_up = int(snap.kv["query_tokens"]) - int(before.kv["query_tokens"])
-        hits = int(snap.kv["hit_tokens"]) - int(before.kv["hit_tokens"])
-        # Counters only grow in one cache; a drop is another cache (or a reset): no figure.
-        self.hit_rate.append(hits / looked_up if looked_up > 0 and 0 <= hits <= looked_up
-                             else None)
+
+        def grown(name: str) -> int:
+            assert snap.kv is not None and before.kv is not None
+            return int(snap.kv[name]) - int(before.kv[name])
+
+        hits, looked_up = grown("hit_tokens"), grown("query_tokens")
+        self.hit_rate.append(_rate(hits, looked_up))
+        if snap.hit_rates is not None and before.hit_rates is not None:
+            again_hits, again_looked_up = grown("readmit_hit_tokens"), grown("readmit_query_tokens")
+            self.first_hit_rate.append(_rate(hits - again_hits, looked_up - again_looked_up))
+            self.readmit_hit_rate.append(_rate(again_hits, again_looked_up))
         seconds = (snap.taken_ns - before.taken_ns) / 1e9
         evicted = int(snap.kv["evictions"]) - int(before.kv["evictions"])
         self.evictions.append(evicted / seconds if seconds > 0 and evicted >= 0 else 0.0)

@@ -194,8 +194,32 @@ class KvPanel(Panel):
 
     def draw(self, snap: Snapshot, width: int, height: int) -> Text:
         assert self.pool is not None
-        return _lines(render.kv_lines(snap, width, self.pool.hit_rate, self.pool.evictions),
+        return _lines(render.kv_lines(snap, width, self.pool.hit_rate, self.pool.evictions,
+                                      self.pool.first_hit_rate, self.pool.readmit_hit_rate),
                       height)
+
+
+class SequencesPanel(Panel):
+    TITLE = "sequences (longest first; ↑ ↓ select)"
+
+    def draw(self, snap: Snapshot, width: int, height: int) -> Text:
+        assert self.pool is not None
+        return _lines(render.sequence_lines(snap, width, height, self.pool.selected_sequence),
+                      height)
+
+
+class NamespacesPanel(Panel):
+    TITLE = "namespaces: share of the blocks"
+
+    def draw(self, snap: Snapshot, width: int, height: int) -> Text:
+        return _lines(render.namespace_lines(snap, width, height), height)
+
+
+class LatencyPanel(Panel):
+    TITLE = "latency"
+
+    def draw(self, snap: Snapshot, width: int, height: int) -> Text:
+        return _lines(render.latency_lines(snap), height)
 
 
 class OpsPanel(Panel):

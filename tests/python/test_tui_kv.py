@@ -1,0 +1,181 @@
+"""The KV cache's page of ``kvalloc top`` (pilot, 80 x 24 and taller) and the drawing of its
+figures: pinned blocks in the bar and its legend, the hit rates of first admissions and
+re-admissions apart, the sequences with a selected one's block table, the namespaces' shares.
+The segments are real KV caches' with the sections written as the library's writer writes them
+(stats_writer.write_kv_sections), so every case, a cut block table included, is exact."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from stats_writer import crafted_segment, kv_segment_bytes, write_kv_sections
+from test_stats_kv_sections import as_1_4
+from test_tui import screen_text, shown, until
+
+from pykvalloc import stats
+from kvalloc_tui import render
+from kvalloc_tui.app import KvallocTop
+
+LONGEST = (5 << 32) | 1
+RUNS = list(range(17, 41)) + [3] + list(range(99, 102))  # 17-40 3 99-101
+SCATTERED = [(i * 37) % 900 for i in range(128)]          # the first 128 ids of 900
+ENTRIES = [
+    {"handle": LONGEST, "num_tokens": 14_397, "blocks": 900, "cached_tokens": 512,
+     "namespace_id": 7, "table": SCATTERED},
+    {"handle": 0x2A, "num_tokens": 448, "blocks": len(RUNS), "cached_tokens": 64,
+     "namespace_id": 0, "table": RUNS},
+    {"handle": 0x2B, "num_tokens": 64, "blocks": 4, "namespace_id": 7, "flags": stats.KV_SEQ_PIN,
+     "table": [5, 6, 7, 8]},
+    {"handle": 0x2C, "num_tokens": 16, "blocks": 1, "namespace_id": (1 << 63) + 9,
+     "table": [900]},
+]
+NAMESPACES = [
+    {"namespace_id": 0, "sequences": 1, "blocks": 28, "registered_blocks": 20},
+    {"namespace_id": 7, "sequences": 1, "pins": 1, "blocks": 904, "registered_blocks": 300},
+    {"flags": stats.KV_NS_OTHER, "sequences": 5, "pins": 2, "blocks": 40,
+     "registered_blocks": 100},
+]
+
+
+@pytest.fixture(scope="module")
+def original() -> bytes:
+    return kv_segment_bytes()
+
+
+def kv_segment(original: bytes, readmitted: bool = True) -> bytes:
+    """A KV cache of 2,000 blocks, 40 of its 1,200 used ones pinned; 3,000 of 12,000 tokens
+    hit, of them 900 of the 1,000 re-admitted ones (none when not ``readmitted``)."""
+    data = bytearray(write_kv_sections(original, live=9, pins=4, longest=(14_397, LONGEST),
+                                       entries=ENTRIES, namespaces=NAMESPACES))
+    snap = stats.Snapshot(bytes(data))
+    kv = np.frombuffer(data, stats.KV_DTYPE, count=1, offset=snap._sections[stats.SECTION_KV][0])
+    kv["total_blocks"], kv["used_blocks"], kv["cached_blocks"] = 2000, 1200, 300
+    kv["free_blocks"], kv["pinned_blocks"], kv["live_sequences"] = 500, 40, 9
+    kv["hit_tokens"], kv["query_tokens"] = 3000, 12000
+    kv["readmit_hit_tokens"], kv["readmit_query_tokens"] = (900, 1000) if readmitted else (0, 0)
+    return bytes(data)
+
+
+def watch(data: bytes, size: tuple[int, int], check) -> None:
+    async def scenario(path) -> None:
+        app = KvallocTop(stats.SegmentFile.from_path(path), interval=0.1)
+        async with app.run_test(size=size) as pilot:
+            await until(pilot, lambda: app.current and app.current.last)
+            await pilot.pause(0.1)
+            await check(app, pilot)
+
+    with crafted_segment(data) as path:
+        asyncio.run(scenario(path))
+
+
+def test_the_kv_page_at_80x24_shows_pins_hit_rates_sequences_and_namespaces(original):
+    async def check(app, pilot) -> None:
+        lines = screen_text(app).splitlines()
+        assert len(lines) == 24 and all(len(line) <= 80 for line in lines)
+
+        kv = shown(app, "#kv")
+        width = app.screen.query_one("#kv").content_size.width
+        pinned = kv.spans[0]
+        assert pinned.style == render.PINNED_STYLE
+        assert pinned.end - pinned.start == round(width * 40 / 2000)
+        assert kv.plain.splitlines()[0] == "█" * round(width * 0.75) + "·" * (width - round(width * 0.75))
+        legend, hits = kv.plain.splitlines()[1:3]
+        assert legend.startswith("used 1,200 60.0%  pinned 40  cached 300 15.0%  free 500")
+        # 3,000 of 12,000 overall; first admissions 2,100 of 11,000; re-admissions 900 of 1,000.
+        assert hits.startswith("hit  25.0% of 12000 tok first  19.1% ")
+        assert "readmit  90.0% " in hits
+
+        sequences = shown(app, "#sequences").plain.splitlines()
+        assert sequences[0].startswith("live 9  pins 4  longest 14,397 tok, 900 blocks 0x500000001")
+        assert sequences[1].split() == ["handle", "tokens", "blocks", "cached", "namespace"]
+        assert sequences[2].split() == ["▸0x500000001", "14,397", "900", "512", "7"]
+        assert sequences[4].split() == ["0x2b", "64", "4", "0", "7", "pin"]
+        table = next(line for line in sequences if line.startswith("blocks of 0x500000001: "))
+        cut = " ".join(sequences[sequences.index(table):])
+        assert table.startswith("blocks of 0x500000001: 0 37 74 ")
+        assert cut.rstrip().endswith("(first 128 of 900)") and " … +" in cut
+
+        await pilot.press("down")  # the next one's block table
+        await until(pilot, lambda: "blocks of 0x2a: " in shown(app, "#sequences").plain)
+        sequences = shown(app, "#sequences").plain.splitlines()
+        assert sequences[3].startswith("▸0x2a")
+        assert sequences[-1].rstrip() == "blocks of 0x2a: 17-40 3 99-101" or any(
+            line.rstrip() == "blocks of 0x2a: 17-40 3 99-101" for line in sequences)
+        await pilot.press("up", "up")  # stops at the first
+        await until(pilot, lambda: "blocks of 0x500000001: " in shown(app, "#sequences").plain)
+
+        namespaces = shown(app, "#namespaces").plain.splitlines()
+        assert namespaces[0].split() == ["namespace", "seqs", "pins", "blocks", "share", "reg"]
+        assert namespaces[1].split() == ["7", "1", "1", "904", "45.2%", "300"]
+        assert namespaces[2].split() == ["0", "1", "0", "28", "1.4%", "20"]
+        assert namespaces[3].split() == ["other", "5", "2", "40", "2.0%", "100"]  # last
+
+    watch(kv_segment(original), (80, 24), check)
+
+
+def test_a_tall_terminal_shows_every_panel_at_once(original):
+    async def check(app, pilot) -> None:
+        text = screen_text(app)
+        lines = text.splitlines()
+        assert len(lines) == 50 and all(len(line) <= 160 for line in lines)
+        for title in ("KV cache", "sequences", "namespaces", "heap map", "free blocks per order",
+                      "slab classes", "use · fragmentation · latency", "recent operations"):
+            assert title in text, title
+        assert not app.screen.query_one("#kv-latency").display  # the latencies show once
+        footer = await until(pilot, lambda: screen_text(app).splitlines()[-1].strip())
+        assert "v " not in footer  # nothing to turn to
+        # The wide namespaces panel draws each share as a bar too.
+        namespaces = shown(app, "#namespaces").plain.splitlines()
+        assert "█" in namespaces[1]
+        # The block table takes the lines the rows leave: all 128 ids, with the note.
+        sequences = shown(app, "#sequences").plain
+        assert "(first 128 of 900)" in sequences and " … +" not in sequences
+
+    watch(kv_segment(original), (160, 50), check)
+
+
+def test_no_readmission_is_a_dash_that_says_why(original):
+    async def check(app, pilot) -> None:
+        hits = shown(app, "#kv").plain.splitlines()[2]
+        assert "first  25.0% " in hits
+        assert f"readmit      - {render.READMIT_NONE}" in hits
+
+    watch(kv_segment(original, readmitted=False), (80, 24), check)
+
+
+def test_a_1_4_writer_shows_what_it_publishes_and_says_what_it_does_not(original):
+    async def check(app, pilot) -> None:
+        kv = shown(app, "#kv").plain.splitlines()
+        assert "pinned" not in kv[1] and "readmit" not in kv[2] and kv[2].startswith("hit ")
+        assert "publishes no sequences" in shown(app, "#sequences").plain
+        assert "publishes no namespaces" in shown(app, "#namespaces").plain
+
+    watch(as_1_4(kv_segment(original)), (80, 24), check)
+
+
+def entry(ids: list[int], blocks: int | None = None) -> stats.KvSequenceEntry:
+    table = np.array(ids, np.uint32)
+    blocks = len(ids) if blocks is None else blocks
+    return stats.KvSequenceEntry(handle=1, num_tokens=blocks * 16, blocks=blocks,
+                                 cached_tokens=0, namespace=0, priority=0, pin=False,
+                                 table=table, table_complete=len(ids) == blocks)
+
+
+def test_a_block_table_is_drawn_as_runs_cut_to_fit():
+    assert render.block_table_lines(entry(RUNS), 40) == ["17-40 3 99-101"]
+    # Cut: "…" and the count of ids left out, never a run cut in half.
+    assert render.block_table_lines(entry(RUNS), 12) == ["17-40 3 … +3"]
+    assert render.block_table_lines(entry(list(range(100)) + [7]), 8) == ["0-99 7"]
+    lines = render.block_table_lines(entry(SCATTERED, 900), 40, 3)
+    assert len(lines) == 3 and all(len(line) <= 40 for line in lines)
+    assert lines[-1].endswith("(first 128 of 900)") and " … +" in lines[-1]
+    shown_ids = [int(token) for line in lines for token in line.split("…")[0].split()]
+    assert shown_ids == SCATTERED[:len(shown_ids)]
+    left = int(lines[-1].split("… +")[1].split()[0])
+    assert len(shown_ids) + left == 128
+    assert render.block_table_lines(entry(list(range(128)), 900), 78) == [
+        "0-127 (first 128 of 900)"]
+    assert render.block_table_lines(entry([], 900), 78) == ["table not published (900 blocks)"]
+    assert render.block_table_lines(entry([]), 78) == ["no blocks"]
