@@ -1,9 +1,12 @@
 """``kvalloc dump PID|NAME``: one snapshot of a live pool, for scripts and bug reports.
 
 The pool is found by pid, pool name or segment file (``kvalloc ls`` lists them) and read through
-its statistics segment, so the engine is neither stopped nor signalled. The tables show the
-summary, the free blocks per buddy order with the kernel's unusable-free-space index, the heap
-map in coloured cells, the slab classes in use, call latency and the KV cache; ``--trace`` adds
+its statistics segment, so the engine is neither stopped nor signalled. The tables show a KV
+cache first (its blocks, pinned ones included, the hit rates of first admissions and
+re-admissions, the longest sequences with their block tables, each namespace's share, its call
+latencies), then the summary, the free blocks per buddy order with the kernel's
+unusable-free-space index, the heap map in coloured cells, the slab classes in use and call
+latency; ``--trace`` adds
 the ring of recent operations. ``--json`` prints every figure as JSON instead, ``-o FILE`` writes
 that JSON to FILE.
 """
@@ -57,12 +60,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_tables(snap: Snapshot, process: str | None, trace: bool) -> None:
     console = Console(highlight=False)
-    console.print(render.header_line(snap, process, render.writer_state(snap)))
+    console.print(render.header_line(snap, process, render.writer_state(snap), console.width))
     console.print(Text(f"{snap.path}  layout {snap.abi[0]}.{snap.abi[1]}  publish "
                        f"#{snap.publish_count:,}, {format_age(snap.heartbeat_age())} ago  "
                        f"sequence {snap.sequence:,}", "dim"))
     if snap.kv is not None:
         console.print(_kv_table(snap, console.width))  # a pool holding a KV cache: that first
+        for part in _kv_sequences(snap, console.width):
+            console.print(part)
+        console.print(_kv_namespaces_table(snap))
         console.print(_kv_latency_table(snap))
     console.print(_summary_table(snap))
     console.print(_orders_table(snap))
@@ -210,7 +216,8 @@ def _kv_table(snap: Snapshot, width: int) -> Table | Text:
     table.add_column("value", justify="right")
     kv = snap.kv
     hit = snap.hit_rate
-    table.add_row("blocks: used, cached, free", render.kv_bar(snap, min(40, max(8, width - 36))))
+    table.add_row("blocks: " + ("pinned, " if render.kv_pinned(snap) is not None else "")
+                  + "used, cached, free", render.kv_bar(snap, min(40, max(8, width - 42))))
     if snap.kv_peaks is not None:
         table.caption = "peaks: since the cache's creation or its last reset_peaks()"
         table.caption_justify = "left"
@@ -220,14 +227,87 @@ def _kv_table(snap: Snapshot, width: int) -> Table | Text:
                    f"{format_size(int(kv['block_bytes']))} each"),
         ("used / cached / free", f"{int(kv['used_blocks']):,} / {int(kv['cached_blocks']):,} / "
                                  f"{int(kv['free_blocks']):,}"),
+        *_kv_pinned_rows(snap),
         ("prefix hit rate", "-" if hit is None else
          f"{hit:.1%} ({int(kv['hit_tokens']):,} of {int(kv['query_tokens']):,} tokens)"),
+        *_kv_hit_rows(snap),
         *_kv_peak_rows(snap),
         ("live sequences", f"{int(kv['live_sequences']):,}"),
         ("evictions", f"{int(kv['evictions']):,}"),
         ("forks / copies on write", f"{int(kv['forks']):,} / {int(kv['cow_copies']):,}"),
     ):
         table.add_row(label, value)
+    return table
+
+
+def _kv_pinned_rows(snap: Snapshot) -> list[tuple[str, str]]:
+    pinned = render.kv_pinned(snap)
+    if pinned is None:
+        return []  # a writer before layout 1.5
+    return [("  of them pinned", f"{pinned:,}")]
+
+
+def _kv_hit_rows(snap: Snapshot) -> list[tuple[str, str]]:
+    """The hit rates of first admissions and of re-admissions apart (layout 1.5 on), each a
+    dash with its reason when nothing of its kind was looked up."""
+    rates = snap.hit_rates
+    if rates is None or snap.kv is None:
+        return []
+    kv = snap.kv
+    again_hit, again_query = int(kv["readmit_hit_tokens"]), int(kv["readmit_query_tokens"])
+    first_hit = int(kv["hit_tokens"]) - again_hit
+    first_query = int(kv["query_tokens"]) - again_query
+    first, again = rates
+    return [("  first admissions", "- (nothing looked up yet)" if first is None else
+             f"{first:.1%} ({first_hit:,} of {first_query:,} tokens)"),
+            ("  re-admissions", f"- ({render.READMIT_NONE})" if again is None else
+             f"{again:.1%} ({again_hit:,} of {again_query:,} tokens)")]
+
+
+def _kv_sequences(snap: Snapshot, width: int) -> list[Table | Text]:
+    """The longest live sequences and pins, longest first, then each one's block table as runs
+    (up to three lines; see render.block_table_lines)."""
+    sequences = snap.kv_sequences
+    if sequences is None:
+        return [Text("This writer publishes no KV sequences (layout 1.5 on).", "dim")]
+    table = Table(title="KV sequences (the longest, longest first)", title_justify="left",
+                  caption=render.sequences_summary(snap).plain, caption_justify="left")
+    for name in ("handle", "tokens", "blocks", "cached", "namespace", "pin"):
+        table.add_column(name, justify="left" if name in ("handle", "namespace") else "right")
+    for entry in sequences.entries:
+        table.add_row(render.format_handle(entry.handle), f"{entry.num_tokens:,}",
+                      f"{entry.blocks:,}", f"{entry.cached_tokens:,}",
+                      render.format_namespace(entry.namespace), "pin" if entry.pin else "")
+    if not sequences.entries:
+        return [table, Text("No live sequences or pins.", "dim")]
+    tables = Text(no_wrap=True, overflow="crop")
+    for entry in sequences.entries:
+        label = f"blocks of {render.format_handle(entry.handle)}: "
+        runs = render.block_table_lines(entry, max(16, width - len(label)), 3)
+        for index, line in enumerate(runs):
+            if len(tables):
+                tables.append("\n")
+            tables.append(label if index == 0 else " " * len(label), "bold" if index == 0 else "")
+            tables.append(line)
+    return [table, tables]
+
+
+def _kv_namespaces_table(snap: Snapshot) -> Table | Text:
+    rows = snap.kv_namespaces
+    if rows is None:
+        return Text("This writer publishes no KV namespaces (layout 1.5 on).", "dim")
+    if not rows:
+        return Text("KV namespaces: no namespace holds blocks.", "dim")
+    total = (snap.kv_blocks or (0, 0, 0))[2]
+    table = Table(title="KV namespaces (share: blocks their tables hold, of all blocks)",
+                  title_justify="left", caption="registered: blocks it keyed in the prefix "
+                  "table; other: every namespace past the tracked ones", caption_justify="left")
+    for name in ("namespace", "sequences", "pins", "blocks", "share", "registered"):
+        table.add_column(name, justify="left" if name == "namespace" else "right")
+    for row in sorted(rows, key=lambda r: (r.namespace is None, -r.blocks)):
+        table.add_row(render.format_namespace(row.namespace), f"{row.sequences:,}",
+                      f"{row.pins:,}", f"{row.blocks:,}", render.percent(row.blocks, total),
+                      f"{row.registered_blocks:,}")
     return table
 
 

@@ -7,7 +7,8 @@ import json
 import psutil
 import pytest
 import numpy as np
-from stats_writer import Writer, crafted_segment, prune_lock, segment_bytes, unique_name
+from stats_writer import (Writer, crafted_segment, kv_segment_bytes, prune_lock, segment_bytes,
+                          unique_name)
 from support import run_kvalloc
 
 import pykvalloc
@@ -161,3 +162,58 @@ def test_a_kv_cache_comes_first_with_the_use_ls_shows_at_80_columns():
         assert {"allocate", "append", "free", "lookup", "evict"} <= set(calls)
         assert any("peak in buddy blocks" in line for line in lines)
         held.free()
+
+
+def test_pins_hit_rates_sequences_and_namespaces_at_80_columns_and_in_json():
+    from test_tui_kv import kv_segment
+
+    with crafted_segment(kv_segment(kv_segment_bytes())) as path:
+        dumped = run_kvalloc("dump", str(path))  # piped: 80 columns
+        as_json = run_kvalloc("dump", str(path), "--json")
+    assert dumped.returncode == 0 and as_json.returncode == 0, dumped.stderr + as_json.stderr
+    lines = dumped.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    text = "\n".join(lines)
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in lines if line.count("│") == 3}
+    assert rows["of them pinned"] == "40"
+    assert rows["first admissions"] == "19.1% (2,100 of 11,000 tokens)"
+    assert rows["re-admissions"] == "90.0% (900 of 1,000 tokens)"
+    titles = [line.rstrip() for line in lines if line[:1].isalpha()]
+    assert titles.index("KV sequences (the longest, longest first)") < titles.index(
+        "KV namespaces (share: blocks their tables hold, of all blocks)")
+    assert "live 9  pins 4  longest 14,397 tok, 900 blocks 0x500000001" in text
+    sequence = next(line for line in lines if "0x2b" in line and "│" in line)
+    assert [cell.strip() for cell in sequence.split("│")[1:-1]] == [
+        "0x2b", "64", "4", "0", "7", "pin"]
+    assert "blocks of 0x2a: 17-40 3 99-101" in text
+    longest = text[text.index("blocks of 0x500000001: "):text.index("blocks of 0x2a")]
+    assert "(first 128 of 900)" in longest
+    start = next(i for i, line in enumerate(lines) if line.startswith("KV namespaces"))
+    namespaces = [[cell.strip() for cell in line.split("│")[1:-1]]
+                  for line in lines[start:start + 9] if line.count("│") == 7]
+    assert namespaces == [["7", "1", "1", "904", "45.2%", "300"],
+                               ["0", "1", "0", "28", "1.4%", "20"],
+                               ["other", "5", "2", "40", "2.0%", "100"]]
+
+    dumped_json = json.loads(as_json.stdout)
+    sequences = dumped_json["kv_sequences"]
+    assert (sequences["live"], sequences["pins"], sequences["longest_tokens"]) == (9, 4, 14_397)
+    first = sequences["entries"][0]
+    assert first["blocks"] == 900 and len(first["table"]) == 128 and not first["table_complete"]
+    assert sequences["entries"][2]["pin"] is True
+    assert dumped_json["kv_namespaces"][-1]["namespace"] is None
+    assert dumped_json["kv"]["pinned_blocks"] == 40
+    assert dumped_json["kv"]["readmit_query_tokens"] == 1000
+
+
+def test_a_1_4_writer_says_what_it_does_not_publish():
+    from test_stats_kv_sections import as_1_4
+    from test_tui_kv import kv_segment
+
+    with crafted_segment(as_1_4(kv_segment(kv_segment_bytes()))) as path:
+        dumped = run_kvalloc("dump", str(path))
+    assert dumped.returncode == 0, dumped.stderr
+    assert "This writer publishes no KV sequences (layout 1.5 on)." in dumped.stdout
+    assert "This writer publishes no KV namespaces (layout 1.5 on)." in dumped.stdout
+    assert "pinned" not in dumped.stdout and "re-admissions" not in dumped.stdout
