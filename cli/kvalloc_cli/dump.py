@@ -6,9 +6,8 @@ cache first (its blocks, pinned ones included, the hit rates of first admissions
 re-admissions, the longest sequences with their block tables, each namespace's share, its call
 latencies), then the summary, the free blocks per buddy order with the kernel's
 unusable-free-space index, the heap map in coloured cells, the slab classes in use and call
-latency; ``--trace`` adds
-the ring of recent operations. ``--json`` prints every figure as JSON instead, ``-o FILE`` writes
-that JSON to FILE.
+latency; ``--trace`` adds the ring of recent operations. ``--json`` prints every figure as JSON
+instead, ``-o FILE`` writes that JSON to FILE.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import numpy as np
 from pykvalloc.errors import DeadWriter, SegmentError, SegmentNotFound, SegmentRemoved
 from pykvalloc.stats import (
     KV_CALL_KINDS,
+    KvNamespaceShare,
     SHM_DIR,
     Segment,
     SegmentFile,
@@ -135,6 +136,23 @@ KV_FAMILIES: dict[str, tuple[str, str]] = {
                                                               "prefix_cache_queries)."),
     "kvalloc_kv_prefix_cache_hit_tokens_total": ("counter", "Tokens the prefix cache held (vLLM: "
                                                             "prefix_cache_hits)."),
+    "kvalloc_kv_prefix_cache_readmission_query_tokens_total": (
+        "counter", "Of the tokens looked up, those of re-admissions (requests admitted again "
+                   "after a preemption); the rest are first admissions'."),
+    "kvalloc_kv_prefix_cache_readmission_hit_tokens_total": (
+        "counter", "Of the tokens the prefix cache held, those of re-admissions."),
+    "kvalloc_kv_pinned_blocks": ("gauge", "Distinct blocks held by live pins (part of the used "
+                                          "ones)."),
+    "kvalloc_kv_pins": ("gauge", "Live pins."),
+    "kvalloc_kv_longest_sequence_tokens": ("gauge", "Tokens of the longest live sequence (0: "
+                                                    "none)."),
+    "kvalloc_kv_namespace_sequences": ("gauge", "Live sequences by namespace (namespace=\"other\": "
+                                                "every namespace past the tracked ones)."),
+    "kvalloc_kv_namespace_pins": ("gauge", "Live pins by namespace."),
+    "kvalloc_kv_namespace_blocks": ("gauge", "Blocks the namespace's sequences and pins hold (a "
+                                             "block in two tables counts in both)."),
+    "kvalloc_kv_namespace_registered_blocks": ("gauge", "Blocks the namespace registered in the "
+                                                        "prefix table."),
     "kvalloc_kv_evictions_total": ("counter", "Prefix-cache registrations dropped (evictions)."),
     "kvalloc_kv_cow_copies_total": ("counter", "Copy-on-write block copies."),
     "kvalloc_kv_forks_total": ("counter", "Sequence forks."),
@@ -233,12 +251,50 @@ def _kv_samples(families: dict[str, Family], labels: tuple[tuple[str, str], ...]
     sample("kvalloc_kv_evictions_total", int(kv["evictions"]))
     sample("kvalloc_kv_cow_copies_total", int(kv["cow_copies"]))
     sample("kvalloc_kv_forks_total", int(kv["forks"]))
+    if "pinned_blocks" not in absent:  # layout 1.5 on
+        sample("kvalloc_kv_pinned_blocks", int(kv["pinned_blocks"]))
+        sample("kvalloc_kv_prefix_cache_readmission_query_tokens_total",
+               int(kv["readmit_query_tokens"]))
+        sample("kvalloc_kv_prefix_cache_readmission_hit_tokens_total",
+               int(kv["readmit_hit_tokens"]))
+    if snap.kv_sequences is not None:
+        sample("kvalloc_kv_pins", snap.kv_sequences.pins)
+        sample("kvalloc_kv_longest_sequence_tokens", snap.kv_sequences.longest_tokens)
+    for namespace, figures in _namespace_series(snap.kv_namespaces or []).items():
+        for name, value in zip(("sequences", "pins", "blocks", "registered_blocks"), figures):
+            sample(f"kvalloc_kv_namespace_{name}", value, (("namespace", namespace),))
     if snap.kv_latency is not None:
         sample("kvalloc_kv_call_sample_period", int(kv["call_sample_period"]))
         for k, call in enumerate(KV_CALL_KINDS):
             _histogram(families["kvalloc_kv_call_duration_seconds"], labels + (("call", call),),
                        snap.kv_latency[call], int(kv["call_timed"][k]),
                        int(kv["call_ns"][k]) / 1e9)
+
+
+#: The most namespace series a pool exports: the library's writer tracks 32 namespaces and pools
+#: the others in one "other" row.
+NAMESPACE_SERIES_MAX = 33
+
+
+def _namespace_series(rows: list[KvNamespaceShare]) -> dict[str, tuple[int, int, int, int]]:
+    """Each namespace's (sequences, pins, blocks, registered blocks) by its ``namespace`` label:
+    the id in decimal, "other" for the pooled row. At most NAMESPACE_SERIES_MAX: past the 32
+    holding the most blocks, the rest are added to "other" (a newer writer may track more);
+    a namespace listed twice (a damaged writer) is added up, so no series is written twice."""
+    merged: dict[int | None, list[int]] = {}
+    for row in rows:
+        figures = merged.setdefault(row.namespace, [0, 0, 0, 0])
+        for i, value in enumerate((row.sequences, row.pins, row.blocks, row.registered_blocks)):
+            figures[i] += value
+    tracked = sorted((ns for ns in merged if ns is not None), key=lambda ns: -merged[ns][2])
+    kept = tracked[:NAMESPACE_SERIES_MAX - 1]
+    pooled = [merged[ns] for ns in tracked[NAMESPACE_SERIES_MAX - 1:]]
+    if None in merged:
+        pooled.append(merged[None])
+    series = {str(ns): merged[ns] for ns in kept}
+    if pooled:
+        series["other"] = [sum(column) for column in zip(*pooled)]
+    return {label: (f[0], f[1], f[2], f[3]) for label, f in series.items()}
 
 
 @dataclass

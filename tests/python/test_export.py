@@ -412,3 +412,40 @@ def test_histogram_bounds_sum_the_log2_buckets_exactly() -> None:
     assert by_le[repr(2 ** 11 / 1e9)] == 7    # 2^11 ns: also bucket 10
     assert by_le[repr(2 ** 30 / 1e9)] == 14   # up to 2^30 ns: not bucket 39
     assert by_le["+Inf"] == 15
+
+
+def test_pins_readmissions_the_longest_sequence_and_namespaces(tmp_path: Path) -> None:
+    from stats_writer import kv_segment_bytes
+    from test_tui_kv import kv_segment
+
+    with planted(tmp_path, kv_segment(kv_segment_bytes())) as path:
+        families = parse(scrape(ExporterState(directory=tmp_path)))
+    mine = {"pool": path.name.split(".", 2)[2]}
+    assert value(families, "kvalloc_kv_pinned_blocks", **mine) == 40
+    assert value(families, "kvalloc_kv_prefix_cache_readmission_query_tokens_total", **mine) == 1000
+    assert value(families, "kvalloc_kv_prefix_cache_readmission_hit_tokens_total", **mine) == 900
+    assert value(families, "kvalloc_kv_pins", **mine) == 4
+    assert value(families, "kvalloc_kv_longest_sequence_tokens", **mine) == 14_397
+    expected = {"7": (1, 1, 904, 300), "0": (1, 0, 28, 20), "other": (5, 2, 40, 100)}
+    for name, column in (("sequences", 0), ("pins", 1), ("blocks", 2), ("registered_blocks", 3)):
+        found = {s[1]["namespace"]: s[2] for s in series(
+            families, f"kvalloc_kv_namespace_{name}", **mine)}
+        assert found == {ns: figures[column] for ns, figures in expected.items()}, name
+        assert families[f"kvalloc_kv_namespace_{name}"]["type"] == "gauge"
+
+
+def test_namespace_series_are_bounded_and_never_written_twice() -> None:
+    def row(namespace: int | None, blocks: int) -> stats.KvNamespaceShare:
+        return stats.KvNamespaceShare(namespace=namespace, sequences=1, pins=0, blocks=blocks,
+                                      registered_blocks=2)
+
+    # A writer tracking more namespaces than 32 (a newer one), one of them listed twice.
+    rows = [row(ns, 100 + ns) for ns in range(40)] + [row(39, 1), row(None, 5)]
+    found = exposition._namespace_series(rows)
+    assert len(found) == exposition.NAMESPACE_SERIES_MAX == 33
+    assert found["39"] == (2, 0, 140, 4)  # the two rows of 39 added up; the most blocks
+    kept = {str(ns) for ns in range(8, 40)}
+    assert set(found) == kept | {"other"}
+    # Namespaces 0..7 (the fewest blocks) and the writer's own "other" row go to "other".
+    assert found["other"] == (9, 0, sum(100 + ns for ns in range(8)) + 5, 18)
+    assert exposition._namespace_series([]) == {}
