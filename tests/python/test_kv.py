@@ -7,11 +7,12 @@ import ctypes
 import dataclasses
 import os
 import gc
+import textwrap
 import threading
 
 import numpy as np
 import pytest
-from support import mapped
+from support import mapped, run_python
 
 import pykvalloc
 from pykvalloc import _ffi
@@ -144,6 +145,66 @@ def test_forgotten_sequences_are_freed() -> None:
         with cache.allocate(4) as seq:
             assert cache.stats().used_blocks == 1
         assert seq.freed and cache.stats().used_blocks == 0
+
+
+def test_a_cache_and_its_forgotten_sequence_collected_together() -> None:
+    """An engine object that held a cache and a sequence it never freed, in a cycle: the
+    collector runs the cache's finalizer (the C cache destroyed) before the sequence's
+    __del__, which must then leave the destroyed cache alone (reaching it would lock a freed
+    mutex: a hang or a crash, so the scenario runs in a child process)."""
+    result = run_python(textwrap.dedent("""
+        import gc, sys
+        import pykvalloc
+        called, unraisable = [], []
+        sys.unraisablehook = unraisable.append
+
+        class Spy:  # the cache's library, recording each function taken from it
+            def __init__(self, lib):
+                self.lib = lib
+
+            def __getattr__(self, name):
+                called.append(name)
+                return getattr(self.lib, name)
+
+        class Engine:
+            pass
+
+        engine = Engine()
+        engine.cache = pykvalloc.KVCache(num_blocks=16, block_tokens=4, layers=1, kv_heads=1,
+                                         head_dim=8)
+        engine.seq = engine.cache.allocate(16)
+        engine.me = engine
+        engine.cache._lib = Spy(engine.cache._lib)
+        finalizer = engine.cache._finalizer
+        del engine
+        gc.collect()
+        print(finalizer.alive, "kva_kv_seq_free" in called, len(unraisable))
+    """), timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "False", "0"]  # destroyed; no free reached it
+
+
+def test_a_sequence_forgotten_while_another_thread_holds_the_lock_is_freed_later() -> None:
+    with small() as cache:
+        seq = cache.allocate(16)
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with cache._lock:
+                held.set()
+                release.wait(60)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert held.wait(60), "hung"
+        del seq  # __del__ cannot take the lock: the reaper thread frees it once it can
+        release.set()
+        holder.join(60)
+        for _ in range(1200):
+            if cache.stats().used_blocks == 0:
+                break
+            threading.Event().wait(0.05)
+        assert cache.stats().used_blocks == 0, "hung: the forgotten sequence was never freed"
 
 
 def test_addresses_in_both_layouts_are_writable_and_disjoint() -> None:
