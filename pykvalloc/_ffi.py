@@ -646,6 +646,18 @@ class KvaLib:
         function.restype = declared.restype
         return function
 
+    def untyped(self, name: str) -> Any:
+        """A declared function as a function object without argument types, returning a C int
+        (a status): ctypes then converts nothing, which halves the cost of a call of three
+        arguments (about 200 ns against 450). The caller passes each argument as a ctypes
+        object of its exact C type (``c_void_p`` for a handle, ``byref`` for a pointer) or as a
+        Python int for a 32-bit integer (ctypes passes an int as a C int, whose 32 bits are the
+        uint32's), and tests the status itself."""
+        getattr(self, name)  # declared: the library exports it
+        function = self._dll[name]
+        function.restype = c_int
+        return function
+
 
 def candidate_paths() -> list[Path]:
     """Where ``load()`` looks, in order; see the module docstring."""

@@ -5,7 +5,7 @@ into; each object's count of users has a leaf lock of its own (``HandleOwner``, 
 under which no other lock is waited for. Every method takes locks in that order, so methods
 cannot deadlock one another.
 
-Finalizers. ``weakref.finalize`` callbacks run inside a garbage collection, which may start in
+Finalizers. ``weakref.finalize`` callbacks and ``__del__`` methods run inside a garbage collection, which may start in
 any thread at any allocation, that thread holding any of these locks. A finalizer that waited
 on a lock there could close a cycle no method can (a thread in a ``Pool`` method collecting a
 forgotten sequence waits on the cache's lock, held by a thread in a ``KVCache`` method waiting
@@ -60,6 +60,31 @@ _reaper_pid = 0
 # Between the fork handlers: a finalizer's work then waits in _pending (starting a thread there,
 # in the child before threading has reinitialized itself, breaks threading's bookkeeping).
 _in_fork = False
+
+
+class LockPair:
+    """Two locks taken in order as one context manager (``with pair:`` as ``with first,
+    second:``), for a call made thousands of times a second that would otherwise also enter a
+    second, often empty, context manager."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Lock, second: Lock) -> None:
+        self.first = first
+        self.second = second
+
+    def __enter__(self) -> None:
+        self.first.acquire()
+        try:
+            self.second.acquire()
+        except BaseException:
+            self.first.release()
+            raise
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None, /) -> None:
+        self.second.release()
+        self.first.release()
 
 
 def run_locked(locks: Sequence[Lock], work: Callable[..., None], *args: Any) -> None:

@@ -24,12 +24,12 @@ refused step changes nothing; the first request that does not fit stops the step
 from __future__ import annotations
 
 import operator
-from ctypes import byref, pointer
+from ctypes import byref, c_void_p, pointer
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _ffi
+from . import _ffi, _locks
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -70,7 +70,8 @@ class DecodeStep:
     buffers do."""
 
     __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "_handles", "_num_tokens",
-                 "_offsets", "_content", "_copies", "_struct", "_step", "_step_ref", "_extend")
+                 "_offsets", "_content", "_copies", "_struct", "_step", "_step_ref", "_extend",
+                 "_kv", "_locks")
 
     def __init__(self, cache: KVCache, capacity: int, content: str | None,
                  content_capacity: int | None, key_len: int | None) -> None:
@@ -122,7 +123,15 @@ class DecodeStep:
             step.offsets = _address(self._offsets)
         step.copies = _address(self._copies)
         self._step_ref = byref(step)
-        self._extend = cache._lib.unchecked("kva_kv_seq_extend_step")
+        # The call with no argument converted (KvaLib.untyped): the cache's handle as the
+        # c_void_p it is, the struct by reference, the count as an int.
+        self._extend = cache._lib.untyped("kva_kv_seq_extend_step")
+        with cache._lock:
+            self._kv = c_void_p(cache._open_handle())
+        # What append_many holds: the cache's lock, then the caller's pool's when the cache
+        # calls one, entered as one context manager.
+        self._locks: Any = (cache._lock if cache._pool_lock is None
+                            else _locks.LockPair(cache._lock, cache._pool_lock))
 
     @property
     def capacity(self) -> int:
@@ -184,12 +193,12 @@ class DecodeStep:
             raise InvalidArgument(f"offsets[{count}] is {self._offsets.item(count)}, beyond the "
                                   f"{self._content_capacity} content items the step holds")
         cache = self._cache
-        with cache._lock, cache._guard:
+        with self._locks:
             if cache._users or cache._closed:  # refused as append_many refuses
                 cache._refuse_table_views("append to sequences")
                 cache._open_handle()
             self._step.num_copies = 0  # a refused step leaves no copies of the last one
-            status = self._extend(cache._handle, self._step_ref, count)
+            status = self._extend(self._kv, self._step_ref, count)
             if status:
                 cache._lib.raise_status(status, "kva_kv_seq_extend_step")
             done: int = self._step.done

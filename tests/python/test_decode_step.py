@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -197,3 +198,28 @@ def test_the_content_of_a_step_is_of_one_kind() -> None:
                               dtype="int8")
     with pytest.raises(pykvalloc.InvalidArgument, match="max_key_bytes"):
         plain.decode_step(1, content="keys")
+
+
+def test_a_step_over_a_callers_pool_waits_for_its_lock_as_append_many_does() -> None:
+    pool = pykvalloc.Pool(64 << 20, pages="small")
+    cache = pykvalloc.KVCache(num_blocks=16, block_tokens=BT, layers=1, kv_heads=1, head_dim=8,
+                              pool=pool)
+    step = cache.decode_step(1)
+    seq = cache.allocate(1)
+    step.handles[0] = seq.handle
+    done = threading.Event()
+
+    def run() -> None:
+        step.run(1)
+        done.set()
+
+    with pool._lock:  # another call into the pool is under way
+        runner = threading.Thread(target=run)
+        runner.start()
+        assert not done.wait(0.5)  # the step waits for the pool's lock (never sooner)
+    runner.join(60)
+    assert done.is_set(), "hung"
+    assert seq.num_tokens == 2
+    seq.free()
+    cache.close()
+    pool.close()
