@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _ffi, _locks
+from . import _ffi
 from .errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -130,8 +130,7 @@ class DecodeStep:
             self._kv = c_void_p(cache._open_handle())
         # What append_many holds: the cache's lock, then the caller's pool's when the cache
         # calls one, entered as one context manager.
-        self._locks: Any = (cache._lock if cache._pool_lock is None
-                            else _locks.LockPair(cache._lock, cache._pool_lock))
+        self._locks = cache._call_lock
 
     @property
     def capacity(self) -> int:

@@ -758,12 +758,14 @@ class LookupMany(NamedTuple):
 
 class _AdmitBuffers:
     """What allocate reuses from one call to the next, under its cache's lock, when an engine
-    admits a prompt by its keys as an array: the content struct, the out-values, and the
-    admission's function without ctypes' errcheck hook."""
+    admits a prompt by its keys as an array: the content struct, the out-values, the cache's
+    handle as a c_void_p and the admission's function with no argument converted
+    (KvaLib.untyped: the namespace, a u64, goes as a c_uint64, the rest as ints)."""
 
-    __slots__ = ("content", "content_ref", "seq", "seq_ref", "cached", "cached_ref", "call")
+    __slots__ = ("content", "content_ref", "seq", "seq_ref", "cached", "cached_ref", "call", "kv",
+                 "no_namespace")
 
-    def __init__(self, lib: _ffi.KvaLib) -> None:
+    def __init__(self, lib: _ffi.KvaLib, handle: int) -> None:
         self.content = _ffi.KvaKvContent()
         self.content.kind = _KEY_BYTES
         self.content_ref = byref(self.content)
@@ -771,7 +773,9 @@ class _AdmitBuffers:
         self.seq_ref = byref(self.seq)
         self.cached = c_uint32()
         self.cached_ref = byref(self.cached)
-        self.call = lib.unchecked("kva_kv_seq_admit")
+        self.call = lib.untyped("kva_kv_seq_admit")
+        self.kv = c_void_p(handle)
+        self.no_namespace = c_uint64(0)
 
 
 class _StepBuffers:
@@ -866,7 +870,7 @@ class KVCache(HandleOwner):
     number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_guard", "_info", "_pool_handle", "_max_key_bytes", "_step",
+    __slots__ = ("_lib", "_pool_lock", "_guard", "_call_lock", "_info", "_pool_handle", "_max_key_bytes", "_step",
                  "_admit", "_dtype", "_dl_device", "_kv_tensors", "_groups")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -946,6 +950,9 @@ class KVCache(HandleOwner):
         # nothing when the cache made its own pool.
         self._guard: AbstractContextManager[object] = (
             self._pool_lock if self._pool_lock is not None else _NO_LOCK)
+        # Both as one context manager, for the calls made at every step.
+        self._call_lock: AbstractContextManager[object] = (
+            self._lock if self._pool_lock is None else _locks.LockPair(self._lock, self._pool_lock))
         info = _ffi.KvaKvInfo()
         lib.kva_kv_get_info(handle, byref(info))
         self._info = KVInfo._from_c(info)
@@ -953,7 +960,7 @@ class KVCache(HandleOwner):
         self._pool_handle: int = info.pool
         self._max_key_bytes = int(config.max_key_bytes)
         self._step = _StepBuffers()
-        self._admit = _AdmitBuffers(lib)
+        self._admit = _AdmitBuffers(lib, handle)
         self._dtype = element
         self._dl_device = pool._dl_device if pool is not None else (DEVICE_CPU, 0)
         self._kv_tensors = _TensorCount()
@@ -1027,13 +1034,15 @@ class KVCache(HandleOwner):
                 and 0 <= priority <= _U32_MAX and keys.shape[0] <= _U32_MAX):
             return None
         admit = self._admit
-        with self._lock, self._guard:
-            handle = self._open_handle()
+        with self._call_lock:
+            self._open_handle()
             content = admit.content
             content.key_len = keys.shape[1]
             content.key_bytes = _address(keys)
-            status = admit.call(handle, num_tokens, namespace, priority, admit.content_ref,
-                                keys.shape[0], admit.seq_ref, admit.cached_ref)
+            status = admit.call(admit.kv, num_tokens,
+                                c_uint64(namespace) if namespace else admit.no_namespace,
+                                priority, admit.content_ref, keys.shape[0], admit.seq_ref,
+                                admit.cached_ref)
             if status:
                 self._lib.raise_status(status, "kva_kv_seq_admit")
             seq, cached = admit.seq.value, admit.cached.value

@@ -743,17 +743,23 @@ def test_an_admission_by_key_array_is_checked_as_any_other(monkeypatch) -> None:
         cache.allocate(12, keys=np.zeros((3, KEY_LEN + 1), dtype=np.uint8))
     with pytest.raises(pykvalloc.InvalidArgument, match="priority"):
         cache.allocate(12, keys=keys, priority=9)
+    # Every bit of a 32-bit argument reaches C (ctypes converts none of them on this path).
+    for priority in (1 << 31, (1 << 32) - 1):
+        with pytest.raises(pykvalloc.InvalidArgument, match=f"priority {priority} "):
+            cache.allocate(12, keys=keys, priority=priority)
+    with pytest.raises(pykvalloc.OutOfMemory, match=f"{((1 << 32) - 1) // 4 + 1} new blocks"):
+        cache.allocate((1 << 32) - 1, keys=keys)
     with pytest.raises(pykvalloc.InvalidArgument, match="block keys"):
         cache.allocate(4, keys=keys)  # three keys for one block
     with pytest.raises(pykvalloc.OutOfMemory):
         cache.allocate(40, keys=keys)
-    assert taken == ["refused"] * 4
+    assert taken == ["refused"] * 7
     after = cache.stats()
     assert (after.free_blocks, after.registered_blocks, after.sequences) == \
         (before.free_blocks, before.registered_blocks, before.sequences)
     with pytest.raises(pykvalloc.InvalidArgument):  # not an int: the general path says so
         cache.allocate(12.0, keys=keys)  # type: ignore[arg-type]
-    assert taken == ["refused"] * 4
+    assert taken == ["refused"] * 7
     seq = cache.allocate(13, keys=keys, namespace=(1 << 64) - 1, priority=7)
     assert taken[-1] is True and seq.num_tokens == 13 and seq.num_cached_tokens == 0
     assert cache.lookup(keys, namespace=(1 << 64) - 1).hits == 3
