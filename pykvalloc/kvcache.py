@@ -39,7 +39,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from ctypes import POINTER, addressof, byref, c_char, c_uint32, c_uint64, c_void_p
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -870,7 +870,7 @@ class KVCache(HandleOwner):
     number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_guard", "_call_lock", "_info", "_pool_handle", "_max_key_bytes", "_step",
+    __slots__ = ("_lib", "_pool_lock", "_call_lock", "_info", "_pool_handle", "_max_key_bytes", "_step",
                  "_admit", "_dtype", "_dl_device", "_kv_tensors", "_groups")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -946,11 +946,8 @@ class KVCache(HandleOwner):
         # The lock of a caller's Pool, which serializes the Python calls into its C pool: the
         # cache takes it for its own (creation, destruction, contiguous buffers).
         self._pool_lock = pool._lock if pool is not None else None
-        # What a call that may touch the pool holds after the cache's lock: the pool's lock, or
-        # nothing when the cache made its own pool.
-        self._guard: AbstractContextManager[object] = (
-            self._pool_lock if self._pool_lock is not None else _NO_LOCK)
-        # Both as one context manager, for the calls made at every step.
+        # What a call that may touch the pool holds: the cache's lock, then the caller's pool's
+        # (the cache's lock alone over a pool of its own), entered as one context manager.
         self._call_lock: AbstractContextManager[object] = (
             self._lock if self._pool_lock is None else _locks.LockPair(self._lock, self._pool_lock))
         info = _ffi.KvaKvInfo()
@@ -977,7 +974,7 @@ class KVCache(HandleOwner):
         """The fragmentation (1 - largest free block / free bytes) of the pool the cache's
         memory comes from: what limits contiguous mode."""
         raw = _ffi.KvaStats()
-        with self._lock, self._guard:
+        with self._call_lock:
             self._open_handle()
             self._lib.kva_get_stats(self._pool_handle, byref(raw))
         return float(raw.fragmentation)
@@ -986,7 +983,7 @@ class KVCache(HandleOwner):
         """Publishes the statistics of the cache's pool, the cache's own section included, now
         (a named cache; otherwise nothing happens). A named cache also publishes on its own from
         its calls, at most every ``publish_interval_ms`` of its pool."""
-        with self._lock, self._guard:
+        with self._call_lock:
             self._open_handle()
             self._lib.kva_stats_publish(self._pool_handle)
 
@@ -1017,7 +1014,7 @@ class KVCache(HandleOwner):
         prio = _u32("priority", priority)
         seq = c_uint64()
         cached = c_uint32()
-        with self._lock, self._guard:
+        with self._call_lock:
             self._lib.kva_kv_seq_admit(self._open_handle(), n, ns, prio, _content_ref(content),
                                        0 if content is None else content.count, byref(seq),
                                        byref(cached))
@@ -1123,7 +1120,7 @@ class KVCache(HandleOwner):
         handles = np.empty(count, dtype=np.uint64)
         cached = np.empty(count, dtype=np.uint32)
         done = c_uint32()
-        with self._lock, self._guard:
+        with self._call_lock:
             self._lib.kva_kv_seq_admit_many(
                 self._open_handle(), count, _address(counts),
                 None if ns is None else _address(ns),
@@ -1160,7 +1157,7 @@ class KVCache(HandleOwner):
             if counts.size != count:
                 raise InvalidArgument(f"num_tokens has {counts.size} entries for {count} handles")
         step = self._step
-        with self._lock, self._guard:
+        with self._call_lock:
             content = None
             if tokens is not None or block_keys is not None or keys is not None:
                 content = _batch_content(tokens, block_keys, keys, self._max_key_bytes,
@@ -1209,7 +1206,7 @@ class KVCache(HandleOwner):
                 and 0 <= num_tokens <= _U32_MAX):
             return None
         step = self._step
-        with self._lock, self._guard:
+        with self._call_lock:
             if self._users or self._closed:  # refused as on the general path
                 self._refuse_table_views("append to sequences")
                 self._open_handle()
@@ -1246,7 +1243,7 @@ class KVCache(HandleOwner):
         cache never gave ``InvalidArgument``, and nothing is freed. Refused
         (``TableInUseError``) while a block-table view of this cache is alive."""
         seqs = _batch_array("handles", handles, _U64)
-        with self._lock, self._guard:
+        with self._call_lock:
             self._refuse_table_views("free sequences")
             self._lib.kva_kv_seq_free_many(self._open_handle(), seqs.size, _address(seqs))
 
@@ -1476,7 +1473,7 @@ class KVCache(HandleOwner):
 
     def check(self) -> None:
         """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""
-        with self._lock, self._guard:
+        with self._call_lock:
             self._lib.kva_kv_check(self._open_handle())
 
     def block_address(self, block: int, layer: int, kind: str | int = "K") -> int:
@@ -1682,9 +1679,6 @@ class Blocks:
         return registered
 
 
-_NO_LOCK = nullcontext()
-
-
 def _free_forgotten(cache: KVCache, handle: int, pin: bool) -> None:
     """A finalizer: a sequence or pin became garbage without being freed."""
     locks = [cache._lock] + ([cache._pool_lock] if cache._pool_lock is not None else [])
@@ -1828,7 +1822,7 @@ class Sequence:
         content = _content(tokens, block_keys, keys, self._cache._max_key_bytes)
         copy = _ffi.KvaKvCopy()
         cache = self._cache
-        with cache._lock, cache._guard:
+        with cache._call_lock:
             self._refuse_with_views("append to")
             cache._lib.kva_kv_seq_extend(cache._open_handle(), self._handle, n,
                                          _content_ref(content),
@@ -1852,7 +1846,7 @@ class Sequence:
         """Releases the sequence: its blocks lose a reference; full prefix blocks stay cached
         until evicted. A second ``free()`` raises ``DoubleFree``."""
         cache = self._cache
-        with cache._lock, cache._guard:
+        with cache._call_lock:
             self._refuse_with_views("free")
             self._release_call(cache)(cache._open_handle(), self._handle)
             self._freed = True
