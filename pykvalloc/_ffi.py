@@ -51,6 +51,9 @@ KVA_SLAB_MIN_SIZE = 16
 KVA_SLAB_MAX_SIZE = 65536
 # And of kvalloc_kv.h.
 KVA_KV_MAX_KEY_BYTES = 32
+KVA_KV_PRIORITIES = 8
+KVA_KV_AGAIN = 0x80            # ORed into an admission's priority: a re-admission
+KVA_KV_NAMESPACE_SLOTS = 32
 KVA_KV_CALL_KINDS = 6
 KVA_KV_LATENCY_BUCKETS = 40
 KVA_KV_CALL_SAMPLE_PERIOD = 128
@@ -282,6 +285,24 @@ class KvaKvStats(Structure):
         ("kind_timed_calls", c_uint64 * KVA_KV_CALL_KINDS),
         ("kind_timed_ns", c_uint64 * KVA_KV_CALL_KINDS),
         ("kind_ns_log2", (c_uint64 * KVA_KV_LATENCY_BUCKETS) * KVA_KV_CALL_KINDS),
+        ("pinned_blocks", c_uint32),
+        ("reserved2", c_uint32),
+        ("readmit_hit_tokens", c_uint64),
+        ("readmit_query_tokens", c_uint64),
+    ]
+
+
+class KvaKvNamespaceShare(Structure):
+    """struct kva_kv_namespace_share."""
+
+    _fields_ = [
+        ("namespace_id", c_uint64),
+        ("is_other", c_uint32),
+        ("sequences", c_uint32),
+        ("pins", c_uint32),
+        ("reserved", c_uint32),
+        ("blocks", c_uint64),
+        ("registered_blocks", c_uint64),
     ]
 
 
@@ -385,7 +406,7 @@ KV_STRUCTS = {"kva_kv_config": KvaKvConfig, "kva_kv_info": KvaKvInfo, "kva_kv_co
               "kva_kv_seq_info": KvaKvSeqInfo, "kva_kv_stats": KvaKvStats,
               "kva_kv_content": KvaKvContent, "kva_kv_block_copy": KvaKvBlockCopy,
               "kva_kv_event": KvaKvEvent, "kva_kv_group": KvaKvGroup, "kva_kv_layer": KvaKvLayer,
-              "kva_kv_step": KvaKvStep}
+              "kva_kv_step": KvaKvStep, "kva_kv_namespace_share": KvaKvNamespaceShare}
 VAR_STRUCTS = {"kva_var_config": KvaVarConfig, "kva_var_stats": KvaVarStats}
 # Every mirrored struct, for the ABI test that compiles a probe against the header.
 STRUCTS = {**POOL_STRUCTS, **KV_STRUCTS, **VAR_STRUCTS}
@@ -564,6 +585,8 @@ class KvaLib:
     kva_kv_trim: Callable[[Handle, Ref], int] = _status(_kv, POINTER(c_uint32))
     kva_kv_get_stats: Callable[[Handle, Ref], int] = _status(_kv, POINTER(KvaKvStats))
     kva_kv_check: Callable[[Handle], int] = _status(_kv)
+    kva_kv_namespaces: Callable[[Handle, Ref, int, Ref], int] = _status(
+        _kv, POINTER(KvaKvNamespaceShare), c_uint32, POINTER(c_uint32))
     kva_kv_struct_size: Callable[[int], int] = _plain(c_size_t, c_enum)
 
     # -- variable-size pools (kva_var_*) ------------------------------------------------------

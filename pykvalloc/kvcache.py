@@ -69,7 +69,8 @@ if TYPE_CHECKING:
     KeyArray = Union[Iterable[bytes], npt.NDArray[np.uint8]]
 
 from . import _ffi, _locks
-from ._ffi import KV_CALL_KINDS
+from ._ffi import KV_CALL_KINDS, KVA_KV_AGAIN
+from ._ffi import KVA_KV_NAMESPACE_SLOTS as NAMESPACE_SLOTS
 from ._owner import ArrayAnchor, HandleOwner, refuse_copy
 from .errors import InvalidArgument, KvallocError, OutOfMemory
 from .tensor import DEVICE_CPU, Tensor, TensorDType, tensor_dtype
@@ -84,7 +85,7 @@ from .pool import (
     _snapshot,
 )
 
-__all__ = ["KVCache", "KVStats", "KVCallLatency", "KV_CALL_KINDS", "KVInfo", "KVGroup", "KVLayerInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
+__all__ = ["KVCache", "KVStats", "NamespaceShare", "KVCallLatency", "KV_CALL_KINDS", "KVInfo", "KVGroup", "KVLayerInfo", "Sequence", "Pin", "CopyOnWrite", "Move", "KVLayout",
            "KVMode", "TableInUseError", "dtype_bytes", "DEFAULT_BLOCK_TOKENS", "Blocks",
            "Admitted", "Extended", "Lookup", "LookupMany", "BlockStored", "BlockRemoved",
            "AllBlocksCleared", "KVEvent", "KVEvents", "EVENT_DTYPE", "MEDIA",
@@ -267,6 +268,38 @@ def _u32(name: str, value: object) -> int:
 
 def _u64(name: str, value: object) -> int:
     return _unsigned(name, value, 64)
+
+
+def _priority_arg(priority: object, again: object) -> int:
+    """An admission's priority as C takes it: KVA_KV_AGAIN ORed in for a re-admission (C
+    checks the priority itself)."""
+    if not isinstance(again, (bool, np.bool_)):
+        raise InvalidArgument(f"again must be a bool, not {type(again).__name__}")
+    prio = _u32("priority", priority)
+    return prio | KVA_KV_AGAIN if again else prio
+
+
+def _again_priorities(prios: npt.NDArray[Any] | None, again: object,
+                      count: int) -> npt.NDArray[Any] | None:
+    """allocate_many's priorities with KVA_KV_AGAIN (bit 7 of each uint8) ORed in where
+    ``again`` says: a bool for every request, or one bool a request. The caller's array is never
+    written."""
+    if isinstance(again, (bool, np.bool_)):
+        if not again:
+            return prios
+        flags = np.full(count, KVA_KV_AGAIN, dtype=np.uint8)
+    else:
+        try:
+            marks = np.asarray(again)
+        except (TypeError, ValueError):
+            marks = None
+        if marks is None or marks.ndim != 1 or marks.dtype != np.bool_:
+            raise InvalidArgument("again must be a bool or a one-dimensional array of bools, one "
+                                  "per request")
+        if marks.size != count:
+            raise InvalidArgument(f"again has {marks.size} entries for {count} requests")
+        flags = np.where(marks, np.uint8(KVA_KV_AGAIN), np.uint8(0)).astype(np.uint8)
+    return flags if prios is None else np.ascontiguousarray(prios | flags, dtype=np.uint8)
 
 
 def _array_arg(name: str, values: IntegerArray | None, dtype: type[np.uint32] | type[np.uint64]
@@ -555,11 +588,30 @@ class KVStats:
     call_sample_period: int        # 1: every call timed (trace); else one in this many per kind
     # Per kind of call ("allocate", "append", "free", "lookup", "evict", "other"; KV_CALL_KINDS).
     call_latency: Mapping[str, KVCallLatency]
+    pinned_blocks: int             # distinct blocks held by live pins (a subset of used_blocks)
+    # The part of hit_tokens / query_tokens that re-admissions (allocate(..., again=True)) made;
+    # first admissions made the rest.
+    readmit_hit_tokens: int
+    readmit_query_tokens: int
 
     @property
     def hit_rate(self) -> float:
         """The share of the tokens asked for that the prefix cache held (0 before any)."""
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+    @property
+    def first_admission_hit_rate(self) -> float:
+        """``hit_rate`` of first admissions alone (0 before any)."""
+        query = self.query_tokens - self.readmit_query_tokens
+        return (self.hit_tokens - self.readmit_hit_tokens) / query if query else 0.0
+
+    @property
+    def readmission_hit_rate(self) -> float:
+        """``hit_rate`` of re-admissions alone (0 before any)."""
+        return (self.readmit_hit_tokens / self.readmit_query_tokens
+                if self.readmit_query_tokens else 0.0)
+
+
 
     @classmethod
     def _from_c(cls, raw: _ffi.KvaKvStats) -> KVStats:
@@ -572,6 +624,21 @@ class KVStats:
             for k, kind in enumerate(KV_CALL_KINDS)})
         return _snapshot(cls, raw, call_ns_log2=tuple(np.ctypeslib.as_array(raw.call_ns_log2).tolist()),
                          call_latency=latency)
+
+
+@dataclass(frozen=True)
+class NamespaceShare:
+    """One namespace's share of a KV cache (``KVCache.namespaces()``, kva_kv_namespaces): its
+    live ``sequences`` and ``pins``, ``blocks`` (their block tables' lengths summed: a block two
+    tables share counts twice) and ``registered_blocks`` (its keys in the prefix table).
+    ``namespace`` None is the row pooling every namespace past the first
+    ``NAMESPACE_SLOTS`` tracked ones."""
+
+    namespace: int | None
+    sequences: int
+    pins: int
+    blocks: int
+    registered_blocks: int
 
 
 class KVGauges(NamedTuple):
@@ -991,7 +1058,8 @@ class KVCache(HandleOwner):
 
     def allocate(self, num_tokens: int, block_keys: IntegerArray | None = None,
                  tokens: IntegerArray | None = None, namespace: int = 0,
-                 priority: int = 0, *, keys: KeyArray | None = None) -> Sequence:
+                 priority: int = 0, *, keys: KeyArray | None = None,
+                 again: bool = False) -> Sequence:
         """A sequence of ``num_tokens`` tokens. The content of its first blocks is given as
         ``tokens`` (token ids; their whole blocks are hashed and chained here), ``block_keys``
         (one 64-bit key per full block, such as a trace's hash ids, chained here) or ``keys``
@@ -1001,17 +1069,21 @@ class KVCache(HandleOwner):
         requests. A sequence given the content of all of it (every token id, or a key for each
         full block) keeps its chain: ``append`` commits the blocks its decoding fills. Blocks
         are shared only within one ``namespace`` (64 bits: a tenant, an adapter, a salt).
-        ``priority`` (0..7): lower priorities' blocks are evicted first. ``OutOfMemory`` if the
-        blocks are not there, with nothing changed."""
+        ``priority`` (0..7): lower priorities' blocks are evicted first. ``again=True`` says the
+        request is a re-admission (a preempted request admitted again): its tokens count in
+        ``stats()``' readmit_* figures too. ``OutOfMemory`` if the blocks are not there, with
+        nothing changed."""
         if (type(keys) is np.ndarray and tokens is None and block_keys is None
-                and type(num_tokens) is int and type(namespace) is int and type(priority) is int):
-            admitted = self._admit_keyed(num_tokens, keys, namespace, priority)
+                and type(num_tokens) is int and type(namespace) is int and type(priority) is int
+                and type(again) is bool):
+            admitted = self._admit_keyed(num_tokens, keys, namespace,
+                                         priority | KVA_KV_AGAIN if again else priority)
             if admitted is not None:
                 return admitted
         n = _u32("num_tokens", num_tokens)
         content = _content(tokens, block_keys, keys, self._max_key_bytes)
         ns = _u64("namespace", namespace)
-        prio = _u32("priority", priority)
+        prio = _priority_arg(priority, again)
         seq = c_uint64()
         cached = c_uint32()
         with self._call_lock:
@@ -1100,11 +1172,13 @@ class KVCache(HandleOwner):
 
     def allocate_many(self, num_tokens: object, *, tokens: object = None,
                       block_keys: object = None, keys: object = None, offsets: object = None,
-                      namespaces: object = None, priorities: object = None) -> Admitted:
+                      namespaces: object = None, priorities: object = None,
+                      again: object = False) -> Admitted:
         """Admits len(num_tokens) sequences in one call, request i of ``num_tokens[i]`` tokens
         with its content items ``[offsets[i], offsets[i+1])`` of ``tokens``, ``block_keys`` or
         ``keys`` (as for ``allocate``), in ``namespaces[i]`` with ``priorities[i]`` (default 0
-        for all). Without ``offsets``, token ids are every token of every request and keys one
+        for all), re-admissions where ``again`` says so (a bool for all, or one per request; see
+        ``allocate``). Without ``offsets``, token ids are every token of every request and keys one
         per full block. A request hits the blocks an earlier one registered. Running out of
         blocks stops at the first request that does not fit (``Admitted.done``); a bad argument
         raises with nothing changed."""
@@ -1117,6 +1191,7 @@ class KVCache(HandleOwner):
         if (ns is not None and ns.size != count) or (prios is not None and prios.size != count):
             raise InvalidArgument(f"namespaces and priorities need {count} entries, one per "
                                   "request")
+        prios = _again_priorities(prios, again, count)
         handles = np.empty(count, dtype=np.uint64)
         cached = np.empty(count, dtype=np.uint32)
         done = c_uint32()
@@ -1470,6 +1545,19 @@ class KVCache(HandleOwner):
         """Starts the peaks of ``stats()`` afresh from the figures as they stand."""
         with self._lock:
             self._lib.kva_kv_reset_peaks(self._open_handle())
+
+    def namespaces(self) -> list[NamespaceShare]:
+        """Each namespace's share of the cache, exact: a row for each of the first
+        ``NAMESPACE_SLOTS`` namespaces seen, then one pooling the rest (``namespace`` None);
+        rows with nothing in them are left out. kvalloc_kv.h (kva_kv_namespaces) has the rules."""
+        rows = (_ffi.KvaKvNamespaceShare * (NAMESPACE_SLOTS + 1))()
+        count = c_uint32()
+        with self._lock:
+            self._lib.kva_kv_namespaces(self._open_handle(), byref(rows[0]), NAMESPACE_SLOTS + 1,
+                                        byref(count))
+        return [NamespaceShare(None if row.is_other else int(row.namespace_id), int(row.sequences),
+                               int(row.pins), int(row.blocks), int(row.registered_blocks))
+                for row in rows[:count.value]]
 
     def check(self) -> None:
         """Walks every invariant of the cache; ``CorruptionError`` names the first broken one."""

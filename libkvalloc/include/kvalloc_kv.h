@@ -68,7 +68,15 @@ typedef struct kva_kv kva_kv;
 typedef uint64_t kva_kv_seq; /* 0 is never a valid handle */
 
 #define KVA_KV_NO_BLOCK UINT32_MAX
-#define KVA_KV_PRIORITIES 8     /* sequence priorities 0 (evicted first) .. 7 */
+#define KVA_KV_PRIORITIES 8 /* sequence priorities 0 (evicted first) .. 7 */
+/* ORed into the priority of an admission (kva_kv_seq_admit, kva_kv_seq_allocate, and each
+ * uint8_t of kva_kv_seq_admit_many's priorities: the one bit fits both) when the request is a
+ * re-admission, a preempted request admitted again: its hit and queried tokens are counted in
+ * kva_kv_stats' readmit_hit_tokens / readmit_query_tokens besides hit_tokens / query_tokens.
+ * Any other bit beyond the priority is KVA_ERR_INVALID. */
+#define KVA_KV_AGAIN 0x80u
+/* Namespaces tracked one by one in kva_kv_namespaces; the rest share one row. */
+#define KVA_KV_NAMESPACE_SLOTS 32
 #define KVA_KV_MIN_BUCKET 64    /* contiguous mode: the smallest bucket, in tokens */
 #define KVA_KV_MAX_KEY_BYTES 32 /* the longest engine key */
 
@@ -268,7 +276,8 @@ typedef struct kva_kv_content {
  * request's other given blocks are registered under their keys for later requests (unless a
  * key is registered already: that block stays unregistered). content NULL, or kind NONE with
  * count 0: nothing is looked up or registered. priority (0 .. KVA_KV_PRIORITIES-1) sets the
- * eviction class of the blocks (see kva_kv_seq_free).
+ * eviction class of the blocks (see kva_kv_seq_free); KVA_KV_AGAIN ORed into it says the
+ * request is a re-admission (counted apart in kva_kv_stats).
  * A sequence given the content of all of it (all num_tokens token ids, or a key for each of
  * its full blocks, none when it has none) keeps its chain: the blocks its decoding fills are
  * registered too (kva_kv_seq_extend).
@@ -400,7 +409,7 @@ KVA_API kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evict
  */
 
 /* Admits count sequences, request i of num_tokens[i] tokens in namespaces[i] (NULL: all 0)
- * with priorities[i] (NULL: all 0), its content items [offsets[i], offsets[i + 1]) of content
+ * with priorities[i] (NULL: all 0; KVA_KV_AGAIN, bit 7, marks a re-admission), its content items [offsets[i], offsets[i + 1]) of content
  * (NULL: none), as kva_kv_seq_admit; a request hits the blocks an earlier one registered.
  * seqs[i] receives its handle and cached_tokens[i] (cached_tokens may be NULL) its hit. Errors:
  * KVA_ERR_INVALID (any request's arguments as kva_kv_seq_admit refuses them; seqs, done or, with
@@ -692,6 +701,13 @@ typedef struct kva_kv_stats {
     uint64_t kind_timed_calls[KVA_KV_CALL_KINDS];
     uint64_t kind_timed_ns[KVA_KV_CALL_KINDS];
     uint64_t kind_ns_log2[KVA_KV_CALL_KINDS][KVA_KV_LATENCY_BUCKETS];
+    /* Distinct blocks referenced by at least one live pin (kva_kv_pin): a subset of used_blocks. */
+    uint32_t pinned_blocks;
+    uint32_t reserved2;
+    /* The part of hit_tokens and query_tokens that re-admissions (KVA_KV_AGAIN) made; first
+     * admissions made the rest. */
+    uint64_t readmit_hit_tokens;
+    uint64_t readmit_query_tokens;
 } kva_kv_stats;
 
 KVA_API kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out);
@@ -700,6 +716,28 @@ KVA_API kva_status kva_kv_get_stats(kva_kv *kv, kva_kv_stats *out);
  * reset_peak_memory_stats): peak_used_blocks = used_blocks, and so on. KVA_ERR_INVALID for a
  * NULL cache. */
 KVA_API kva_status kva_kv_reset_peaks(kva_kv *kv);
+
+/* One namespace's share of the cache (kva_kv_namespaces). */
+typedef struct kva_kv_namespace_share {
+    uint64_t namespace_id; /* 0 in the other row */
+    uint32_t is_other;     /* 1: the row pooling every namespace not tracked in a slot of its own */
+    uint32_t sequences;    /* live sequences, pins excluded */
+    uint32_t pins;         /* live pins */
+    uint32_t reserved;
+    uint64_t blocks;            /* their block tables' lengths summed (a shared block counts per table) */
+    uint64_t registered_blocks; /* its keys in the prefix table */
+} kva_kv_namespace_share;
+
+/* Each namespace's share of the cache, exact and kept as the cache changes (a sequence's
+ * admission, growth and free, a registration and its drop cost a compare and an add). The
+ * first KVA_KV_NAMESPACE_SLOTS namespaces seen get a row of their own; a namespace seen while
+ * every slot is taken is counted in the other row. A slot whose counts are all zero is given to
+ * a new namespace only while the other row is all zero, so a namespace is never counted in both.
+ * Rows with any nonzero count are listed, tracked ones in slot order, then the other row:
+ * *count receives how many there are (at most KVA_KV_NAMESPACE_SLOTS + 1), and the first
+ * min(*count, max) are written to out. Errors: KVA_ERR_INVALID (NULL cache or count; out NULL
+ * with max nonzero). */
+KVA_API kva_status kva_kv_namespaces(kva_kv *kv, kva_kv_namespace_share *out, uint32_t max, uint32_t *count);
 
 /* Walks every invariant of the cache (reference counts against the block tables, the free
  * blocks, the LRU lists, the prefix table, the sequences, the pool) and names the first one
@@ -719,7 +757,8 @@ typedef enum kva_kv_struct_id {
     KVA_KV_STRUCT_EVENT = 8,
     KVA_KV_STRUCT_GROUP = 9,
     KVA_KV_STRUCT_LAYER = 10,
-    KVA_KV_STRUCT_STEP = 11
+    KVA_KV_STRUCT_STEP = 11,
+    KVA_KV_STRUCT_NAMESPACE_SHARE = 12
 } kva_kv_struct_id;
 
 KVA_API size_t kva_kv_struct_size(kva_kv_struct_id which);

@@ -35,6 +35,7 @@ uint32_t kv_commit(kva_kv *kv, uint32_t b, const kv_ident *id, const kv_ident *p
     blk->hash_next = KVA_NIL;
     *link = b;
     kv->registered_count++;
+    kv->ns.rows[kv_ns_slot(kv, id->ns)].registered++;
     if (kva_unlikely(kv->events != NULL)) kv_event_stored(kv, b, id, parent, first_token);
     return b;
 }
@@ -47,6 +48,7 @@ static void prefix_unregister(kva_kv *kv, uint32_t b) {
     blk->hash_next = KVA_NIL;
     blk->registered = 0;
     kv->registered_count--;
+    kv->ns.rows[kv_ns_slot(kv, blk->ns)].registered--;
 }
 
 /* Appends a block below every free block: it is taken after them. */

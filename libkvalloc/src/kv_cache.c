@@ -356,6 +356,10 @@ static kva_status paged_init(kva_kv *kv) {
     st = kv_metadata_map((size_t)n * sizeof *kv->loose, &loose, &kv->loose_length);
     if (st != KVA_OK) return st;
     kv->loose = loose;
+    void *pin_refs;
+    st = kv_metadata_map((size_t)n * sizeof *kv->pin_refs, &pin_refs, &kv->pin_refs_length);
+    if (st != KVA_OK) return st;
+    kv->pin_refs = pin_refs;
     if (kv->max_key_bytes) {
         void *keys;
         st = kv_metadata_map((size_t)n * kv->max_key_bytes, &keys, &kv->key_store_length);
@@ -386,6 +390,7 @@ static void release_memory(kva_kv *kv) {
     kva_os_unmap(kv->blocks, kv->blocks_length);
     kva_os_unmap(kv->buckets, kv->buckets_length);
     kva_os_unmap(kv->loose, kv->loose_length);
+    kva_os_unmap(kv->pin_refs, kv->pin_refs_length);
     kva_os_unmap(kv->key_store, kv->key_store_length);
     kv_events_release(kv);
     kv_lru_release(kv);
@@ -413,6 +418,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
         return kva_fail(KVA_ERR_NOMEM, "no host memory for the cache descriptor");
     }
     kv->info = info;
+    kv_ns_init(kv);
     kv->parts = parts;
     kv->layer_geom = table;
     kv->block_tokens = info.block_tokens;
@@ -541,6 +547,9 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
         .peak_used_blocks = kv->peak_used,
         .peak_cached_blocks = kv->peak_cached,
         .call_sample_period = kv->sample_period,
+        .pinned_blocks = kv->pinned_count,
+        .readmit_hit_tokens = c->readmit_hit_tokens,
+        .readmit_query_tokens = c->readmit_query_tokens,
     };
     for (unsigned k = 0; k < KVA_KV_CALL_KINDS; k++) {
         st.kind_timed_calls[k] = kv->kind_timed_calls[k];
@@ -556,7 +565,8 @@ static void get_stats_locked(const kva_kv *kv, kva_kv_stats *out) {
     st.bytes_in_use = paged ? (size_t)kv->used_count * kv->info.block_bytes : kv->contig_bytes;
     st.peak_bytes_in_use = paged ? (size_t)kv->peak_used * kv->info.block_bytes : kv->peak_contig_bytes;
     st.block_metadata_bytes = (size_t)kv->num_blocks * (sizeof *kv->blocks + kv->max_key_bytes +
-                                                        (kv->loose_touched ? sizeof *kv->loose : 0)) +
+                                                        (kv->loose_touched ? sizeof *kv->loose : 0) +
+                                                        (kv->pins_touched ? sizeof *kv->pin_refs : 0)) +
                               (kv->buckets ? ((size_t)kv->bucket_mask + 1) * sizeof *kv->buckets : 0) +
                               (size_t)kv->lru_used * (KV_LRU_SEG * sizeof *kv->lru_ids + sizeof *kv->lru_segs);
     size_t tables = 0;
@@ -592,6 +602,7 @@ size_t kva_kv_struct_size(kva_kv_struct_id which) {
     case KVA_KV_STRUCT_GROUP: return sizeof(kva_kv_group);
     case KVA_KV_STRUCT_LAYER: return sizeof(kva_kv_layer);
     case KVA_KV_STRUCT_STEP: return sizeof(kva_kv_step);
+    case KVA_KV_STRUCT_NAMESPACE_SHARE: return sizeof(kva_kv_namespace_share);
     }
     return 0;
 }

@@ -78,6 +78,14 @@
  *      holds for it: chain (key_len 0) or last_key, in its namespace.
  *  K10 The event ring holds event_count <= event_capacity events from event_head on, each of a
  *      known kind with key_len and parent_len at most KVA_KV_MAX_KEY_BYTES.
+ *  K11 Pins: pin_refs[b] equals the number of entries naming b in live pins' tables, and
+ *      pinned_count the blocks with a nonzero pin_refs (all of them USED, by K1 and K2).
+ *  K12 Namespaces (kv_ns): slots [0, ns.assigned) hold distinct namespaces, the rest are all
+ *      zero; a live sequence's ns_slot is the slot holding its namespace, or KV_NS_OTHER when
+ *      none does; each row's sequences, pins and blocks (table lengths) sum the live sequences
+ *      and pins whose ns_slot is that row, and its registered count the registered blocks whose
+ *      namespace is in that slot (the other row: in none). When the other row is not all zero,
+ *      every slot is assigned. The memo, when set, names the slot holding memo_ns.
  *
  * Threads. One mutex per cache (`lock`) guards everything below except the fields marked
  * "fixed at creation", which are written before the cache is handed out and only read after,
@@ -169,11 +177,28 @@ typedef struct kva_kv_seqrec {
     uint8_t key_kind;
     uint8_t key_len;  /* keyed by engine keys: their length */
     uint8_t has_last; /* keyed by engine keys: last_key holds its last full block's key */
+    uint8_t ns_slot;  /* while live: its row in the namespace table (kv_ns), KV_NS_OTHER if untracked */
     uint8_t last_key[KVA_KV_MAX_KEY_BYTES];
 } kva_kv_seqrec;
 
+/* The namespace table (kva_kv_namespaces, K12): a row per tracked namespace, then the other row. */
+#define KV_NS_OTHER KVA_KV_NAMESPACE_SLOTS
+typedef struct kv_ns_row {
+    uint64_t ns;
+    uint32_t sequences, pins;
+    uint64_t blocks;     /* table lengths of its live sequences and pins */
+    uint64_t registered; /* its registered blocks */
+} kv_ns_row;
+typedef struct kv_ns_table {
+    kv_ns_row rows[KV_NS_OTHER + 1];
+    uint32_t assigned; /* slots [0, assigned) hold a namespace */
+    uint32_t memo;     /* the slot of memo_ns, or KV_NS_OTHER: none remembered */
+    uint64_t memo_ns;
+} kv_ns_table;
+
 typedef struct kva_kv_counters {
     uint64_t hit_tokens, query_tokens, evictions, cow_copies, forks;
+    uint64_t readmit_hit_tokens, readmit_query_tokens; /* the part re-admissions made (KVA_KV_AGAIN) */
     uint64_t allocations, frees, appends, moves, moved_bytes;
     uint64_t alloc_failures, rejected_calls;
 } kva_kv_counters;
@@ -230,6 +255,12 @@ struct kva_kv {
     size_t loose_length;
     uint64_t loose_refs; /* sum of loose[] */
     int loose_touched;   /* some block has held a loose reference (its pages are resident) */
+    /* per block: entries naming it in live pins' tables (K11); mapped like loose, touched only
+     * once a pin has held a block */
+    uint32_t *pin_refs;
+    size_t pin_refs_length;
+    uint32_t pinned_count; /* blocks with pin_refs[b] != 0 */
+    int pins_touched;
 
     /* Events (kv_events.c): a ring of event_capacity, event_count of them from event_head. */
     kva_kv_event *events; /* NULL: events off */
@@ -245,6 +276,7 @@ struct kva_kv {
     uint32_t seq_capacity; /* slots allocated */
     uint32_t free_slot;
     uint32_t live_seqs, live_pins;
+    kv_ns_table ns; /* each namespace's share (kv_ns.c) */
 
     /* Contiguous mode. */
     size_t contig_bytes;
@@ -469,6 +501,33 @@ KVA_INLINE void kv_unref(kva_kv *kv, uint32_t b) {
 /* Drops one reference from each of table[0 .. n), last first. */
 void kv_release(kva_kv *kv, const uint32_t *table, uint32_t n);
 
+/* ---- namespaces (kv_ns.c) and pins --------------------------------------------------------- */
+
+/* The row of namespace ns: its slot, one given to it now if it has none and one may be (K12), or
+ * KV_NS_OTHER. The search and the assignment are out of line. */
+uint32_t kv_ns_lookup(kva_kv *kv, uint64_t ns);
+KVA_INLINE uint32_t kv_ns_slot(kva_kv *kv, uint64_t ns) {
+    /* Registrations come in runs of one namespace: a compare, mostly. */
+    if (kva_likely(kv->ns.memo_ns == ns && kv->ns.memo != KV_NS_OTHER)) return kv->ns.memo;
+    return kv_ns_lookup(kv, ns);
+}
+/* Empties the table (creation). */
+void kv_ns_init(kva_kv *kv);
+/* Every registration dropped at once (kva_kv_reset_prefix_cache). */
+void kv_ns_forget_all(kva_kv *kv);
+/* K11 and K12, for kv_check.c. */
+kva_status kv_ns_check(const kva_kv *kv);
+kva_status kv_pins_check(const kva_kv *kv);
+
+/* A live pin's table entries, counted in pin_refs (K11): taken at pin, given back at unpin. */
+KVA_INLINE void kv_pin_hold(kva_kv *kv, const uint32_t *table, uint32_t n) {
+    if (n) kv->pins_touched = 1;
+    for (uint32_t i = 0; i < n; i++) kv->pinned_count += kv->pin_refs[table[i]]++ == 0;
+}
+KVA_INLINE void kv_pin_drop(kva_kv *kv, const uint32_t *table, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) kv->pinned_count -= --kv->pin_refs[table[i]] == 0;
+}
+
 /* ---- content: how a request's blocks are named (kv_lookup.c) ------------------------------ */
 
 /* Content checked against the cache: kind, key length and array, `items` of them. */
@@ -532,7 +591,8 @@ uint32_t kv_prefix_probe(const kva_kv *kv, const kv_content *c, uint32_t *table,
 kva_kv_seqrec *kv_live_seq(kva_kv *kv, kva_kv_seq seq, kva_status *st);
 /* Checks a paged admission's arguments beyond its content. */
 kva_status kv_admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c);
-/* A paged admission, arguments checked: KVA_OK, or KVA_ERR_NOMEM with nothing changed. */
+/* A paged admission, arguments checked: KVA_OK, or KVA_ERR_NOMEM with nothing changed. priority
+ * may carry KVA_KV_AGAIN (a re-admission, counted apart). */
 kva_status kv_admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
                     uint32_t *cached_tokens);
 /* Checks an extension of a live sequence by n tokens with content c (NULL: none). */

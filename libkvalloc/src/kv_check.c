@@ -194,6 +194,8 @@ static kva_status check_paged(kva_kv *kv) {
         st = BROKEN("K2: the engine holds %llu references; the counter says %llu", (unsigned long long)loose,
                     (unsigned long long)kv->loose_refs);
     if (st == KVA_OK) st = check_events(kv);
+    if (st == KVA_OK) st = kv_pins_check(kv);
+    if (st == KVA_OK) st = kv_ns_check(kv);
     free(seen);
     free(refs);
     return st;
@@ -226,6 +228,7 @@ static kva_status check_buffers_distinct(const kva_kv *kv) {
 static kva_status check_contiguous(kva_kv *kv) {
     kva_status st = check_sequences(kv, NULL); /* no tables in contiguous mode */
     if (st == KVA_OK) st = check_buffers_distinct(kv);
+    if (st == KVA_OK) st = kv_ns_check(kv);
     if (st != KVA_OK) return st;
     size_t bytes = 0;
     for (uint32_t s = 0; s < kv->seq_slots; s++) {

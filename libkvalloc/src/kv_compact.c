@@ -48,6 +48,10 @@ static void move_records(kva_kv *kv, uint32_t n, kva_kv_move *moves) {
         /* The engine's references and key bytes go with the block. */
         kv->loose[hole] = kv->loose[src];
         kv->loose[src] = 0;
+        if (kv->pins_touched) { /* and its pins' references (K11) */
+            kv->pin_refs[hole] = kv->pin_refs[src];
+            kv->pin_refs[src] = 0;
+        }
         if (kv->blocks[hole].registered && kv->blocks[hole].key_len)
             memcpy(kv_key_store(kv, hole), kv_key_store(kv, src), kv->blocks[hole].key_len);
         moves[i] = (kva_kv_move){src, hole};

@@ -270,6 +270,7 @@ static kva_status reset_locked(kva_kv *kv) {
     }
     kv->counters.evictions += kv->registered_count;
     kv->registered_count = 0;
+    kv_ns_forget_all(kv);
     if (kv->events) kv_event_cleared(kv);
     return KVA_OK;
 }

@@ -108,6 +108,79 @@ static void restore_paint(const kva_kv *kv, const kva_shm_heapmap *map, uint8_t 
     memcpy(fill + first, kv->painted + kv->painted_cells, kv->painted_cells);
 }
 
+/* The namespace rows with any count, tracked ones in slot order, then the other row: at most
+ * KVA_SHM_KV_NAMESPACE_ROWS, the room the section was made with. */
+static void publish_namespaces(const kva_kv *kv, kva_shm_kv_namespaces *out) {
+    _Static_assert(KVA_SHM_KV_NAMESPACE_SLOTS == KVA_KV_NAMESPACE_SLOTS, "the segment has a row per slot");
+    kva_shm_kv_namespace *rows = (kva_shm_kv_namespace *)(out + 1);
+    uint32_t n = 0;
+    for (uint32_t s = 0; s <= KV_NS_OTHER && n < out->capacity; s++) {
+        const kv_ns_row *r = &kv->ns.rows[s];
+        if ((r->sequences | r->pins | r->blocks | r->registered) == 0) continue;
+        rows[n++] = (kva_shm_kv_namespace){.namespace_id = s == KV_NS_OTHER ? 0 : r->ns,
+                                           .flags = s == KV_NS_OTHER ? KVA_SHM_KV_NS_OTHER : 0,
+                                           .sequences = r->sequences,
+                                           .pins = r->pins,
+                                           .blocks = r->blocks,
+                                           .registered_blocks = r->registered};
+    }
+    out->count = n;
+}
+
+/* Whether slot a's sequence comes before slot b's in the section: more tokens first, then the
+ * lower slot (a stable order between publishes). */
+static int longer(const kva_kv *kv, uint32_t a, uint32_t b) {
+    uint32_t ta = kv->seqs[a].num_tokens, tb = kv->seqs[b].num_tokens;
+    return ta > tb || (ta == tb && a < b);
+}
+
+/* At a full publish: the longest live sequences and pins, by one walk over the slots keeping the
+ * top KVA_SHM_KV_SEQ_ENTRIES in order (insertion into a 16-entry list): O(slots), never
+ * O(blocks); each entry then copies at most KVA_SHM_KV_SEQ_TABLE ids of its table. */
+static void publish_sequences(const kva_kv *kv, kva_shm_kv_sequences *out) {
+    uint32_t top[KVA_SHM_KV_SEQ_ENTRIES],
+        n = 0, room = out->capacity < KVA_SHM_KV_SEQ_ENTRIES ? out->capacity : KVA_SHM_KV_SEQ_ENTRIES;
+    uint64_t longest_tokens = 0, longest_handle = 0;
+    uint32_t longest_slot = KVA_NIL;
+    for (uint32_t s = 0; s < kv->seq_slots; s++) {
+        const kva_kv_seqrec *rec = &kv->seqs[s];
+        if (!rec->live) continue;
+        if (!rec->is_pin && (longest_slot == KVA_NIL || longer(kv, s, longest_slot))) longest_slot = s;
+        if (room == 0 || (n == room && !longer(kv, s, top[n - 1]))) continue;
+        uint32_t at = n < room ? n++ : n - 1;
+        while (at > 0 && longer(kv, s, top[at - 1])) {
+            top[at] = top[at - 1];
+            at--;
+        }
+        top[at] = s;
+    }
+    if (longest_slot != KVA_NIL) {
+        longest_tokens = kv->seqs[longest_slot].num_tokens;
+        longest_handle = kv_handle(kv, longest_slot, kv->seqs[longest_slot].generation);
+    }
+    uint32_t table_room = out->table_capacity < KVA_SHM_KV_SEQ_TABLE ? out->table_capacity : KVA_SHM_KV_SEQ_TABLE;
+    kva_shm_kv_sequence *entries = (kva_shm_kv_sequence *)(out + 1);
+    for (uint32_t i = 0; i < n; i++) {
+        const kva_kv_seqrec *rec = &kv->seqs[top[i]];
+        kva_shm_kv_sequence *e = &entries[i];
+        uint32_t len = rec->len < table_room ? rec->len : table_room;
+        e->handle = kv_handle(kv, top[i], rec->generation);
+        e->namespace_id = rec->ns;
+        e->num_tokens = rec->num_tokens;
+        e->cached_tokens = rec->cached_tokens;
+        e->blocks = rec->len;
+        e->priority = rec->priority;
+        e->flags = rec->is_pin ? KVA_SHM_KV_SEQ_PIN : 0;
+        e->table_len = len;
+        if (len) memcpy(e->table, rec->table, (size_t)len * sizeof *e->table);
+    }
+    out->count = n;
+    out->live_sequences = kv->live_seqs;
+    out->live_pins = kv->live_pins;
+    out->longest_tokens = longest_tokens;
+    out->longest_handle = longest_handle;
+}
+
 static void publish_cb(void *ctx, const kva_kv_publish_to *to) {
     kva_kv *kv = ctx;
     kva_shm_kv *out = to->kv;
@@ -155,6 +228,11 @@ static void publish_cb(void *ctx, const kva_kv_publish_to *to) {
     memcpy(out->call_timed, kv->kind_timed_calls, sizeof out->call_timed);
     memcpy(out->call_ns, kv->kind_timed_ns, sizeof out->call_ns);
     memcpy(out->call_ns_log2, kv->kind_ns_log2, sizeof out->call_ns_log2);
+    out->pinned_blocks = kv->pinned_count;
+    out->readmit_hit_tokens = c->readmit_hit_tokens;
+    out->readmit_query_tokens = c->readmit_query_tokens;
+    publish_namespaces(kv, to->namespaces);
+    if (to->sequences) publish_sequences(kv, to->sequences);
     if (map && kv->info.mode == KVA_KV_PAGED && kv->num_blocks) paint(kv, map, state, fill);
     if (took) pthread_mutex_unlock(&kv->lock);
 }

@@ -110,8 +110,17 @@ static void commit_given(kva_kv *kv, const kv_content *c, const uint32_t *table,
 /* The implementations below are inlined into the single calls (a call boundary is a tenth of an
  * append) and wrapped for the batches (kv_batch.c). */
 
+/* A priority argument of an admission: 0 .. KVA_KV_PRIORITIES-1, KVA_KV_AGAIN ORed in or not. */
+KVA_INLINE kva_status priority_check(kva_kv *kv, uint32_t priority) {
+    if ((priority & ~KVA_KV_AGAIN) >= KVA_KV_PRIORITIES)
+        return INVALID("priority %#x is not 0..%d, with KVA_KV_AGAIN (%#x) or not", priority, KVA_KV_PRIORITIES - 1,
+                       KVA_KV_AGAIN);
+    return KVA_OK;
+}
+
 KVA_INLINE kva_status admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t priority, const kv_content *c) {
-    if (priority >= KVA_KV_PRIORITIES) return INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
+    kva_status st = priority_check(kv, priority);
+    if (st != KVA_OK) return st;
     if (c->kind == KVA_KV_KEY_TOKENS && c->items > num_tokens)
         return INVALID("%u token ids for a sequence of %u tokens", c->items, num_tokens);
     /* A division only for keys: a request without content pays none. */
@@ -121,8 +130,9 @@ KVA_INLINE kva_status admit_check(kva_kv *kv, uint32_t num_tokens, uint32_t prio
     return KVA_OK;
 }
 
-KVA_INLINE kva_status admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t priority, kva_kv_seq *seq,
+KVA_INLINE kva_status admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c, uint8_t flagged, kva_kv_seq *seq,
                             uint32_t *cached_tokens) {
+    uint8_t priority = (uint8_t)(flagged & ~KVA_KV_AGAIN);
     uint32_t bt = kv->block_tokens, full = num_tokens / bt, blocks = full + (num_tokens % bt != 0); /* one division */
     if (blocks > kv->num_blocks) return no_room(kv, blocks, kv->num_blocks, "the sequence");
     int keyed = keeps_chain(c, num_tokens, full);
@@ -165,6 +175,10 @@ KVA_INLINE kva_status admit(kva_kv *kv, uint32_t num_tokens, const kv_content *c
     kv->counters.allocations++;
     kv->counters.query_tokens += num_tokens;
     kv->counters.hit_tokens += (uint64_t)hits * bt;
+    if (flagged & KVA_KV_AGAIN) {
+        kv->counters.readmit_query_tokens += num_tokens;
+        kv->counters.readmit_hit_tokens += (uint64_t)hits * bt;
+    }
     return KVA_OK;
 }
 
@@ -185,10 +199,12 @@ KVA_INLINE kva_status admit_locked(kva_kv *kv, uint32_t num_tokens, uint64_t ns,
     kva_status st = kv_content_check(kv, content, count, ns, &c);
     if (st != KVA_OK) return st;
     if (!seq) return INVALID("seq is NULL");
-    if (priority >= KVA_KV_PRIORITIES) return INVALID("priority %u is not in 0..%d", priority, KVA_KV_PRIORITIES - 1);
+    st = priority_check(kv, priority);
+    if (st != KVA_OK) return st;
     if (kv->info.mode == KVA_KV_CONTIGUOUS) {
-        st = kv_contig_allocate(kv, num_tokens, priority, seq);
+        st = kv_contig_allocate(kv, num_tokens, priority & ~KVA_KV_AGAIN, seq);
         if (st == KVA_OK && cached_tokens) *cached_tokens = 0;
+        if (st == KVA_OK && (priority & KVA_KV_AGAIN)) kv->counters.readmit_query_tokens += num_tokens;
         return st;
     }
     kv_content_slice(kv, &c, 0, count);
@@ -317,6 +333,7 @@ KVA_INLINE kva_status extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens
         kv->counters.cow_copies++;
     }
     kv_take(kv, rec->table + rec->len, new_len - rec->len, rec->priority);
+    kv->ns.rows[rec->ns_slot].blocks += new_len - rec->len;
     rec->len = new_len;
     if (rec->key_kind != KVA_KV_KEY_NONE) {
         if (c && c->items) commit_filled(kv, rec, old_tokens, num_tokens, c);
@@ -435,8 +452,12 @@ static kva_status release_locked(kva_kv *kv, kva_kv_seq seq, int pin) {
 }
 
 void kv_seq_release(kva_kv *kv, kva_kv_seqrec *rec) {
-    if (kv->info.mode == KVA_KV_CONTIGUOUS) kv_contig_release(kv, rec);
-    else kv_release(kv, rec->table, rec->len);
+    if (kv->info.mode == KVA_KV_CONTIGUOUS) {
+        kv_contig_release(kv, rec);
+    } else {
+        if (rec->is_pin) kv_pin_drop(kv, rec->table, rec->len);
+        kv_release(kv, rec->table, rec->len);
+    }
     if (!rec->is_pin) kv->counters.frees++;
     kv_seq_retire(kv, rec);
 }
@@ -471,6 +492,7 @@ static kva_status pin_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *cont
     uint32_t hits = kv_prefix_probe(kv, &c, rec->table, &last, &cached_hits);
     /* Priority 0 leaves each block's priority as it is. */
     for (uint32_t i = 0; i < hits; i++) kv_block_ref(kv, rec->table[i], 0);
+    kv_pin_hold(kv, rec->table, hits);
     rec->len = hits;
     rec->num_tokens = hits * kv->block_tokens;
     rec->cached_tokens = rec->num_tokens;

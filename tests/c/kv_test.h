@@ -115,7 +115,12 @@ static inline uint64_t kv_state_hash(const kva_kv *kv) {
                 h = kv_hash_bytes(h, kv_key_store(kv, b), kv->blocks[b].key_len);
         h = kv_hash_bytes(h, kv->lru_ids, (size_t)kv->lru_used * KV_LRU_SEG * sizeof *kv->lru_ids);
         h = kv_hash_bytes(h, kv->lru_segs, (size_t)kv->lru_used * sizeof *kv->lru_segs);
+        if (kv->pins_touched) h = kv_hash_bytes(h, kv->pin_refs, (size_t)kv->num_blocks * sizeof *kv->pin_refs);
     }
+    /* The namespace table, its memo aside (a lookup may move it without changing a figure). */
+    h = kv_hash_bytes(h, kv->ns.rows, sizeof kv->ns.rows);
+    h = kv_hash_bytes(h, &kv->ns.assigned, sizeof kv->ns.assigned);
+    h = kv_hash_bytes(h, &kv->pinned_count, sizeof kv->pinned_count);
     uint32_t lists[] = {kv->free_top,     kv->free_bottom,      kv->free_count,    kv->used_count,
                         kv->cached_count, kv->registered_count, kv->backed_blocks, kv->lru_nonempty,
                         kv->lru_used,     kv->lru_free,         kv->seq_slots,     kv->free_slot,
@@ -130,8 +135,9 @@ static inline uint64_t kv_state_hash(const kva_kv *kv) {
         h = kv_hash_bytes(h, &kv->events[(kv->event_head + i) % kv->event_capacity], sizeof(kva_kv_event));
     for (uint32_t s = 0; s < kv->seq_slots; s++) {
         const kva_kv_seqrec *r = &kv->seqs[s];
-        uint32_t words[] = {r->live,     r->generation, r->next_free, r->is_pin,
-                            r->priority, r->key_kind,   r->key_len,   r->has_last};
+        uint32_t words[] = {r->live,    r->generation, r->next_free,
+                            r->is_pin,  r->priority,   r->key_kind,
+                            r->key_len, r->has_last,   r->live ? r->ns_slot : 0u};
         h = kv_hash_bytes(h, words, sizeof words);
         if (!r->live) continue;
         uint32_t figures[] = {r->len, r->num_tokens, r->cached_tokens, r->bucket_tokens};

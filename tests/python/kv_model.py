@@ -39,6 +39,13 @@ For engines (kvalloc_kv.h's content, the block calls, events):
 * evict_blocks / evict_keys drop registrations: a cached block goes below the free blocks, a
   used one stays used. reset drops every registration: the cached blocks first, in eviction
   order, below the free blocks, then the used ones; one cleared event and no removed ones.
+* Re-admissions (``again``) count their queried and hit tokens apart too; pinned blocks are the
+  distinct blocks the live pins' tables name.
+* Namespaces: each namespace's live sequences, pins, table lengths and registered blocks
+  (``namespace_totals``). The library tracks 32 of them one by one and pools the rest in one row;
+  which ones it tracks follows the order of its lookups, so ``check_namespaces`` checks what must
+  hold whatever that order: a tracked row equals its namespace's figures and the pooled row the
+  sum of the untracked ones.
 * Events, in order: stored (block, name, parent name or None, first token) per registration,
   removed (block, name) per registration dropped by eviction or evict_*, cleared; a ring of
   ``event_capacity`` that drops and counts what finds it full.
@@ -103,6 +110,8 @@ class KVModel:
     evictions: int = 0
     cow_copies: int = 0
     forks: int = 0
+    readmit_hit_tokens: int = 0
+    readmit_query_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.free = deque(range(self.num_blocks))
@@ -230,7 +239,7 @@ class KVModel:
     # -- the calls --------------------------------------------------------------------------
 
     def allocate(self, handle: int, num_tokens: int, contents: list, namespace: int,
-                 priority: int) -> ModelSeq:
+                 priority: int, again: bool = False) -> ModelSeq:
         bt = self.block_tokens
         blocks = -(-num_tokens // bt)
         names = self.prefixes(contents, namespace)
@@ -248,6 +257,9 @@ class KVModel:
         self.seqs[handle] = seq
         self.query_tokens += num_tokens
         self.hit_tokens += len(hits) * bt
+        if again:
+            self.readmit_query_tokens += num_tokens
+            self.readmit_hit_tokens += len(hits) * bt
         return seq
 
     def admit_check(self, num_tokens: int, kind: str | None, items: list, priority: int,
@@ -277,11 +289,11 @@ class KVModel:
         return []
 
     def admit(self, handle: int, num_tokens: int, kind: str | None, items: list, namespace: int,
-              priority: int, key_len: int = 0) -> ModelSeq:
+              priority: int, key_len: int = 0, again: bool = False) -> ModelSeq:
         """kva_kv_seq_admit: allocate, and a request given all of its content keeps its chain."""
         self.admit_check(num_tokens, kind, items, priority, key_len)
         seq = self.allocate(handle, num_tokens, self.block_contents(kind, items), namespace,
-                            priority)
+                            priority, again)
         full = num_tokens // self.block_tokens
         if kind is not None and len(items) == (num_tokens if kind == "tokens" else full):
             seq.kind = kind
@@ -515,7 +527,46 @@ class KVModel:
             "evictions": self.evictions,
             "cow_copies": self.cow_copies,
             "forks": self.forks,
+            "pinned_blocks": len({b for s in self.seqs.values() if s.pin for b in s.table}),
+            "readmit_hit_tokens": self.readmit_hit_tokens,
+            "readmit_query_tokens": self.readmit_query_tokens,
         }
+
+    def namespace_totals(self) -> dict[int, tuple[int, int, int, int]]:
+        """Each namespace with anything in the cache: (sequences, pins, blocks, registered
+        blocks), blocks being its tables' lengths summed."""
+        totals: dict[int, list[int]] = {}
+        for seq in self.seqs.values():
+            row = totals.setdefault(seq.namespace, [0, 0, 0, 0])
+            row[1 if seq.pin else 0] += 1
+            row[2] += len(seq.table)
+        for name in self.registry:
+            totals.setdefault(self.namespace_of(name), [0, 0, 0, 0])[3] += 1
+        return {ns: (row[0], row[1], row[2], row[3]) for ns, row in totals.items()}
+
+
+NAMESPACE_SLOTS = 32
+
+
+def check_namespaces(rows, totals: dict[int, tuple[int, int, int, int]], where: str = "") -> None:
+    """rows: KVCache.namespaces() (or a snapshot's kv_namespaces); totals: the model's
+    namespace_totals(). Each tracked row is its namespace's figures; the pooled row (namespace
+    None) sums the namespaces without a row, and is listed only when they hold anything."""
+    tracked = {row.namespace: (row.sequences, row.pins, row.blocks, row.registered_blocks)
+               for row in rows if row.namespace is not None}
+    assert len(tracked) == len([row for row in rows if row.namespace is not None]), where
+    assert len(tracked) <= NAMESPACE_SLOTS, where
+    for ns, figures in tracked.items():
+        assert figures == totals.get(ns), (where, ns, figures, totals.get(ns))
+    rest = [sum(figures[i] for ns, figures in totals.items() if ns not in tracked)
+            for i in range(4)]
+    other = [row for row in rows if row.namespace is None]
+    if any(rest):
+        assert len(other) == 1 and (other[0].sequences, other[0].pins, other[0].blocks,
+                                    other[0].registered_blocks) == tuple(rest), (where, other, rest)
+        assert rows[-1].namespace is None, where
+    else:
+        assert not other, (where, other)
 
 
 class EventNames:
@@ -568,7 +619,8 @@ class EventNames:
 
 
 STAT_NAMES = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "registered_blocks",
-              "sequences", "pins", "hit_tokens", "query_tokens", "evictions", "cow_copies", "forks")
+              "sequences", "pins", "hit_tokens", "query_tokens", "evictions", "cow_copies", "forks",
+              "pinned_blocks", "readmit_hit_tokens", "readmit_query_tokens")
 
 
 class SideBySide:
@@ -588,6 +640,7 @@ class SideBySide:
         """Every statistic the model keeps, and the cache's own invariants."""
         stats = self.cache.stats()
         assert {name: getattr(stats, name) for name in STAT_NAMES} == self.model.stats(), where
+        check_namespaces(self.cache.namespaces(), self.model.namespace_totals(), where)
         self.cache.check()
 
     def drain(self, max_events: int | None = None) -> None:

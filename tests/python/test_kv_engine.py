@@ -26,6 +26,9 @@ OPERATIONS = int(os.environ.get("KV_ENGINE_OPERATIONS", "8000"))
 BT = 4
 KEY_LEN = 20
 NAMESPACES = (0, 1, 1 << 40, (1 << 64) - 1)
+# More namespaces than the cache tracks one by one (32), for a share of the requests: the pooled
+# row of kva_kv_namespaces is followed too.
+MANY_NAMESPACES = tuple(range(1000, 1040))
 KINDS = ("tokens", "key", "bytes")
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
@@ -121,7 +124,8 @@ class Harness(SideBySide):
             if kind != "tokens" and content.tokens % BT:
                 content.tokens -= content.tokens % BT  # its partial block is the new turn's
         else:
-            content = Content(kind, rng.choice(NAMESPACES))
+            content = Content(kind, rng.choice(NAMESPACES) if rng.random() < 0.8
+                              else rng.choice(MANY_NAMESPACES))
             family = rng.choice(self.families[kind])
             content.grow(rng, family[:rng.randint(0, len(family))], 0)
         content.grow(rng, [rng.randrange(1, 1 << 40) for _ in range(rng.randint(0, 3))],
@@ -166,15 +170,17 @@ class Harness(SideBySide):
     def admit(self) -> None:
         num_tokens, content, items, whole = self.request()
         ns, prio = content.namespace, self.rng.randrange(8)
+        again = self.rng.random() < 0.3  # a preempted request admitted again
         try:
-            expected = self.model.admit(-1, num_tokens, content.kind, items, ns, prio, KEY_LEN)
+            expected = self.model.admit(-1, num_tokens, content.kind, items, ns, prio, KEY_LEN,
+                                        again=again)
         except NoRoom:
             with pytest.raises(pykvalloc.OutOfMemory):
-                self.cache.allocate(num_tokens, namespace=ns, priority=prio,
+                self.cache.allocate(num_tokens, namespace=ns, priority=prio, again=again,
                                     **call_args(content.kind, items))
             self.count("nomem")
             return
-        seq = self.cache.allocate(num_tokens, namespace=ns, priority=prio,
+        seq = self.cache.allocate(num_tokens, namespace=ns, priority=prio, again=again,
                                   **call_args(content.kind, items))
         self.model.seqs[seq.handle] = self.model.seqs.pop(-1)
         assert seq.num_cached_tokens == expected.cached_tokens
@@ -189,19 +195,21 @@ class Harness(SideBySide):
         requests = [self.request(kind) for _ in range(self.rng.randint(1, 5))]
         namespaces = [content.namespace for _, content, _, _ in requests]
         priorities = [self.rng.randrange(8) for _ in requests]
+        again = [self.rng.random() < 0.3 for _ in requests]
         content, offsets = flat(kind, [items for _, _, items, _ in requests])
         done = 0
         for i, (num_tokens, request, items, _) in enumerate(requests):
             try:
                 self.model.admit(-1 - i, num_tokens, kind, items, namespaces[i], priorities[i],
-                                 KEY_LEN)
+                                 KEY_LEN, again=again[i])
             except NoRoom:
                 break
             done += 1
         result = self.cache.allocate_many(
             np.array([r[0] for r in requests], dtype=np.uint32), offsets=offsets,
             namespaces=np.array(namespaces, dtype=np.uint64),
-            priorities=np.array(priorities, dtype=np.uint8), **call_args(kind, content))
+            priorities=np.array(priorities, dtype=np.uint8), again=np.array(again),
+            **call_args(kind, content))
         assert result.done == done
         for i in range(done):
             handle = int(result.handles[i])

@@ -11,14 +11,12 @@ import random
 
 import numpy as np
 import pytest
-from kv_model import KVModel, NoRoom
+from kv_model import STAT_NAMES, KVModel, NoRoom, check_namespaces
 
 import pykvalloc
 
 OPERATIONS = int(os.environ.get("KV_MODEL_OPERATIONS", "100000"))
 BLOCK_TOKENS = 4
-STAT_NAMES = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "registered_blocks",
-              "sequences", "pins", "hit_tokens", "query_tokens", "evictions", "cow_copies", "forks")
 
 
 def make_request(rng: random.Random, families: list[list[int]]):
@@ -57,17 +55,20 @@ def test_random_operations_match_the_model(seed: int, num_blocks: int) -> None:
         if roll < 0.35 or not live:
             num_tokens, content = make_request(rng, families)
             namespace, priority = rng.randrange(3), rng.randrange(8)
+            again = rng.random() < 0.25  # a preempted request admitted again
             try:
                 expected = model.allocate(-1, num_tokens, model.contents(**content), namespace,
-                                          priority)
+                                          priority, again)
             except NoRoom:
                 expected = None
             if expected is None:
                 with pytest.raises(pykvalloc.OutOfMemory):
-                    cache.allocate(num_tokens, namespace=namespace, priority=priority, **content)
+                    cache.allocate(num_tokens, namespace=namespace, priority=priority,
+                                   again=again, **content)
                 counts["nomem"] += 1
             else:
-                seq = cache.allocate(num_tokens, namespace=namespace, priority=priority, **content)
+                seq = cache.allocate(num_tokens, namespace=namespace, priority=priority,
+                                     again=again, **content)
                 model.seqs[seq.handle] = model.seqs.pop(-1)
                 live[seq.handle] = seq
                 assert seq.num_cached_tokens == expected.cached_tokens
@@ -136,6 +137,7 @@ def test_random_operations_match_the_model(seed: int, num_blocks: int) -> None:
         if op % 500 == 0:
             for handle in live:
                 same_table(handle)
+            check_namespaces(cache.namespaces(), model.namespace_totals(), f"operation {op}")
             cache.check()
 
     for handle, seq in live.items():
