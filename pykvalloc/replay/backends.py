@@ -141,11 +141,14 @@ class PagedBackend:
             return f"{final_tokens:,} tokens need {blocks:,} blocks of the cache's {self.capacity_blocks:,}"
         return None
 
-    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
-        """(handle, token slots) for a request of `tokens` prompt tokens; None when full."""
+    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int,
+              again: bool = False) -> Optional[tuple[Any, int]]:
+        """(handle, token slots) for a request of `tokens` prompt tokens; None when full.
+        ``again``: a preempted request admitted again (the cache counts it apart)."""
         try:
             handle = self.timings.timed(self.cache.allocate, tokens,
-                                        block_keys=keys if self.prefix_caching else None)
+                                        block_keys=keys if self.prefix_caching else None,
+                                        again=again)
         except OutOfMemory:
             return None
         if self.buffers is not None:
@@ -187,6 +190,14 @@ class PagedBackend:
         """(ns spent inside the library, log2 histogram of call times), timed in C."""
         stats = self.cache.stats()
         return int(stats.timed_ns), list(stats.call_ns_log2)
+
+    def hit_counters(self) -> Optional[dict[str, int]]:
+        """The cache's own prefix counters: hit and queried tokens, and the part of each that
+        re-admissions made."""
+        stats = self.cache.stats()
+        return {"hit_tokens": stats.hit_tokens, "query_tokens": stats.query_tokens,
+                "readmit_hit_tokens": stats.readmit_hit_tokens,
+                "readmit_query_tokens": stats.readmit_query_tokens}
 
     def verify_empty(self) -> None:
         """After the run: every invariant holds and no block is referenced any more."""
@@ -246,9 +257,10 @@ class ContiguousBackend(PagedBackend):
                     f"at once, beyond the cache's {self.pool_tokens:,}")
         return None
 
-    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
+    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int,
+              again: bool = False) -> Optional[tuple[Any, int]]:
         try:
-            handle = self.timings.timed(self.cache.allocate, tokens)
+            handle = self.timings.timed(self.cache.allocate, tokens, again=again)
         except OutOfMemory:
             return None
         return handle, handle.buffer[1]
@@ -293,7 +305,8 @@ class MallocBackend:
             return f"{need:,} tokens exceed the budget of {self.capacity_tokens:,}"
         return None
 
-    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int) -> Optional[tuple[Any, int]]:
+    def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int,
+              again: bool = False) -> Optional[tuple[Any, int]]:
         need = max(tokens, final_tokens)
         if self.reserved_tokens + need > self.capacity_tokens:
             return None
@@ -324,6 +337,9 @@ class MallocBackend:
         return 0.0
 
     def library_time(self) -> Optional[tuple[int, list[int]]]:
+        return None
+
+    def hit_counters(self) -> Optional[dict[str, int]]:
         return None  # malloc cannot be timed from inside: the Python-side timings stand
 
     def verify_empty(self) -> None:

@@ -123,6 +123,10 @@ class ReplayResult:
     engine_buffers: Optional[dict[str, dict[str, Any]]] = None
     # Why the prefix hit rates are None, when they are (``unmeasured_hits``); None when measured.
     hits_unmeasured: Optional[str] = None
+    # The KV cache's own counters at the end (kva_kv_stats: hit_tokens, query_tokens and their
+    # readmit_* parts, re-admissions being marked again=True); None for malloc. The two hit
+    # rates above are these figures' ratios.
+    kv_hit_counters: Optional[dict[str, int]] = None
 
     def as_dict(self, samples: bool = False) -> dict[str, Any]:
         """The JSON form of the result; ``samples`` adds the usage samples, as rows of
@@ -368,7 +372,8 @@ def replay(trace: Trace, config: ReplayConfig,
                 prompt = request.input_tokens + generated
                 keys = keys_of(request, index)
                 keyed = keyed or keys is not None
-                admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens)
+                admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens,
+                                         again=index in admitted_before)
                 if admitted is not None and backend.prefix_caching:
                     # What the KV manager adds to its hit and query counts for this allocation
                     # (a prompt shorter than a block has no keys, and counts as looked up too).
@@ -414,6 +419,7 @@ def replay(trace: Trace, config: ReplayConfig,
             if progress is not None and steps % 256 == 0:
                 progress(finished, total)
         library = backend.library_time()
+        kv_hit_counters = backend.hit_counters()
         if backend.buffers is not None:
             backend.buffers.close()
             buffer_costs = backend.buffers.report()
@@ -445,7 +451,7 @@ def replay(trace: Trace, config: ReplayConfig,
         readmission_hit_rate=again_lookups[0] / again_lookups[1] if keyed and again_lookups[1] else None,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped,
-        engine_buffers=buffer_costs, hits_unmeasured=None if keyed else (
+        engine_buffers=buffer_costs, kv_hit_counters=kv_hit_counters, hits_unmeasured=None if keyed else (
             unmeasured_hits(config, trace) or "no prompt filled a whole block to key"))
 
 

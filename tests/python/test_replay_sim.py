@@ -337,6 +337,17 @@ def test_preemptions_do_not_raise_the_prefix_hit_rate() -> None:
     assert small.readmission_hit_rate is not None and small.readmission_hit_rate > 0.8
     assert large.readmission_hit_rate is None
     assert abs(small.prefix_hit_rate - large.prefix_hit_rate) < 0.03, (small.prefix_hit_rate, large.prefix_hit_rate)
+    # The replay marks its re-admissions (again=True): the cache's own counters give the same
+    # two rates, exactly.
+    for result in (small, large):
+        c = result.kv_hit_counters
+        assert c is not None
+        first_query = c["query_tokens"] - c["readmit_query_tokens"]
+        assert result.prefix_hit_rate == (c["hit_tokens"] - c["readmit_hit_tokens"]) / first_query
+    c = small.kv_hit_counters
+    assert c["readmit_query_tokens"] > 0
+    assert small.readmission_hit_rate == c["readmit_hit_tokens"] / c["readmit_query_tokens"]
+    assert large.kv_hit_counters["readmit_query_tokens"] == 0
 
 
 @pytest.mark.parametrize("argv, message", [
