@@ -1547,8 +1547,8 @@ class KVCache(HandleOwner):
             self._lib.kva_kv_reset_peaks(self._open_handle())
 
     def namespaces(self) -> list[NamespaceShare]:
-        """Each namespace's share of the cache, exact: a row for each of the first
-        ``NAMESPACE_SLOTS`` namespaces seen, then one pooling the rest (``namespace`` None);
+        """Each namespace's share of the cache, exact: a row for namespace 0 and each of the
+        first ``NAMESPACE_SLOTS - 1`` others seen, then one pooling the rest (``namespace`` None);
         rows with nothing in them are left out. kvalloc_kv.h (kva_kv_namespaces) has the rules."""
         rows = (_ffi.KvaKvNamespaceShare * (NAMESPACE_SLOTS + 1))()
         count = c_uint32()

@@ -16,7 +16,7 @@ done
 count() { valgrind --tool=callgrind --callgrind-out-file=/dev/null "$@" 2>&1 |
           awk '/refs/ {gsub(",", "", $4); print $4}'; }
 printf "%-11s" pattern; for lib in "${libs[@]}"; do printf " %28s" "$lib"; done; echo
-for pattern in alloc_free append hit lookup; do
+for pattern in ${KV_CALL_PATTERNS:-alloc_free append hit lookup commit pin}; do
   printf "%-11s" "$pattern"
   for i in "${!libs[@]}"; do
     per=$(( $(count "$work/kv_call_cost.$i" "$pattern" 4000) - $(count "$work/kv_call_cost.$i" "$pattern" 2000) ))

@@ -729,9 +729,9 @@ typedef struct kva_kv_namespace_share {
 } kva_kv_namespace_share;
 
 /* Each namespace's share of the cache, exact and kept as the cache changes (a sequence's
- * admission, growth and free, a registration and its drop cost a compare and an add). The
- * first KVA_KV_NAMESPACE_SLOTS namespaces seen get a row of their own; a namespace seen while
- * every slot is taken is counted in the other row. A slot whose counts are all zero is given to
+ * admission, growth and free, a registration and its drop cost a compare and an add).
+ * Namespace 0 and the first KVA_KV_NAMESPACE_SLOTS - 1 other namespaces seen get a row of their
+ * own; a namespace seen while every slot is taken is counted in the other row. A slot whose counts are all zero is given to
  * a new namespace only while the other row is all zero, so a namespace is never counted in both.
  * Rows with any nonzero count are listed, tracked ones in slot order, then the other row:
  * *count receives how many there are (at most KVA_KV_NAMESPACE_SLOTS + 1), and the first

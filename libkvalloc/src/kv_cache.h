@@ -80,12 +80,12 @@
  *      known kind with key_len and parent_len at most KVA_KV_MAX_KEY_BYTES.
  *  K11 Pins: pin_refs[b] equals the number of entries naming b in live pins' tables, and
  *      pinned_count the blocks with a nonzero pin_refs (all of them USED, by K1 and K2).
- *  K12 Namespaces (kv_ns): slots [0, ns.assigned) hold distinct namespaces, the rest are all
- *      zero; a live sequence's ns_slot is the slot holding its namespace, or KV_NS_OTHER when
+ *  K12 Namespaces (kv_ns): slots [0, ns.assigned) hold distinct namespaces (at least slot 0,
+ *      namespace 0's from creation), the rest are all zero; a live sequence's ns_slot is the slot holding its namespace, or KV_NS_OTHER when
  *      none does; each row's sequences, pins and blocks (table lengths) sum the live sequences
  *      and pins whose ns_slot is that row, and its registered count the registered blocks whose
  *      namespace is in that slot (the other row: in none). When the other row is not all zero,
- *      every slot is assigned. The memo, when set, names the slot holding memo_ns.
+ *      every slot is assigned. The memo names an assigned slot, the one holding memo_ns.
  *
  * Threads. One mutex per cache (`lock`) guards everything below except the fields marked
  * "fixed at creation", which are written before the cache is handed out and only read after,
@@ -185,14 +185,14 @@ typedef struct kva_kv_seqrec {
 #define KV_NS_OTHER KVA_KV_NAMESPACE_SLOTS
 typedef struct kv_ns_row {
     uint64_t ns;
-    uint32_t sequences, pins;
+    uint32_t live[2];    /* live sequences [0] and pins [1] (indexed by is_pin) */
     uint64_t blocks;     /* table lengths of its live sequences and pins */
     uint64_t registered; /* its registered blocks */
 } kv_ns_row;
 typedef struct kv_ns_table {
     kv_ns_row rows[KV_NS_OTHER + 1];
     uint32_t assigned; /* slots [0, assigned) hold a namespace */
-    uint32_t memo;     /* the slot of memo_ns, or KV_NS_OTHER: none remembered */
+    uint32_t memo;     /* the slot holding memo_ns, the namespace of the last lookup that found one */
     uint64_t memo_ns;
 } kv_ns_table;
 
@@ -505,10 +505,11 @@ void kv_release(kva_kv *kv, const uint32_t *table, uint32_t n);
 
 /* The row of namespace ns: its slot, one given to it now if it has none and one may be (K12), or
  * KV_NS_OTHER. The search and the assignment are out of line. */
-uint32_t kv_ns_lookup(kva_kv *kv, uint64_t ns);
+__attribute__((cold)) uint32_t kv_ns_lookup(kva_kv *kv, uint64_t ns);
 KVA_INLINE uint32_t kv_ns_slot(kva_kv *kv, uint64_t ns) {
-    /* Registrations come in runs of one namespace: a compare, mostly. */
-    if (kva_likely(kv->ns.memo_ns == ns && kv->ns.memo != KV_NS_OTHER)) return kv->ns.memo;
+    /* Registrations come in runs of one namespace: a compare, mostly. The memo always names a
+     * slot (namespace 0 holds slot 0 from creation). */
+    if (kva_likely(kv->ns.memo_ns == ns)) return kv->ns.memo;
     return kv_ns_lookup(kv, ns);
 }
 /* Empties the table (creation). */
@@ -519,14 +520,10 @@ void kv_ns_forget_all(kva_kv *kv);
 kva_status kv_ns_check(const kva_kv *kv);
 kva_status kv_pins_check(const kva_kv *kv);
 
-/* A live pin's table entries, counted in pin_refs (K11): taken at pin, given back at unpin. */
-KVA_INLINE void kv_pin_hold(kva_kv *kv, const uint32_t *table, uint32_t n) {
-    if (n) kv->pins_touched = 1;
-    for (uint32_t i = 0; i < n; i++) kv->pinned_count += kv->pin_refs[table[i]]++ == 0;
-}
-KVA_INLINE void kv_pin_drop(kva_kv *kv, const uint32_t *table, uint32_t n) {
-    for (uint32_t i = 0; i < n; i++) kv->pinned_count -= --kv->pin_refs[table[i]] == 0;
-}
+/* A live pin's table entries, counted in pin_refs (K11): taken at pin, given back at unpin. Out
+ * of line: a sequence's free pays only the test of is_pin. */
+void kv_pin_hold(kva_kv *kv, const uint32_t *table, uint32_t n);
+void kv_pin_drop(kva_kv *kv, const uint32_t *table, uint32_t n);
 
 /* ---- content: how a request's blocks are named (kv_lookup.c) ------------------------------ */
 

@@ -21,11 +21,16 @@
 
 #include "kv_cache.h"
 
-static int row_empty(const kv_ns_row *r) { return (r->sequences | r->pins | r->blocks | r->registered) == 0; }
+static int row_empty(const kv_ns_row *r) { return (r->live[0] | r->live[1] | r->blocks | r->registered) == 0; }
 
+/* Namespace 0, everyone's default, holds slot 0 from the start (until another namespace needs
+ * the slot while it is empty), and the memo names it: kv_ns_slot's one compare needs a memo
+ * that always names a slot. */
 void kv_ns_init(kva_kv *kv) {
     memset(&kv->ns, 0, sizeof kv->ns);
-    kv->ns.memo = KV_NS_OTHER;
+    kv->ns.assigned = 1;
+    kv->ns.memo = 0;
+    kv->ns.memo_ns = 0;
 }
 
 uint32_t kv_ns_lookup(kva_kv *kv, uint64_t ns) {
@@ -60,11 +65,21 @@ static uint32_t slot_of(const kva_kv *kv, uint64_t ns) {
     return KV_NS_OTHER;
 }
 
+void kv_pin_hold(kva_kv *kv, const uint32_t *table, uint32_t n) {
+    if (n) kv->pins_touched = 1;
+    for (uint32_t i = 0; i < n; i++) kv->pinned_count += kv->pin_refs[table[i]]++ == 0;
+}
+
+void kv_pin_drop(kva_kv *kv, const uint32_t *table, uint32_t n) {
+    for (uint32_t i = 0; i < n; i++) kv->pinned_count -= --kv->pin_refs[table[i]] == 0;
+}
+
 #define BROKEN(...) kva_fail(KVA_ERR_CORRUPT, __VA_ARGS__)
 
 kva_status kv_ns_check(const kva_kv *kv) {
     const kv_ns_table *t = &kv->ns;
-    if (t->assigned > KV_NS_OTHER) return BROKEN("K12: %u namespace slots assigned of %u", t->assigned, KV_NS_OTHER);
+    if (t->assigned == 0 || t->assigned > KV_NS_OTHER)
+        return BROKEN("K12: %u namespace slots assigned of %u", t->assigned, KV_NS_OTHER);
     for (uint32_t s = 0; s < t->assigned; s++)
         for (uint32_t o = s + 1; o < t->assigned; o++)
             if (t->rows[s].ns == t->rows[o].ns)
@@ -73,7 +88,7 @@ kva_status kv_ns_check(const kva_kv *kv) {
         if (!row_empty(&t->rows[s]) || t->rows[s].ns) return BROKEN("K12: unassigned namespace slot %u is not zero", s);
     if (!row_empty(&t->rows[KV_NS_OTHER]) && t->assigned < KV_NS_OTHER)
         return BROKEN("K12: the other row counts namespaces while %u slots are unassigned", KV_NS_OTHER - t->assigned);
-    if (t->memo != KV_NS_OTHER && (t->memo >= t->assigned || t->rows[t->memo].ns != t->memo_ns))
+    if (t->memo >= t->assigned || t->rows[t->memo].ns != t->memo_ns)
         return BROKEN("K12: the memo names slot %u for namespace %llu, which it does not hold", t->memo,
                       (unsigned long long)t->memo_ns);
     kv_ns_row want[KV_NS_OTHER + 1];
@@ -85,8 +100,7 @@ kva_status kv_ns_check(const kva_kv *kv) {
         if (rec->ns_slot != s)
             return BROKEN("K12: sequence in slot %u of namespace %llu counts in row %u; its namespace's is %u", i,
                           (unsigned long long)rec->ns, rec->ns_slot, s);
-        want[s].sequences += !rec->is_pin;
-        want[s].pins += rec->is_pin;
+        want[s].live[rec->is_pin ? 1 : 0]++;
         want[s].blocks += rec->len;
     }
     if (kv->info.mode == KVA_KV_PAGED)
@@ -94,12 +108,12 @@ kva_status kv_ns_check(const kva_kv *kv) {
             if (kv->blocks[b].registered) want[slot_of(kv, kv->blocks[b].ns)].registered++;
     for (uint32_t s = 0; s <= KV_NS_OTHER; s++) {
         const kv_ns_row *r = &t->rows[s], *w = &want[s];
-        if (r->sequences != w->sequences || r->pins != w->pins || r->blocks != w->blocks ||
+        if (r->live[0] != w->live[0] || r->live[1] != w->live[1] || r->blocks != w->blocks ||
             r->registered != w->registered)
             return BROKEN("K12: namespace row %u counts %u sequences, %u pins, %llu blocks, %llu registered; the cache "
                           "has %u, %u, %llu, %llu",
-                          s, r->sequences, r->pins, (unsigned long long)r->blocks, (unsigned long long)r->registered,
-                          w->sequences, w->pins, (unsigned long long)w->blocks, (unsigned long long)w->registered);
+                          s, r->live[0], r->live[1], (unsigned long long)r->blocks, (unsigned long long)r->registered,
+                          w->live[0], w->live[1], (unsigned long long)w->blocks, (unsigned long long)w->registered);
     }
     return KVA_OK;
 }
@@ -144,8 +158,8 @@ static kva_status namespaces_locked(kva_kv *kv, kva_kv_namespace_share *out, uin
         if (n < max)
             out[n] = (kva_kv_namespace_share){.namespace_id = s == KV_NS_OTHER ? 0 : r->ns,
                                               .is_other = s == KV_NS_OTHER,
-                                              .sequences = r->sequences,
-                                              .pins = r->pins,
+                                              .sequences = r->live[0],
+                                              .pins = r->live[1],
                                               .blocks = r->blocks,
                                               .registered_blocks = r->registered};
         n++;

@@ -116,11 +116,11 @@ static void publish_namespaces(const kva_kv *kv, kva_shm_kv_namespaces *out) {
     uint32_t n = 0;
     for (uint32_t s = 0; s <= KV_NS_OTHER && n < out->capacity; s++) {
         const kv_ns_row *r = &kv->ns.rows[s];
-        if ((r->sequences | r->pins | r->blocks | r->registered) == 0) continue;
+        if ((r->live[0] | r->live[1] | r->blocks | r->registered) == 0) continue;
         rows[n++] = (kva_shm_kv_namespace){.namespace_id = s == KV_NS_OTHER ? 0 : r->ns,
                                            .flags = s == KV_NS_OTHER ? KVA_SHM_KV_NS_OTHER : 0,
-                                           .sequences = r->sequences,
-                                           .pins = r->pins,
+                                           .sequences = r->live[0],
+                                           .pins = r->live[1],
                                            .blocks = r->blocks,
                                            .registered_blocks = r->registered};
     }

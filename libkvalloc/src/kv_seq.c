@@ -455,7 +455,7 @@ void kv_seq_release(kva_kv *kv, kva_kv_seqrec *rec) {
     if (kv->info.mode == KVA_KV_CONTIGUOUS) {
         kv_contig_release(kv, rec);
     } else {
-        if (rec->is_pin) kv_pin_drop(kv, rec->table, rec->len);
+        if (kva_unlikely(rec->is_pin)) kv_pin_drop(kv, rec->table, rec->len);
         kv_release(kv, rec->table, rec->len);
     }
     if (!rec->is_pin) kv->counters.frees++;

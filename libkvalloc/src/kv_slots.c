@@ -101,21 +101,16 @@ kva_kv_seq kv_seq_publish(kva_kv *kv, kva_kv_seqrec *rec) {
     uint32_t row = kv_ns_slot(kv, rec->ns);
     rec->ns_slot = (uint8_t)row;
     kv_ns_row *r = &kv->ns.rows[row];
-    if (rec->is_pin) r->pins++;
-    else r->sequences++;
+    r->live[rec->is_pin]++;
     r->blocks += rec->len;
     return kv_handle(kv, slot, rec->generation);
 }
 
 void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec) {
+    if (rec->is_pin) kv->live_pins--;
+    else kv->live_seqs--;
     kv_ns_row *r = &kv->ns.rows[rec->ns_slot];
-    if (rec->is_pin) {
-        kv->live_pins--;
-        r->pins--;
-    } else {
-        kv->live_seqs--;
-        r->sequences--;
-    }
+    r->live[rec->is_pin]--;
     r->blocks -= rec->len;
     rec->live = 0;
     rec->len = rec->num_tokens = rec->cached_tokens = 0;

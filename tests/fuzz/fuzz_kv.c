@@ -28,7 +28,9 @@
  * and trimmed blocks). So every allocation's and pin's cached_tokens, hit block ids and status
  * (NOMEM exactly when free, trimmed and evictable blocks fall short) are predicted, as are each
  * registration or duplicate (a commit of a key registered already reports its holder), the
- * stats' cached, registered, evictions and hit_tokens, and every event in the ring: its kind,
+ * stats' cached, registered, evictions, hit_tokens and their re-admissions' part (prompts marked
+ * KVA_KV_AGAIN at times), the pinned blocks, each namespace's row of kva_kv_namespaces, and every
+ * event in the ring: its kind,
  * block, namespace, key and parent (engine keys byte for byte; the library's keys by the bytes
  * their first event showed), first token, and which events a full ring dropped. A victim the
  * model did not expect shows up as a block still registered in the model being handed out as
@@ -105,10 +107,11 @@ typedef struct harness {
     kva_kv_seq dead[MAX_SEQS];
     size_t ndead;
     model_block block[MAX_BLOCKS];
-    uint64_t clock;           /* counts releases of registered blocks: the LRU order */
-    uint64_t evictions;       /* what kva_kv_stats.evictions must say */
-    uint64_t hit_tokens;      /* what kva_kv_stats.hit_tokens must say */
-    model_event ring[EVENTS]; /* the cache's event ring, as it must be */
+    uint64_t clock;                                    /* counts releases of registered blocks: the LRU order */
+    uint64_t evictions;                                /* what kva_kv_stats.evictions must say */
+    uint64_t hit_tokens;                               /* what kva_kv_stats.hit_tokens must say */
+    uint64_t readmit_hit_tokens, readmit_query_tokens; /* and its readmit_* (KVA_KV_AGAIN) */
+    model_event ring[EVENTS];                          /* the cache's event ring, as it must be */
     uint32_t ring_head, ring_count;
     uint64_t dropped;
     struct {
@@ -463,7 +466,8 @@ UNGUIDED static void model_release(harness *h, const uint32_t *table, uint32_t l
     }
 }
 
-/* The model against the cache's figures: blocks registered and cached, evictions, hits. */
+/* The model against the cache's figures: blocks registered and cached, evictions, hits (and
+ * re-admissions'), pinned blocks, and each namespace's row (three namespaces: each has a slot). */
 UNGUIDED static void check_prefix_model(const harness *h, const uint32_t *const *tables) {
     uint8_t refs[MAX_BLOCKS];
     count_refs(h, tables, refs);
@@ -471,6 +475,40 @@ UNGUIDED static void check_prefix_model(const harness *h, const uint32_t *const 
     ORACLE(kva_kv_get_stats(h->kv, &st) == KVA_OK);
     ORACLE(st.registered_blocks == model_count(h, refs, 0) && st.cached_blocks == model_count(h, refs, 1));
     ORACLE(st.evictions == h->evictions && st.hit_tokens == h->hit_tokens);
+    ORACLE(st.readmit_hit_tokens == h->readmit_hit_tokens && st.readmit_query_tokens == h->readmit_query_tokens);
+    uint8_t pinned[MAX_BLOCKS] = {0};
+    uint64_t want[NAMESPACES][4] = {{0}}; /* sequences, pins, table blocks, registered */
+    uint32_t npinned = 0;
+    for (size_t i = 0; i < h->nlive; i++) {
+        const model_seq *m = &h->live[i];
+        uint64_t *w = want[m->space & 0xff];
+        w[m->is_pin ? 1 : 0]++;
+        w[2] += blocks_for(m->tokens);
+        for (uint32_t pos = 0; m->is_pin && pos < blocks_for(m->tokens); pos++) {
+            npinned += !pinned[tables[i][pos]];
+            pinned[tables[i][pos]] = 1;
+        }
+    }
+    for (uint32_t b = 0; b < h->info.num_blocks; b++)
+        if (h->block[b].registered) want[h->block[b].space & 0xff][3]++;
+    ORACLE(st.pinned_blocks == npinned);
+    kva_kv_namespace_share rows[KVA_KV_NAMESPACE_SLOTS + 1];
+    uint32_t n = 0, listed = 0;
+    ORACLE(kva_kv_namespaces(h->kv, rows, KVA_KV_NAMESPACE_SLOTS + 1, &n) == KVA_OK);
+    for (uint32_t ns = 0; ns < NAMESPACES; ns++) {
+        const uint64_t *w = want[ns];
+        const kva_kv_namespace_share *row = NULL;
+        for (uint32_t r = 0; r < n; r++)
+            if (!rows[r].is_other && rows[r].namespace_id == namespace_of[ns]) row = &rows[r];
+        if (!(w[0] | w[1] | w[2] | w[3])) {
+            ORACLE(row == NULL);
+            continue;
+        }
+        listed++;
+        ORACLE(row && row->sequences == w[0] && row->pins == w[1] && row->blocks == w[2] &&
+               row->registered_blocks == w[3]);
+    }
+    ORACLE(n == listed); /* no other row, no namespace the model does not know */
 }
 
 /* ---- events ---------------------------------------------------------------------------------- */
@@ -554,6 +592,7 @@ UNGUIDED static void take_blocks(harness *h, before_call *pre, uint32_t need) {
 /* A prompt as the model sees it: tokens, its given keys and their space. */
 typedef struct prompt {
     uint32_t tokens, nkeys, space, priority;
+    uint32_t again; /* KVA_KV_AGAIN for a re-admission, else 0 (ORed into the priority) */
     uint8_t path[MAX_KEYS + 1];
 } prompt;
 
@@ -568,7 +607,9 @@ static void read_prompt(input *in, prompt *p, int pin, int wide, int engine) {
     /* Read in this order explicitly (argument order is unspecified; clang reads left to right).
      * A pin has namespace 0 and no priority: it leaves its blocks' priorities as they are. */
     uint32_t ns = pin ? 0 : next_byte(in) % (wide ? NAMESPACES : 2);
-    p->priority = pin ? 0 : next_byte(in) % KVA_KV_PRIORITIES;
+    uint32_t pb = pin ? 0 : next_byte(in);
+    p->priority = pb % KVA_KV_PRIORITIES;
+    p->again = pb / KVA_KV_PRIORITIES % 4 == 1 ? KVA_KV_AGAIN : 0; /* a re-admission at times */
     p->space = space_of(ns, engine ? engine_lengths[next_byte(in) % 2] : 0);
 }
 
@@ -621,6 +662,10 @@ static int model_prompt(harness *h, const prompt *p, int chain, kva_status st, k
         }
         for (uint32_t i = hits; i < p->nkeys; i++) model_commit(h, table[i], p->space, p->path, i + 1);
         h->hit_tokens += cached; /* pins are not counted */
+        if (p->again) {
+            h->readmit_hit_tokens += cached;
+            h->readmit_query_tokens += p->tokens;
+        }
     }
     for (uint32_t t = 0; t < m->tokens; t++) {
         m->tag[t] = tag_for(m, t, p->nkeys);
@@ -643,8 +688,8 @@ static void op_prompt(harness *h, input *in, int pin) {
     before_call pre;
     snapshot(h, &pre);
     kva_status st = pin ? kva_kv_pin(h->kv, p.nkeys ? keys : NULL, p.nkeys, NULL, 0, ns, &seq, &cached)
-                        : kva_kv_seq_allocate(h->kv, p.tokens, p.nkeys ? keys : NULL, p.nkeys, NULL, 0, ns, p.priority,
-                                              &seq, &cached);
+                        : kva_kv_seq_allocate(h->kv, p.tokens, p.nkeys ? keys : NULL, p.nkeys, NULL, 0, ns,
+                                              p.priority | p.again, &seq, &cached);
     /* The older calls say nothing of a key kind without keys: a prompt of no full block has no
      * chain there. */
     if (!model_prompt(h, &p, pin ? -1 : p.nkeys > 0, st, seq, cached, &pre))
@@ -674,8 +719,8 @@ static void op_admit(harness *h, input *in) {
     before_call pre;
     snapshot(h, &pre);
     if (count == 1 && how / 4 % 2) {
-        kva_status st = kva_kv_seq_admit(h->kv, p[0].tokens, space_ns(p[0].space), p[0].priority, &c, p[0].nkeys,
-                                         &seqs[0], &cached[0]);
+        kva_status st = kva_kv_seq_admit(h->kv, p[0].tokens, space_ns(p[0].space), p[0].priority | p[0].again, &c,
+                                         p[0].nkeys, &seqs[0], &cached[0]);
         ORACLE(st == KVA_OK || st == KVA_ERR_NOMEM);
         done = st == KVA_OK;
     } else {
@@ -685,7 +730,7 @@ static void op_admit(harness *h, input *in) {
         for (uint32_t r = 0; r < count; r++) {
             num_tokens[r] = p[r].tokens;
             namespaces[r] = space_ns(p[r].space);
-            priorities[r] = (uint8_t)p[r].priority;
+            priorities[r] = (uint8_t)(p[r].priority | p[r].again);
         }
         ORACLE(kva_kv_seq_admit_many(h->kv, count, num_tokens, namespaces, priorities, &c, offsets, seqs, cached,
                                      &done) == KVA_OK);
@@ -1133,6 +1178,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     h->next_id = 0;
     memset(h->block, 0, sizeof h->block);
     h->clock = h->evictions = h->hit_tokens = h->dropped = 0;
+    h->readmit_hit_tokens = h->readmit_query_tokens = 0;
     h->ring_head = h->ring_count = h->nlearned = 0;
     kva_kv_config cfg;
     kva_kv_config_init(&cfg);

@@ -204,8 +204,8 @@ def test_the_peak_is_the_fullest_the_cache_was(monkeypatch: pytest.MonkeyPatch) 
     admit, extend = PagedBackend.admit, PagedBackend.extend
 
     def watched(method):
-        def call(self, *args):
-            out = method(self, *args)
+        def call(self, *args, **kwargs):
+            out = method(self, *args, **kwargs)
             fullest[0] = max(fullest[0], self.usage()[0])
             return out
         return call

@@ -5,7 +5,8 @@
  *     kv_call_cost PATTERN ROUNDS
  *
  * PATTERN: alloc_free (a 1-block sequence allocated and freed), append (a decode append of one
- * token), hit (a single-block prefix hit and its release), lookup (a 16-block chain looked up).
+ * token), hit (a single-block prefix hit and its release), lookup (a 16-block chain looked up),
+ * commit (4 new keys registered and, the cache full, 4 evicted), pin (a 4-block pin and unpin).
  * tools/run_kv_call_cost.sh runs each at two round counts under callgrind and takes the
  * difference, which leaves out the cache's creation: instructions per round.
  */
@@ -27,7 +28,7 @@ static void try(kva_status st, const char *what) {
 
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: %s alloc_free|append|hit|lookup ROUNDS\n", argv[0]);
+        fprintf(stderr, "usage: %s alloc_free|append|hit|lookup|commit|pin ROUNDS\n", argv[0]);
         return 2;
     }
     const char *pattern = argv[1];
@@ -68,6 +69,21 @@ int main(int argc, char **argv) {
         for (long i = 0; i < rounds; i++) {
             try(kva_kv_seq_allocate(kv, BLOCK_TOKENS, keys, 1, NULL, 0, 0, 0, &seq, &hits), "allocate");
             try(kva_kv_seq_free(kv, seq), "free");
+        }
+    } else if (strcmp(pattern, "commit") == 0) {
+        /* 4 new keys a round, registered, then cached at the free; once the cache is full each
+         * round evicts 4: registrations and their drops in steady state. */
+        uint64_t fresh[4];
+        for (long i = 0; i < rounds; i++) {
+            for (int j = 0; j < 4; j++) fresh[j] = ((uint64_t)1 << 40) + (uint64_t)i * 4 + (uint64_t)j;
+            try(kva_kv_seq_allocate(kv, 4 * BLOCK_TOKENS, fresh, 4, NULL, 0, (uint32_t)(i % 3), 0, &seq, NULL),
+                "allocate");
+            try(kva_kv_seq_free(kv, seq), "free");
+        }
+    } else if (strcmp(pattern, "pin") == 0) {
+        for (long i = 0; i < rounds; i++) {
+            try(kva_kv_pin(kv, keys, 4, NULL, 0, 0, &seq, &hits), "pin");
+            try(kva_kv_unpin(kv, seq), "unpin");
         }
     } else if (strcmp(pattern, "lookup") == 0) {
         for (long i = 0; i < rounds; i++) try(kva_kv_lookup(kv, 0, &content, 16, ids, &hits), "lookup");
