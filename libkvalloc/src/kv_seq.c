@@ -113,8 +113,8 @@ static void commit_given(kva_kv *kv, const kv_content *c, const uint32_t *table,
 /* A priority argument of an admission: 0 .. KVA_KV_PRIORITIES-1, KVA_KV_AGAIN ORed in or not. */
 KVA_INLINE kva_status priority_check(kva_kv *kv, uint32_t priority) {
     if ((priority & ~KVA_KV_AGAIN) >= KVA_KV_PRIORITIES)
-        return INVALID("priority %#x is not 0..%d, with KVA_KV_AGAIN (%#x) or not", priority, KVA_KV_PRIORITIES - 1,
-                       KVA_KV_AGAIN);
+        return INVALID("priority %u is not in 0..%d, KVA_KV_AGAIN (%#x) ORed in or not", priority,
+                       KVA_KV_PRIORITIES - 1, KVA_KV_AGAIN);
     return KVA_OK;
 }
 
