@@ -845,6 +845,20 @@ class _AdmitBuffers:
         self.no_namespace = c_uint64(0)
 
 
+class _AppendBuffers:
+    """What Sequence.append reuses from one call to the next, under its cache's lock, for a
+    growth without content (a decode token): the copy struct the library writes on success,
+    the cache's handle as a c_void_p and kva_kv_seq_extend with no argument converted."""
+
+    __slots__ = ("copy", "copy_ref", "call", "kv")
+
+    def __init__(self, lib: _ffi.KvaLib, handle: int) -> None:
+        self.copy = _ffi.KvaKvCopy()
+        self.copy_ref = byref(self.copy)
+        self.call = lib.untyped("kva_kv_seq_extend")
+        self.kv = c_void_p(handle)
+
+
 class _StepBuffers:
     """What append_many, the call of every decode step, reuses from one call to the next under
     its cache's lock: the per-request token counts of a step where every request grows by n,
@@ -937,7 +951,7 @@ class KVCache(HandleOwner):
     number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_call_lock", "_info", "_pool_handle", "_max_key_bytes", "_step",
+    __slots__ = ("_lib", "_pool_lock", "_call_lock", "_append1", "_info", "_pool_handle", "_max_key_bytes", "_step",
                  "_admit", "_dtype", "_dl_device", "_kv_tensors", "_groups")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -1025,6 +1039,7 @@ class KVCache(HandleOwner):
         self._max_key_bytes = int(config.max_key_bytes)
         self._step = _StepBuffers()
         self._admit = _AdmitBuffers(lib, handle)
+        self._append1 = _AppendBuffers(lib, handle)
         self._dtype = element
         self._dl_device = pool._dl_device if pool is not None else (DEVICE_CPU, 0)
         self._kv_tensors = _TensorCount()
@@ -1785,6 +1800,15 @@ def _free_forgotten_locked(cache: KVCache, handle: int, pin: bool) -> None:
         pass  # freed another way already; nothing to give back
 
 
+def _copy_of(copy: _ffi.KvaKvCopy) -> CopyOnWrite | Move | None:
+    """What an append's copy struct tells the engine to copy first, if anything."""
+    if copy.src_block != _NO_BLOCK:
+        return CopyOnWrite(copy.src_block, copy.dst_block, copy.tokens)
+    if copy.src:
+        return Move(copy.src, copy.dst or 0, copy.tokens, copy.src_bucket, copy.dst_bucket)
+    return None
+
+
 _Seq = TypeVar("_Seq", bound="Sequence")
 
 
@@ -1906,20 +1930,31 @@ class Sequence:
         ``keys`` (one per block this call fills). A later request (the next turn of a
         conversation) then hits them. Without content, a call that fills a block (or, keyed by
         token ids, appends any token) ends the chain: no later block is registered."""
+        cache = self._cache
+        if (tokens is None and block_keys is None and keys is None and type(num_tokens) is int
+                and 0 <= num_tokens <= _U32_MAX):
+            return self._append_plain(cache, num_tokens)
         n = _u32("num_tokens", num_tokens)
         content = _content(tokens, block_keys, keys, self._cache._max_key_bytes)
         copy = _ffi.KvaKvCopy()
-        cache = self._cache
         with cache._call_lock:
             self._refuse_with_views("append to")
             cache._lib.kva_kv_seq_extend(cache._open_handle(), self._handle, n,
                                          _content_ref(content),
                                          0 if content is None else content.count, byref(copy))
-        if copy.src_block != _NO_BLOCK:
-            return CopyOnWrite(copy.src_block, copy.dst_block, copy.tokens)
-        if copy.src:
-            return Move(copy.src, copy.dst or 0, copy.tokens, copy.src_bucket, copy.dst_bucket)
-        return None
+        return _copy_of(copy)
+
+    def _append_plain(self, cache: KVCache, n: int) -> CopyOnWrite | Move | None:
+        """append(n) without content, as a decode step of one sequence makes it: the reused
+        copy struct and one call with nothing converted (the handle as a c_uint64, n an int)."""
+        plain = cache._append1
+        with cache._call_lock:
+            self._refuse_with_views("append to")
+            cache._open_handle()
+            status = plain.call(plain.kv, c_uint64(self._handle), n, None, 0, plain.copy_ref)
+            if status:
+                cache._lib.raise_status(status, "kva_kv_seq_extend")
+            return _copy_of(plain.copy)
 
     def fork(self) -> Sequence:
         """A new sequence sharing every block of this one (reference counted); the first append

@@ -504,3 +504,40 @@ def test_gauges_agree_with_stats():
     cache.close()
     with pytest.raises(pykvalloc.KvallocError):
         cache.gauges()
+
+
+def test_a_plain_append_is_checked_as_any_other() -> None:
+    # append(n) without content takes a path of its own (the reused copy struct, one call with
+    # nothing converted): what it returns and refuses is what the general path does (its Move
+    # in contiguous mode: test_contiguous_mode_moves_with_a_copy_descriptor).
+    with small(num_blocks=4) as cache:
+        seq = cache.allocate(2, block_keys=[])
+        assert seq.append(2) is None and seq.num_tokens == 4
+        child = seq.fork()
+        assert child.append(1) is None  # a new block: the full one stays shared
+        assert seq.append(0) is None and seq.num_tokens == 4
+        grown = cache.allocate(3)
+        twin = grown.fork()
+        copy = twin.append(1)  # into the shared partial block: copied on write
+        assert copy == pykvalloc.CopyOnWrite(grown.block_table[0], twin.block_table[0], 3)
+        with pytest.raises(pykvalloc.InvalidArgument):
+            seq.append((1 << 32) - 1)  # past 2^32 - 1 tokens
+        with pytest.raises(pykvalloc.OutOfMemory):
+            seq.append(64)
+        with pytest.raises(pykvalloc.InvalidArgument):
+            seq.append(1.0)  # type: ignore[arg-type]  # not an int: the general path says so
+        with pytest.raises(pykvalloc.InvalidArgument):
+            seq.append(-1)
+        table = seq.block_table
+        with pytest.raises(pykvalloc.TableInUseError):
+            seq.append(1)
+        del table
+        assert seq.num_tokens == 4
+        child.free()
+        with pytest.raises(pykvalloc.DoubleFree):
+            child.free()
+        with pytest.raises(pykvalloc.InvalidArgument):
+            child.append(1)  # freed
+        cache.check()
+    with pytest.raises(pykvalloc.PoolClosedError):
+        seq.append(1)
