@@ -217,3 +217,45 @@ def test_a_1_4_writer_says_what_it_does_not_publish():
     assert "This writer publishes no KV sequences (layout 1.5 on)." in dumped.stdout
     assert "This writer publishes no KV namespaces (layout 1.5 on)." in dumped.stdout
     assert "pinned" not in dumped.stdout and "re-admissions" not in dumped.stdout
+
+
+def test_a_real_kv_caches_sequences_and_namespaces_as_text_and_json():
+    from test_tui_kv import serving
+
+    name = unique_name("dumpseq")
+    with serving(name) as (_, truth):
+        dumped = run_kvalloc("dump", name)  # piped: 80 columns
+        as_json = run_kvalloc("dump", name, "--json")
+        check_sequences_dumped(truth, dumped, as_json)
+
+
+def check_sequences_dumped(truth: dict, dumped, as_json) -> None:
+    from test_tui_kv import runs_text
+
+    assert dumped.returncode == 0 and as_json.returncode == 0, dumped.stderr + as_json.stderr
+    kv, longest, again = truth["stats"], truth["longest"], truth["again"]
+    lines = dumped.stdout.splitlines()
+    assert all(len(line) <= 80 for line in lines), lines
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip()
+            for line in lines if line.count("│") == 3}
+    assert rows["of them pinned"] == f"{kv.pinned_blocks:,}"
+    assert rows["re-admissions"].startswith(
+        f"{kv.readmit_hit_tokens / kv.readmit_query_tokens:.1%} ({kv.readmit_hit_tokens:,} of "
+        f"{kv.readmit_query_tokens:,} tokens)")
+    text = dumped.stdout
+    for sequence in (longest, again):
+        assert f"blocks of {sequence.handle:#x}: {runs_text(sequence.block_table)}" in text
+
+    dumped_json = json.loads(as_json.stdout)
+    entries = {e["handle"]: e for e in dumped_json["kv_sequences"]["entries"]}
+    for sequence in (longest, again):
+        entry = entries[sequence.handle]
+        assert entry["table"] == sequence.block_table.tolist() and entry["table_complete"]
+        assert (entry["num_tokens"], entry["blocks"], entry["namespace"]) == (
+            sequence.num_tokens, sequence.num_blocks, sequence.namespace)
+    assert entries[truth["pin"].handle]["pin"] is True
+    assert dumped_json["kv_sequences"]["longest_handle"] == longest.handle
+    assert [(row["namespace"], row["sequences"], row["pins"], row["blocks"],
+             row["registered_blocks"]) for row in dumped_json["kv_namespaces"]] == [
+        (row.namespace, row.sequences, row.pins, row.blocks, row.registered_blocks)
+        for row in truth["namespaces"]]

@@ -449,3 +449,25 @@ def test_namespace_series_are_bounded_and_never_written_twice() -> None:
     # Namespaces 0..7 (the fewest blocks) and the writer's own "other" row go to "other".
     assert found["other"] == (9, 0, sum(100 + ns for ns in range(8)) + 5, 18)
     assert exposition._namespace_series([]) == {}
+
+
+def test_a_real_kv_caches_pins_readmissions_and_namespaces() -> None:
+    from test_tui_kv import serving
+
+    name = unique_name("export-ns")
+    with serving(name) as (_, truth):
+        families = parse(scrape(ExporterState(max_segments=EVERY)))
+        longest_tokens = truth["longest"].num_tokens
+    kv, mine = truth["stats"], {"pool": name, "pid": str(os.getpid())}
+    assert value(families, "kvalloc_kv_pinned_blocks", **mine) == kv.pinned_blocks == 2
+    assert value(families, "kvalloc_kv_prefix_cache_readmission_hit_tokens_total", **mine) == \
+        kv.readmit_hit_tokens > 0
+    assert value(families, "kvalloc_kv_prefix_cache_readmission_query_tokens_total", **mine) == \
+        kv.readmit_query_tokens
+    assert value(families, "kvalloc_kv_longest_sequence_tokens", **mine) == longest_tokens
+    assert value(families, "kvalloc_kv_pins", **mine) == 1
+    for row in truth["namespaces"]:
+        label = "other" if row.namespace is None else str(row.namespace)
+        for metric in ("sequences", "pins", "blocks", "registered_blocks"):
+            assert value(families, f"kvalloc_kv_namespace_{metric}", namespace=label, **mine) \
+                == getattr(row, metric), (label, metric)

@@ -140,3 +140,32 @@ def test_top_waits_for_a_named_pool_and_ctrl_c_quits():
             terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
     finally:
         terminal.close()
+
+
+def test_the_kv_page_in_a_real_terminal_pins_rates_sequences_and_namespaces():
+    from test_tui_kv import runs_text, serving
+
+    name = unique_name("kvterm")
+    with serving(name) as (_, truth):
+        kv, longest, again = truth["stats"], truth["longest"], truth["again"]
+        terminal = Terminal([sys.executable, "-m", "kvalloc_cli", "top", name, "--interval",
+                             "0.2"])
+        try:
+            lines = terminal.wait_for(lambda lines: any("blocks of " in line for line in lines))
+            assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+            text = "\n".join(lines)
+            assert f"pinned {kv.pinned_blocks}" in text
+            assert f"readmit {kv.readmit_hit_tokens / kv.readmit_query_tokens:>6.1%}" in text
+            assert f"live 2  pins 1  longest {longest.num_tokens:,} tok" in text
+            assert f"blocks of {longest.handle:#x}: {runs_text(longest.block_table)}" in text
+            namespaces = {line.split()[0]: line.split()[1:4] for line in lines
+                          if line.strip()[:1].isdigit() and len(line.split()) > 5}
+            assert namespaces["7"] == ["1", "0", str(longest.num_blocks)]
+            terminal.press("Down")
+            terminal.wait_for(lambda lines: any(f"blocks of {again.handle:#x}: "
+                                                f"{runs_text(again.block_table)}" in line
+                                                for line in lines))
+            terminal.press("q")
+            terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
+        finally:
+            terminal.close()

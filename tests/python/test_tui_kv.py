@@ -7,13 +7,17 @@ The segments are real KV caches' with the sections written as the library's writ
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import pytest
-from stats_writer import crafted_segment, kv_segment_bytes, write_kv_sections
+from stats_writer import crafted_segment, kv_segment_bytes, unique_name, write_kv_sections
 from test_stats_kv_sections import as_1_4
 from test_tui import screen_text, shown, until
 
+import pykvalloc
 from pykvalloc import stats
 from kvalloc_tui import render
 from kvalloc_tui.app import KvallocTop
@@ -179,3 +183,91 @@ def test_a_block_table_is_drawn_as_runs_cut_to_fit():
         "0-127 (first 128 of 900)"]
     assert render.block_table_lines(entry([], 900), 78) == ["table not published (900 blocks)"]
     assert render.block_table_lines(entry([]), 78) == ["no blocks"]
+
+
+MiB = 1 << 20
+
+
+@contextmanager
+def serving(name: str) -> Iterator[tuple[pykvalloc.KVCache, dict[str, Any]]]:
+    """A real KV cache in a named pool, as an engine holds one: a request admitted, freed and
+    admitted again (a re-admission that finds its blocks), a longer one in namespace 7, a pin
+    of the first prefix; and what the cache says of itself (its stats, namespaces, sequences)."""
+    with pykvalloc.Pool(64 * MiB, name=name, trace=True, pages="small") as pool, \
+            pykvalloc.KVCache(64, block_tokens=16, layers=2, kv_heads=2, head_dim=64,
+                              pool=pool, trace=True) as cache:
+        cache.allocate(4 * 16, block_keys=[1, 2, 3, 4]).free()
+        again = cache.allocate(4 * 16 + 3, block_keys=[1, 2, 3, 4], again=True)
+        longest = cache.allocate(6 * 16 + 5, namespace=7)
+        pin = cache.pin(block_keys=[1, 2])
+        cache.publish()
+        truth = {"stats": cache.stats(), "namespaces": cache.namespaces(), "again": again,
+                 "longest": longest, "pin": pin}
+        yield cache, truth
+        pin.unpin()
+        again.free()
+        longest.free()
+
+
+def runs_text(table: np.ndarray) -> str:
+    return " ".join(str(a) if a == b else f"{a}-{b}" for a, b in render.block_runs(table))
+
+
+def test_a_real_kv_cache_lights_the_kv_page_at_80x24_and_every_panel_when_tall():
+    name = unique_name("kvpage")
+
+    async def scenario(truth: dict[str, Any], size: tuple[int, int]) -> None:
+        app = KvallocTop(stats.find_segment(name), interval=0.1)
+        async with app.run_test(size=size) as pilot:
+            await until(pilot, lambda: app.current and app.current.last
+                        and app.current.last.kv_sequences
+                        and app.current.last.kv_sequences.entries)
+            await pilot.pause(0.1)
+            kv, again, longest = truth["stats"], truth["again"], truth["longest"]
+            lines = screen_text(app).splitlines()
+            assert len(lines) == size[1] and all(len(line) <= size[0] for line in lines)
+            assert kv.pinned_blocks == 2 and kv.readmit_query_tokens > 0
+            panel = shown(app, "#kv").plain.splitlines()
+            assert f"  pinned {kv.pinned_blocks}  " in panel[1]
+            assert f"readmit {kv.readmit_hit_tokens / kv.readmit_query_tokens:>6.1%}" in panel[2]
+            first = (kv.hit_tokens - kv.readmit_hit_tokens) / (kv.query_tokens
+                                                               - kv.readmit_query_tokens)
+            assert f"first {first:>6.1%}" in panel[2]
+
+            sequences = shown(app, "#sequences").plain.splitlines()
+            assert sequences[0].startswith(
+                f"live 2  pins 1  longest {longest.num_tokens:,} tok, {longest.num_blocks} "
+                f"blocks {longest.handle:#x}")
+            rows = {line.split()[0].lstrip("▸"): line.split() for line in sequences[2:]
+                    if line.strip().startswith(("▸0x", "0x"))}
+            assert rows[f"{longest.handle:#x}"][1:5] == [
+                f"{longest.num_tokens:,}", str(longest.num_blocks), "0", "7"]
+            assert rows[f"{again.handle:#x}"][1:4] == [
+                f"{again.num_tokens:,}", str(again.num_blocks), f"{again.num_cached_tokens:,}"]
+            assert rows[f"{truth['pin'].handle:#x}"][-1] == "pin"
+            assert f"blocks of {longest.handle:#x}: {runs_text(longest.block_table)}" in \
+                shown(app, "#sequences").plain
+            order = list(rows)
+            await pilot.press("down")  # the second longest's table
+            await until(pilot, lambda: f"blocks of {order[1]}: " in shown(app, "#sequences").plain)
+            if order[1] == f"{again.handle:#x}":
+                assert f"blocks of {order[1]}: {runs_text(again.block_table)}" in \
+                    shown(app, "#sequences").plain
+
+            namespaces = shown(app, "#namespaces").plain.splitlines()
+            for row in truth["namespaces"]:
+                line = next(line for line in namespaces[1:]
+                            if line.split()[0] == render.format_namespace(row.namespace))
+                assert line.split()[1:4] == [str(row.sequences), str(row.pins), str(row.blocks)]
+                assert line.split()[5] == str(row.registered_blocks)
+            if size[1] >= 46:
+                text = "\n".join(lines)
+                for title in ("heap map", "free blocks per order", "slab classes",
+                              "recent operations"):
+                    assert title in text, title
+            else:
+                assert "heap map" not in "\n".join(lines)
+
+    with serving(name) as (_, truth):
+        asyncio.run(scenario(truth, (80, 24)))
+        asyncio.run(scenario(truth, (160, 50)))

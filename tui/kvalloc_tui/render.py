@@ -575,10 +575,13 @@ def selected_entry(snap: Snapshot, handle: int | None) -> KvSequenceEntry | None
 
 
 def sequences_summary(snap: Snapshot) -> Text:
-    """Live sequences and pins, and the longest sequence (tokens, blocks, handle)."""
+    """Live sequences and pins, and the longest sequence (tokens, blocks, handle). The count of
+    sequences is the KV section's, as fresh as the other figures on screen; the writer lists
+    the longest (and counts pins) at its full publishes, at most a second apart."""
     sequences = snap.kv_sequences
-    assert sequences is not None
-    line = Text.assemble(("live ", "bold"), f"{sequences.live:,}", ("  pins ", "bold"),
+    assert sequences is not None and snap.kv is not None
+    live = int(snap.kv["live_sequences"])
+    line = Text.assemble(("live ", "bold"), f"{live:,}", ("  pins ", "bold"),
                          f"{sequences.pins:,}", no_wrap=True, overflow="crop")
     if sequences.longest_tokens:
         longest = next((e for e in sequences.entries if e.handle == sequences.longest_handle),
