@@ -6,8 +6,9 @@
  * Metadata per block: a 40-byte record indexed by its id, 1.5 to 3 u32 prefix-table buckets
  * (6 to 12 bytes), at most 8.4 bytes of LRU segments in a large cache (kv_lru.c): 46 to 61
  * bytes (bench_kv measures 50.8 at 10^4 blocks, 52.2 at 2^20). Beside them, only where used:
- * max_key_bytes bytes of engine keys (a cache created with them), and 4 bytes of the engine's
- * references once the block calls have held one (mapped at creation, touched only then): with
+ * max_key_bytes bytes of engine keys (a cache created with them), 4 bytes of the engine's
+ * references once the block calls have held one and 4 of pin counts once a pin has held one
+ * (each mapped at creation, touched only then): with
  * 32-byte keys and the block calls, 88.2 bytes at 2^20. A block is in exactly one state:
  *   FREE    on the free stack (linked through `next`; released blocks go on top, evicted
  *           ones below the rest); holds nothing.
