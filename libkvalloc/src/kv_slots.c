@@ -89,6 +89,21 @@ kva_kv_seqrec *kv_seq_reserve(kva_kv *kv, uint32_t blocks) {
     return rec;
 }
 
+/* Counts a sequence made live in row `row` of the namespace table (K12); the row is kept in the
+ * record for its growth and its free. */
+static inline void ns_count(kva_kv *kv, kva_kv_seqrec *rec, uint32_t row) {
+    rec->ns_slot = (uint8_t)row;
+    kv_ns_row *r = &kv->ns.rows[row];
+    r->live[rec->is_pin]++;
+    r->blocks += rec->len;
+}
+
+/* kv_seq_publish's namespace other than the last one looked up: the search, out of line. */
+static __attribute__((noinline)) kva_kv_seq publish_searched(kva_kv *kv, kva_kv_seqrec *rec, kva_kv_seq handle) {
+    ns_count(kv, rec, kv_ns_lookup(kv, rec->ns));
+    return handle;
+}
+
 kva_kv_seq kv_seq_publish(kva_kv *kv, kva_kv_seqrec *rec) {
     uint32_t slot = (uint32_t)(rec - kv->seqs);
     if (slot == kv->free_slot) kv->free_slot = rec->next_free;
@@ -97,13 +112,12 @@ kva_kv_seq kv_seq_publish(kva_kv *kv, kva_kv_seqrec *rec) {
     rec->next_free = KVA_NIL;
     if (rec->is_pin) kv->live_pins++;
     else kv->live_seqs++;
-    /* Its namespace's row (K12), kept in the record for its growth and its free. */
-    uint32_t row = kv_ns_slot(kv, rec->ns);
-    rec->ns_slot = (uint8_t)row;
-    kv_ns_row *r = &kv->ns.rows[row];
-    r->live[rec->is_pin]++;
-    r->blocks += rec->len;
-    return kv_handle(kv, slot, rec->generation);
+    kva_kv_seq handle = kv_handle(kv, slot, rec->generation);
+    /* The memo's namespace (a compare) counts here; any other in a tail call, so that this
+     * path sets up no frame. */
+    if (kva_unlikely(kv->ns.memo_ns != rec->ns)) return publish_searched(kv, rec, handle);
+    ns_count(kv, rec, kv->ns.memo);
+    return handle;
 }
 
 void kv_seq_retire(kva_kv *kv, kva_kv_seqrec *rec) {
