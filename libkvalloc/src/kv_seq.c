@@ -333,7 +333,7 @@ KVA_INLINE kva_status extend(kva_kv *kv, kva_kv_seqrec *rec, uint32_t num_tokens
         kv->counters.cow_copies++;
     }
     kv_take(kv, rec->table + rec->len, new_len - rec->len, rec->priority);
-    kv->ns.rows[rec->ns_slot].blocks += new_len - rec->len;
+    if (new_len != rec->len) kv->ns.rows[rec->ns_slot].blocks += new_len - rec->len; /* mostly not: no store */
     rec->len = new_len;
     if (rec->key_kind != KVA_KV_KEY_NONE) {
         if (c && c->items) commit_filled(kv, rec, old_tokens, num_tokens, c);
