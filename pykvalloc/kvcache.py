@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     KeyArray = Union[Iterable[bytes], npt.NDArray[np.uint8]]
 
 from . import _ffi, _locks
-from ._ffi import KV_CALL_KINDS, KVA_KV_AGAIN
+from ._ffi import KV_CALL_KINDS, KVA_KV_AGAIN, KVA_KV_PRIORITIES
 from ._ffi import KVA_KV_NAMESPACE_SLOTS as NAMESPACE_SLOTS
 from ._owner import ArrayAnchor, HandleOwner, refuse_copy
 from .errors import InvalidArgument, KvallocError, OutOfMemory
@@ -270,12 +270,20 @@ def _u64(name: str, value: object) -> int:
     return _unsigned(name, value, 64)
 
 
+def _readmission_bit(priority: int) -> InvalidArgument:
+    return InvalidArgument(f"priority {priority} is not in 0..{KVA_KV_PRIORITIES - 1} (a "
+                           "re-admission is again=True)")
+
+
 def _priority_arg(priority: object, again: object) -> int:
-    """An admission's priority as C takes it: KVA_KV_AGAIN ORed in for a re-admission (C
-    checks the priority itself)."""
+    """An admission's priority as C takes it: KVA_KV_AGAIN ORed in for a re-admission. A
+    priority carrying that bit itself is refused here, as C refuses 9: the package says
+    re-admission only through ``again`` (C checks every other bit itself)."""
     if not isinstance(again, (bool, np.bool_)):
         raise InvalidArgument(f"again must be a bool, not {type(again).__name__}")
     prio = _u32("priority", priority)
+    if prio & KVA_KV_AGAIN:
+        raise _readmission_bit(prio)
     return prio | KVA_KV_AGAIN if again else prio
 
 
@@ -1091,8 +1099,7 @@ class KVCache(HandleOwner):
         if (type(keys) is np.ndarray and tokens is None and block_keys is None
                 and type(num_tokens) is int and type(namespace) is int and type(priority) is int
                 and type(again) is bool):
-            admitted = self._admit_keyed(num_tokens, keys, namespace,
-                                         priority | KVA_KV_AGAIN if again else priority)
+            admitted = self._admit_keyed(num_tokens, keys, namespace, priority, again)
             if admitted is not None:
                 return admitted
         n = _u32("num_tokens", num_tokens)
@@ -1108,7 +1115,7 @@ class KVCache(HandleOwner):
         return Sequence._new(self, seq.value, cached.value)
 
     def _admit_keyed(self, num_tokens: int, keys: npt.NDArray[Any], namespace: int,
-                     priority: int) -> Sequence | None:
+                     priority: int, again: bool) -> Sequence | None:
         """allocate's admission as an engine makes it, by its keys as a C-contiguous uint8
         array of one key a row, every other argument a plain int in range: nothing converted,
         the reused struct and out-values, one C call. None when an argument is anything else,
@@ -1117,6 +1124,10 @@ class KVCache(HandleOwner):
                 and 0 <= num_tokens <= _U32_MAX and 0 <= namespace <= _U64_MAX
                 and 0 <= priority <= _U32_MAX and keys.shape[0] <= _U32_MAX):
             return None
+        if priority & KVA_KV_AGAIN:
+            raise _readmission_bit(priority)
+        if again:
+            priority |= KVA_KV_AGAIN
         admit = self._admit
         with self._call_lock:
             self._open_handle()
@@ -1206,6 +1217,9 @@ class KVCache(HandleOwner):
         if (ns is not None and ns.size != count) or (prios is not None and prios.size != count):
             raise InvalidArgument(f"namespaces and priorities need {count} entries, one per "
                                   "request")
+        if prios is not None and prios.size and prios.max() >= KVA_KV_AGAIN:
+            first = int(np.flatnonzero(prios >= KVA_KV_AGAIN)[0])
+            raise InvalidArgument(f"priorities[{first}]: {_readmission_bit(int(prios[first]))}")
         prios = _again_priorities(prios, again, count)
         handles = np.empty(count, dtype=np.uint64)
         cached = np.empty(count, dtype=np.uint32)

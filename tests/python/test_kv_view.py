@@ -165,3 +165,31 @@ def test_another_process_reads_the_same_figures_the_engine_has() -> None:
         assert entry.blocks == len(table) and not entry.pin
         assert entry.table.tolist() == table[:stats.KV_SEQ_TABLE]
         assert entry.table_complete == (len(table) <= stats.KV_SEQ_TABLE)
+
+
+KEY_BYTES = 8
+
+
+@pytest.mark.parametrize("call", [
+    lambda c, k: c.allocate(4, priority=0x80),
+    lambda c, k: c.allocate(4, priority=0x85),
+    lambda c, k: c.allocate(4, priority=0x85, again=True),
+    lambda c, k: c.allocate(8, keys=k, priority=0x80),
+    lambda c, k: c.allocate(8, keys=k, priority=0x83, again=True),
+    lambda c, k: c.allocate_many([4], priorities=[0x80]),
+    lambda c, k: c.allocate_many([4, 4], priorities=np.array([1, 0x87], dtype=np.uint8)),
+    lambda c, k: c.allocate_many([4, 4], priorities=[0x81, 0], again=True),
+])
+def test_the_readmission_bit_in_a_priority_is_refused_with_nothing_changed(call) -> None:
+    # KVA_KV_AGAIN is C's way of saying again=True; the package's priorities are 0..7, so a
+    # priority carrying bit 7 is refused as priority 9 is, not taken as a re-admission.
+    keys = np.arange(2 * KEY_BYTES, dtype=np.uint8).reshape(2, KEY_BYTES)
+    with small_cache(max_key_bytes=KEY_BYTES) as cache:
+        cache.allocate(8, block_keys=[5, 6])
+        before = (cache.stats().readmit_query_tokens, cache.stats().query_tokens,
+                  cache.stats().sequences, cache.namespaces())
+        with pytest.raises(pykvalloc.InvalidArgument, match=r"priority 1[23]\d "):
+            call(cache, keys)
+        assert (cache.stats().readmit_query_tokens, cache.stats().query_tokens,
+                cache.stats().sequences, cache.namespaces()) == before
+        cache.check()
