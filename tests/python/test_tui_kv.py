@@ -271,3 +271,22 @@ def test_a_real_kv_cache_lights_the_kv_page_at_80x24_and_every_panel_when_tall()
     with serving(name) as (_, truth):
         asyncio.run(scenario(truth, (80, 24)))
         asyncio.run(scenario(truth, (160, 50)))
+
+
+@pytest.mark.parametrize("width", [60, 78, 120])
+def test_a_cache_that_looked_nothing_up_keeps_its_two_hit_rates_apart(width):
+    # A fresh cache: neither kind of admission has looked anything up, and each says why in
+    # the room of its half; the first half's words end before the second half starts.
+    name = unique_name("kvfresh")
+    with pykvalloc.KVCache(64, block_tokens=16, layers=1, kv_heads=1, head_dim=1, dtype="uint8",
+                           pages="small", name=name) as cache:
+        cache.publish()
+        with stats.open_segment(name) as segment:
+            snap = segment.snapshot()
+    lines = [line.plain for line in render.hit_lines(snap, width)]
+    assert all(len(line) <= width for line in lines)
+    text = " ".join(lines)
+    assert " readmit " in f" {text}" and "first " in text
+    before_readmit = text.split("readmit")[0]
+    assert before_readmit.endswith(" "), text
+    assert "nothing looked" in before_readmit, text

@@ -482,11 +482,13 @@ def hit_lines(snap: Snapshot, width: int, overall: Iterable[float | None] = (),
 
     def part(name: str, rate: float | None, history: Iterable[float | None], room: int,
              style: str, why: str) -> Text:
+        # ``room`` cells in all, the last a space: the next part never touches this one.
         head = Text.assemble((name, "bold"), f" {'-' if rate is None else f'{rate:.1%}':>6} ",
                              no_wrap=True)
+        inner = max(0, room - len(head) - 1)
         if rate is None and why:
-            return head + Text(why[:max(0, room - len(head))], "dim")
-        return head + sparkline(list(history), max(0, room - len(head)), style) + " "
+            return head + Text(why[:inner].ljust(inner), "dim") + " "
+        return head + sparkline(list(history), inner, style) + " "
 
     first_rate, again_rate = rates
     again_why = READMIT_NONE if int(kv["readmit_query_tokens"]) == 0 else ""
