@@ -41,7 +41,8 @@ extern "C" {
  * arenas entry per arena, with slab and claim figures. 1.3: the trace ring and the latency
  * histogram outside the sequence lock. 1.4: peaks in the summary and the KV section, the KV
  * section's per-kind call latency histograms. 1.5: pinned blocks and re-admission counters at
- * the end of the KV section; the KV sequences and KV namespaces sections. */
+ * the end of the KV section; the KV sequences and KV namespaces sections; the heap-map cell
+ * state KVA_SHM_CELL_KV_PINNED. */
 #define KVA_SHM_ABI_MINOR 5
 #define KVA_SHM_MAX_SECTIONS 16
 #define KVA_SHM_PREFIX "kvalloc." /* the name in /dev/shm is kvalloc.<pid>.<pool name> */
@@ -127,13 +128,20 @@ typedef struct kva_shm_summary {
 /* KVA_SHM_SECTION_HEAPMAP: the pool as `cells` equal cells in address order, each
  * cell_blocks minimum blocks (cell_bytes bytes). state[] then fill[] follow the header. */
 enum {
-    KVA_SHM_CELL_FREE = 0,     /* all free */
-    KVA_SHM_CELL_BLOCK = 1,    /* mostly a live buddy allocation */
-    KVA_SHM_CELL_SLAB = 2,     /* a slab chunk */
-    KVA_SHM_CELL_MIXED = 3,    /* partly free, partly in use */
-    KVA_SHM_CELL_KV_USED = 4,  /* KV blocks referenced by sequences */
-    KVA_SHM_CELL_KV_CACHED = 5 /* KV blocks kept only by the prefix cache */
+    KVA_SHM_CELL_FREE = 0,      /* all free */
+    KVA_SHM_CELL_BLOCK = 1,     /* mostly a live buddy allocation */
+    KVA_SHM_CELL_SLAB = 2,      /* a slab chunk */
+    KVA_SHM_CELL_MIXED = 3,     /* partly free, partly in use */
+    KVA_SHM_CELL_KV_USED = 4,   /* KV blocks referenced by sequences (or the engine), not pinned */
+    KVA_SHM_CELL_KV_CACHED = 5, /* KV blocks kept only by the prefix cache */
+    KVA_SHM_CELL_KV_PINNED = 6  /* 1.5: KV blocks held by a pin (kva_kv_pin), never evicted */
 };
+/* A KV cache paints the cells its blocks cover: of the blocks a cell covers (64 of them at most,
+ * evenly spread, when it covers more), it takes the in-use kind most of them are, the kinds being
+ * pinned, used and not pinned, and cached, a tie going to the first of these (the order the KV
+ * bar draws them: pinned, used, cached, free); free only when none of them is in use. fill is
+ * the share of them in use, whatever kind. A reader that meets a state it does not know (a newer
+ * writer's) shows it as mixed. */
 typedef struct kva_shm_heapmap {
     uint32_t cells;
     uint32_t cell_blocks;

@@ -1,6 +1,7 @@
 /*
  * kv_publish.c — a KV cache in its pool's statistics segment: its counters in the KV section and
- * its blocks' states (referenced, kept only by the prefix cache, free) painted into the heap map,
+ * its blocks' states (pinned, referenced, kept only by the prefix cache, free) painted into the
+ * heap map,
  * so that kvalloc top shows the KV cache, not just one large allocation.
  *
  * Threads. The pool calls the hook (publish_cb) from kva_publish, on whatever thread publishes:
@@ -25,17 +26,25 @@
  * thread holds that cache's lock, at the end of a call", which no other thread may assume. */
 static _Thread_local const kva_kv *kv_self_publishing;
 
-/* The states of blocks first..last, as one heap-map cell: the state most of them are in (used
- * before cached before free) and the share not free. */
+/* The states of blocks first..last, as one heap-map cell: the in-use kind most of the sampled
+ * blocks are (pinned, used and not pinned, cached; a tie goes to the first of these, the order
+ * the KV bar draws them), free only when none of them is in use, and the share not free
+ * (kvalloc_stats.h, KVA_SHM_CELL_*). Pin counts are read only while some block is pinned. */
 static void paint_cell(const kva_kv *kv, uint32_t first, uint32_t last, uint8_t *state, uint8_t *fill) {
-    uint32_t used = 0, cached = 0, n = last - first + 1;
+    uint32_t used = 0, cached = 0, pinned = 0, n = last - first + 1;
+    const uint32_t *pins = kv->pinned_count ? kv->pin_refs : NULL;
     /* A cell may cover many small blocks: look at 64 of them at most, evenly spread. */
     uint32_t step = n > 64 ? n / 64 : 1, seen = 0;
     for (uint32_t b = first; b <= last; b += step, seen++) {
         used += kv->blocks[b].state == KV_USED;
         cached += kv->blocks[b].state == KV_CACHED;
+        pinned += pins && pins[b] != 0; /* a pinned block is USED (K11) */
     }
-    *state = used && used >= cached ? KVA_SHM_CELL_KV_USED : cached ? KVA_SHM_CELL_KV_CACHED : KVA_SHM_CELL_FREE;
+    uint32_t unpinned = used - pinned;
+    *state = pinned && pinned >= unpinned && pinned >= cached ? KVA_SHM_CELL_KV_PINNED
+             : unpinned && unpinned >= cached                 ? KVA_SHM_CELL_KV_USED
+             : cached                                         ? KVA_SHM_CELL_KV_CACHED
+                                                              : KVA_SHM_CELL_FREE;
     *fill = (uint8_t)(255u * (used + cached) / seen);
 }
 

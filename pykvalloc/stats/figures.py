@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from .layout import CELL_FREE, CELL_MIXED, CELL_NAMES
+from .layout import CELL_FREE, CELL_MIXED, CELL_NAMES, CELL_TIE_ORDER
 
 def latency_percentiles(buckets: np.ndarray, quantiles: tuple[float, ...] = (0.5, 0.99, 0.999)
                         ) -> dict[float, int] | None:
@@ -51,7 +51,9 @@ def downsample_cells(state: np.ndarray, fill: np.ndarray, count: int
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Fits heap-map cells into ``count`` cells (at most as many as there are): each output
     cell takes the most common non-free state among its inputs (free only if all are free, so
-    a small live block stays visible) and their mean fill."""
+    a small live block stays visible; a tie goes to the earlier state in ``CELL_TIE_ORDER``,
+    so pinned before used before cached, as the writer paints) and their mean fill. A state
+    this reader does not know (a newer writer's) counts as mixed, here and when drawn."""
     cells = len(state)
     if count <= 0 or cells == 0:
         return np.zeros(0, np.uint8), np.zeros(0, np.uint8)
@@ -64,8 +66,9 @@ def downsample_cells(state: np.ndarray, fill: np.ndarray, count: int
     known = np.where(state < len(CELL_NAMES), state, CELL_MIXED).astype(np.intp)
     votes = np.zeros((count, len(CELL_NAMES)), np.int64)
     np.add.at(votes, (bins, known), 1)
-    busy = votes[:, 1:]
-    out_state = np.where(busy.sum(axis=1) == 0, CELL_FREE, 1 + busy.argmax(axis=1))
+    order = np.asarray(CELL_TIE_ORDER, np.intp)
+    busy = votes[:, order]
+    out_state = np.where(busy.sum(axis=1) == 0, CELL_FREE, order[busy.argmax(axis=1)])
     out_fill = np.add.reduceat(np.asarray(fill, np.int64), edges[:-1]) // widths
     return out_state.astype(np.uint8), out_fill.astype(np.uint8)
 

@@ -35,8 +35,13 @@ SECTION_NAMES = {SECTION_SUMMARY: "summary", SECTION_HEAPMAP: "heap map",
 CAP_TRACE_ALL = 1 << 8        # trace on: every call recorded and timed
 CAP_LIVENESS_LOCK = 1 << 9    # the writer holds a shared flock on the segment while alive
 
-CELL_FREE, CELL_BLOCK, CELL_SLAB, CELL_MIXED, CELL_KV_USED, CELL_KV_CACHED = range(6)
-CELL_NAMES = ("free", "block", "slab", "mixed", "kv used", "kv cached")
+# Heap-map cell states (kvalloc_stats.h, KVA_SHM_CELL_*); CELL_KV_PINNED since 1.5. A state past
+# these (a newer writer's) is read as CELL_MIXED.
+CELL_FREE, CELL_BLOCK, CELL_SLAB, CELL_MIXED, CELL_KV_USED, CELL_KV_CACHED, CELL_KV_PINNED = range(7)
+CELL_NAMES = ("free", "block", "slab", "mixed", "kv used", "kv cached", "kv pinned")
+# The order that breaks a tie between in-use states when cells are merged: the KV bar's (pinned,
+# used, cached), as the writer breaks ties between a cell's blocks.
+CELL_TIE_ORDER = (CELL_BLOCK, CELL_SLAB, CELL_MIXED, CELL_KV_PINNED, CELL_KV_USED, CELL_KV_CACHED)
 
 OP_NAMES = {1: "alloc", 2: "free", 3: "alloc_aligned", 4: "alloc_exact", 5: "trim"}
 STATUS_NAMES = {0: "ok", 1: "out of memory", 2: "invalid", 3: "double free", 4: "bad pointer",

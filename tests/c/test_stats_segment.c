@@ -554,6 +554,130 @@ static void test_kv_cache_section(void) {
     CHECK(shm_open(name, O_RDONLY, 0) < 0);
 }
 
+/* The heap-map cells of a KV cache (blocks layout) as kvalloc_stats.h defines them, worked out
+ * from the cache's blocks: the in-use kind most of a cell's blocks are (pinned, used and not
+ * pinned, cached; a tie to the first), free when none is in use. Cells here cover fewer than 64
+ * blocks, so every block is looked at. */
+static uint8_t expected_kv_cell(const kva_kv *kv, uint64_t cell_bytes, uint64_t cell) {
+    uint64_t start = kv->memory_offset, stride = kv->info.block_stride;
+    uint64_t lo = cell * cell_bytes > start ? cell * cell_bytes - start : 0, hi = (cell + 1) * cell_bytes - start;
+    if (hi > kv->info.kv_bytes) hi = kv->info.kv_bytes;
+    uint32_t pinned = 0, used = 0, cached = 0;
+    for (uint64_t b = lo / stride; b <= (hi - 1) / stride && b < kv->num_blocks; b++) {
+        int pin = kv->pin_refs[b] != 0;
+        pinned += pin, used += kv->blocks[b].state == KV_USED && !pin, cached += kv->blocks[b].state == KV_CACHED;
+    }
+    if (pinned && pinned >= used && pinned >= cached) return KVA_SHM_CELL_KV_PINNED;
+    if (used && used >= cached) return KVA_SHM_CELL_KV_USED;
+    return cached ? KVA_SHM_CELL_KV_CACHED : KVA_SHM_CELL_FREE;
+}
+
+/* Copies the heap map's states as a reader sees them now, into states[cells]; the cell count. */
+static uint32_t read_cells(const mapped *m, unsigned char *buf, uint8_t *states, uint32_t room, uint64_t *cell_bytes) {
+    REQUIRE(snapshot(m, buf, 100));
+    uint64_t len;
+    const kva_shm_heapmap *map = section(buf, m->size, KVA_SHM_SECTION_HEAPMAP, &len);
+    REQUIRE(map && map->cells <= room);
+    memcpy(states, map + 1, map->cells);
+    *cell_bytes = map->cell_bytes;
+    return map->cells;
+}
+
+/* The cell the block b of kv lies in. */
+static uint32_t cell_of(const kva_kv *kv, uint64_t cell_bytes, uint32_t b) {
+    return (uint32_t)((kv->memory_offset + (uint64_t)b * kv->info.block_stride) / cell_bytes);
+}
+
+/* Counts the cells that differ from expected_kv_cell. */
+static uint32_t cells_not_as_expected(const kva_kv *kv, const uint8_t *states, uint32_t cells, uint64_t cell_bytes) {
+    uint32_t wrong = 0;
+    for (uint32_t c = 0; c < cells; c++) wrong += states[c] != expected_kv_cell(kv, cell_bytes, c);
+    return wrong;
+}
+
+/* Pinned KV blocks paint cells of their own (KVA_SHM_CELL_KV_PINNED) by the rule in
+ * kvalloc_stats.h: a cell shared by pinned and cached or used blocks is pinned when the pinned
+ * ones are at least as many, used or cached when they are more; unpinning paints the map back to
+ * what it showed before the pins. */
+static void test_kv_pinned_cells(void) {
+    kva_pool *pool = make_named("kv-pins", 0);
+    kva_kv_config cfg;
+    kva_kv_config_init(&cfg);
+    /* 512-byte blocks in a pool of 4 KiB cells: a cell covers 8 blocks */
+    cfg.layers = 1, cfg.kv_heads = 1, cfg.head_dim = 16, cfg.block_tokens = 8, cfg.num_blocks = 512;
+    cfg.layout = KVA_KV_LAYOUT_BLOCKS;
+    kva_kv *kv;
+    REQUIRE(kva_kv_create(&cfg, pool, &kv) == KVA_OK);
+    mapped m;
+    REQUIRE(map_segment(kva_stats_segment_name(pool), &m));
+    unsigned char *buf = malloc(m.size);
+    static uint8_t before[16384], now[16384];
+    uint64_t cell_bytes;
+    REQUIRE(buf);
+
+    uint64_t cached_keys[64], used_keys[64];
+    for (uint64_t i = 0; i < 64; i++) cached_keys[i] = 1 + i, used_keys[i] = 1001 + i;
+    kva_kv_seq cached_seq, used_seq, pins[3];
+    const uint32_t *table;
+    uint32_t hit, length, cached_first, used_first;
+    REQUIRE(kva_kv_seq_allocate(kv, 64 * 8, cached_keys, 64, NULL, 0, 0, 0, &cached_seq, &hit) == KVA_OK);
+    REQUIRE(kva_kv_seq_block_table(kv, cached_seq, &table, &length) == KVA_OK && length == 64);
+    cached_first = table[0];
+    for (uint32_t i = 0; i < 64; i++) REQUIRE(table[i] == cached_first + i); /* one run of blocks */
+    REQUIRE(kva_kv_seq_free(kv, cached_seq) == KVA_OK);                      /* 64 cached blocks */
+    REQUIRE(kva_kv_seq_allocate(kv, 64 * 8, used_keys, 64, NULL, 0, 0, 0, &used_seq, &hit) == KVA_OK);
+    REQUIRE(kva_kv_seq_block_table(kv, used_seq, &table, &length) == KVA_OK && length == 64);
+    used_first = table[0];
+    for (uint32_t i = 0; i < 64; i++) REQUIRE(table[i] == used_first + i);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+    uint32_t cells = read_cells(&m, buf, before, sizeof before, &cell_bytes);
+    /* the geometry the cells below are chosen for: 8 blocks a cell, each run starting one */
+    REQUIRE(cell_bytes == 8 * kv->info.block_stride && kv->memory_offset % cell_bytes == 0);
+    REQUIRE(cached_first % 8 == 0 && used_first % 8 == 0);
+    uint32_t c0 = cell_of(kv, cell_bytes, cached_first), u0 = cell_of(kv, cell_bytes, used_first);
+    for (uint32_t c = 0; c < cells; c++) CHECK(before[c] != KVA_SHM_CELL_KV_PINNED);
+    CHECK(cells_not_as_expected(kv, before, cells, cell_bytes) == 0);
+
+    /* 28 of the cached blocks pinned: 3 cells wholly, a 4th half (4 pinned, 4 cached: pinned);
+     * 3 of the used sequence's blocks pinned: their cell has 5 used ones, and stays used. */
+    REQUIRE(kva_kv_pin(kv, cached_keys, 28, NULL, 0, 0, &pins[0], NULL) == KVA_OK);
+    REQUIRE(kva_kv_pin(kv, used_keys, 3, NULL, 0, 0, &pins[1], NULL) == KVA_OK);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+    REQUIRE(read_cells(&m, buf, now, sizeof now, &cell_bytes) == cells);
+    for (uint32_t c = c0; c < c0 + 4; c++) CHECK(now[c] == KVA_SHM_CELL_KV_PINNED);
+    for (uint32_t c = c0 + 4; c < c0 + 8; c++) CHECK(now[c] == KVA_SHM_CELL_KV_CACHED);
+    for (uint32_t c = u0; c < u0 + 8; c++) CHECK(now[c] == KVA_SHM_CELL_KV_USED);
+    CHECK(cells_not_as_expected(kv, now, cells, cell_bytes) == 0);
+
+    /* A 4th pinned block in that cell (a pin over the first 3 again, and one more): 4 and 4,
+     * pinned. */
+    REQUIRE(kva_kv_pin(kv, used_keys, 4, NULL, 0, 0, &pins[2], NULL) == KVA_OK);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+    REQUIRE(read_cells(&m, buf, now, sizeof now, &cell_bytes) == cells);
+    CHECK(now[u0] == KVA_SHM_CELL_KV_PINNED && now[u0 + 1] == KVA_SHM_CELL_KV_USED);
+    CHECK(cells_not_as_expected(kv, now, cells, cell_bytes) == 0);
+
+    /* A busy publish keeps the pinned cells as painted. */
+    pthread_mutex_lock(&kv->lock);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+    pthread_mutex_unlock(&kv->lock);
+    static uint8_t busy[16384];
+    REQUIRE(read_cells(&m, buf, busy, sizeof busy, &cell_bytes) == cells);
+    CHECK(memcmp(busy, now, cells) == 0);
+
+    /* Unpinned: the blocks are what they were (cached, used), and so is the map. */
+    for (int i = 0; i < 3; i++) CHECK_STATUS(kva_kv_unpin(kv, pins[i]), KVA_OK);
+    CHECK_STATUS(kva_stats_publish(pool), KVA_OK);
+    REQUIRE(read_cells(&m, buf, now, sizeof now, &cell_bytes) == cells);
+    CHECK(memcmp(now, before, cells) == 0);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+
+    free(buf);
+    unmap_segment(&m);
+    kva_kv_destroy(kv);
+    kva_pool_destroy(pool);
+}
+
 /* The KV section of a segment read now: total_blocks of the cache publishing there, 0 if
  * none is. */
 static uint64_t published_kv_blocks(kva_pool *pool) {
@@ -716,6 +840,7 @@ int main(void) {
     test_forked_child_of_the_writer();
     test_names_are_unique();
     test_kv_cache_section();
+    test_kv_pinned_cells();
     test_two_caches_on_one_pool();
     test_remote_frees_published_before_their_merge();
     test_reader_races_writer();

@@ -96,7 +96,9 @@ def test_constants_match_the_header():
                         ("KV_SEQUENCES", 9), ("KV_NAMESPACES", 10)):
         assert re.search(rf"KVA_SHM_SECTION_{name} = {value}\b", text), name
         assert getattr(stats, f"SECTION_{name}") == value
-    for index, name in enumerate(("FREE", "BLOCK", "SLAB", "MIXED", "KV_USED", "KV_CACHED")):
+    for index, name in enumerate(("FREE", "BLOCK", "SLAB", "MIXED", "KV_USED", "KV_CACHED",
+                                  "KV_PINNED")):
         assert re.search(rf"KVA_SHM_CELL_{name} = {index}\b", text), name
+        assert getattr(stats, f"CELL_{name}") == index
     for code, name in stats.OP_NAMES.items():
         assert re.search(rf"KVA_SHM_OP_{name.upper()} = {code}\b", text), name

@@ -18,12 +18,15 @@ from pykvalloc import stats
 from pykvalloc.sizes import format_size
 from pykvalloc.stats import KvSequenceEntry, Snapshot, format_age
 
-# One colour per heap-map cell state; the glyph says how full the cell is.
+PINNED_STYLE = "orchid1"  # pinned KV blocks, in the heap map and the KV bar, beside used's magenta
+# One colour per heap-map cell state, in the legend's order; the glyph says how full the cell is.
+# A state not here (a newer writer's) is drawn as mixed.
 CELL_STYLES = {
     stats.CELL_FREE: "grey42",
     stats.CELL_BLOCK: "dodger_blue1",
     stats.CELL_SLAB: "green3",
     stats.CELL_MIXED: "yellow3",
+    stats.CELL_KV_PINNED: PINNED_STYLE,
     stats.CELL_KV_USED: "magenta",
     stats.CELL_KV_CACHED: "cyan",
 }
@@ -396,7 +399,6 @@ def trace_note(snap: Snapshot) -> str | None:
     return None
 
 
-PINNED_STYLE = "orchid1"  # the pinned part of the used blocks, beside CELL_KV_USED's magenta
 READMIT_STYLE = "spring_green2"  # the re-admissions' hit rate, beside the first admissions' cyan
 
 

@@ -234,7 +234,8 @@ class HelpScreen(ModalScreen[None]):
             keys.add_row(key, what)
         panels = Text(
             "heap map: the pool in address order; colour = what holds a cell,\n"
-            "  ░▒▓█ = how much of it is in use, · = free\n"
+            "  ░▒▓█ = how much of it is in use, · = free; a KV cache's cells\n"
+            "  are pinned, used or cached, whichever most of its blocks are\n"
             "KV cache: blocks used by sequences and pins (KV use, as kvalloc ls\n"
             "  says; the pinned ones first, lighter), cached (kept by the prefix\n"
             "  cache, evictable) and free; hit rate overall, then of first\n"
