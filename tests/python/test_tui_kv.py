@@ -290,3 +290,29 @@ def test_a_cache_that_looked_nothing_up_keeps_its_two_hit_rates_apart(width):
     before_readmit = text.split("readmit")[0]
     assert before_readmit.endswith(" "), text
     assert "nothing looked" in before_readmit, text
+
+
+def test_very_long_sequences_and_wide_handles_keep_the_sequence_columns(original):
+    # The largest figures a writer can publish (u32 tokens and blocks) and a handle of a slot
+    # reused 2^32-1 times: every row's figures end where their heading does, and the columns
+    # fit the 80-column page.
+    import re
+
+    huge = [{"handle": 0xFFFFFFFF0000FFFF, "num_tokens": (1 << 32) - 1, "blocks": (1 << 28),
+             "cached_tokens": (1 << 32) - 16, "namespace_id": 7, "table": [1, 2, 3]},
+            {"handle": 0x2A, "num_tokens": 14_400_003, "blocks": 900_001,
+             "cached_tokens": 512, "namespace_id": 0, "table": [4]},
+            {"handle": 0x2B, "num_tokens": 64, "blocks": 4, "namespace_id": 0, "table": [5]}]
+    data = write_kv_sections(original, live=3, longest=((1 << 32) - 1, 0xFFFFFFFF0000FFFF),
+                             entries=huge, namespaces=[])
+    lines = [line.plain for line in render.sequence_lines(stats.Snapshot(data), 78, 12, None)]
+    heading = lines[1]
+    ends = {m.group(): m.end() for m in re.finditer(r"\S+", heading)}
+    rows = [line for line in lines[2:] if line.lstrip(" ▸").startswith("0x")]
+    assert len(rows) == 3
+    for row in rows:
+        fields = [(m.group(), m.end()) for m in re.finditer(r"\S+", row.lstrip("▸").rjust(len(row)))]
+        assert [end for _, end in fields[1:4]] == [ends["tokens"], ends["blocks"], ends["cached"]], \
+            (heading, row)
+        assert fields[4][0] in ("7", "0") and len(row) <= 78
+    assert "4,294,967,295" in lines[0]  # the summary has room for the figure whole

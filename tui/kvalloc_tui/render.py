@@ -569,7 +569,19 @@ def block_table_lines(entry: KvSequenceEntry, width: int, height: int = 1) -> li
     return [*lines, (line + note)[:max(0, width)]]
 
 
-SEQUENCE_HEADING = f" {'handle':<12}{'tokens':>9}{'blocks':>8}{'cached':>9}  {'namespace':<12}"
+def sequence_heading(handle_width: int = 12) -> str:
+    """The sequences' column heading, the handles' column ``handle_width`` wide."""
+    return f" {'handle':<{handle_width}}{'tokens':>9}{'blocks':>8}{'cached':>9}  {'namespace':<12}"
+
+
+SEQUENCE_HEADING = sequence_heading()
+
+
+def _figure(count: int, room: int) -> str:
+    """A count with thousands separators, or compacted (``4.3G``, ``14M``) beyond ``room``
+    characters: a column's figures never run into the next one."""
+    text = f"{count:,}"
+    return text if len(text) <= room else compact_count(count, room)
 
 
 def selected_entry(snap: Snapshot, handle: int | None) -> KvSequenceEntry | None:
@@ -597,10 +609,13 @@ def sequences_summary(snap: Snapshot) -> Text:
     return line
 
 
-def sequence_row(entry: KvSequenceEntry, selected: bool) -> Text:
+def sequence_row(entry: KvSequenceEntry, selected: bool, handle_width: int = 12) -> Text:
+    """A sequence's row under ``sequence_heading(handle_width)``: each figure whole when it
+    fits its column with a space before it, else compacted."""
     namespace = format_namespace(entry.namespace, 12)
-    row = Text(f"{'▸' if selected else ' '}{format_handle(entry.handle):<12}"
-               f"{entry.num_tokens:>9,}{entry.blocks:>8,}{entry.cached_tokens:>9,}  "
+    row = Text(f"{'▸' if selected else ' '}{format_handle(entry.handle):<{handle_width}}"
+               f"{_figure(entry.num_tokens, 8):>9}{_figure(entry.blocks, 7):>8}"
+               f"{_figure(entry.cached_tokens, 8):>9}  "
                f"{namespace:<12}", "reverse" if selected else "", no_wrap=True, overflow="crop")
     if entry.pin:
         row.append(" pin", PINNED_STYLE)
@@ -628,8 +643,10 @@ def sequence_lines(snap: Snapshot, width: int, height: int, handle: int | None) 
     at = sequences.entries.index(chosen)
     first = max(0, min(at - room + 1, len(sequences.entries) - room)) if at >= room else 0
     shown = sequences.entries[first:first + room]
-    lines.append(Text(SEQUENCE_HEADING, "bold", no_wrap=True, overflow="crop"))
-    lines += [sequence_row(entry, entry is chosen) for entry in shown]
+    # The handles' column fits the widest shown (a slot reused often has a long handle).
+    handle_width = max(12, *(len(format_handle(entry.handle)) + 1 for entry in shown))
+    lines.append(Text(sequence_heading(handle_width), "bold", no_wrap=True, overflow="crop"))
+    lines += [sequence_row(entry, entry is chosen, handle_width) for entry in shown]
     label = f"blocks of {format_handle(chosen.handle)}: "
     table = block_table_lines(chosen, max(8, width - len(label)), table_height)
     lines.append(Text.assemble((label, "bold"), table[0], no_wrap=True, overflow="crop"))
