@@ -316,3 +316,24 @@ def test_very_long_sequences_and_wide_handles_keep_the_sequence_columns(original
             (heading, row)
         assert fields[4][0] in ("7", "0") and len(row) <= 78
     assert "4,294,967,295" in lines[0]  # the summary has room for the figure whole
+
+
+def test_a_namespace_share_past_the_whole_cache_keeps_its_column(original):
+    # Blocks are counted per table (a fork's shared blocks count again), so a namespace's share
+    # may pass 100%, even 100x: the share still ends under its heading, apart from the blocks.
+    import re
+
+    data = bytearray(kv_segment(original))  # 2,000 blocks in all
+    rows = [{"namespace_id": 5, "sequences": 31, "blocks": 454_200, "registered_blocks": 2},
+            {"namespace_id": 6, "sequences": 2, "blocks": 45_420, "registered_blocks": 2},
+            {"namespace_id": 7, "sequences": 2, "blocks": 2_000},
+            {"namespace_id": 8, "sequences": 1, "blocks": 20}]
+    data = write_kv_sections(bytes(data), namespaces=rows)
+    lines = [line.plain for line in render.namespace_lines(stats.Snapshot(data), 40, 8)]
+    ends = {m.group(): m.end() for m in re.finditer(r"\S+", lines[0])}
+    for line in lines[1:5]:
+        fields = [(m.group(), m.end()) for m in re.finditer(r"\S+", line)]
+        assert len(fields) == 6, line
+        assert [end for _, end in fields[3:5]] == [ends["blocks"], ends["share"]], (lines[0], line)
+        assert fields[4][0].endswith("%")
+    assert [line.split()[4] for line in lines[1:5]] == ["23k%", "2271%", "100%", "1.0%"]

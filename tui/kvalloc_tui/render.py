@@ -654,6 +654,13 @@ def sequence_lines(snap: Snapshot, width: int, height: int, handle: int | None) 
     return lines
 
 
+def share_text(share: float) -> str:
+    """A namespace's share in at most 5 characters (``45.2%``, ``100%``, ``2271%``, ``23k%``):
+    blocks are counted per table, so a share passes 100% where tables share blocks (forks)."""
+    text = f"{share:.1%}"
+    return text if len(text) <= 5 else f"{compact_count(round(share * 100), 4)}%"
+
+
 NAMESPACE_HEADING = f"{'namespace':<10}{'seqs':>5}{'pins':>5}{'blocks':>7}{'share':>6}{'reg':>5}"
 
 
@@ -677,7 +684,7 @@ def namespace_lines(snap: Snapshot, width: int, height: int) -> list[Text]:
         share = row.blocks / total if total else 0.0
         line = Text(f"{format_namespace(row.namespace, 9):<10}{compact_count(row.sequences, 4):>5}"
                     f"{compact_count(row.pins, 4):>5}{compact_count(row.blocks, 6):>7}"
-                    f"{share:>6.1%}{compact_count(row.registered_blocks, 4):>5}",
+                    f"{share_text(share):>6}{compact_count(row.registered_blocks, 4):>5}",
                     "dim" if row.namespace is None else "", no_wrap=True, overflow="crop")
         if bar_width:
             line.append("  ").append_text(bar(share, bar_width, CELL_STYLES[stats.CELL_KV_USED]))
