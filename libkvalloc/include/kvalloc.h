@@ -31,7 +31,9 @@
  * survive fork: in a child, a CUDA pool or a pinned host pool of the parent makes no driver
  * call; what needs one (mapping or unmapping device memory) returns KVA_ERR_BACKEND, and
  * destroying it frees only what is the child's; a new CUDA or pinned pool is refused
- * (KVA_ERR_BACKEND) once an ancestor has loaded the driver.
+ * (KVA_ERR_BACKEND) once an ancestor has loaded the driver. A shared host pool (kva_config.shared)
+ * of the parent hands out and gives back nothing in the child (KVA_ERR_BACKEND): its memory is
+ * the parent's.
  * Freeing one object from two threads at the same moment is the caller's race, and the one bad
  * input not always refused: both calls may return KVA_OK; the object is free once, counted
  * once, and never handed out twice (docs/reliability.md, "Known limits", says what is left).
@@ -222,9 +224,11 @@ typedef struct kva_config {
      * address: the blocks are the same at the same offsets. Allocation stays with the owning
      * process (the metadata is its own); attached processes read and write the contents of
      * blocks the owner told them about, by offset. A child forked from the owner inherits the
-     * memory and a copy of the allocator, which would hand out the owner's bytes again: it must
-     * not allocate from or free into the pool, and maps it with kva_shared_attach instead
-     * (docs/reliability.md, "Fork and shared pools"). Not with external. Default 0 */
+     * memory and a copy of the allocator: there every call that would hand out or give back the
+     * memory (allocations, frees, kva_trim, a KV cache's trim) returns KVA_ERR_BACKEND, fast
+     * paths included, while reading it and the pool's figures works; the child maps the memory
+     * with kva_shared_attach to use blocks by offset (docs/reliability.md, "Fork and shared
+     * pools"). Not with external. Default 0 */
     int shared;
 } kva_config;
 

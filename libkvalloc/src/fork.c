@@ -70,12 +70,29 @@ static void parent(void) {
     kva_pools_unlock();
 }
 
+/* A pool whose memory is shared with other processes (kva_config.shared) is, in the child, a
+ * copy of its owner's allocator over the owner's very bytes: what it handed out the owner hands
+ * out too, and what it gave back (a free's discard, a trim) the owner reads as zeros. So the
+ * child refuses every call that hands out or gives back its memory (inherited_shared, read by
+ * the slow paths), and this thread lets go of its cache of the pool (kva_tc_forsake) as the
+ * parent's other threads' caches are let go of: the fast paths then find no cache of the pool
+ * in this process and take the slow paths. Private memory needs none of this: the child's copy
+ * of it is its own (copy on write). */
+static void forsake_shared(void) {
+    for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
+        if (p->region.shared_fd < 0) continue;
+        p->inherited_shared = 1;
+        kva_tc_forsake(p);
+    }
+}
+
 /* The child also lets go of the parent's statistics segments (kva_segment_disown): they
  * describe the parent's pools, are named after its pid and read by its inspectors. All of them,
  * those of pools another thread was creating or destroying at the fork included. */
 static void child(void) {
     kva_os_fork_child();
     kva_segments_disown_all(); /* the list's lock is still held from prepare */
+    forsake_shared();          /* every pool's locks and the registry's are held from prepare */
     parent();
 }
 

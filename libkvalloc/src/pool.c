@@ -173,10 +173,18 @@ kva_status kva_pool_classify_slab_interior(kva_pool *pool, const void *ptr, uint
     return kva_fail(KVA_ERR_BAD_POINTER, "%p is not the start of a slab object", ptr);
 }
 
+kva_status kva_pool_refuse_inherited(void) {
+    return kva_fail(KVA_ERR_BACKEND, "the pool's memory is shared with the process this one was forked from, "
+                                     "whose allocator it is: a child neither allocates from it nor gives any "
+                                     "of it back (kva_shared_attach maps the memory)");
+}
+
 static KVA_NOINLINE kva_status alloc_checked(kva_pool *pool, size_t size, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st = pool->checked ? kva_checked_alloc(pool, size, out, alloc_any) : alloc_any(pool, size, out);
+    kva_status st = pool->inherited_shared ? kva_pool_refuse_inherited()
+                    : pool->checked        ? kva_checked_alloc(pool, size, out, alloc_any)
+                                           : alloc_any(pool, size, out);
     kva_assert(st != KVA_OK || handed_out(pool, *out, size, 1));
     return observe_end(pool, KVA_SHM_OP_ALLOC, st, st == KVA_OK ? *out : NULL, size, start);
 }
@@ -250,7 +258,8 @@ kva_status kva_alloc_aligned(kva_pool *pool, size_t size, size_t alignment, void
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
     kva_status st;
-    if (!pool->checked) st = alloc_aligned_any(pool, size, alignment, out);
+    if (pool->inherited_shared) st = kva_pool_refuse_inherited();
+    else if (!pool->checked) st = alloc_aligned_any(pool, size, alignment, out);
     else if (kva_is_pow2(alignment) && alignment <= KVA_REDZONE)
         st = kva_checked_alloc(pool, size, out, alloc_redzone_aligned);
     else
@@ -269,8 +278,9 @@ static kva_status alloc_exact_any(kva_pool *pool, size_t size, void **out) {
 kva_status kva_alloc_exact(kva_pool *pool, size_t size, void **out) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st = pool->checked ? kva_checked_alloc(pool, size, out, alloc_exact_any)
-                                  : alloc_exact_any(pool, size, out);
+    kva_status st = pool->inherited_shared ? kva_pool_refuse_inherited()
+                    : pool->checked        ? kva_checked_alloc(pool, size, out, alloc_exact_any)
+                                           : alloc_exact_any(pool, size, out);
     kva_assert(st != KVA_OK ||
                handed_out(pool, *out, size, pool->checked ? KVA_REDZONE : (size_t)1 << pool->buddy.min_shift));
     return observe_end(pool, KVA_SHM_OP_ALLOC_EXACT, st, st == KVA_OK ? *out : NULL, size, start);
@@ -324,7 +334,9 @@ kva_status kva_pool_free_plain(kva_pool *pool, void *ptr) {
 static KVA_NOINLINE kva_status free_checked(kva_pool *pool, void *ptr) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
     uint64_t start = observe_start(pool);
-    kva_status st = pool->checked ? kva_checked_free(pool, ptr) : kva_pool_free_plain(pool, ptr);
+    kva_status st = pool->inherited_shared ? kva_pool_refuse_inherited()
+                    : pool->checked        ? kva_checked_free(pool, ptr)
+                                           : kva_pool_free_plain(pool, ptr);
     return observe_end(pool, KVA_SHM_OP_FREE, st, ptr, 0, start);
 }
 
@@ -382,6 +394,8 @@ size_t kva_pool_usable(kva_pool *pool, const void *ptr) {
 
 kva_status kva_trim(kva_pool *pool) {
     if (!pool) return kva_fail(KVA_ERR_INVALID, "pool is NULL");
+    if (pool->inherited_shared)
+        return observe_end(pool, KVA_SHM_OP_TRIM, kva_pool_refuse_inherited(), NULL, 0, UINT64_MAX);
     kva_tcache *tc = kva_tc_find(pool);
     if (tc) kva_tc_flush(&pool->caches, tc);
     kva_slab_trim(&pool->slabs);

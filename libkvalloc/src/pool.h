@@ -78,7 +78,12 @@ struct kva_pool {
     /* metadata faulted in at creation within the process's share (pool_make.c); 0 with prefault */
     size_t populated_bytes;
     kva_region region;
-    int trace;    /* a named pool's kva_config.trace: every call is timed and recorded */
+    int trace; /* a named pool's kva_config.trace: every call is timed and recorded */
+    /* This process is a child forked from the pool's owner, and the memory is shared with it
+     * (kva_config.shared): the allocator here is a copy that would hand out and give back the
+     * owner's bytes, so every call that would is refused (fork.c sets it, the slow paths read
+     * it; the fast paths cannot reach the pool, fork.c says why). */
+    int inherited_shared;
     uint64_t uid; /* unique in the process: a thread's countdown (kva_pool_tick) */
     kva_pool_observer observer;
     kva_tc_registry caches;                 /* the thread caches (tcache.h) */
@@ -86,6 +91,10 @@ struct kva_pool {
     kva_config config;                      /* as created; config.name points at name below */
     char name[KVA_NAME_MAX + 1];
 };
+
+/* Why a call on a forked child's copy of a shared pool (inherited_shared) is refused:
+ * KVA_ERR_BACKEND, the reason recorded (not bad input: no refused call is counted). */
+kva_status kva_pool_refuse_inherited(void);
 
 /* kva_pool_create without what is above the pool: the pool the config describes, anonymous
  * whatever its name (the caller installs an observer for a named one). Errors as

@@ -20,6 +20,7 @@ size_t kva_pool_range_unit(kva_pool *pool) {
 
 kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
     if (length == 0) return KVA_OK;
+    if (pool->inherited_shared) return kva_pool_refuse_inherited();
     uint64_t offset = (uint64_t)((unsigned char *)start - pool->base);
     pthread_mutex_lock(&pool->lock);
     kva_status st = KVA_OK;
@@ -39,6 +40,7 @@ kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
 
 kva_status kva_pool_range_take(kva_pool *pool, void *start, size_t length) {
     if (length == 0) return KVA_OK;
+    if (pool->inherited_shared) return kva_pool_refuse_inherited();
     /* Host pages are faulted in now, so that a shortage is this call's error rather than a
      * later page fault's. */
     if (!pool->region.device) return kva_os_populate(start, length);

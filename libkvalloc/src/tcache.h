@@ -167,6 +167,11 @@ void kva_tc_registry_fini(kva_tc_registry *reg);
 kva_tcache *kva_tc_get(kva_tc_registry *reg);
 /* This thread's cache for pool without making one: NULL if this thread has none. */
 kva_tcache *kva_tc_find(const kva_pool *pool);
+/* In a forked child (one thread, every lock held by the fork handlers): this thread lets go of
+ * its cache of pool, if it has one, without giving its words back, as the parent's other
+ * threads' caches are let go of: it stays in the registry, and no thread reaches it again, so
+ * no fast path of this process serves the pool from it. */
+void kva_tc_forsake(const kva_pool *pool);
 
 /* Makes the next owned word of class c after the current one (round the ring) that has a free
  * object, remote frees merged in, the current word: 1; 0 when every owned word is dry. No lock:

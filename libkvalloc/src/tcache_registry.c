@@ -102,6 +102,16 @@ kva_tcache *kva_tc_find(const kva_pool *pool) {
     return NULL;
 }
 
+void kva_tc_forsake(const kva_pool *pool) {
+    for (kva_tcache **at = &thread_caches; *at; at = &(*at)->thread_next) {
+        kva_tcache *tc = *at;
+        if (pool_of(tc) != pool) continue;
+        *at = tc->thread_next;
+        if (kva_tc_current == tc) kva_tc_current = &dummy;
+        return;
+    }
+}
+
 /* A zeroed cache record with its pages faulted in (kva_tc_registry_init says why). */
 static kva_tcache *make_spare(void) {
     kva_tcache *tc = calloc(1, sizeof *tc);

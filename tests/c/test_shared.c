@@ -6,10 +6,12 @@
  * into another block, which the owner then reads. Also: the seals that keep an attacher from
  * shrinking the memory under the owner, every descriptor that is not a kvalloc shared pool
  * refused with nothing mapped, the page choices, fault injection on the memfd path, and a pool
- * that is not shared. Shared CUDA pools: test_cuda_shared.
+ * that is not shared, and a child forked from the owner, whose copy of the allocator refuses to
+ * hand out or give back the owner's bytes. Shared CUDA pools: test_cuda_shared.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
@@ -17,6 +19,7 @@
 #include <sys/wait.h>
 
 #include "check.h"
+#include "child.h"
 #include "fd_passing.h"
 #include "os.h"
 #include "pool_fingerprint.h"
@@ -170,6 +173,83 @@ static void test_range_release(void) {
     kva_shared_detach(map);
     close(fd);
     kva_pool_destroy(pool);
+}
+
+/* What the owner holds when it forks: a shared pool and a private one, slab objects this
+ * thread's cache has handed out (its current word has more), one it freed, and a block. */
+static struct {
+    kva_pool *shared, *private_pool;
+    void *objects[4];
+    unsigned char *block;
+} forked;
+
+static void *alloc_in_a_new_thread(void *pool) {
+    void *p = NULL;
+    return (void *)(uintptr_t)kva_alloc(pool, 64, &p);
+}
+
+/* The child: every call that would hand out or give back the shared memory is refused, the
+ * fast paths included (this thread's cache of the pool still had free objects and owned the
+ * words of the objects freed); what only reads works; the private pool is the child's own. */
+static int forked_child(void) {
+    kva_pool *pool = forked.shared;
+    void *p = NULL;
+    CHECK_STATUS(kva_alloc(pool, 64, &p), KVA_ERR_BACKEND);
+    CHECK(p == NULL);
+    CHECK_STATUS(kva_alloc(pool, MiB, &p), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_alloc_exact(pool, 3 * 4096, &p), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_alloc_aligned(pool, 64, 64, &p), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_alloc_array(pool, 2, 32, &p), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_free(pool, forked.objects[1]), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_free(pool, forked.block), KVA_ERR_BACKEND); /* its discard would zero the owner's */
+    CHECK_STATUS(kva_trim(pool), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_pool_range_release(pool, forked.block, 4096), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_pool_range_take(pool, forked.block, 4096), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_thread_flush(pool), KVA_OK);
+    pthread_t thread;
+    void *answer = NULL;
+    REQUIRE(pthread_create(&thread, NULL, alloc_in_a_new_thread, pool) == 0);
+    REQUIRE(pthread_join(thread, &answer) == 0);
+    CHECK((kva_status)(uintptr_t)answer == KVA_ERR_BACKEND);
+    kva_stats st;
+    CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
+    CHECK(st.live_allocations == 4); /* the owner's, as they stood at the fork */
+    CHECK(kva_usable_size(pool, forked.block) == MiB);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    CHECK(forked.block[0] == 0x5a); /* the memory itself is there to read */
+    CHECK_STATUS(kva_alloc(forked.private_pool, 64, &p), KVA_OK);
+    CHECK_STATUS(kva_free(forked.private_pool, p), KVA_OK);
+    kva_pool_destroy(pool); /* unmaps this process's view only */
+    return CHECK_DONE();
+}
+
+static void test_forked_child(void) {
+    kva_config cfg;
+    kva_config_init(&cfg);
+    cfg.capacity = 8 * MiB;
+    cfg.shared = 1;
+    cfg.pages = KVA_PAGES_SMALL;
+    REQUIRE(kva_pool_create(&cfg, &forked.shared) == KVA_OK);
+    cfg.shared = 0;
+    REQUIRE(kva_pool_create(&cfg, &forked.private_pool) == KVA_OK);
+    kva_pool *pool = forked.shared;
+    for (int i = 0; i < 4; i++) CHECK_STATUS(kva_alloc(pool, 64, &forked.objects[i]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, forked.objects[3]), KVA_OK);
+    CHECK_STATUS(kva_alloc(pool, MiB, (void **)&forked.block), KVA_OK);
+    memset(forked.block, 0x5a, MiB);
+    in_child(forked_child, "test_forked_child");
+    /* The owner's block is whole, and its allocator goes on as before. */
+    int whole = 1;
+    for (size_t i = 0; i < MiB; i++) whole &= forked.block[i] == 0x5a;
+    CHECK(whole);
+    void *p = NULL;
+    CHECK_STATUS(kva_alloc(pool, 64, &p), KVA_OK);
+    CHECK_STATUS(kva_free(pool, p), KVA_OK);
+    for (int i = 0; i < 3; i++) CHECK_STATUS(kva_free(pool, forked.objects[i]), KVA_OK);
+    CHECK_STATUS(kva_free(pool, forked.block), KVA_OK);
+    CHECK_STATUS(kva_check(pool), KVA_OK);
+    kva_pool_destroy(pool);
+    kva_pool_destroy(forked.private_pool);
 }
 
 static int open_fds(void) {
@@ -332,6 +412,7 @@ int main(int argc, char **argv) {
     test_two_processes("/proc/self/exe");
     test_map_outlives_pool();
     test_range_release();
+    test_forked_child();
     test_not_a_pool();
     test_pages_and_options();
     return CHECK_DONE();

@@ -349,3 +349,42 @@ def test_mapping_view_bounds() -> None:
                     mapping.view(offset, nbytes)  # type: ignore[arg-type]
             assert mapping.view(0, 8, np.uint32).shape == (2,)
             assert mapping.view(np.int64(8), np.uint64(8)).shape == (8,)
+
+
+def test_a_forked_child_neither_hands_out_nor_gives_back_the_owners_memory() -> None:
+    # A child forked from the owner has a copy of the allocator over the owner's very bytes:
+    # what it handed out the owner would hand out too, and a free's discard would zero the
+    # owner's block. The library refuses both in the child; the owner's block stays whole.
+    with pykvalloc.Pool(8 * MiB, shared=True, pages="small") as pool:
+        small = pool.alloc(64)
+        block = pool.alloc(MiB)
+        block.view()[:] = 0x5A
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answers through the pipe, never returns into pytest
+            code = 1
+            try:
+                verdict = []
+                for call in (lambda: pool.alloc(64), lambda: pool.alloc(MiB),
+                             lambda: pool.free(block), lambda: pool.free(small), pool.trim):
+                    try:
+                        call()
+                        verdict.append("served")
+                    except pykvalloc.BackendError:
+                        verdict.append("refused")
+                verdict.append(str(int(block.view()[0])))
+                os.write(write, " ".join(verdict).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        with os.fdopen(read, "rb") as answer:
+            said = answer.read().decode()
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert said == "refused refused refused refused refused 90"
+        assert (block.view() == 0x5A).all()
+        pool.free(pool.alloc(64))
+        pool.free(small)
+        pool.free(block)
+        pool.check()
