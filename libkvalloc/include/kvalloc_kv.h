@@ -62,6 +62,11 @@ extern "C" {
  * kva_kv_seq_block_table. A named cache's section of the statistics segment is filled by
  * whichever thread publishes the pool; publishing never waits for the cache's mutex (while a call
  * holds it, the section keeps its last contents until the next publish).
+ *
+ * Fork: a child forked from the process that made a cache over a shared pool (kva_config.shared)
+ * holds a copy of the cache whose blocks are that process's memory. There every call that would
+ * change the cache returns KVA_ERR_BACKEND; lookups, block tables, kva_kv_check and the figures
+ * answer from the copy as it stood at the fork (kvalloc.h, shared).
  */
 
 typedef struct kva_kv kva_kv;

@@ -76,9 +76,10 @@ kva_status kva_kv_seq_admit_many(kva_kv *kv, uint32_t count, const uint32_t *num
                                  const uint8_t *priorities, const kva_kv_content *content, const uint64_t *offsets,
                                  kva_kv_seq *seqs, uint32_t *cached_tokens, uint32_t *done) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_ALLOCATE);
-    kva_status st = admit_many_locked(kv, count, num_tokens, namespaces, priorities, content, offsets, seqs,
-                                      cached_tokens, done);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_ALLOCATE);
+    if (st == KVA_OK)
+        st = admit_many_locked(kv, count, num_tokens, namespaces, priorities, content, offsets, seqs, cached_tokens,
+                               done);
     kv_unlock(kv);
     return st;
 }
@@ -140,8 +141,8 @@ kva_status kva_kv_seq_extend_many(kva_kv *kv, uint32_t count, const kva_kv_seq *
                                   const kva_kv_content *content, const uint64_t *offsets, kva_kv_block_copy *copies,
                                   uint32_t *num_copies, uint32_t *done) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_APPEND);
-    kva_status st = extend_many_locked(kv, count, seqs, num_tokens, content, offsets, copies, num_copies, done);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_APPEND);
+    if (st == KVA_OK) st = extend_many_locked(kv, count, seqs, num_tokens, content, offsets, copies, num_copies, done);
     kv_unlock(kv);
     return st;
 }
@@ -173,8 +174,8 @@ static kva_status free_many_locked(kva_kv *kv, uint32_t count, const kva_kv_seq 
 
 kva_status kva_kv_seq_free_many(kva_kv *kv, uint32_t count, const kva_kv_seq *seqs) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_FREE);
-    kva_status st = free_many_locked(kv, count, seqs);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_FREE);
+    if (st == KVA_OK) st = free_many_locked(kv, count, seqs);
     kv_unlock(kv);
     return st;
 }

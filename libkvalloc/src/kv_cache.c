@@ -13,6 +13,7 @@
 #include "kv_cache.h"
 #include "os.h"
 #include "pool_own.h"
+#include "pool_range.h"
 
 /* At most 2^30 blocks, so the prefix table (a power of two, at least 1.5 buckets per block)
  * keeps a u32 mask. */
@@ -441,6 +442,7 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
         kv->owns_pool = 1;
     }
     kv->info.pool = kv->pool;
+    kv->shared_depth = kva_pool_range_shared(kv->pool) ? kva_os_fork_depth() + 1 : 0;
     st = cfg->mode == KVA_KV_PAGED ? paged_init(kv) : contiguous_limit(kv, cfg);
     if (st == KVA_OK && cfg->event_capacity) st = kv_events_init(kv, cfg->event_capacity);
     if (st == KVA_OK && pthread_mutex_init(&kv->lock, NULL) != 0)
@@ -456,6 +458,12 @@ kva_status kva_kv_create(const kva_kv_config *cfg, kva_pool *pool, kva_kv **out)
     kv_publish_attach(kv);
     *out = kv;
     return KVA_OK;
+}
+
+kva_status kv_refuse_inherited(void) {
+    return kva_fail(KVA_ERR_BACKEND, "the cache's pool is shared with the process this one was forked from, whose "
+                                     "cache this is a copy of: its blocks are that process's, and a child changes "
+                                     "nothing in it (kva_shared_attach maps the memory)");
 }
 
 void kva_kv_destroy(kva_kv *kv) {
@@ -514,8 +522,8 @@ static kva_status evict_locked(kva_kv *kv, uint32_t max_blocks, uint32_t *evicte
 
 kva_status kva_kv_evict(kva_kv *kv, uint32_t max_blocks, uint32_t *evicted) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_EVICT);
-    kva_status st = evict_locked(kv, max_blocks, evicted);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_EVICT);
+    if (st == KVA_OK) st = evict_locked(kv, max_blocks, evicted);
     kv_unlock(kv);
     return st;
 }

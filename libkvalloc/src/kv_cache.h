@@ -226,6 +226,9 @@ struct kva_kv {
     uint64_t painted_first; /* the first cell */
     uint32_t painted_cells;
     uint32_t sample_period; /* 1 (trace): every call timed; else one in this many per kind */
+    /* kva_os_fork_depth() + 1 at creation when the pool's memory is shared with other processes
+     * (kva_pool_range_shared), else 0: kv_lock_to_change */
+    unsigned shared_depth;
     uint32_t max_key_bytes; /* the longest engine key; 0: none */
     uint32_t event_medium;  /* copied into every event */
 
@@ -636,6 +639,22 @@ KVA_INLINE void kv_lock(kva_kv *kv, kva_kv_call_kind kind) {
     pthread_mutex_lock(&kv->lock);
     if (kva_unlikely(--kv->countdown == 0)) kv_time_start(kv, kind);
 }
+/* Why a call that would change a forked child's copy of a cache over a shared pool is refused
+ * (kv_lock_to_change): KVA_ERR_BACKEND, the reason recorded. */
+kva_status kv_refuse_inherited(void);
+
+/* Every call that changes the cache begins here instead (all but those that only read it:
+ * lookups, block tables, the check, the figures). In a child forked from the process that made
+ * a cache over a shared pool, the cache is a copy of the owner's whose blocks are the owner's
+ * memory: what it would hand out the owner hands out too, so the call is refused (the lock
+ * held, as after kv_lock: the caller unlocks). One compare on every other cache. */
+KVA_INLINE kva_status kv_lock_to_change(kva_kv *kv, kva_kv_call_kind kind) {
+    kv_lock(kv, kind);
+    if (kva_unlikely(kv->shared_depth != 0) && kv->shared_depth != kva_os_fork_depth() + 1)
+        return kv_refuse_inherited();
+    return KVA_OK;
+}
+
 /* And ends here, the state consistent: the call's time when it is timed, a publish when due. */
 KVA_INLINE void kv_unlock(kva_kv *kv) {
     if (kva_unlikely(kv->timing)) kv_time_call(kv);

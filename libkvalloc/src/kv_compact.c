@@ -115,8 +115,8 @@ static kva_status compact_locked(kva_kv *kv, kva_kv_move *moves, uint32_t capaci
 
 kva_status kva_kv_compact(kva_kv *kv, kva_kv_move *moves, uint32_t capacity, uint32_t *count) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = compact_locked(kv, moves, capacity, count);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = compact_locked(kv, moves, capacity, count);
     kv_unlock(kv);
     return st;
 }

@@ -62,8 +62,8 @@ static kva_status take_locked(kva_kv *kv, uint32_t count, uint32_t priority, uin
 
 kva_status kva_kv_block_take(kva_kv *kv, uint32_t count, uint32_t priority, uint32_t *ids) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_ALLOCATE);
-    kva_status st = take_locked(kv, count, priority, ids);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_ALLOCATE);
+    if (st == KVA_OK) st = take_locked(kv, count, priority, ids);
     kv_unlock(kv);
     return st;
 }
@@ -95,8 +95,8 @@ static kva_status unref_locked(kva_kv *kv, const uint32_t *ids, uint32_t count) 
 
 kva_status kva_kv_block_unref(kva_kv *kv, const uint32_t *ids, uint32_t count) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_FREE);
-    kva_status st = unref_locked(kv, ids, count);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_FREE);
+    if (st == KVA_OK) st = unref_locked(kv, ids, count);
     kv_unlock(kv);
     return st;
 }
@@ -126,8 +126,8 @@ static kva_status ref_locked(kva_kv *kv, const uint32_t *ids, uint32_t count) {
 
 kva_status kva_kv_block_ref(kva_kv *kv, const uint32_t *ids, uint32_t count) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = ref_locked(kv, ids, count);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = ref_locked(kv, ids, count);
     kv_unlock(kv);
     return st;
 }
@@ -198,8 +198,9 @@ kva_status kva_kv_block_commit(kva_kv *kv, uint64_t namespace_id, const uint32_t
                                const uint8_t *keys, uint32_t key_len, const uint8_t *parent, uint32_t first_token,
                                uint32_t *registered) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = commit_locked(kv, namespace_id, blocks, count, keys, key_len, parent, first_token, registered);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK)
+        st = commit_locked(kv, namespace_id, blocks, count, keys, key_len, parent, first_token, registered);
     kv_unlock(kv);
     return st;
 }
@@ -221,8 +222,8 @@ static kva_status evict_blocks_locked(kva_kv *kv, const uint32_t *ids, uint32_t 
 
 kva_status kva_kv_evict_blocks(kva_kv *kv, const uint32_t *ids, uint32_t count, uint32_t *evicted) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_EVICT);
-    kva_status st = evict_blocks_locked(kv, ids, count, evicted);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_EVICT);
+    if (st == KVA_OK) st = evict_blocks_locked(kv, ids, count, evicted);
     kv_unlock(kv);
     return st;
 }
@@ -248,8 +249,8 @@ static kva_status evict_keys_locked(kva_kv *kv, uint64_t ns, const uint8_t *keys
 kva_status kva_kv_evict_keys(kva_kv *kv, uint64_t namespace_id, const uint8_t *keys, uint32_t key_len, uint32_t count,
                              uint32_t *evicted) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_EVICT);
-    kva_status st = evict_keys_locked(kv, namespace_id, keys, key_len, count, evicted);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_EVICT);
+    if (st == KVA_OK) st = evict_keys_locked(kv, namespace_id, keys, key_len, count, evicted);
     kv_unlock(kv);
     return st;
 }
@@ -277,8 +278,8 @@ static kva_status reset_locked(kva_kv *kv) {
 
 kva_status kva_kv_reset_prefix_cache(kva_kv *kv) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = reset_locked(kv);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = reset_locked(kv);
     kv_unlock(kv);
     return st;
 }

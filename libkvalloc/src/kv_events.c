@@ -97,8 +97,8 @@ static kva_status take_events_locked(kva_kv *kv, kva_kv_event *buf, uint32_t cap
 
 kva_status kva_kv_take_events(kva_kv *kv, kva_kv_event *buf, uint32_t capacity, uint32_t *count, uint64_t *dropped) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = take_events_locked(kv, buf, capacity, count, dropped);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = take_events_locked(kv, buf, capacity, count, dropped);
     kv_unlock(kv);
     return st;
 }

@@ -216,8 +216,8 @@ KVA_INLINE kva_status admit_locked(kva_kv *kv, uint32_t num_tokens, uint64_t ns,
 kva_status kva_kv_seq_admit(kva_kv *kv, uint32_t num_tokens, uint64_t namespace_id, uint32_t priority,
                             const kva_kv_content *content, uint32_t count, kva_kv_seq *seq, uint32_t *cached_tokens) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_ALLOCATE);
-    kva_status st = admit_locked(kv, num_tokens, namespace_id, priority, content, count, seq, cached_tokens);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_ALLOCATE);
+    if (st == KVA_OK) st = admit_locked(kv, num_tokens, namespace_id, priority, content, count, seq, cached_tokens);
     kv_unlock(kv);
     return st;
 }
@@ -241,10 +241,12 @@ kva_status kva_kv_seq_allocate(kva_kv *kv, uint32_t num_tokens, const uint64_t *
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kva_kv_content content;
     uint32_t count = 0;
-    kv_lock(kv, KVA_KV_CALL_ALLOCATE);
-    kva_status st = legacy_content(block_keys, num_keys, tokens, num_token_ids, &content, &count);
-    st = st != KVA_OK ? kv_reject(kv, st)
-                      : admit_locked(kv, num_tokens, namespace_id, priority, &content, count, seq, cached_tokens);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_ALLOCATE);
+    if (st == KVA_OK) {
+        st = legacy_content(block_keys, num_keys, tokens, num_token_ids, &content, &count);
+        st = st != KVA_OK ? kv_reject(kv, st)
+                          : admit_locked(kv, num_tokens, namespace_id, priority, &content, count, seq, cached_tokens);
+    }
     kv_unlock(kv);
     return st;
 }
@@ -378,16 +380,16 @@ KVA_INLINE kva_status extend_locked(kva_kv *kv, kva_kv_seq seq, uint32_t num_tok
 kva_status kva_kv_seq_extend(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, const kva_kv_content *content,
                              uint32_t count, kva_kv_copy *copy) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_APPEND);
-    kva_status st = extend_locked(kv, seq, num_tokens, content, count, copy);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_APPEND);
+    if (st == KVA_OK) st = extend_locked(kv, seq, num_tokens, content, count, copy);
     kv_unlock(kv);
     return st;
 }
 
 kva_status kva_kv_seq_append(kva_kv *kv, kva_kv_seq seq, uint32_t num_tokens, kva_kv_copy *copy) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_APPEND);
-    kva_status st = extend_locked(kv, seq, num_tokens, NULL, 0, copy);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_APPEND);
+    if (st == KVA_OK) st = extend_locked(kv, seq, num_tokens, NULL, 0, copy);
     kv_unlock(kv);
     return st;
 }
@@ -434,8 +436,8 @@ static kva_status seq_fork_locked(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child)
 
 kva_status kva_kv_seq_fork(kva_kv *kv, kva_kv_seq seq, kva_kv_seq *child) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = seq_fork_locked(kv, seq, child);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = seq_fork_locked(kv, seq, child);
     kv_unlock(kv);
     return st;
 }
@@ -464,8 +466,8 @@ void kv_seq_release(kva_kv *kv, kva_kv_seqrec *rec) {
 
 static kva_status release(kva_kv *kv, kva_kv_seq seq, int pin) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_FREE);
-    kva_status st = release_locked(kv, seq, pin);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_FREE);
+    if (st == KVA_OK) st = release_locked(kv, seq, pin);
     kv_unlock(kv);
     return st;
 }
@@ -508,8 +510,8 @@ static kva_status pin_locked(kva_kv *kv, uint64_t ns, const kva_kv_content *cont
 kva_status kva_kv_pin_content(kva_kv *kv, uint64_t namespace_id, const kva_kv_content *content, uint32_t count,
                               kva_kv_seq *pin, uint32_t *pinned_tokens) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = pin_locked(kv, namespace_id, content, count, pin, pinned_tokens);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = pin_locked(kv, namespace_id, content, count, pin, pinned_tokens);
     kv_unlock(kv);
     return st;
 }
@@ -519,9 +521,11 @@ kva_status kva_kv_pin(kva_kv *kv, const uint64_t *block_keys, uint32_t num_keys,
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
     kva_kv_content content;
     uint32_t count = 0;
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = legacy_content(block_keys, num_keys, tokens, num_token_ids, &content, &count);
-    st = st != KVA_OK ? kv_reject(kv, st) : pin_locked(kv, namespace_id, &content, count, pin, pinned_tokens);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) {
+        st = legacy_content(block_keys, num_keys, tokens, num_token_ids, &content, &count);
+        st = st != KVA_OK ? kv_reject(kv, st) : pin_locked(kv, namespace_id, &content, count, pin, pinned_tokens);
+    }
     kv_unlock(kv);
     return st;
 }

@@ -127,8 +127,8 @@ static kva_status trim_locked(kva_kv *kv, uint32_t *trimmed) {
 
 kva_status kva_kv_trim(kva_kv *kv, uint32_t *trimmed) {
     if (!kv) return kva_fail(KVA_ERR_INVALID, "cache is NULL");
-    kv_lock(kv, KVA_KV_CALL_OTHER);
-    kva_status st = trim_locked(kv, trimmed);
+    kva_status st = kv_lock_to_change(kv, KVA_KV_CALL_OTHER);
+    if (st == KVA_OK) st = trim_locked(kv, trimmed);
     kv_unlock(kv);
     return st;
 }

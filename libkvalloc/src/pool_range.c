@@ -18,6 +18,8 @@ size_t kva_pool_range_unit(kva_pool *pool) {
     return pool->region.page_size;
 }
 
+int kva_pool_range_shared(const kva_pool *pool) { return pool->region.shared_fd >= 0; }
+
 kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length) {
     if (length == 0) return KVA_OK;
     if (pool->inherited_shared) return kva_pool_refuse_inherited();

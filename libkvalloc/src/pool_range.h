@@ -22,6 +22,11 @@ size_t kva_pool_range_unit(kva_pool *pool);
  * The allocation may be freed with ranges given back: its free forgets them. */
 kva_status kva_pool_range_release(kva_pool *pool, void *start, size_t length);
 
+/* Whether the pool's memory is host memory shared with other processes (kva_config.shared): a
+ * child forked from its owner then holds a copy of the owner's allocator over the owner's bytes,
+ * and a cache over the pool a copy of the owner's cache (kv_lock_to_change). */
+int kva_pool_range_shared(const kva_pool *pool);
+
 /* The memory of a range given back earlier is backed again. Fails (KVA_ERR_NOMEM or
  * KVA_ERR_BACKEND from the driver) with the range still given back. */
 kva_status kva_pool_range_take(kva_pool *pool, void *start, size_t length);

@@ -20,6 +20,7 @@
 
 #include "check.h"
 #include "child.h"
+#include "kvalloc_kv.h"
 #include "fd_passing.h"
 #include "os.h"
 #include "pool_fingerprint.h"
@@ -181,6 +182,8 @@ static struct {
     kva_pool *shared, *private_pool;
     void *objects[4];
     unsigned char *block;
+    kva_kv *kv; /* a KV cache over the shared pool, with one sequence */
+    kva_kv_seq seq;
 } forked;
 
 static void *alloc_in_a_new_thread(void *pool) {
@@ -213,12 +216,32 @@ static int forked_child(void) {
     CHECK((kva_status)(uintptr_t)answer == KVA_ERR_BACKEND);
     kva_stats st;
     CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
-    CHECK(st.live_allocations == 4); /* the owner's, as they stood at the fork */
+    CHECK(st.live_allocations == 5); /* the owner's, as they stood at the fork, with the KV memory */
     CHECK(kva_usable_size(pool, forked.block) == MiB);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     CHECK(forked.block[0] == 0x5a); /* the memory itself is there to read */
     CHECK_STATUS(kva_alloc(forked.private_pool, 64, &p), KVA_OK);
     CHECK_STATUS(kva_free(forked.private_pool, p), KVA_OK);
+    /* The KV cache over it is a copy of the owner's: every call that would change it is
+     * refused; those that only read it answer. */
+    kva_kv *kv = forked.kv;
+    kva_kv_seq seq = 0;
+    kva_kv_copy copy;
+    uint64_t key = 7;
+    uint32_t cached = 0, len = 0, evicted = 0, ids[4];
+    CHECK_STATUS(kva_kv_seq_allocate(kv, 16, &key, 1, NULL, 0, 0, 0, &seq, &cached), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_kv_seq_append(kv, forked.seq, 1, &copy), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_kv_seq_free(kv, forked.seq), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_kv_block_take(kv, 1, 0, ids), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_kv_evict(kv, 1, &evicted), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_kv_trim(kv, &len), KVA_ERR_BACKEND);
+    kva_kv_stats kst;
+    CHECK_STATUS(kva_kv_get_stats(kv, &kst), KVA_OK);
+    CHECK(kst.sequences == 1 && kst.used_blocks == 2);
+    const uint32_t *table = NULL;
+    CHECK_STATUS(kva_kv_seq_block_table(kv, forked.seq, &table, &len), KVA_OK);
+    CHECK(len == 2 && table != NULL);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
     kva_pool_destroy(pool); /* unmaps this process's view only */
     return CHECK_DONE();
 }
@@ -237,6 +260,17 @@ static void test_forked_child(void) {
     CHECK_STATUS(kva_free(pool, forked.objects[3]), KVA_OK);
     CHECK_STATUS(kva_alloc(pool, MiB, (void **)&forked.block), KVA_OK);
     memset(forked.block, 0x5a, MiB);
+    kva_kv_config kcfg;
+    kva_kv_config_init(&kcfg);
+    kcfg.layers = 1;
+    kcfg.kv_heads = 1;
+    kcfg.head_dim = 8;
+    kcfg.dtype_bytes = 2;
+    kcfg.block_tokens = 16;
+    kcfg.num_blocks = 8;
+    REQUIRE(kva_kv_create(&kcfg, pool, &forked.kv) == KVA_OK);
+    uint32_t cached = 0;
+    CHECK_STATUS(kva_kv_seq_allocate(forked.kv, 20, NULL, 0, NULL, 0, 0, 0, &forked.seq, &cached), KVA_OK);
     in_child(forked_child, "test_forked_child");
     /* The owner's block is whole, and its allocator goes on as before. */
     int whole = 1;
@@ -247,6 +281,11 @@ static void test_forked_child(void) {
     CHECK_STATUS(kva_free(pool, p), KVA_OK);
     for (int i = 0; i < 3; i++) CHECK_STATUS(kva_free(pool, forked.objects[i]), KVA_OK);
     CHECK_STATUS(kva_free(pool, forked.block), KVA_OK);
+    kva_kv_copy copy;
+    CHECK_STATUS(kva_kv_seq_append(forked.kv, forked.seq, 1, &copy), KVA_OK); /* the owner's cache goes on */
+    CHECK_STATUS(kva_kv_seq_free(forked.kv, forked.seq), KVA_OK);
+    CHECK_STATUS(kva_kv_check(forked.kv), KVA_OK);
+    kva_kv_destroy(forked.kv);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
     kva_pool_destroy(forked.private_pool);

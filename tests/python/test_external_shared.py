@@ -354,11 +354,15 @@ def test_mapping_view_bounds() -> None:
 def test_a_forked_child_neither_hands_out_nor_gives_back_the_owners_memory() -> None:
     # A child forked from the owner has a copy of the allocator over the owner's very bytes:
     # what it handed out the owner would hand out too, and a free's discard would zero the
-    # owner's block. The library refuses both in the child; the owner's block stays whole.
+    # owner's block; a KV cache over the pool is a copy of the owner's. The library refuses
+    # every change in the child; the owner's block stays whole and its cache goes on.
     with pykvalloc.Pool(8 * MiB, shared=True, pages="small") as pool:
         small = pool.alloc(64)
         block = pool.alloc(MiB)
         block.view()[:] = 0x5A
+        cache = pykvalloc.KVCache(num_blocks=8, block_tokens=16, layers=1, kv_heads=1,
+                                  head_dim=8, pool=pool)
+        seq = cache.allocate(20)
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:  # the child: answers through the pipe, never returns into pytest
@@ -366,13 +370,15 @@ def test_a_forked_child_neither_hands_out_nor_gives_back_the_owners_memory() -> 
             try:
                 verdict = []
                 for call in (lambda: pool.alloc(64), lambda: pool.alloc(MiB),
-                             lambda: pool.free(block), lambda: pool.free(small), pool.trim):
+                             lambda: pool.free(block), lambda: pool.free(small), pool.trim,
+                             lambda: cache.allocate(16), lambda: seq.append(1), seq.free):
                     try:
                         call()
                         verdict.append("served")
                     except pykvalloc.BackendError:
                         verdict.append("refused")
                 verdict.append(str(int(block.view()[0])))
+                verdict.append(str(cache.stats().sequences))  # reading the cache answers
                 os.write(write, " ".join(verdict).encode())
                 code = 0
             finally:
@@ -382,8 +388,11 @@ def test_a_forked_child_neither_hands_out_nor_gives_back_the_owners_memory() -> 
         with os.fdopen(read, "rb") as answer:
             said = answer.read().decode()
         assert os.waitstatus_to_exitcode(status) == 0
-        assert said == "refused refused refused refused refused 90"
+        assert said == " ".join(["refused"] * 8 + ["90", "1"])
         assert (block.view() == 0x5A).all()
+        assert seq.append(1) is None and seq.num_tokens == 21  # the owner's cache goes on
+        seq.free()
+        cache.close()
         pool.free(pool.alloc(64))
         pool.free(small)
         pool.free(block)
