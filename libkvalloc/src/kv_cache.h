@@ -86,7 +86,8 @@
  *      none does; each row's sequences, pins and blocks (table lengths) sum the live sequences
  *      and pins whose ns_slot is that row, and its registered count the registered blocks whose
  *      namespace is in that slot (the other row: in none). When the other row is not all zero,
- *      every slot is assigned. The memo names an assigned slot, the one holding memo_ns.
+ *      every slot is assigned. The memo names an assigned slot, the one holding memo_ns. The
+ *      index holds each assigned slot once, where probing from its namespace's hash finds it.
  *
  * Threads. One mutex per cache (`lock`) guards everything below except the fields marked
  * "fixed at creation", which are written before the cache is handed out and only read after,
@@ -190,11 +191,17 @@ typedef struct kv_ns_row {
     uint64_t blocks;     /* table lengths of its live sequences and pins */
     uint64_t registered; /* its registered blocks */
 } kv_ns_row;
+/* The assigned slots by their namespace's hash, linear probing in twice their number of
+ * entries: a namespace's slot, or that it has none, is found in a probe or two. */
+#define KV_NS_INDEX (2 * KVA_KV_NAMESPACE_SLOTS)
+#define KV_NS_HOLE 0xFF
 typedef struct kv_ns_table {
     kv_ns_row rows[KV_NS_OTHER + 1];
     uint32_t assigned; /* slots [0, assigned) hold a namespace */
     uint32_t memo;     /* the slot holding memo_ns, the namespace of the last lookup that found one */
     uint64_t memo_ns;
+    uint64_t scans;             /* walks over the slots for an empty one, for tests to bound */
+    uint8_t index[KV_NS_INDEX]; /* each assigned slot once, the rest KV_NS_HOLE */
 } kv_ns_table;
 
 typedef struct kva_kv_counters {

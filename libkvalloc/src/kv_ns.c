@@ -7,7 +7,9 @@
  * made live (kv_seq_publish) or retired (kv_seq_retire) and a sequence's growth (extend) through
  * the row its record keeps (ns_slot); a registration (kv_commit) and its drop (the prefix
  * table's unregister, kva_kv_reset_prefix_cache) through kv_ns_slot, a compare against the
- * namespace of the last lookup and, past it, a search of the slots here.
+ * namespace of the last lookup and, past it, a probe of the index here (a hash table of the
+ * assigned slots): a namespace without a slot, counted in the other row, costs no walk of the
+ * slots, nor do calls whose namespaces change from one to the next.
  *
  * The rule that keeps every row exact: a namespace with no slot gets one when it is seen while
  * the other row is all zero, a never-used slot first, else one whose counts are all zero (its
@@ -23,31 +25,66 @@
 
 static int row_empty(const kv_ns_row *r) { return (r->live[0] | r->live[1] | r->blocks | r->registered) == 0; }
 
+/* ---- the index: the assigned slots by namespace hash (linear probing, K12) ---------------- */
+
+_Static_assert(KV_NS_INDEX > KVA_KV_NAMESPACE_SLOTS && (KV_NS_INDEX & (KV_NS_INDEX - 1)) == 0,
+               "the index has a hole at any time, and a mask");
+_Static_assert(KV_NS_OTHER < KV_NS_HOLE, "a slot number fits an entry");
+
+static uint32_t ns_home(uint64_t ns) {
+    return (uint32_t)((ns * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctz(KV_NS_INDEX))); /* Fibonacci hashing */
+}
+
+/* The index position holding ns's slot, or the hole its probe ends at. */
+static uint32_t ns_probe(const kv_ns_table *t, uint64_t ns) {
+    uint32_t h = ns_home(ns);
+    while (t->index[h] != KV_NS_HOLE && t->rows[t->index[h]].ns != ns) h = (h + 1) & (KV_NS_INDEX - 1);
+    return h;
+}
+
+/* Takes slot s's namespace out of the index: each entry after it in its run moves into the hole
+ * when the hole lies on that entry's probe path (from its home up to where it is). */
+static void index_remove(kv_ns_table *t, uint32_t s) {
+    uint32_t hole = ns_probe(t, t->rows[s].ns);
+    for (uint32_t j = (hole + 1) & (KV_NS_INDEX - 1); t->index[j] != KV_NS_HOLE; j = (j + 1) & (KV_NS_INDEX - 1)) {
+        uint32_t home = ns_home(t->rows[t->index[j]].ns);
+        if (((j - home) & (KV_NS_INDEX - 1)) >= ((j - hole) & (KV_NS_INDEX - 1))) {
+            t->index[hole] = t->index[j];
+            hole = j;
+        }
+    }
+    t->index[hole] = KV_NS_HOLE;
+}
+
 /* Namespace 0, everyone's default, holds slot 0 from the start (until another namespace needs
  * the slot while it is empty), and the memo names it: kv_ns_slot's one compare needs a memo
  * that always names a slot. */
 void kv_ns_init(kva_kv *kv) {
     memset(&kv->ns, 0, sizeof kv->ns);
+    memset(kv->ns.index, KV_NS_HOLE, sizeof kv->ns.index);
     kv->ns.assigned = 1;
     kv->ns.memo = 0;
     kv->ns.memo_ns = 0;
+    kv->ns.index[ns_home(0)] = 0;
 }
 
 uint32_t kv_ns_lookup(kva_kv *kv, uint64_t ns) {
     kv_ns_table *t = &kv->ns;
-    uint32_t s = 0;
-    for (; s < t->assigned; s++)
-        if (t->rows[s].ns == ns) break;
-    if (s == t->assigned) {
+    uint32_t at = ns_probe(t, ns), s = t->index[at];
+    if (s == KV_NS_HOLE) {
         if (!row_empty(&t->rows[KV_NS_OTHER])) return KV_NS_OTHER;
         if (t->assigned < KV_NS_OTHER) {
             s = t->assigned++;
         } else {
+            t->scans++;
             for (s = 0; s < KV_NS_OTHER && !row_empty(&t->rows[s]); s++) {
             }
             if (s == KV_NS_OTHER) return KV_NS_OTHER;
+            index_remove(t, s);
+            at = ns_probe(t, ns); /* the removal may have moved the hole */
         }
         t->rows[s].ns = ns;
+        t->index[at] = (uint8_t)s;
     }
     t->memo = s;
     t->memo_ns = ns;
@@ -88,6 +125,15 @@ kva_status kv_ns_check(const kva_kv *kv) {
         if (!row_empty(&t->rows[s]) || t->rows[s].ns) return BROKEN("K12: unassigned namespace slot %u is not zero", s);
     if (!row_empty(&t->rows[KV_NS_OTHER]) && t->assigned < KV_NS_OTHER)
         return BROKEN("K12: the other row counts namespaces while %u slots are unassigned", KV_NS_OTHER - t->assigned);
+    uint32_t indexed = 0;
+    for (uint32_t h = 0; h < KV_NS_INDEX; h++) {
+        uint32_t s = t->index[h];
+        if (s == KV_NS_HOLE) continue;
+        indexed++;
+        if (s >= t->assigned || t->index[ns_probe(t, t->rows[s].ns)] != s)
+            return BROKEN("K12: index entry %u names slot %u, which a probe for its namespace does not find", h, s);
+    }
+    if (indexed != t->assigned) return BROKEN("K12: the index holds %u slots of %u assigned", indexed, t->assigned);
     if (t->memo >= t->assigned || t->rows[t->memo].ns != t->memo_ns)
         return BROKEN("K12: the memo names slot %u for namespace %llu, which it does not hold", t->memo,
                       (unsigned long long)t->memo_ns);

@@ -446,11 +446,56 @@ static void test_random_stream(void) {
     kva_kv_destroy(kv);
 }
 
+/* Past the 32 tracked namespaces, a registration, its drop and an admission cost what they cost
+ * in a tracked one: finding a namespace's row (or that it has none) walks no slots, however the
+ * namespaces of consecutive calls change. */
+static void test_untracked_namespaces_walk_no_slots(void) {
+    kva_kv_config cfg = small_config(128, 4);
+    kva_kv *kv = make_cache(&cfg);
+    kva_kv_seq tenant[40];
+    for (uint32_t t = 0; t < 40; t++) tenant[t] = alloc_keys(kv, 4, NULL, 0, 100 + t, 0, NULL);
+    kva_kv_namespace_share rows[ROWS];
+    CHECK(namespaces(kv, rows) == ROWS); /* every slot taken, the other row counting 8 */
+    uint64_t scans = kv->ns.scans;
+    for (uint32_t i = 0; i < 2000; i++) {
+        /* 4 new keys a round, cached at the free and evicted rounds later, in two untracked
+         * namespaces and a tracked one in turn. */
+        uint64_t keys[4];
+        for (uint32_t j = 0; j < 4; j++) keys[j] = ((uint64_t)1 << 40) + i * 4 + j;
+        uint32_t ns = i % 3 == 2 ? 100 + i % 32 : 138 + i % 2;
+        kva_kv_seq s = alloc_keys(kv, 16, keys, 4, ns, 0, NULL);
+        CHECK_STATUS(kva_kv_seq_free(kv, s), KVA_OK);
+    }
+    CHECK(kv->ns.scans - scans <= 2);
+    if (kv->ns.scans - scans > 2) fprintf(stderr, "%llu slot walks\n", (unsigned long long)(kv->ns.scans - scans));
+    CHECK(stats(kv).evictions > 1000);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    /* K12 sees an index that lost a slot, or names one where a probe does not find it. */
+    uint32_t at = 0;
+    while (kv->ns.index[at] == KV_NS_HOLE) at++;
+    uint8_t held = kv->ns.index[at];
+    kv->ns.index[at] = KV_NS_HOLE;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    kv->ns.index[at] = held;
+    uint32_t hole = 0;
+    while (kv->ns.index[hole] != KV_NS_HOLE) hole++;
+    kv->ns.index[hole] = held;
+    kv->ns.index[at] = KV_NS_HOLE;
+    CHECK_STATUS(kva_kv_check(kv), KVA_ERR_CORRUPT);
+    kv->ns.index[at] = held;
+    kv->ns.index[hole] = KV_NS_HOLE;
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    for (uint32_t t = 0; t < 40; t++) CHECK_STATUS(kva_kv_seq_free(kv, tenant[t]), KVA_OK);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    kva_kv_destroy(kv);
+}
+
 int main(void) {
     test_pinned_blocks();
     test_readmissions();
     test_namespace_rows();
     test_random_stream();
+    test_untracked_namespaces_walk_no_slots();
     if (check_failures) fprintf(stderr, "%d checks failed\n", check_failures);
     return check_failures ? 1 : 0;
 }

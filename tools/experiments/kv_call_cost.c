@@ -28,7 +28,7 @@ static void try(kva_status st, const char *what) {
 
 int main(int argc, char **argv) {
     if (argc != 3) {
-        fprintf(stderr, "usage: %s alloc_free|append|hit|lookup|commit|pin ROUNDS\n", argv[0]);
+        fprintf(stderr, "usage: %s alloc_free|append|hit|lookup|commit|pin|tenants ROUNDS\n", argv[0]);
         return 2;
     }
     const char *pattern = argv[1];
@@ -80,6 +80,21 @@ int main(int argc, char **argv) {
                 "allocate");
             try(kva_kv_seq_free(kv, seq), "free");
         }
+    } else if (strcmp(pattern, "tenants") == 0) {
+        /* commit's round in a namespace past the 32 tracked ones: 40 tenants each hold a
+         * sequence, so every slot is taken and the other row counts the last 8; the rounds
+         * alternate between two of those. */
+        kva_kv_seq tenant[40];
+        for (uint32_t t = 0; t < 40; t++)
+            try(kva_kv_seq_allocate(kv, BLOCK_TOKENS, NULL, 0, NULL, 0, 100 + t, 0, &tenant[t], NULL), "allocate");
+        uint64_t fresh[4];
+        for (long i = 0; i < rounds; i++) {
+            for (int j = 0; j < 4; j++) fresh[j] = ((uint64_t)1 << 40) + (uint64_t)i * 4 + (uint64_t)j;
+            try(kva_kv_seq_allocate(kv, 4 * BLOCK_TOKENS, fresh, 4, NULL, 0, 138 + (uint32_t)(i % 2), 0, &seq, NULL),
+                "allocate");
+            try(kva_kv_seq_free(kv, seq), "free");
+        }
+        for (uint32_t t = 0; t < 40; t++) try(kva_kv_seq_free(kv, tenant[t]), "free");
     } else if (strcmp(pattern, "pin") == 0) {
         for (long i = 0; i < rounds; i++) {
             try(kva_kv_pin(kv, keys, 4, NULL, 0, 0, &seq, &hits), "pin");
