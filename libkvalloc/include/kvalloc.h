@@ -225,9 +225,9 @@ typedef struct kva_config {
      * process (the metadata is its own); attached processes read and write the contents of
      * blocks the owner told them about, by offset. A child forked from the owner inherits the
      * memory and a copy of the allocator: there every call that would hand out or give back the
-     * memory (allocations, frees, kva_trim), and every call that would change a KV cache over
-     * the pool, returns KVA_ERR_BACKEND, fast paths included, while reading it and the figures
-     * works; the child maps the memory
+     * memory (allocations, frees, kva_trim), and every call that would change a KV cache or a
+     * variable-size pool over the pool, returns KVA_ERR_BACKEND, fast paths included, while
+     * reading it and the figures works; the child maps the memory
      * with kva_shared_attach to use blocks by offset (docs/reliability.md, "Fork and shared
      * pools"). Not with external. Default 0 */
     int shared;

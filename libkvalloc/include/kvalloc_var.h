@@ -36,6 +36,10 @@ extern "C" {
  * it. kva_var_destroy must not overlap any other call on the same pool (nor may one start after
  * it). The backing pool is called only at create and destroy, and other threads may use it
  * meanwhile.
+ *
+ * Fork: in a child forked from the creator of a variable-size pool over shared memory
+ * (kva_config.shared), the pool is a copy over the creator's bytes: kva_var_alloc and
+ * kva_var_free return KVA_ERR_BACKEND there; the queries answer (kvalloc.h, shared).
  */
 
 typedef struct kva_var kva_var;

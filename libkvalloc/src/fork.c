@@ -26,6 +26,7 @@
 #include "pool.h"
 #include "publish.h"
 #include "segment.h"
+#include "var_pool.h"
 
 /* The live pools' list (pool.h) is first in the lock order, then each named pool's publisher. */
 static void prepare(void) {
@@ -40,6 +41,7 @@ static void prepare(void) {
         pthread_mutex_lock(&p->lock);
     }
     kva_segments_lock(); /* leaves: nothing is taken under any of them */
+    kva_vars_lock();
     kva_lock_flags_lock();
     kva_external_registry_lock();
     /* Held across driver calls (an import, a load); the import's lock before the load's, as an
@@ -53,6 +55,7 @@ static void release_all(void) {
     kva_shared_imports_unlock();
     kva_external_registry_unlock();
     kva_lock_flags_unlock();
+    kva_vars_unlock();
     kva_segments_unlock();
     for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
         pthread_mutex_unlock(&p->lock);
@@ -77,7 +80,9 @@ static void parent(void) {
  * the slow paths), and this thread lets go of its cache of the pool (kva_tc_forsake) as the
  * parent's other threads' caches are let go of: the fast paths then find no cache of the pool
  * in this process and take the slow paths. Private memory needs none of this: the child's copy
- * of it is its own (copy on write). */
+ * of it is its own (copy on write). A variable-size pool over shared memory is such a copy too,
+ * found through its own list (kva_vars_forsake); a KV cache over it tells by its fork depth
+ * (kv_lock_to_change). */
 static void forsake_shared(void) {
     for (kva_pool *p = kva_pools_first(); p; p = p->live_next) {
         if (p->region.shared_fd < 0) continue;
@@ -93,6 +98,7 @@ static void child(void) {
     kva_os_fork_child();
     kva_segments_disown_all(); /* the list's lock is still held from prepare */
     forsake_shared();          /* every pool's locks and the registry's are held from prepare */
+    kva_vars_forsake();        /* and the variable-size pools' list's */
     parent();
 }
 

@@ -1,13 +1,16 @@
 /*
  * var_pool.c — a variable-size pool's life (var_pool.h): its configuration, creation over a pool
  * (its own or a caller's) and destruction; and the small queries: the base, a range's usable
- * size, the sizes of the public structs.
+ * size, the sizes of the public structs; the process-wide list of those over shared memory,
+ * which a forked child stops (kva_vars_forsake).
  */
+#include <pthread.h>
 #include <stdlib.h>
 
 #include "config.h"
 #include "os.h"
 #include "pool_own.h"
+#include "pool_range.h"
 #include "var_pool.h"
 
 void kva_var_config_init(kva_var_config *cfg) {
@@ -48,6 +51,43 @@ static kva_status create_own_pool(const kva_var_config *cfg, size_t bytes, kva_p
     pc.capacity = capacity;
     pc.pages = cfg->pages;
     return kva_pool_create_own(&pc, out);
+}
+
+static pthread_mutex_t shared_vars_lock = PTHREAD_MUTEX_INITIALIZER;
+static kva_var *shared_vars; /* the pools over shared memory: kva_var's shared_next */
+
+void kva_vars_lock(void) { pthread_mutex_lock(&shared_vars_lock); }
+void kva_vars_unlock(void) { pthread_mutex_unlock(&shared_vars_lock); }
+
+void kva_vars_forsake(void) {
+    for (kva_var *v = shared_vars; v; v = v->shared_next) {
+        v->inherited = 1;
+        v->bytes = 0;
+    }
+}
+
+kva_status kva_var_refuse_inherited(void) {
+    return kva_fail(KVA_ERR_BACKEND, "the pool's memory is shared with the process this one was forked from, "
+                                     "whose pool this is a copy of: a child neither allocates from it nor frees "
+                                     "into it (kva_shared_attach maps the memory)");
+}
+
+static void list_shared(kva_var *v) {
+    v->over_shared = 1;
+    kva_vars_lock();
+    v->shared_next = shared_vars;
+    if (shared_vars) shared_vars->shared_prev = v;
+    shared_vars = v;
+    kva_vars_unlock();
+}
+
+static void unlist_shared(kva_var *v) {
+    if (!v->over_shared) return;
+    kva_vars_lock();
+    if (v->shared_prev) v->shared_prev->shared_next = v->shared_next;
+    else shared_vars = v->shared_next;
+    if (v->shared_next) v->shared_next->shared_prev = v->shared_prev;
+    kva_vars_unlock();
 }
 
 kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var **out) {
@@ -97,6 +137,7 @@ kva_status kva_var_create(const kva_var_config *cfg, kva_pool *backing, kva_var 
     else kva_var_fit_insert(v, 0);
     v->free_units = v->low_free_units = v->units;
     v->free_ranges = 1;
+    if (kva_pool_range_shared(v->pool)) list_shared(v);
     *out = v;
     return KVA_OK;
 
@@ -112,6 +153,7 @@ fail_descriptor:
 void kva_var_destroy(kva_var *v) {
     if (!v) return;
     /* No other call on this pool may be running (documented): the lock is not taken. */
+    unlist_shared(v);
     if (v->owns_pool) kva_pool_destroy(v->pool);
     else kva_free(v->pool, v->base);
     kva_os_unmap(v->ranges, v->ranges_bytes);

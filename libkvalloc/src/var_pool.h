@@ -140,6 +140,13 @@ struct kva_var {
     char *base;
     kva_pool *pool; /* the backing pool */
     int owns_pool;  /* created by kva_var_create, destroyed with the variable-size pool */
+    /* Over a pool whose memory other processes share (kva_pool_range_shared): listed process-wide
+     * (shared_next), so that a forked child's copy can be found and stopped (kva_vars_forsake) */
+    int over_shared;
+    /* This process is a child forked from the pool's creator and the memory is shared: bytes
+     * is 0 (the fast paths' tests then send every call to the refusals, which say why) */
+    int inherited;
+    struct kva_var *shared_prev, *shared_next;
 
     uint32_t head, tail; /* FIRST, BEST, WORST: the free list */
     uint32_t fl_map;     /* TLSF */
@@ -152,6 +159,16 @@ struct kva_var {
     uint64_t free_ranges, requested_bytes;
     uint64_t alloc_count, free_count, alloc_failures, rejected_calls;
 };
+
+/* The process-wide list of variable-size pools over shared memory, for fork (fork.c): its lock,
+ * a leaf taken around a fork, and in the child (one thread, the lock held), the forsaking of
+ * each: the pool is a copy of the creator's over the creator's bytes, and from now on it hands
+ * out and takes back nothing (KVA_ERR_BACKEND). */
+void kva_vars_lock(void);
+void kva_vars_unlock(void);
+void kva_vars_forsake(void);
+/* Why a call on a forsaken pool is refused. */
+kva_status kva_var_refuse_inherited(void);
 
 KVA_INLINE uint32_t kva_var_len(const kva_var_range *r) { return r->length & ~KVA_VAR_FREE_BIT; }
 KVA_INLINE int kva_var_is_free(const kva_var_range *r) { return (r->length & KVA_VAR_FREE_BIT) != 0; }

@@ -14,6 +14,9 @@ static kva_status reject(kva_var *v, kva_status status) {
 /* The arguments are decided by fields fixed at creation; only the count takes the lock. */
 KVA_NOINLINE kva_status kva_var_alloc_rejected(kva_var *v, size_t size, void **out) {
     if (!v) return kva_fail(KVA_ERR_INVALID, "variable-size pool is NULL");
+    /* A forked child's copy (bytes 0 sends every request here): a valid one is refused as such,
+     * not counted as bad input. */
+    if (v->inherited && out && size - 1 < (size_t)v->units << v->align_shift) return kva_var_refuse_inherited();
     kva_status st = !out        ? kva_fail(KVA_ERR_INVALID, "out is NULL")
                     : size == 0 ? kva_fail(KVA_ERR_INVALID, "size 0")
                                 : kva_fail(KVA_ERR_INVALID, "size %zu exceeds the capacity (%zu)", size,
@@ -69,6 +72,7 @@ static kva_status classify_bad_free(const kva_var *v, const void *ptr, uint64_t 
 
 /* Why ptr cannot be freed (the lock held). */
 static kva_status why_not_freed(kva_var *v, void *ptr) {
+    if (v->inherited) return kva_var_refuse_inherited(); /* not bad input: not counted */
     if (!ptr) return reject(v, kva_fail(KVA_ERR_INVALID, "pointer is NULL"));
     uint64_t offset = (uintptr_t)ptr - (uintptr_t)v->base;
     if (offset >= (uint64_t)v->units << v->align_shift)

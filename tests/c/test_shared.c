@@ -21,6 +21,7 @@
 #include "check.h"
 #include "child.h"
 #include "kvalloc_kv.h"
+#include "kvalloc_var.h"
 #include "fd_passing.h"
 #include "os.h"
 #include "pool_fingerprint.h"
@@ -184,6 +185,8 @@ static struct {
     unsigned char *block;
     kva_kv *kv; /* a KV cache over the shared pool, with one sequence */
     kva_kv_seq seq;
+    kva_var *var; /* a variable-size pool over it, with one range handed out */
+    void *range;
 } forked;
 
 static void *alloc_in_a_new_thread(void *pool) {
@@ -216,7 +219,7 @@ static int forked_child(void) {
     CHECK((kva_status)(uintptr_t)answer == KVA_ERR_BACKEND);
     kva_stats st;
     CHECK_STATUS(kva_get_stats(pool, &st), KVA_OK);
-    CHECK(st.live_allocations == 5); /* the owner's, as they stood at the fork, with the KV memory */
+    CHECK(st.live_allocations == 6); /* the owner's at the fork, the KV and variable-size pools' too */
     CHECK(kva_usable_size(pool, forked.block) == MiB);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     CHECK(forked.block[0] == 0x5a); /* the memory itself is there to read */
@@ -242,6 +245,12 @@ static int forked_child(void) {
     CHECK_STATUS(kva_kv_seq_block_table(kv, forked.seq, &table, &len), KVA_OK);
     CHECK(len == 2 && table != NULL);
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    /* So is the variable-size pool over it. */
+    CHECK_STATUS(kva_var_alloc(forked.var, 4096, &p), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_var_free(forked.var, forked.range), KVA_ERR_BACKEND);
+    CHECK_STATUS(kva_var_alloc(forked.var, 0, &p), KVA_ERR_INVALID); /* bad input stays bad input */
+    CHECK(kva_var_usable_size(forked.var, forked.range) == 8192);
+    CHECK_STATUS(kva_var_check(forked.var), KVA_OK);
     kva_pool_destroy(pool); /* unmaps this process's view only */
     return CHECK_DONE();
 }
@@ -271,6 +280,11 @@ static void test_forked_child(void) {
     REQUIRE(kva_kv_create(&kcfg, pool, &forked.kv) == KVA_OK);
     uint32_t cached = 0;
     CHECK_STATUS(kva_kv_seq_allocate(forked.kv, 20, NULL, 0, NULL, 0, 0, 0, &forked.seq, &cached), KVA_OK);
+    kva_var_config vcfg;
+    kva_var_config_init(&vcfg);
+    vcfg.capacity = MiB;
+    REQUIRE(kva_var_create(&vcfg, pool, &forked.var) == KVA_OK);
+    CHECK_STATUS(kva_var_alloc(forked.var, 8192, &forked.range), KVA_OK);
     in_child(forked_child, "test_forked_child");
     /* The owner's block is whole, and its allocator goes on as before. */
     int whole = 1;
@@ -286,6 +300,12 @@ static void test_forked_child(void) {
     CHECK_STATUS(kva_kv_seq_free(forked.kv, forked.seq), KVA_OK);
     CHECK_STATUS(kva_kv_check(forked.kv), KVA_OK);
     kva_kv_destroy(forked.kv);
+    void *another = NULL;
+    CHECK_STATUS(kva_var_alloc(forked.var, 4096, &another), KVA_OK); /* and its variable-size pool */
+    CHECK_STATUS(kva_var_free(forked.var, another), KVA_OK);
+    CHECK_STATUS(kva_var_free(forked.var, forked.range), KVA_OK);
+    CHECK_STATUS(kva_var_check(forked.var), KVA_OK);
+    kva_var_destroy(forked.var);
     CHECK_STATUS(kva_check(pool), KVA_OK);
     kva_pool_destroy(pool);
     kva_pool_destroy(forked.private_pool);
