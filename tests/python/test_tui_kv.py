@@ -337,3 +337,15 @@ def test_a_namespace_share_past_the_whole_cache_keeps_its_column(original):
         assert [end for _, end in fields[3:5]] == [ends["blocks"], ends["share"]], (lines[0], line)
         assert fields[4][0].endswith("%")
     assert [line.split()[4] for line in lines[1:5]] == ["23k%", "2271%", "100%", "1.0%"]
+
+
+@pytest.mark.parametrize("room", [9, 12, 20])
+def test_long_namespace_ids_cut_to_their_room_stay_apart(room):
+    # Ids that differ only in their last digits (a tenant in the high bits, an adapter in the
+    # low ones) keep distinct labels in the panels' columns; short ids are shown whole.
+    ids = [(1 << 64) - 2, (1 << 64) - 4, (7 << 48) | 1, (7 << 48) | 2, (1 << 63) + 9]
+    labels = [render.format_namespace(ns, room) for ns in ids]
+    assert len(set(labels)) == len(ids), labels
+    assert all(len(label) <= room for label in labels)
+    assert render.format_namespace(42, room) == "42" and render.format_namespace(None, room) == "other"
+    assert render.format_namespace((1 << 64) - 2, 20) == "0xfffffffffffffffe"

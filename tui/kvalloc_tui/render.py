@@ -513,11 +513,16 @@ def format_handle(handle: int) -> str:
 
 def format_namespace(namespace: int | None, room: int = 20) -> str:
     """A namespace id in at most ``room`` characters: decimal when short, hex when long (a
-    hash), cut with "…" beyond; None is the row that pools the untracked namespaces."""
+    hash), its middle cut with "…" beyond, so that ids differing at either end (a tenant in the
+    high bits, an adapter in the low ones) keep distinct labels; None is the row that pools the
+    untracked namespaces."""
     if namespace is None:
         return "other"
     text = str(namespace) if namespace < 10**6 else f"{namespace:#x}"
-    return text if len(text) <= room else text[:max(0, room - 1)] + "…"
+    if len(text) <= room:
+        return text
+    tail = max(0, room - 1) // 2
+    return text[:max(0, room - 1 - tail)] + "…" + (text[-tail:] if tail else "")
 
 
 def block_runs(table: np.ndarray) -> list[tuple[int, int]]:
