@@ -108,16 +108,22 @@ static void test_two_processes(const char *self) {
     kva_pool_destroy(pool);
 }
 
-/* An attached map outlives the owner's pool: the object lives while a mapping does. */
-static void test_map_outlives_pool(void) {
+/* A pool of capacity bytes of small pages, shared (shared 1) or private. */
+static kva_pool *small_pages_pool(size_t capacity, int shared) {
     kva_config cfg;
     kva_config_init(&cfg);
-    cfg.capacity = 4 * MiB;
-    cfg.shared = 1;
+    cfg.capacity = capacity;
+    cfg.shared = shared;
     cfg.pages = KVA_PAGES_SMALL;
     kva_pool *pool = NULL;
     CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
     REQUIRE(pool);
+    return pool;
+}
+
+/* An attached map outlives the owner's pool: the object lives while a mapping does. */
+static void test_map_outlives_pool(void) {
+    kva_pool *pool = small_pages_pool(4 * MiB, 1);
     unsigned char *block = NULL;
     CHECK_STATUS(kva_alloc(pool, 8192, (void **)&block), KVA_OK);
     void *base = NULL;
@@ -142,14 +148,7 @@ static void test_map_outlives_pool(void) {
 /* Memory given back inside a live block (the KV trim's path) goes back from the shared object
  * itself: an attached process reads zero there, and the object holds fewer pages. */
 static void test_range_release(void) {
-    kva_config cfg;
-    kva_config_init(&cfg);
-    cfg.capacity = 8 * MiB;
-    cfg.shared = 1;
-    cfg.pages = KVA_PAGES_SMALL;
-    kva_pool *pool = NULL;
-    CHECK_STATUS(kva_pool_create(&cfg, &pool), KVA_OK);
-    REQUIRE(pool);
+    kva_pool *pool = small_pages_pool(8 * MiB, 1);
     CHECK(kva_pool_range_unit(pool) == 4096);
     unsigned char *block = NULL;
     CHECK_STATUS(kva_alloc(pool, 2 * MiB, (void **)&block), KVA_OK);
@@ -256,27 +255,17 @@ static int forked_child(void) {
 }
 
 static void test_forked_child(void) {
-    kva_config cfg;
-    kva_config_init(&cfg);
-    cfg.capacity = 8 * MiB;
-    cfg.shared = 1;
-    cfg.pages = KVA_PAGES_SMALL;
-    REQUIRE(kva_pool_create(&cfg, &forked.shared) == KVA_OK);
-    cfg.shared = 0;
-    REQUIRE(kva_pool_create(&cfg, &forked.private_pool) == KVA_OK);
-    kva_pool *pool = forked.shared;
+    kva_pool *pool = forked.shared = small_pages_pool(8 * MiB, 1);
+    forked.private_pool = small_pages_pool(8 * MiB, 0);
     for (int i = 0; i < 4; i++) CHECK_STATUS(kva_alloc(pool, 64, &forked.objects[i]), KVA_OK);
     CHECK_STATUS(kva_free(pool, forked.objects[3]), KVA_OK);
     CHECK_STATUS(kva_alloc(pool, MiB, (void **)&forked.block), KVA_OK);
     memset(forked.block, 0x5a, MiB);
     kva_kv_config kcfg;
     kva_kv_config_init(&kcfg);
-    kcfg.layers = 1;
-    kcfg.kv_heads = 1;
+    kcfg.num_blocks = 8; /* of 16 tokens (the default), one layer of one head of 8 */
+    kcfg.layers = kcfg.kv_heads = 1;
     kcfg.head_dim = 8;
-    kcfg.dtype_bytes = 2;
-    kcfg.block_tokens = 16;
-    kcfg.num_blocks = 8;
     REQUIRE(kva_kv_create(&kcfg, pool, &forked.kv) == KVA_OK);
     uint32_t cached = 0;
     CHECK_STATUS(kva_kv_seq_allocate(forked.kv, 20, NULL, 0, NULL, 0, 0, 0, &forked.seq, &cached), KVA_OK);
