@@ -4,7 +4,11 @@ blocks, 2 GiB of KV for a Llama-3-8B-sized model, so that it fills up and preemp
 The engine also allocates, from the same pool, what a serving engine allocates around its KV
 cache (``kvalloc replay --engine-buffers``): per-step activation and attention-output buffers
 through the buddy, scratch buffers and token metadata through slab classes, so the inspector's
-buddy orders, slab classes and fragmentation move; the report says what each kind cost.
+buddy orders, slab classes and fragmentation move; the report says what each kind cost. And it
+serves several tenants, as a multi-tenant engine does (``kvalloc replay --tenants 4
+--pin-system-prompt``): each conversation in one of 4 namespaces, prefixes shared only within
+one, and the system prompt every request opens with pinned in each namespace once cached, so the
+inspector's namespaces panel has a row per tenant and its KV bar and heap map show pinned blocks.
 
 On a terminal the replay runs in a second process, held to --speed simulated seconds per second,
 and ``kvalloc top`` watches it live through its statistics segment, as an operator would watch an
@@ -37,6 +41,7 @@ from .replay import capacity_tokens
 from .report import print_report
 
 POOL_NAME = "kvalloc-demo"
+TENANTS = 4  # namespaces the demo's conversations are spread over
 PUBLISH_WITHIN_S = 60
 
 
@@ -65,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
 def headless(args: argparse.Namespace) -> int:
     geometry = Geometry()
     config = ReplayConfig(mode="paged", capacity_tokens=args.kv_size // geometry.bytes_per_token,
-                          geometry=geometry, pool_name=POOL_NAME, engine_buffers=True)
+                          geometry=geometry, pool_name=POOL_NAME, engine_buffers=True, tenants=TENANTS,
+                          pin_system_prompt=True)
     print(f"Replaying {args.requests:,} requests of the embedded workload through a "
           f"{format_size(args.kv_size)} paged KV cache (pool {POOL_NAME!r})...", file=sys.stderr)
     result = replay(default_workload(args.requests), config)
@@ -85,7 +91,7 @@ def watched(args: argparse.Namespace) -> int:
         engine = subprocess.Popen(
             [sys.executable, "-m", "kvalloc_cli", "replay", "--requests", str(args.requests),
              "--kv-size", str(args.kv_size), "--name", name, "--speed", str(args.speed), "--quiet",
-             "--engine-buffers",
+             "--engine-buffers", "--tenants", str(TENANTS), "--pin-system-prompt",
              "--output", str(report)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         try:

@@ -33,14 +33,15 @@ from pykvalloc.errors import InvalidArgument, KvallocError
 from pykvalloc.kvcache import DEFAULT_BLOCK_TOKENS, KVGroup
 from pykvalloc.replay.backends import Geometry, jemalloc_is_malloc, jemalloc_path
 from pykvalloc.replay.model_config import read_model_config
-from pykvalloc.replay.simulator import (LONGEST_PACED_WAIT_S, ReplayConfig, ReplayResult, check_arrivals, keyable,
-                                        pacer, replay)
+from pykvalloc.replay.simulator import (LONGEST_PACED_WAIT_S, MAX_TENANTS, ReplayConfig, ReplayResult,
+                                        check_arrivals, keyable, pacer, replay, system_prompt,
+                                        system_prompt_keys)
 from pykvalloc.replay.traces import Trace, load_trace
 from pykvalloc.replay.workload import MAX_REQUESTS, default_workload
 from pykvalloc.sizes import format_size
 
 from .arguments import (COUNT_MAX, U32_MAX, add_command, kv_dtype, kv_group, output_file, positive_int,
-                        positive_int32, positive_number, positive_size, usage_error)
+                        positive_int32, positive_number, positive_size, usage_error, whole_number)
 from .output import add_report_options, emit_json, wants_table, wrote
 from .report import failed, print_report, report_json, write_plot
 
@@ -101,6 +102,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="paged: also allocate what an engine allocates around its KV cache, in the same "
                              "pool (per-step activations and attention output through the buddy, scratch and "
                              "token metadata through slab classes), and report what each cost")
+    parser.add_argument("--tenants", type=whole_number(MAX_TENANTS), default=None, metavar="N",
+                        help="paged: spread the conversations over N namespaces, as a multi-tenant engine "
+                             "keeps tenants apart: a conversation (its first hash id past the system prompt; "
+                             "a request without one is its own) goes to namespace hash(id) %% N, and prefixes "
+                             "are shared only within a namespace (default: all in one)")
+    parser.add_argument("--pin-system-prompt", action="store_true",
+                        help="paged: pin the prefix most requests open with (the trace's system prompt, "
+                             "Mooncake's hash id 0) in each tenant's namespace once a request has cached it "
+                             "there, for the rest of the run, as an engine keeps its system prompt resident")
     add_report_options(parser, "the report (runs: one per configuration)")
     parser.add_argument("--plot", type=output_file, default=None, metavar="FILE.png",
                         help="plot KV use and hit rate over time (needs matplotlib)")
@@ -194,7 +204,8 @@ def base_config(args: argparse.Namespace) -> ReplayConfig:
                         max_batch_tokens=args.max_batch_tokens, time_scale=args.time_scale,
                         prefix_caching=not args.no_prefix_caching, pool_name=args.name,
                         sample_every=16 if args.plot or args.with_samples else 1 << 30,
-                        engine_buffers=args.engine_buffers)
+                        engine_buffers=args.engine_buffers, tenants=args.tenants,
+                        pin_system_prompt=args.pin_system_prompt)
 
 
 def configurations(args: argparse.Namespace) -> list[ReplayConfig]:
@@ -297,6 +308,11 @@ def run(args: argparse.Namespace) -> int:
         return usage_error("replay", "--plot needs matplotlib: pip install 'pykvalloc[plot]'")
     if args.engine_buffers and (args.mode != "paged" or args.compare):
         return usage_error("replay", "--engine-buffers applies to --mode paged without --compare")
+    for option, given in (("--tenants", args.tenants is not None), ("--pin-system-prompt", args.pin_system_prompt)):
+        if given and (args.mode != "paged" or args.compare):
+            # Namespaces and pins are the prefix cache's: contiguous and malloc have none, and
+            # --compare's table has no room for a tenant's figures.
+            return usage_error("replay", f"{option} applies to --mode paged without --compare")
     if args.block_tokens is not None and (args.mode != "paged" or args.compare):
         # It was taken and ignored: contiguous and malloc have no blocks, --compare runs 16 .. 128.
         return usage_error("replay", "--block-tokens applies to --mode paged without --compare")
@@ -312,6 +328,11 @@ def run(args: argparse.Namespace) -> int:
         check_arrivals(trace, args.time_scale)
     except InvalidArgument as exc:
         return usage_error("replay", f"--time-scale: {exc}")
+    if args.pin_system_prompt:
+        try:
+            system_prompt_keys(configs[0], trace, system_prompt(trace))
+        except InvalidArgument as exc:
+            return usage_error("replay", f"--pin-system-prompt: {exc}")
     with stop_on_signals() if args.speed else contextlib.nullcontext() as stop:
         results = run_all(args, trace, configs, args.quiet, Console(stderr=True), args.speed, stop)
     if wants_table(args):

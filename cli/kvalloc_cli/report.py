@@ -54,6 +54,45 @@ def table(results: Sequence[dict[str, Any]]) -> Table:
         out.add_row("status", *("failed" if "error" in r else "ran" for r in results))
     for key, name, fmt in _ROWS:
         out.add_row(name, *(_cell(r.get(key), fmt) for r in results))
+    if any(r.get("tenants") is not None for r in results):
+        out.add_row("tenants",
+                    *("-" if r.get("tenants") is None else f"{r.get('tenant_count') or len(r['tenants']):,}"
+                      for r in results))
+    if any(r.get("system_prompt") is not None for r in results):
+        out.add_row("system prompt pinned",
+                    *("-" if r.get("system_prompt") is None else
+                      f"{r['system_prompt']['pinned_blocks']:,} blocks" for r in results))
+    return out
+
+
+def tenancy_notes(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """What the tenants and the pinned system prompt did, for the runs that had them."""
+    out = []
+    for r in rows:
+        tenants = r.get("tenants")
+        if tenants is not None:
+            rates = ", ".join(f"{t['namespace']}: {t['hit_tokens'] / t['query_tokens']:.1%}"
+                              for t in tenants[:8] if t["query_tokens"])
+            more = f" and {len(tenants) - 8:,} more" if len(tenants) > 8 else ""
+            out.append(f"{label(r)}: tenants: each conversation (its first hash id past the system prompt; a "
+                       f"request without one is its own) is in namespace hash(id) % {r.get('tenant_count') or 'N'}, "
+                       f"and a prefix is shared only "
+                       f"within a namespace, as an engine keeps its tenants apart. Turns of one conversation still "
+                       f"hit each other, but what all conversations share (the system prompt) is cached once per "
+                       f"tenant: each tenant's first request misses it, and the copies take blocks that one copy "
+                       f"would leave to the traffic, so the hit rate is lower than in one namespace. First "
+                       f"admissions' hit rate per namespace: {rates or '-'}{more}.")
+        prompt = r.get("system_prompt")
+        if prompt is not None:
+            share = prompt["pinned_blocks"] / prompt["capacity_blocks"] if prompt["capacity_blocks"] else 0.0
+            out.append(f"{label(r)}: system prompt pinned: the first {prompt['hash_ids']:,} hash "
+                       f"id{'s' if prompt['hash_ids'] != 1 else ''} ({prompt['tokens']:,} tokens, opening "
+                       f"{prompt['requests_opening']:,} of {r['requests']:,} requests), {prompt['blocks']:,} blocks "
+                       f"of {r['block_tokens']} tokens, pinned in each of {prompt['pins']:,} namespaces once a "
+                       f"request had cached it there, to the end of the run ({prompt['pinned_blocks']:,} blocks, "
+                       f"{share:.1%} of the cache). Eviction never takes a pinned block: "
+                       f"{prompt['found_whole']:,} of the {prompt['admissions_after_pin']:,} first admissions that "
+                       f"opened with it after its pin found it whole, beside {prompt['evictions']:,} evictions.")
     return out
 
 
@@ -151,7 +190,7 @@ def print_report(results: Sequence[ReplayResult | dict[str, Any]], console: Opti
         if row.get("rejected"):
             console.print(f"{label(row)}: rejected {row['rejected']:,} of {row['requests']:,} requests, which can "
                           f"never complete on this KV cache, even alone (give it more: --kv-size)", style="yellow")
-    for note in notes(rows):
+    for note in notes(rows) + tenancy_notes(rows):
         console.print(note, style="dim")
     by_timing: dict[str, list[str]] = {}
     for r in rows:

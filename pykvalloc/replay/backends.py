@@ -142,18 +142,36 @@ class PagedBackend:
         return None
 
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int,
-              again: bool = False) -> Optional[tuple[Any, int]]:
+              again: bool = False, namespace: int = 0) -> Optional[tuple[Any, int]]:
         """(handle, token slots) for a request of `tokens` prompt tokens; None when full.
-        ``again``: a preempted request admitted again (the cache counts it apart)."""
+        ``again``: a preempted request admitted again (the cache counts it apart).
+        ``namespace``: its tenant's, where its prefix is looked up and registered."""
         try:
             handle = self.timings.timed(self.cache.allocate, tokens,
                                         block_keys=keys if self.prefix_caching else None,
-                                        again=again)
+                                        namespace=namespace, again=again)
         except OutOfMemory:
             return None
         if self.buffers is not None:
             self.buffers.admitted(id(handle))
         return handle, self._slots(tokens)
+
+    def pin(self, keys: Any, namespace: int) -> Optional[Any]:
+        """Pins the cached blocks of ``keys`` in ``namespace`` (a system prompt) until unpin;
+        None, and nothing pinned, unless every one of them was cached."""
+        pin = self.timings.timed(self.cache.pin, block_keys=keys, namespace=namespace)
+        if pin.num_tokens < len(keys) * self.block_tokens:
+            self.timings.timed(pin.unpin)
+            return None
+        return pin
+
+    def unpin(self, pin: Any) -> None:
+        self.timings.timed(pin.unpin)
+
+    def pin_figures(self) -> dict[str, int]:
+        """The cache's pinned blocks now, and its evictions so far."""
+        stats = self.cache.stats()
+        return {"pinned_blocks": stats.pinned_blocks, "evictions": stats.evictions}
 
     def extend(self, handle: Any, tokens: int) -> Optional[int]:
         """Announces `tokens` more; the new token slots, or None when the cache is full."""
@@ -258,7 +276,7 @@ class ContiguousBackend(PagedBackend):
         return None
 
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int,
-              again: bool = False) -> Optional[tuple[Any, int]]:
+              again: bool = False, namespace: int = 0) -> Optional[tuple[Any, int]]:
         try:
             handle = self.timings.timed(self.cache.allocate, tokens, again=again)
         except OutOfMemory:
@@ -306,7 +324,7 @@ class MallocBackend:
         return None
 
     def admit(self, tokens: int, keys: Optional[list[int]], final_tokens: int,
-              again: bool = False) -> Optional[tuple[Any, int]]:
+              again: bool = False, namespace: int = 0) -> Optional[tuple[Any, int]]:
         need = max(tokens, final_tokens)
         if self.reserved_tokens + need > self.capacity_tokens:
             return None

@@ -20,6 +20,20 @@ Prefix reuse comes from the trace's hash ids, each covering 512 tokens: for a bl
 divides 512, a full prompt block is keyed by the id it falls in and its position inside that
 id; for a multiple of 512, by the ids it covers. Other block sizes cannot be keyed, and their
 prefix hit rate is not measured.
+
+Two things a multi-tenant engine does, off unless asked (paged mode):
+- tenants (``ReplayConfig.tenants`` = N): each conversation goes to namespace hash(its id) % N
+  (``tenant_of``), and the KV cache shares a prefix only within a namespace. A conversation is
+  named by its first hash id past the system prompt, which all its turns repeat; a request
+  without one (no hash ids, as in the Azure trace, or a prompt no longer than the system
+  prompt) is a conversation of its own. Turns of one conversation still hit each other; what
+  all conversations share (the system prompt) is cached once per tenant, so the hit rate is
+  lower than with one namespace;
+- a pinned system prompt (``pin_system_prompt``): the prefix most requests open with
+  (``system_prompt``: Mooncake's hash id 0, 512 tokens) is pinned in each tenant's namespace
+  once a request has cached it there, until the end of the run, as an engine keeps its system
+  prompt resident: eviction never takes it, and each pin holds its blocks out of the rest of
+  the traffic's reach.
 """
 from __future__ import annotations
 
@@ -54,6 +68,10 @@ class ReplayConfig:
     sample_every: int = 1               # steps between usage samples
     # Paged: the engine's per-step buffers beside the KV cache, in the same pool (engine.py).
     engine_buffers: bool = False
+    # Paged: conversations spread over this many namespaces (tenant_of); None: all in namespace 0.
+    tenants: Optional[int] = None
+    # Paged, prefix caching: the system prompt pinned in each tenant once cached (system_prompt).
+    pin_system_prompt: bool = False
 
     def __post_init__(self) -> None:
         # A zero or NaN time scale divides by zero or never lets a request arrive; a zero block
@@ -66,6 +84,17 @@ class ReplayConfig:
                     or (value == 0 and not zero_allowed):
                 bound = "of at least 0" if zero_allowed else "above 0"
                 raise InvalidArgument(f"{name} must be a finite number {bound}, not {value!r}")
+        if self.tenants is not None:
+            require_counts(self, "tenants")
+            if self.tenants > MAX_TENANTS:
+                raise InvalidArgument(f"tenants must be at most {MAX_TENANTS:,}, not {self.tenants:,}")
+        if not isinstance(self.pin_system_prompt, bool):
+            raise InvalidArgument(f"pin_system_prompt must be True or False, not {self.pin_system_prompt!r}")
+
+
+#: The most tenants a replay spreads conversations over: each is a namespace (64 bits wide), and
+#: the report keeps a row of figures for each one that had a request.
+MAX_TENANTS = 1 << 16
 
 
 @dataclass
@@ -127,6 +156,12 @@ class ReplayResult:
     # readmit_* parts, re-admissions being marked again=True); None for malloc. The two hit
     # rates above are these figures' ratios.
     kv_hit_counters: Optional[dict[str, int]] = None
+    # With tenants: one row per namespace that had a request, in namespace order: namespace,
+    # requests, and the first admissions' hit_tokens and query_tokens there. None without.
+    tenants: Optional[list[dict[str, int]]] = None
+    # With pin_system_prompt: what was pinned and whether it held (system_prompt_report). None
+    # without.
+    system_prompt: Optional[dict[str, Any]] = None
 
     def as_dict(self, samples: bool = False) -> dict[str, Any]:
         """The JSON form of the result; ``samples`` adds the usage samples, as rows of
@@ -136,10 +171,11 @@ class ReplayResult:
                 "mean_kv_use", "internal_waste", "fragmentation", "prefix_hit_rate", "readmission_hit_rate",
                 "alloc_ns_p50",
                 "alloc_ns_p99", "alloc_ns_p999", "allocator_share", "timing", "wall_s", "simulated_s", "steps",
-                "stopped", "engine_buffers", "hits_unmeasured")
+                "stopped", "engine_buffers", "hits_unmeasured", "tenants", "system_prompt")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
         out["mode"] = self.config.mode
         out["block_tokens"] = self.config.block_tokens
+        out["tenant_count"] = self.config.tenants
         out["capacity_tokens"] = self.config.capacity_tokens
         out["capacity_bytes"] = self.config.capacity_tokens * self.config.geometry.bytes_per_token
         out["source"] = self.source
@@ -188,6 +224,57 @@ def block_keys(request: Request, block_tokens: int) -> Optional[list[int]]:
     return [_key((ids[j // per_id],), j % per_id) for j in range(full)]
 
 
+def system_prompt(trace: Trace) -> tuple[int, ...]:
+    """The hash ids of the prefix most requests open with: the longest run of leading ids that
+    more than half of the requests with ids share (Mooncake's id 0, the system prompt, which
+    every request opens with; the embedded workload's too). Empty when no id opens most of them
+    or the trace has none."""
+    candidates = [request.hash_ids for request in trace.requests if request.hash_ids]
+    total = len(candidates)
+    prefix: tuple[int, ...] = ()
+    while candidates:
+        counts: dict[int, int] = {}
+        for ids in candidates:
+            if len(ids) > len(prefix):
+                counts[ids[len(prefix)]] = counts.get(ids[len(prefix)], 0) + 1
+        best = max(counts.items(), key=lambda item: item[1], default=None)
+        if best is None or 2 * best[1] <= total:
+            break
+        prefix += (best[0],)
+        candidates = [ids for ids in candidates if len(ids) >= len(prefix) and ids[len(prefix) - 1] == best[0]]
+    return prefix
+
+
+def system_prompt_keys(config: ReplayConfig, trace: Trace, shared: tuple[int, ...]) -> list[int]:
+    """The block keys of the system prompt ``shared`` (its whole blocks of config.block_tokens);
+    InvalidArgument saying why when there is nothing to pin."""
+    why = unmeasured_hits(config, trace)
+    if why is not None:
+        raise InvalidArgument(f"no system prompt to pin: {why}")
+    if not shared:
+        raise InvalidArgument("no system prompt to pin: no prefix of hash ids opens more than half "
+                              "of the requests")
+    tokens = len(shared) * MOONCAKE_BLOCK_TOKENS
+    keys = block_keys(Request(0.0, tokens, 1, shared), config.block_tokens)
+    if not keys:
+        raise InvalidArgument(f"no system prompt to pin: the shared prefix of {tokens:,} tokens fills no "
+                              f"block of {config.block_tokens:,} tokens")
+    return keys
+
+
+_REQUEST_SALT = 0xA5A55A5AC3C33C3C  # a request's own index, hashed apart from conversation ids
+
+
+def tenant_of(request: Request, index: int, tenants: int, shared: tuple[int, ...]) -> int:
+    """The namespace of request ``index`` among ``tenants``: hash(its conversation) % tenants.
+    Its conversation is its first hash id past the system prompt ``shared`` (every later turn
+    repeats it), or, without one, the request itself."""
+    ids = request.hash_ids or ()
+    if len(ids) > len(shared) and ids[:len(shared)] == shared:
+        return _mix64(ids[len(shared)]) % tenants
+    return _mix64(index ^ _REQUEST_SALT) % tenants
+
+
 def unmeasured_hits(config: ReplayConfig, trace: Trace) -> Optional[str]:
     """Why a replay of ``trace`` under ``config`` measures no prefix hit rate, or None when it
     does: the report says so beside its dashes."""
@@ -205,12 +292,20 @@ def unmeasured_hits(config: ReplayConfig, trace: Trace) -> Optional[str]:
     return None
 
 
+def check_tenancy(config: ReplayConfig) -> None:
+    """InvalidArgument for tenants or a pinned system prompt where no prefix cache has them."""
+    if (config.tenants is not None or config.pin_system_prompt) and config.mode != "paged":
+        raise InvalidArgument(f"tenants and a pinned system prompt need a paged KV cache's prefix cache, "
+                              f"not mode {config.mode!r}")
+
+
 def make_backend(config: ReplayConfig, timings: Timings) -> Any:
     if config.mode == "paged":
         return PagedBackend(config.capacity_tokens, config.block_tokens, config.geometry, config.pool_name,
                             config.prefix_caching, timings, config.engine_buffers)
     if config.engine_buffers:
         raise InvalidArgument(f"engine buffers go beside a paged KV cache, not with mode {config.mode!r}")
+    check_tenancy(config)
     if config.mode == "contiguous":
         return ContiguousBackend(config.capacity_tokens, config.block_tokens, config.geometry, config.pool_name,
                                  config.prefix_caching, timings)
@@ -256,9 +351,23 @@ def replay(trace: Trace, config: ReplayConfig,
     before each step) the replay stops there: the requests under way give their blocks back, and
     the result covers the simulated time so far (``stopped``)."""
     check_arrivals(trace, config.time_scale)
+    check_tenancy(config)
+    requests = trace.requests
+    shared = system_prompt(trace) if config.tenants is not None or config.pin_system_prompt else ()
+    # The system prompt's block keys, pinned in a tenant by the first admission there that
+    # cached them; InvalidArgument before anything is made when there is none to pin.
+    pin_keys = (np.array(system_prompt_keys(config, trace, shared), dtype=np.uint64)
+                if config.pin_system_prompt else None)
+    namespace_of = ([tenant_of(request, index, config.tenants, shared) for index, request in enumerate(requests)]
+                    if config.tenants is not None else None)
+    tenant_rows: dict[int, list[int]] = {}               # namespace: [requests, hit, looked-up tokens]
+    pins: dict[int, Any] = {}                            # namespace: its pin of the system prompt
+    # First admissions that open with the system prompt in a tenant where it is pinned already,
+    # and those of them that found it cached whole.
+    prompt_seen = prompt_found = 0
+    pin_figures: dict[str, int] = {}
     timings = Timings()
     backend = make_backend(config, timings)
-    requests = trace.requests
     total = len(requests)
     waiting: deque[tuple[Request, int, int]] = deque()   # (request, index, tokens generated before)
     running: list[_Running] = []                         # in admission order
@@ -372,14 +481,31 @@ def replay(trace: Trace, config: ReplayConfig,
                 prompt = request.input_tokens + generated
                 keys = keys_of(request, index)
                 keyed = keyed or keys is not None
+                namespace = namespace_of[index] if namespace_of is not None else 0
                 admitted = backend.admit(prompt, keys, request.input_tokens + request.output_tokens,
-                                         again=index in admitted_before)
+                                         again=index in admitted_before, namespace=namespace)
                 if admitted is not None and backend.prefix_caching:
                     # What the KV manager adds to its hit and query counts for this allocation
                     # (a prompt shorter than a block has no keys, and counts as looked up too).
                     lookups = again_lookups if index in admitted_before else first_lookups
-                    lookups[0] += backend.cached_tokens(admitted[0])
+                    cached = backend.cached_tokens(admitted[0])
+                    lookups[0] += cached
                     lookups[1] += prompt
+                    if namespace_of is not None and index not in admitted_before:
+                        row = tenant_rows.setdefault(namespace, [0, 0, 0])
+                        row[0] += 1
+                        row[1] += cached
+                        row[2] += prompt
+                    if pin_keys is not None and keys is not None and len(keys) >= len(pin_keys) \
+                            and np.array_equal(keys[:len(pin_keys)], pin_keys):
+                        if namespace in pins:
+                            if index not in admitted_before:
+                                prompt_seen += 1
+                                prompt_found += cached >= len(pin_keys) * config.block_tokens
+                        else:  # cached in this tenant now: pinned from here to the end
+                            pin = backend.pin(pin_keys, namespace)
+                            if pin is not None:
+                                pins[namespace] = pin
                 if admitted is None:
                     if running:
                         break
@@ -418,6 +544,10 @@ def replay(trace: Trace, config: ReplayConfig,
                 on_step(now)
             if progress is not None and steps % 256 == 0:
                 progress(finished, total)
+        if pin_keys is not None:
+            pin_figures = backend.pin_figures()  # before the pins go, with the run
+            for pin in pins.values():
+                backend.unpin(pin)
         library = backend.library_time()
         kv_hit_counters = backend.hit_counters()
         if backend.buffers is not None:
@@ -452,7 +582,16 @@ def replay(trace: Trace, config: ReplayConfig,
         alloc_ns_p50=p50, alloc_ns_p99=p99, alloc_ns_p999=p999, allocator_share=share, timing=timing,
         wall_s=wall, simulated_s=now, steps=steps, samples=samples, stopped=stopped,
         engine_buffers=buffer_costs, kv_hit_counters=kv_hit_counters, hits_unmeasured=None if keyed else (
-            unmeasured_hits(config, trace) or "no prompt filled a whole block to key"))
+            unmeasured_hits(config, trace) or "no prompt filled a whole block to key"),
+        tenants=None if namespace_of is None else [
+            {"namespace": namespace, "requests": row[0], "hit_tokens": row[1], "query_tokens": row[2]}
+            for namespace, row in sorted(tenant_rows.items())],
+        system_prompt=None if pin_keys is None else {
+            "hash_ids": len(shared), "tokens": len(shared) * MOONCAKE_BLOCK_TOKENS,
+            "requests_opening": sum(1 for r in requests if r.hash_ids and r.hash_ids[:len(shared)] == shared),
+            "blocks": len(pin_keys), "pins": len(pins), "pinned_blocks": pin_figures.get("pinned_blocks", 0),
+            "capacity_blocks": backend.capacity_blocks, "evictions": pin_figures.get("evictions", 0),
+            "admissions_after_pin": prompt_seen, "found_whole": prompt_found})
 
 
 #: The longest a paced replay waits between two steps, in wall seconds. A busy step is a fraction
