@@ -349,3 +349,19 @@ def test_long_namespace_ids_cut_to_their_room_stay_apart(room):
     assert all(len(label) <= room for label in labels)
     assert render.format_namespace(42, room) == "42" and render.format_namespace(None, room) == "other"
     assert render.format_namespace((1 << 64) - 2, 20) == "0xfffffffffffffffe"
+
+
+def test_the_other_row_stays_in_view_when_the_namespaces_are_cut(original):
+    # Past the 32 tracked namespaces the other row pools the rest, often the most blocks of
+    # all: a short panel keeps it (last) and counts the tracked rows it leaves out.
+    rows = [{"namespace_id": 100 + i, "sequences": 1, "blocks": 40 - i} for i in range(32)]
+    rows.append({"flags": stats.KV_NS_OTHER, "sequences": 30, "blocks": 5000})
+    data = write_kv_sections(kv_segment(original), namespaces=rows)
+    for height in (3, 6, 10):
+        lines = [line.plain for line in render.namespace_lines(stats.Snapshot(data), 40, height)]
+        assert len(lines) == height, lines
+        assert lines[-2].split()[:4] == ["other", "30", "0", "5000"], lines
+        shown = len(lines) - 3
+        assert [line.split()[0] for line in lines[1:1 + shown]] == [str(100 + i) for i in range(shown)]
+        left = 32 - shown
+        assert lines[-1] == f"… {left} more, {sum(40 - i for i in range(shown, 32)):,} blocks"

@@ -673,7 +673,8 @@ def namespace_lines(snap: Snapshot, width: int, height: int) -> list[Text]:
     """Each namespace's share of the cache's blocks: its live sequences and pins, the blocks
     their tables hold (a block in two tables counts in both) and that share of all blocks, and
     the blocks it registered in the prefix table; most blocks first, the "other" row (every
-    namespace past the tracked ones) last. A bar of the share when the width allows."""
+    namespace past the tracked ones) last, kept when the rows are cut to the height. A bar of
+    the share when the width allows."""
     rows = snap.kv_namespaces
     if rows is None:
         return [Text("this writer publishes no namespaces (layout 1.5 on)", "dim")]
@@ -683,7 +684,16 @@ def namespace_lines(snap: Snapshot, width: int, height: int) -> list[Text]:
     ordered = sorted(rows, key=lambda r: (r.namespace is None, -r.blocks))
     bar_width = width - len(NAMESPACE_HEADING) - 2 if width >= len(NAMESPACE_HEADING) + 12 else 0
     room = max(1, height - 1)
-    shown = ordered if len(ordered) <= room else ordered[:room - 1]
+    shown, left = ordered, []
+    if len(ordered) > room:
+        # Cut: the other row stays (often the most blocks of all), after the tracked rows
+        # that fit with it and the line counting those left out.
+        other = [row for row in ordered if row.namespace is None]
+        tracked = [row for row in ordered if row.namespace is not None]
+        keep = room - 1 - len(other)
+        if keep < 0:
+            other, keep = [], room - 1
+        shown, left = tracked[:keep] + other, tracked[keep:]
     lines = [Text(NAMESPACE_HEADING, "bold", no_wrap=True, overflow="crop")]
     for row in shown:
         share = row.blocks / total if total else 0.0
@@ -694,7 +704,6 @@ def namespace_lines(snap: Snapshot, width: int, height: int) -> list[Text]:
         if bar_width:
             line.append("  ").append_text(bar(share, bar_width, CELL_STYLES[stats.CELL_KV_USED]))
         lines.append(line)
-    left = ordered[len(shown):]
     if left:
         lines.append(Text(f"… {len(left)} more, {sum(r.blocks for r in left):,} blocks", "dim",
                           no_wrap=True))
