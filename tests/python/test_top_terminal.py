@@ -169,3 +169,27 @@ def test_the_kv_page_in_a_real_terminal_pins_rates_sequences_and_namespaces():
             terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
         finally:
             terminal.close()
+
+
+def test_the_demo_in_a_real_terminal_shows_its_tenants_and_pinned_blocks():
+    # kvalloc demo on a terminal: its replay serves 4 tenants with the system prompt pinned in
+    # each, and the inspector it opens shows a namespace row per tenant and the pinned blocks.
+    from kvalloc_cli.demo import TENANTS
+
+    terminal = Terminal([sys.executable, "-m", "kvalloc_cli", "demo", "--speed", "10"])
+    try:
+        def tenants_and_pins(lines: list[str]) -> bool:
+            rows = {line.split()[0] for line in lines
+                    if line.strip()[:1].isdigit() and len(line.split()) > 5}
+            pinned = [line.split("pinned ")[1].split()[0] for line in lines if "pinned " in line]
+            return rows >= {str(t) for t in range(TENANTS)} and any(p not in ("0", "-") for p in pinned)
+
+        lines = terminal.wait_for(tenants_and_pins)
+        assert len(lines) <= 24 and all(len(line) <= 80 for line in lines)
+        assert any("namespaces" in line for line in lines)
+        terminal.press("q")  # the report of the run so far follows
+        lines = terminal.wait_for(lambda lines: any("exit status 0" in line for line in lines))
+        text = " ".join(" ".join(lines).split())
+        assert "system prompt pinned" in text or "Eviction never takes a pinned block" in text, text
+    finally:
+        terminal.close()
