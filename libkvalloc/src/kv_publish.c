@@ -32,13 +32,20 @@ static _Thread_local const kva_kv *kv_self_publishing;
  * (kvalloc_stats.h, KVA_SHM_CELL_*). Pin counts are read only while some block is pinned. */
 static void paint_cell(const kva_kv *kv, uint32_t first, uint32_t last, uint8_t *state, uint8_t *fill) {
     uint32_t used = 0, cached = 0, pinned = 0, n = last - first + 1;
-    const uint32_t *pins = kv->pinned_count ? kv->pin_refs : NULL;
     /* A cell may cover many small blocks: look at 64 of them at most, evenly spread. */
     uint32_t step = n > 64 ? n / 64 : 1, seen = 0;
-    for (uint32_t b = first; b <= last; b += step, seen++) {
-        used += kv->blocks[b].state == KV_USED;
-        cached += kv->blocks[b].state == KV_CACHED;
-        pinned += pins && pins[b] != 0; /* a pinned block is USED (K11) */
+    if (!kv->pinned_count) {
+        for (uint32_t b = first; b <= last; b += step, seen++) {
+            used += kv->blocks[b].state == KV_USED;
+            cached += kv->blocks[b].state == KV_CACHED;
+        }
+    } else {
+        for (uint32_t b = first; b <= last; b += step, seen++) {
+            uint8_t st = kv->blocks[b].state;
+            cached += st == KV_CACHED;
+            if (st == KV_USED) /* only a used block can be pinned (K11) */
+                used++, pinned += kv->pin_refs[b] != 0;
+        }
     }
     uint32_t unpinned = used - pinned;
     *state = pinned && pinned >= unpinned && pinned >= cached ? KVA_SHM_CELL_KV_PINNED
