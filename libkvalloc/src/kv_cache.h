@@ -523,6 +523,10 @@ KVA_INLINE uint32_t kv_ns_slot(kva_kv *kv, uint64_t ns) {
     if (kva_likely(kv->ns.memo_ns == ns)) return kv->ns.memo;
     return kv_ns_lookup(kv, ns);
 }
+/* Where a probe of the namespace index for ns starts (Fibonacci hashing). */
+KVA_INLINE uint32_t kv_ns_home(uint64_t ns) {
+    return (uint32_t)((ns * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctz(KV_NS_INDEX)));
+}
 /* Empties the table (creation). */
 void kv_ns_init(kva_kv *kv);
 /* Every registration dropped at once (kva_kv_reset_prefix_cache). */

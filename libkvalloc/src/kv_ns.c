@@ -31,13 +31,9 @@ _Static_assert(KV_NS_INDEX > KVA_KV_NAMESPACE_SLOTS && (KV_NS_INDEX & (KV_NS_IND
                "the index has a hole at any time, and a mask");
 _Static_assert(KV_NS_OTHER < KV_NS_HOLE, "a slot number fits an entry");
 
-static uint32_t ns_home(uint64_t ns) {
-    return (uint32_t)((ns * 0x9E3779B97F4A7C15ull) >> (64 - __builtin_ctz(KV_NS_INDEX))); /* Fibonacci hashing */
-}
-
 /* The index position holding ns's slot, or the hole its probe ends at. */
 static uint32_t ns_probe(const kv_ns_table *t, uint64_t ns) {
-    uint32_t h = ns_home(ns);
+    uint32_t h = kv_ns_home(ns);
     while (t->index[h] != KV_NS_HOLE && t->rows[t->index[h]].ns != ns) h = (h + 1) & (KV_NS_INDEX - 1);
     return h;
 }
@@ -47,7 +43,7 @@ static uint32_t ns_probe(const kv_ns_table *t, uint64_t ns) {
 static void index_remove(kv_ns_table *t, uint32_t s) {
     uint32_t hole = ns_probe(t, t->rows[s].ns);
     for (uint32_t j = (hole + 1) & (KV_NS_INDEX - 1); t->index[j] != KV_NS_HOLE; j = (j + 1) & (KV_NS_INDEX - 1)) {
-        uint32_t home = ns_home(t->rows[t->index[j]].ns);
+        uint32_t home = kv_ns_home(t->rows[t->index[j]].ns);
         if (((j - home) & (KV_NS_INDEX - 1)) >= ((j - hole) & (KV_NS_INDEX - 1))) {
             t->index[hole] = t->index[j];
             hole = j;
@@ -65,7 +61,7 @@ void kv_ns_init(kva_kv *kv) {
     kv->ns.assigned = 1;
     kv->ns.memo = 0;
     kv->ns.memo_ns = 0;
-    kv->ns.index[ns_home(0)] = 0;
+    kv->ns.index[kv_ns_home(0)] = 0;
 }
 
 uint32_t kv_ns_lookup(kva_kv *kv, uint64_t ns) {

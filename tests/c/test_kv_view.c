@@ -490,12 +490,62 @@ static void test_untracked_namespaces_walk_no_slots(void) {
     kva_kv_destroy(kv);
 }
 
+/* Namespaces whose index probes start at two neighbouring entries (wrapping around the end):
+ * one run of up to 32 entries, taken apart and put together again as slots change hands, a
+ * sequence admitted and freed in a random one of 64 of them at each step, kva_kv_check (K12,
+ * the index among it) after each. */
+static void test_colliding_namespaces(void) {
+    uint64_t ns[64];
+    uint32_t found = 0;
+    for (uint64_t c = 1; found < 64; c++)
+        if (kv_ns_home(c) == KV_NS_INDEX - 1 || kv_ns_home(c) == 0) ns[found++] = c;
+    kva_kv_config cfg = small_config(512, 4);
+    kva_kv *kv = make_cache(&cfg);
+    kva_kv_seq live[64] = {0};
+    uint64_t rng = 12345;
+    uint32_t reuses = 0, others = 0, count = 0;
+    uint64_t held_ns[KVA_KV_NAMESPACE_SLOTS] = {0};
+    for (uint32_t step = 0; step < 4000; step++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        /* Up to 40 live ones, then down to none, and again: the other row fills and empties. */
+        uint32_t i = (uint32_t)(rng >> 33) % 64, want_free = step / 100 % 2 ? count > 0 : count >= 40;
+        while ((live[i] != 0) != want_free) i = (i + 1) % 64;
+        if (live[i]) {
+            CHECK_STATUS(kva_kv_seq_free(kv, live[i]), KVA_OK);
+            live[i] = 0;
+            count--;
+            CHECK_STATUS(kva_kv_evict(kv, 512, NULL), KVA_OK); /* its registration goes too */
+        } else {
+            uint64_t keys[] = {ns[i] * 7 + step};
+            kva_kv_seq s = 0;
+            kva_kv_content content = {.kind = KVA_KV_KEY_U64, .keys = keys};
+            CHECK_STATUS(kva_kv_seq_admit(kv, 4, ns[i], 0, &content, 1, &s, NULL), KVA_OK);
+            live[i] = s;
+            count++;
+        }
+        CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+        for (uint32_t slot = 0; slot < KVA_KV_NAMESPACE_SLOTS; slot++) {
+            reuses += kv->ns.rows[slot].ns != held_ns[slot];
+            held_ns[slot] = kv->ns.rows[slot].ns;
+        }
+        others += !(kv->ns.rows[KV_NS_OTHER].live[0] == 0 && kv->ns.rows[KV_NS_OTHER].registered == 0);
+    }
+    printf("colliding namespaces: %u slots given to another namespace, %u steps with the other row in use\n", reuses,
+           others);
+    CHECK(others > 100 && reuses > 100);
+    for (uint32_t i = 0; i < 64; i++)
+        if (live[i]) CHECK_STATUS(kva_kv_seq_free(kv, live[i]), KVA_OK);
+    CHECK_STATUS(kva_kv_check(kv), KVA_OK);
+    kva_kv_destroy(kv);
+}
+
 int main(void) {
     test_pinned_blocks();
     test_readmissions();
     test_namespace_rows();
     test_random_stream();
     test_untracked_namespaces_walk_no_slots();
+    test_colliding_namespaces();
     if (check_failures) fprintf(stderr, "%d checks failed\n", check_failures);
     return check_failures ? 1 : 0;
 }
