@@ -365,3 +365,15 @@ def test_the_other_row_stays_in_view_when_the_namespaces_are_cut(original):
         assert [line.split()[0] for line in lines[1:1 + shown]] == [str(100 + i) for i in range(shown)]
         left = 32 - shown
         assert lines[-1] == f"… {left} more, {sum(40 - i for i in range(shown, 32)):,} blocks"
+
+
+def test_the_longest_sequence_has_its_blocks_when_pins_fill_the_list(original):
+    # The writer lists the 16 longest sequences and pins; 16 pins of a long system prompt can
+    # leave the longest sequence out. Its block count follows from its tokens all the same.
+    block_tokens = int(stats.Snapshot(original).kv["block_tokens"])
+    pins = [{"handle": 0x100 + i, "num_tokens": 64 * block_tokens, "blocks": 64,
+             "flags": stats.KV_SEQ_PIN, "table": list(range(64))} for i in range(16)]
+    longest = (5 * block_tokens + 3, 0x2A)
+    data = write_kv_sections(original, live=3, pins=16, longest=longest, entries=pins)
+    summary = render.sequences_summary(stats.Snapshot(data)).plain
+    assert f"longest {longest[0]:,} tok, 6 blocks 0x2a" in summary, summary

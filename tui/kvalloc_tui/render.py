@@ -607,7 +607,11 @@ def sequences_summary(snap: Snapshot) -> Text:
     if sequences.longest_tokens:
         longest = next((e for e in sequences.entries if e.handle == sequences.longest_handle),
                        None)
-        blocks = (f"{longest.blocks:,}" if longest is not None else "?")
+        # Pins longer than every sequence may fill the list; a sequence's blocks follow from
+        # its tokens (each block full but its last).
+        block_tokens = int(snap.kv["block_tokens"])
+        blocks = (f"{longest.blocks:,}" if longest is not None else
+                  f"{-(-sequences.longest_tokens // block_tokens):,}" if block_tokens else "?")
         line.append("  longest ", "bold").append(
             f"{sequences.longest_tokens:,} tok, {blocks} blocks ").append(
             format_handle(sequences.longest_handle), "dim")
