@@ -12,6 +12,8 @@
  * them, the ones from it on are untouched (kv_admit and kv_extend change nothing when they
  * fail), and the call says how many were done.
  */
+#include <stdio.h>
+
 #include "kv_cache.h"
 
 #define INVALID(...) kv_reject(kv, kva_fail(KVA_ERR_INVALID, __VA_ARGS__))
@@ -48,6 +50,13 @@ static uint32_t new_batch(kva_kv *kv) {
 
 /* ---- admit --------------------------------------------------------------------------------- */
 
+/* A request's refusal, its reason named with its index (the caller's arrays may hold thousands). */
+static kva_status refused_request(kva_status st, uint32_t i) {
+    char why[256];
+    snprintf(why, sizeof why, "%s", kva_last_error());
+    return kva_fail(st, "request %u: %s", i, why);
+}
+
 static kva_status admit_many_locked(kva_kv *kv, uint32_t count, const uint32_t *num_tokens, const uint64_t *namespaces,
                                     const uint8_t *priorities, const kva_kv_content *content, const uint64_t *offsets,
                                     kva_kv_seq *seqs, uint32_t *cached_tokens, uint32_t *done) {
@@ -59,7 +68,7 @@ static kva_status admit_many_locked(kva_kv *kv, uint32_t count, const uint32_t *
     for (uint32_t i = 0; i < count; i++) {
         kv_content c = request_content(kv, &all, offsets, i, namespaces ? namespaces[i] : 0);
         st = kv_admit_check(kv, num_tokens[i], priorities ? priorities[i] : 0, &c);
-        if (st != KVA_OK) return st;
+        if (st != KVA_OK) return refused_request(st, i); /* counted as rejected once, there */
     }
     uint32_t i = 0;
     for (; i < count; i++) {

@@ -139,10 +139,15 @@ static void test_readmissions(void) {
         CHECK_STATUS(kva_kv_seq_admit(kv, 4, 0, bad[i], NULL, 0, &s, NULL), KVA_ERR_INVALID);
         CHECK_STATUS(kva_kv_seq_allocate(kv, 4, NULL, 0, NULL, 0, 0, bad[i], &s, NULL), KVA_ERR_INVALID);
     }
+    /* A batch's refusal names the request refused, and is counted once. */
+    uint64_t rejected = stats(kv).rejected_calls;
     uint8_t bad_many[] = {0, 0x40};
     CHECK_STATUS(kva_kv_seq_admit_many(kv, 2, tokens, NULL, bad_many, NULL, NULL, seqs, NULL, &done), KVA_ERR_INVALID);
+    CHECK(strstr(kva_last_error(), "request 1: priority 64 ") != NULL);
     uint8_t bad_many2[] = {KVA_KV_AGAIN | 9, 0};
     CHECK_STATUS(kva_kv_seq_admit_many(kv, 2, tokens, NULL, bad_many2, NULL, NULL, seqs, NULL, &done), KVA_ERR_INVALID);
+    CHECK(strstr(kva_last_error(), "request 0: priority 137 ") != NULL);
+    CHECK(stats(kv).rejected_calls == rejected + 2);
     CHECK(kv_state_hash(kv) == before);
     CHECK(stats(kv).readmit_query_tokens == 26 + 12);
     CHECK_STATUS(kva_kv_check(kv), KVA_OK);
