@@ -301,6 +301,8 @@ def _again_priorities(prios: npt.NDArray[Any] | None, again: object,
             marks = np.asarray(again)
         except (TypeError, ValueError):
             marks = None
+        if marks is not None and marks.shape == (0,):
+            marks = marks.astype(np.bool_)  # an empty list is float64 to numpy: no marks at all
         if marks is None or marks.ndim != 1 or marks.dtype != np.bool_:
             raise InvalidArgument("again must be a bool or a one-dimensional array of bools, one "
                                   "per request")

@@ -193,3 +193,15 @@ def test_the_readmission_bit_in_a_priority_is_refused_with_nothing_changed(call)
         assert (cache.stats().readmit_query_tokens, cache.stats().query_tokens,
                 cache.stats().sequences, cache.namespaces()) == before
         cache.check()
+
+
+def test_an_empty_step_takes_an_empty_list_of_again_marks() -> None:
+    # A scheduler step with no admission passes its (empty) list of marks, as it passes an
+    # empty list of priorities: nothing is admitted, nothing refused.
+    with small_cache() as cache:
+        for again in ([], (), np.array([], dtype=bool)):
+            done = cache.allocate_many([], priorities=[], again=again)
+            assert done.done == 0 and done.handles.size == 0
+        with pytest.raises(pykvalloc.InvalidArgument):
+            cache.allocate_many([4], again=[])
+        assert cache.stats().sequences == 0
