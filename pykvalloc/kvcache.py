@@ -1578,9 +1578,11 @@ class KVCache(HandleOwner):
             self._lib.kva_kv_reset_peaks(self._open_handle())
 
     def namespaces(self) -> list[NamespaceShare]:
-        """Each namespace's share of the cache, exact: a row for namespace 0 and each of the
-        first ``NAMESPACE_SLOTS - 1`` others seen, then one pooling the rest (``namespace`` None);
-        rows with nothing in them are left out. kvalloc_kv.h (kva_kv_namespaces) has the rules."""
+        """Each namespace's share of the cache, exact: a row for each of the ``NAMESPACE_SLOTS``
+        namespaces holding a slot (namespace 0 from creation, then the others as they are
+        seen; a slot whose counts are all zero goes to a new namespace only while the pooled row
+        is zero), in slot order, then one pooling the rest (``namespace`` None); rows with
+        nothing in them are left out. kvalloc_kv.h (kva_kv_namespaces) has the rules."""
         rows = (_ffi.KvaKvNamespaceShare * (NAMESPACE_SLOTS + 1))()
         count = c_uint32()
         with self._lock:
