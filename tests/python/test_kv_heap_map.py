@@ -162,13 +162,21 @@ def test_top_draws_pinned_cells_in_the_kv_bars_pinned_colour_with_a_legend():
             await until(pilot, lambda: app.current and app.current.last)
             assert shown(app, "#kv").spans[0].style == render.PINNED_STYLE  # the bar
             await pilot.press("v")  # the pool's page
-            await until(pilot, lambda: app.screen.query_one("#heap").display)
+
+            def pinned_cells() -> list:
+                """The map's spans in the pinned style (the legend's line left out): none
+                until the page shown has been drawn from the segment."""
+                heap = shown(app, "#heap")
+                legend = heap.plain.splitlines()[-1] if heap.plain else ""
+                map_end = len(heap.plain) - len(legend)
+                return [span for span in heap.spans
+                        if span.style == render.PINNED_STYLE and span.end <= map_end]
+
+            await until(pilot, lambda: app.screen.query_one("#heap").display and pinned_cells())
             heap = shown(app, "#heap")
             lines = heap.plain.splitlines()
             legend = lines[-1]
-            map_end = len(heap.plain) - len(legend)
-            pinned = [span for span in heap.spans
-                      if span.style == render.PINNED_STYLE and span.end <= map_end]
+            pinned = pinned_cells()
             assert "kv pinned" in legend and "kv used" in legend and "kv cached" in legend
             assert legend.index("kv pinned") < legend.index("kv used") < legend.index("kv cached")
             # The map's pinned cells: an eighth of the pool, one run in address order.
