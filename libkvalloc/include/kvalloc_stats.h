@@ -237,11 +237,12 @@ typedef struct kva_shm_kv {
     uint64_t readmit_hit_tokens, readmit_query_tokens;
 } kva_shm_kv;
 
-/* KVA_SHM_SECTION_KV_SEQUENCES (1.5): the longest live sequences and pins of the KV cache, with
- * the start of their block tables. Written only at full publishes (at most once a second, and
- * at kva_stats_publish): the scan that finds them walks the live sequences and pins, never the
- * blocks. Zero (count 0, live 0) when no KV cache is attached. `count` entries of the
- * section's `capacity` are valid, longest (num_tokens) first; each entry is entry_size bytes,
+/* KVA_SHM_SECTION_KV_SEQUENCES (1.5): the longest live sequences of the KV cache, then its
+ * longest pins in the room they leave, with the start of their block tables. Written only at
+ * full publishes (at most once a second, and at kva_stats_publish): the scan that finds them
+ * walks the live sequences and pins, never the blocks. Zero (count 0, live 0) when no KV cache
+ * is attached. `count` entries of the section's `capacity` are valid: the sequences longest
+ * (num_tokens) first, then the pins (KVA_SHM_KV_SEQ_PIN) longest first; each entry is entry_size bytes,
  * its table[] at the same offset in every minor version, table_capacity ids long. */
 #define KVA_SHM_KV_SEQ_ENTRIES 16 /* entries the section has room for */
 #define KVA_SHM_KV_SEQ_TABLE 128  /* block ids each entry holds */

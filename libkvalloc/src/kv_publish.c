@@ -143,16 +143,20 @@ static void publish_namespaces(const kva_kv *kv, kva_shm_kv_namespaces *out) {
     out->count = n;
 }
 
-/* Whether slot a's sequence comes before slot b's in the section: more tokens first, then the
- * lower slot (a stable order between publishes). */
+/* Whether slot a's sequence comes before slot b's in the section: a sequence before a pin (the
+ * list is the sequences', pins fill the room they leave: a few long pins, such as a system
+ * prompt per tenant, would otherwise hide every request), then more tokens, then the lower slot
+ * (a stable order between publishes). */
 static int longer(const kva_kv *kv, uint32_t a, uint32_t b) {
-    uint32_t ta = kv->seqs[a].num_tokens, tb = kv->seqs[b].num_tokens;
-    return ta > tb || (ta == tb && a < b);
+    const kva_kv_seqrec *ra = &kv->seqs[a], *rb = &kv->seqs[b];
+    if (ra->is_pin != rb->is_pin) return rb->is_pin;
+    return ra->num_tokens > rb->num_tokens || (ra->num_tokens == rb->num_tokens && a < b);
 }
 
-/* At a full publish: the longest live sequences and pins, by one walk over the slots keeping the
- * top KVA_SHM_KV_SEQ_ENTRIES in order (insertion into a 16-entry list): O(slots), never
- * O(blocks); each entry then copies at most KVA_SHM_KV_SEQ_TABLE ids of its table. */
+/* At a full publish: the longest live sequences, then the longest pins in the room they leave,
+ * by one walk over the slots keeping the top KVA_SHM_KV_SEQ_ENTRIES in order (insertion into a
+ * 16-entry list): O(slots), never O(blocks); each entry then copies at most
+ * KVA_SHM_KV_SEQ_TABLE ids of its table. */
 static void publish_sequences(const kva_kv *kv, kva_shm_kv_sequences *out) {
     uint32_t top[KVA_SHM_KV_SEQ_ENTRIES],
         n = 0, room = out->capacity < KVA_SHM_KV_SEQ_ENTRIES ? out->capacity : KVA_SHM_KV_SEQ_ENTRIES;

@@ -205,3 +205,27 @@ def test_an_empty_step_takes_an_empty_list_of_again_marks() -> None:
         with pytest.raises(pykvalloc.InvalidArgument):
             cache.allocate_many([4], again=[])
         assert cache.stats().sequences == 0
+
+
+def test_long_pins_leave_the_list_to_the_sequences() -> None:
+    # An engine pins a long system prompt per tenant: the published list is the sequences'
+    # (longest first), and pins fill only the room they leave, however long the pins are.
+    name = unique_name("kvpins")
+    with pykvalloc.Pool(4 << 20, name=name, pages="small") as pool, \
+            pykvalloc.KVCache(num_blocks=512, block_tokens=BT, layers=1, kv_heads=1, head_dim=4,
+                              dtype="uint8", pool=pool) as cache:
+        prompts = [list(range(1000 * t, 1000 * t + 20)) for t in range(18)]
+        for keys in prompts:
+            cache.allocate(len(keys) * BT, block_keys=keys).free()
+        pins = [cache.pin(block_keys=keys) for keys in prompts]  # 18 pins of 80 tokens
+        held = [cache.allocate(4 * (i + 1)) for i in range(3)]  # 3 sequences of 4 to 12
+        cache.publish()
+        with stats.open_segment(name) as segment:
+            sequences = segment.snapshot().kv_sequences
+        assert sequences is not None and (sequences.live, sequences.pins) == (3, 18)
+        assert [e.pin for e in sequences.entries] == [False] * 3 + [True] * 13
+        assert [e.handle for e in sequences.entries[:3]] == [s.handle for s in reversed(held)]
+        assert (sequences.longest_tokens, sequences.longest_handle) == (12, held[-1].handle)
+        assert {e.num_tokens for e in sequences.entries[3:]} == {80}
+        for seq in held + pins:
+            seq.free()
