@@ -17,15 +17,10 @@
 #include <stdlib.h>
 
 #include "kvalloc.h"
-
-static void try(kva_status st, const char *what) {
-    if (st != KVA_OK) {
-        fprintf(stderr, "kv_paint_pins: %s: %s\n", what, kva_last_error());
-        exit(1);
-    }
-}
+#include "named_cache.h"
 
 int main(int argc, char **argv) {
+    experiment = "kv_paint_pins";
     if (argc != 4) {
         fprintf(stderr, "usage: %s BLOCKS PINNED PUBLISHES\n", argv[0]);
         return 2;
@@ -36,17 +31,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "kv_paint_pins: at least 4 blocks, and at most half of them pinned\n");
         return 2;
     }
-    kva_kv_config cfg;
-    kva_kv_config_init(&cfg);
-    cfg.layers = 1;
-    cfg.kv_heads = 1;
-    cfg.head_dim = 8;
-    cfg.block_tokens = 16;
-    cfg.num_blocks = blocks;
-    cfg.pages = KVA_PAGES_SMALL;
-    cfg.name = "kvpaint";
-    kva_kv *kv;
-    try(kva_kv_create(&cfg, NULL, &kv), "create");
+    kva_kv *kv = named_cache("kvpaint", blocks);
     kva_kv_info info;
     try(kva_kv_get_info(kv, &info), "info");
     uint64_t *keys = malloc(sizeof *keys * (blocks / 2));

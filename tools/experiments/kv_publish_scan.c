@@ -17,32 +17,17 @@
 #include <stdlib.h>
 
 #include "kvalloc.h"
-
-static void try(kva_status st, const char *what) {
-    if (st != KVA_OK) {
-        fprintf(stderr, "kv_publish_scan: %s: %s\n", what, kva_last_error());
-        exit(1);
-    }
-}
+#include "named_cache.h"
 
 int main(int argc, char **argv) {
+    experiment = "kv_publish_scan";
     if (argc != 4) {
         fprintf(stderr, "usage: %s BLOCKS SEQUENCES PUBLISHES\n", argv[0]);
         return 2;
     }
     uint32_t blocks = (uint32_t)strtoul(argv[1], NULL, 10), sequences = (uint32_t)strtoul(argv[2], NULL, 10);
     long publishes = strtol(argv[3], NULL, 10);
-    kva_kv_config cfg;
-    kva_kv_config_init(&cfg);
-    cfg.layers = 1;
-    cfg.kv_heads = 1;
-    cfg.head_dim = 8;
-    cfg.block_tokens = 16;
-    cfg.num_blocks = blocks;
-    cfg.pages = KVA_PAGES_SMALL;
-    cfg.name = "kvscan";
-    kva_kv *kv;
-    try(kva_kv_create(&cfg, NULL, &kv), "create");
+    kva_kv *kv = named_cache("kvscan", blocks);
     kva_kv_info info;
     try(kva_kv_get_info(kv, &info), "info");
     for (uint32_t i = 0; i < sequences; i++) {
