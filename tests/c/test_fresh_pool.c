@@ -79,8 +79,10 @@ static __attribute__((noinline)) void touch_stack(void) {
 /* Each kind runs in a forked child, whose stack pages above the current frame are still shared
  * with the parent: the first store into one (a spilled local of the caller, wherever the
  * randomized stack top puts a page boundary) is a copy-on-write fault. A store of what each of
- * those pages holds (an atomic add of zero) copies them all now. */
-static __attribute__((noinline)) void unshare_stack_above(void) {
+ * those pages holds (an atomic add of zero) copies them all now. The stores land wherever a page
+ * starts, in a live frame's AddressSanitizer red zone too (1 run in 30 under ASan): they
+ * change no byte, so the function is left uninstrumented. */
+static __attribute__((noinline, no_sanitize_address)) void unshare_stack_above(void) {
     FILE *maps = fopen("/proc/self/maps", "r");
     REQUIRE(maps != NULL);
     char line[512];
