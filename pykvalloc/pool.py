@@ -680,7 +680,10 @@ class Pool(_Allocator):
     object (a sealed memfd) with the same page, NUMA, prefault and lock choices;
     ``shared_fd()`` returns a descriptor another process passes to ``SharedMapping`` to map the
     same memory at its own address. This process alone allocates; the others read and write the
-    blocks it tells them about, by offset.
+    blocks it tells them about, by offset. A child forked from this process inherits a copy of
+    the pool over the same bytes: there every allocation and free (and every change to a
+    ``KVCache`` or ``VarPool`` over it) raises ``BackendError``; it maps the memory with
+    ``SharedMapping`` instead.
 
     Use it as a context manager or call ``close()``; see the module docstring for what happens
     to views that outlive the pool.
