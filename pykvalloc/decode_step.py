@@ -24,7 +24,7 @@ refused step changes nothing; the first request that does not fit stops the step
 from __future__ import annotations
 
 import operator
-from ctypes import byref, c_void_p, pointer
+from ctypes import byref, pointer
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,8 +70,7 @@ class DecodeStep:
     buffers do."""
 
     __slots__ = ("_cache", "_capacity", "_content_capacity", "_kind", "_handles", "_num_tokens",
-                 "_offsets", "_content", "_copies", "_struct", "_step", "_step_ref", "_extend",
-                 "_kv", "_locks")
+                 "_offsets", "_content", "_copies", "_struct", "_step", "_step_ref", "_extend")
 
     def __init__(self, cache: KVCache, capacity: int, content: str | None,
                  content_capacity: int | None, key_len: int | None) -> None:
@@ -123,14 +122,9 @@ class DecodeStep:
             step.offsets = _address(self._offsets)
         step.copies = _address(self._copies)
         self._step_ref = byref(step)
-        # The call with no argument converted (KvaLib.untyped): the cache's handle as the
-        # c_void_p it is, the struct by reference, the count as an int.
+        # The call with no argument converted (KvaLib.untyped): the cache's _handle_arg, the
+        # struct by reference, the count as an int.
         self._extend = cache._lib.untyped("kva_kv_seq_extend_step")
-        with cache._lock:
-            self._kv = c_void_p(cache._open_handle())
-        # What append_many holds: the cache's lock, then the caller's pool's when the cache
-        # calls one, entered as one context manager.
-        self._locks = cache._call_lock
 
     @property
     def capacity(self) -> int:
@@ -192,12 +186,12 @@ class DecodeStep:
             raise InvalidArgument(f"offsets[{count}] is {self._offsets.item(count)}, beyond the "
                                   f"{self._content_capacity} content items the step holds")
         cache = self._cache
-        with self._locks:
+        with cache._call_lock:  # what append_many holds
             if cache._users or cache._closed:  # refused as append_many refuses
                 cache._refuse_table_views("append to sequences")
                 cache._open_handle()
             self._step.num_copies = 0  # a refused step leaves no copies of the last one
-            status = self._extend(self._kv, self._step_ref, count)
+            status = self._extend(cache._handle_arg, self._step_ref, count)
             if status:
                 cache._lib.raise_status(status, "kva_kv_seq_extend_step")
             done: int = self._step.done

@@ -835,14 +835,14 @@ class LookupMany(NamedTuple):
 
 class _AdmitBuffers:
     """What allocate reuses from one call to the next, under its cache's lock, when an engine
-    admits a prompt by its keys as an array: the content struct, the out-values, the cache's
-    handle as a c_void_p and the admission's function with no argument converted
-    (KvaLib.untyped: the namespace, a u64, goes as a c_uint64, the rest as ints)."""
+    admits a prompt by its keys as an array: the content struct, the out-values and the
+    admission's function with no argument converted (KvaLib.untyped: the cache as its
+    _handle_arg, the namespace, a u64, as a c_uint64, the rest as ints)."""
 
-    __slots__ = ("content", "content_ref", "seq", "seq_ref", "cached", "cached_ref", "call", "kv",
+    __slots__ = ("content", "content_ref", "seq", "seq_ref", "cached", "cached_ref", "call",
                  "no_namespace")
 
-    def __init__(self, lib: _ffi.KvaLib, handle: int) -> None:
+    def __init__(self, lib: _ffi.KvaLib) -> None:
         self.content = _ffi.KvaKvContent()
         self.content.kind = _KEY_BYTES
         self.content_ref = byref(self.content)
@@ -851,22 +851,20 @@ class _AdmitBuffers:
         self.cached = c_uint32()
         self.cached_ref = byref(self.cached)
         self.call = lib.untyped("kva_kv_seq_admit")
-        self.kv = c_void_p(handle)
         self.no_namespace = c_uint64(0)
 
 
 class _AppendBuffers:
     """What Sequence.append reuses from one call to the next, under its cache's lock, for a
-    growth without content (a decode token): the copy struct the library writes on success,
-    the cache's handle as a c_void_p and kva_kv_seq_extend with no argument converted."""
+    growth without content (a decode token): the copy struct the library writes on success and
+    kva_kv_seq_extend with no argument converted."""
 
-    __slots__ = ("copy", "copy_ref", "call", "kv")
+    __slots__ = ("copy", "copy_ref", "call")
 
-    def __init__(self, lib: _ffi.KvaLib, handle: int) -> None:
+    def __init__(self, lib: _ffi.KvaLib) -> None:
         self.copy = _ffi.KvaKvCopy()
         self.copy_ref = byref(self.copy)
         self.call = lib.untyped("kva_kv_seq_extend")
-        self.kv = c_void_p(handle)
 
 
 class _StepBuffers:
@@ -961,7 +959,7 @@ class KVCache(HandleOwner):
     number).
     """
 
-    __slots__ = ("_lib", "_pool_lock", "_call_lock", "_append1", "_info", "_pool_handle", "_max_key_bytes", "_step",
+    __slots__ = ("_lib", "_pool_lock", "_call_lock", "_handle_arg", "_append1", "_info", "_pool_handle", "_max_key_bytes", "_step",
                  "_admit", "_dtype", "_dl_device", "_kv_tensors", "_groups")
 
     def __init__(self, num_blocks: int | None = None, block_tokens: int = DEFAULT_BLOCK_TOKENS,
@@ -1048,8 +1046,11 @@ class KVCache(HandleOwner):
         self._pool_handle: int = info.pool
         self._max_key_bytes = int(config.max_key_bytes)
         self._step = _StepBuffers()
-        self._admit = _AdmitBuffers(lib, handle)
-        self._append1 = _AppendBuffers(lib, handle)
+        # The handle as the calls made with no argument converted take it (KvaLib.untyped):
+        # made once, for allocate's and append's own paths and the decode steps.
+        self._handle_arg = c_void_p(handle)
+        self._admit = _AdmitBuffers(lib)
+        self._append1 = _AppendBuffers(lib)
         self._dtype = element
         self._dl_device = pool._dl_device if pool is not None else (DEVICE_CPU, 0)
         self._kv_tensors = _TensorCount()
@@ -1136,7 +1137,7 @@ class KVCache(HandleOwner):
             content = admit.content
             content.key_len = keys.shape[1]
             content.key_bytes = _address(keys)
-            status = admit.call(admit.kv, num_tokens,
+            status = admit.call(self._handle_arg, num_tokens,
                                 c_uint64(namespace) if namespace else admit.no_namespace,
                                 priority, admit.content_ref, keys.shape[0], admit.seq_ref,
                                 admit.cached_ref)
@@ -1969,7 +1970,8 @@ class Sequence:
         with cache._call_lock:
             self._refuse_with_views("append to")
             cache._open_handle()
-            status = plain.call(plain.kv, c_uint64(self._handle), n, None, 0, plain.copy_ref)
+            status = plain.call(cache._handle_arg, c_uint64(self._handle), n, None, 0,
+                                plain.copy_ref)
             if status:
                 cache._lib.raise_status(status, "kva_kv_seq_extend")
             return _copy_of(plain.copy)
