@@ -658,17 +658,6 @@ class KvaLib:
         detail = self.kva_last_error().decode("utf-8", "replace")
         raise error_for_status(status, name, detail, function_name)
 
-    def unchecked(self, name: str) -> Any:
-        """A function object of its own for a declared function, with its argument and result
-        types but no errcheck: the caller tests the status itself and calls raise_status on
-        failure. For a call made thousands of times a second, where ctypes' errcheck hook costs
-        a fifth of the call."""
-        declared = getattr(self, name)
-        function = self._dll[name]  # a new function object: its attributes are its own
-        function.argtypes = declared.argtypes
-        function.restype = declared.restype
-        return function
-
     def untyped(self, name: str) -> Any:
         """A declared function as a function object without argument types, returning a C int
         (a status): ctypes then converts nothing, which halves the cost of a call of three
